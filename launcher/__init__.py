@@ -1,0 +1,1 @@
+"""launcher: a distributed training launcher for PyTorch (see README.md)."""

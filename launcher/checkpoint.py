@@ -1,0 +1,189 @@
+"""Checkpoints that survive a kill at any moment.
+
+    CKPT_DIR/step_00000100/        a complete checkpoint (never written in place)
+        engine/                    the recipe's files (engine.save), every rank writes
+        trainer/rank_00000.pt      step, data position, RNG states of each rank
+        manifest.json              every file's size and sha256, written last
+    CKPT_DIR/latest                the name of the newest complete checkpoint
+
+A save writes into `step_X.tmp/`, waits for every rank, then rank 0 writes the manifest,
+renames the folder to `step_X` and replaces `latest` (both atomic renames), and deletes
+all but the newest `keep`. A crash at any point leaves the previous checkpoint and a
+`latest` that names it; a leftover `.tmp` folder is never read and is cleaned up on the
+next save. Loading uses `weights_only=True` everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class TrainerState:
+    step: int
+    samples_seen: int
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+        os.fsync(f.fileno())
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path, step: int) -> None:
+    files = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            files[str(p.relative_to(folder))] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MANIFEST)
+
+
+def verify(folder: Path, checksums: bool = True) -> str | None:
+    """None when the checkpoint is whole, else what is wrong with it."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        return f"no readable manifest ({e.__class__.__name__})"
+    for rel, meta in manifest["files"].items():
+        p = folder / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        if p.stat().st_size != meta["size"]:
+            return f"{rel} has {p.stat().st_size} bytes, manifest says {meta['size']}"
+        if checksums and _sha256(p) != meta["sha256"]:
+            return f"{rel} fails its sha256"
+    return None
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Renamed (hence finished) checkpoint folders, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+
+
+def find_latest(root: Path) -> Path | None:
+    """The newest checkpoint that passes its manifest check. `latest` is tried first;
+    a checkpoint that fails is skipped with a warning and the one before it is used."""
+    candidates = complete_checkpoints(root)[::-1]
+    pointer = root / "latest"
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
+    for folder in candidates:
+        problem = verify(folder)
+        if problem is None:
+            return folder
+        warnings.warn(f"checkpoint {folder} skipped: {problem}", stacklevel=2)
+    return None
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    """Owns CKPT_DIR for one job. Every method is called on every rank."""
+
+    def __init__(self, root: Path, keep: int, rank: int, world_size: int):
+        self.root, self.keep, self.rank, self.world_size = root, keep, rank, world_size
+
+    def save(self, step: int, samples_seen: int, engine) -> Path:
+        final = self.root / step_name(step)
+        tmp = self.root / (step_name(step) + ".tmp")
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob("*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink()
+            tmp.mkdir()
+            (tmp / "trainer").mkdir()
+        dist.barrier()
+        engine.save(tmp / "engine")
+        torch.save({"step": step, "samples_seen": samples_seen, "world_size": self.world_size, "rng": rng_state()},
+                   tmp / "trainer" / f"rank_{self.rank:05d}.pt")
+        dist.barrier()
+        if self.rank == 0:
+            write_manifest(tmp, step)
+            if final.exists():  # a save of the same step from an earlier attempt
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            pointer = self.root / "latest.tmp"
+            pointer.write_text(final.name + "\n")
+            os.replace(pointer, self.root / "latest")
+            _fsync_dir(self.root)
+            for old in complete_checkpoints(self.root)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        return final
+
+    def resolve(self, resume: str) -> Path | None:
+        """Which checkpoint to start from, decided on rank 0 and shared with all ranks."""
+        choice: list[str | None] = [None]
+        if self.rank == 0:
+            if resume == "auto":
+                found = find_latest(self.root)
+            elif resume == "never":
+                found = None
+            else:
+                found = Path(resume)
+                problem = verify(found)
+                if problem is not None:
+                    raise RuntimeError(f"checkpoint.resume={resume}: {problem}")
+            choice[0] = str(found) if found else None
+        dist.broadcast_object_list(choice, src=0)
+        return Path(choice[0]) if choice[0] else None
+
+    def load(self, folder: Path, engine) -> TrainerState:
+        engine.load(folder / "engine")
+        mine = folder / "trainer" / f"rank_{self.rank:05d}.pt"
+        if not mine.exists():  # resumed at a larger world size: new ranks take rank 0's
+            mine = folder / "trainer" / "rank_00000.pt"
+        state = torch.load(mine, map_location="cpu", weights_only=True)
+        set_rng_state(state["rng"])
+        return TrainerState(step=int(state["step"]), samples_seen=int(state["samples_seen"]))

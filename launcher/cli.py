@@ -1,0 +1,243 @@
+"""Launch side: `launcher train [overrides...] [--dry-run] [-m]`.
+
+One process that never touches a GPU: compose the Hydra config once, validate it, make
+the run directory (config.yaml, command.sh), then exec torchrun. Bad input ends here
+with one line on stderr and exit code 2, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from launcher import config as C
+from launcher.commands import LaunchPlan, command_script, rank_env, torchrun_argv
+from launcher.device import HostInfo
+
+REPO = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO / "conf"
+COMMANDS = ("train",)
+USAGE = "usage: launcher {train} [key=value ...] [--dry-run] [-m|--multirun]"
+
+
+class UsageError(Exception):
+    """Bad input that is not about one config key."""
+
+
+# ----------------------------------------------------------------------------- compose
+def compose_config(overrides: list[str]) -> tuple[C.Config, Path, dict]:
+    """Compose conf/ with the overrides; return the typed config, the run directory
+    Hydra resolved (hydra.run.dir, ${now:} evaluated once, here) and Hydra's node."""
+    C.register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        node = compose("config", overrides=overrides, return_hydra_config=True)
+    hydra_node = node.hydra
+    run_dir = Path(str(hydra_node.run.dir))
+    with open_dict(node):
+        del node["hydra"]
+    return C.to_typed(node), run_dir, hydra_node
+
+
+def expand_sweep(overrides: list[str]) -> list[list[str]]:
+    """Hydra's sweep syntax (`optim.lr=1e-3,3e-3`) -> one override list per point."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
+    return [list(point) for batch in batches for point in batch]
+
+
+# ----------------------------------------------------------------------------- errors
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def describe(e: BaseException) -> str:
+    """One line for a composition or validation error: key, value, what is allowed."""
+    if isinstance(e, C.ConfigError):
+        return str(e)
+    if isinstance(e, MissingConfigException):
+        text = str(e)
+        for group in C.GROUPS:
+            if f"'{group}/" in text:
+                name = text.split(f"'{group}/", 1)[1].split("'", 1)[0]
+                return f"{group}={name}: no such {group}; allowed: {', '.join(_options(group))}"
+        return text.splitlines()[0]
+    # The OmegaConf error in the chain that names a key carries the reason.
+    chain, inner = [], e
+    while inner is not None and inner not in chain:
+        chain.append(inner)
+        inner = inner.__cause__ or inner.__context__
+    for err in chain:
+        if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
+            return _describe_omegaconf(err)
+    text = str(e).strip()
+    return text.splitlines()[0] if text else e.__class__.__name__
+
+
+def _describe_omegaconf(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None) or "?"
+    msg = str(getattr(e, "msg", "") or e).strip().splitlines()[0]
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
+
+    if isinstance(e, (ConfigKeyError, ConfigAttributeError)) and "not in" in msg:
+        parent, _, leaf = key.rpartition(".")
+        schema = C.GROUPS.get(parent.split(".")[0]) if parent else C.Config
+        allowed = ""
+        if schema is not None:
+            node = OmegaConf.structured(schema)
+            for part in parent.split(".")[1:]:
+                node = node[part]
+            allowed = "; allowed keys: " + ", ".join(node.keys())
+        return f"{key}: unknown key{allowed}"
+    if isinstance(e, MissingMandatoryValue):
+        return f"{key}: missing; it must be given (e.g. {key}=...)"
+    if isinstance(e, ValidationError):
+        value = getattr(e, "value", None)
+        if "expected one of" in msg:
+            allowed = msg.split("expected one of", 1)[1].strip()
+            return f"{key}={value}: not allowed; allowed: {allowed.strip('[]')}"
+        want = "the declared type"
+        if "converted to" in msg:
+            want = msg.split("converted to", 1)[1].strip()
+        elif "is not a valid" in msg:
+            want = msg.split("is not a valid", 1)[1].split()[0].capitalize().replace("Bool", "Boolean")
+        names = {"Integer": "int", "Float": "float", "Boolean": "bool (true/false)", "String": "str"}
+        return f"{key}={value}: wrong type; expected {names.get(want, want)}"
+    return f"{key}: {msg}"
+
+
+# ----------------------------------------------------------------------------- run dir
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_plan(cfg: C.Config, host: HostInfo) -> LaunchPlan:
+    nproc = C.nproc_per_node(cfg, host)
+    threads = cfg.cluster.cpu_threads or max(1, host.cpus // nproc)
+    port = cfg.cluster.master_port or free_port()
+    return LaunchPlan(python=sys.executable, nproc_per_node=nproc, master_port=port, threads_per_rank=threads,
+                      workdir=os.getcwd())
+
+
+def check_writable(run_dir: Path) -> None:
+    """The run directory can be made (or is writable) -- found here, not on a rank."""
+    probe = run_dir
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise C.ConfigError("hydra.run.dir", str(run_dir), f"cannot write under {probe}; choose a writable folder")
+
+
+def prepare_run(cfg: C.Config, run_dir: Path, plan: LaunchPlan) -> tuple[list[str], dict[str, str]]:
+    """Write RUN_DIR/config.yaml and command.sh; return the command and its environment.
+    A failure here removes a run directory this call created."""
+    argv = torchrun_argv(cfg, str(run_dir), plan)
+    env = rank_env(plan)
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
+        script = run_dir / "command.sh"
+        script.write_text(command_script(argv, env, plan.workdir, str(run_dir)))
+        script.chmod(0o755)
+    except OSError as err:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise C.ConfigError("hydra.run.dir", str(run_dir), f"cannot write the run directory ({err.strerror})")
+    return argv, env
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv: list[str]) -> tuple[str, list[str], bool, bool]:
+    command = "train"
+    if argv and not argv[0].startswith("-") and "=" not in argv[0]:
+        command = argv[0]
+        argv = argv[1:]
+        if command not in COMMANDS:
+            raise UsageError(f"unknown command '{command}'; allowed: {', '.join(COMMANDS)}")
+    dry = multirun = False
+    overrides = []
+    for a in argv:
+        if a == "--dry-run":
+            dry = True
+        elif a in ("-m", "--multirun"):
+            multirun = True
+        elif a.startswith("-"):
+            raise UsageError(f"unknown flag '{a}'; allowed: --dry-run, -m/--multirun, or key=value overrides")
+        else:
+            overrides.append(a)
+    if dry:
+        overrides.append("dry_run=true")
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for o in overrides:
+        try:
+            parser.parse_overrides([o])
+        except HydraException as e:
+            raise UsageError(f"{o}: cannot parse ({str(e).splitlines()[0]}); overrides look like key=value")
+    return command, overrides, dry, multirun
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    host = HostInfo.detect()
+    try:
+        command, overrides, _, multirun = parse_args(argv)
+        points = expand_sweep(overrides) if multirun else [overrides]
+        jobs = []
+        for i, point in enumerate(points):
+            cfg, run_dir, hydra_node = compose_config(point)
+            if multirun:
+                run_dir = Path(str(hydra_node.sweep.dir)) / str(i)
+            run_dir = run_dir.resolve()
+            C.validate(cfg, host)
+            check_writable(run_dir)
+            jobs.append((cfg, run_dir))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (C.ConfigError, HydraException, OmegaConfBaseException, ValueError) as e:
+        print(f"error: {describe(e)}", file=sys.stderr)
+        return 2
+
+    rc = 0
+    for cfg, run_dir in jobs:
+        try:
+            plan = make_plan(cfg, host)
+            if cfg.dry_run:
+                print(C.to_yaml(cfg), end="")
+                print("# command")
+                print(command_script(torchrun_argv(cfg, str(run_dir), plan), rank_env(plan), plan.workdir,
+                                     str(run_dir)), end="")
+                continue
+            argv_run, env = prepare_run(cfg, run_dir, plan)
+        except C.ConfigError as e:
+            print(f"error: {describe(e)}", file=sys.stderr)
+            return 2
+        print(f"run directory: {run_dir}", flush=True)
+        full_env = {**os.environ, **env}
+        if len(jobs) == 1:
+            os.execve(argv_run[0], argv_run, full_env)
+        rc = max(rc, subprocess.call(argv_run, env=full_env))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

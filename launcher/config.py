@@ -1,0 +1,514 @@
+"""Typed configuration: one dataclass per Hydra group, registered in the ConfigStore.
+
+Every option is documented where it is declared, with its trade-off. The YAML files in
+`conf/` only choose values; the types, defaults and allowed values live here, so Hydra
+refuses unknown keys and wrong types while composing.
+
+`validate()` holds the cross-field checks that no single type can express (batch
+arithmetic, device capabilities, paths). It raises `ConfigError`, which the launch side
+prints as one line and turns into exit code 2 before any rank starts.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+
+class ConfigError(ValueError):
+    """Bad input: names the key, the value and what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key}={value}: {allowed}")
+
+
+# ----------------------------------------------------------------------------- enums
+class Strategy(str, enum.Enum):
+    """Which `recipes/` module builds the engine (the registry key)."""
+
+    ddp = "ddp"
+
+
+class Precision(str, enum.Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class ACMode(str, enum.Enum):
+    none = "none"
+    full = "full"
+    selective = "selective"
+
+
+class DataKind(str, enum.Enum):
+    synthetic = "synthetic"
+    memmap = "memmap"
+
+
+class TokenDtype(str, enum.Enum):
+    uint16 = "uint16"
+    uint32 = "uint32"
+
+
+class LoggerKind(str, enum.Enum):
+    wandb = "wandb"
+    none = "none"
+
+
+class WandbMode(str, enum.Enum):
+    auto = "auto"
+    online = "online"
+    offline = "offline"
+
+
+class Backend(str, enum.Enum):
+    auto = "auto"
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class Runner(str, enum.Enum):
+    torchrun = "torchrun"
+
+
+# ----------------------------------------------------------------------------- groups
+@dataclass
+class DDPOptions:
+    bucket_cap_mb: float = 25.0
+    """Gradient all-reduce bucket size. Larger buckets mean fewer, bigger messages (better
+    bandwidth) but later overlap with backward; 25 MB is PyTorch's default."""
+    gradient_as_bucket_view: bool = True
+    """Gradients are views into the all-reduce buckets: saves one copy of the gradients
+    (Ψ bytes x grad dtype) at no cost. Turn off only to debug."""
+    static_graph: bool = False
+    """Promise DDP the graph never changes: lets it skip the unused-parameter search and
+    rebuild buckets once. Faster, but wrong if a step takes a different path."""
+
+
+@dataclass
+class RecipeConfig:
+    """`recipe=<name>` selects conf/recipe/<name>.yaml."""
+
+    name: str = "ddp"
+    """The recipe's name, as on the command line (informative; the file sets it)."""
+    strategy: Strategy = Strategy.ddp
+    """The recipes/ module that builds the engine. ddp: replicate the model, all-reduce
+    gradients: model states cost 16 bytes/param on every rank (mixed-precision Adam)."""
+    ddp: DDPOptions = field(default_factory=DDPOptions)
+
+
+@dataclass
+class ModelConfig:
+    """The project's Llama-style decoder (launcher/models/gpt.py)."""
+
+    name: str = "gpt_tiny"
+    vocab_size: int = 256
+    """Embedding rows. Must cover the data's vocabulary."""
+    dim: int = 128
+    """Hidden size. Cost grows with dim^2 per token for parameters and FLOPs."""
+    n_layers: int = 4
+    n_heads: int = 4
+    """Attention heads; dim must divide by it (head_dim = dim / n_heads)."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention (null = n_heads). Fewer heads shrink the
+    KV projections and cache; must divide n_heads."""
+    ffn_dim: Optional[int] = None
+    """SwiGLU hidden size (null = 8/3 * dim rounded up to multiple_of)."""
+    multiple_of: int = 64
+    """Round ffn_dim up to this (tensor-core friendly shapes)."""
+    max_seq_len: int = 512
+    """Longest sequence the rotary table covers; train.seq_len must not exceed it."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    """Share the input embedding with the output head: saves vocab*dim parameters, which
+    matters for small models; large models usually untie."""
+    init_std: float = 0.02
+
+
+@dataclass
+class DataConfig:
+    name: DataKind = DataKind.synthetic
+    """synthetic: an order-k Markov source generated from a seed, with a known entropy
+    rate (the loss floor). memmap: a flat token file (.bin) as nanoGPT writes it;
+    scripts/prepare_data.py makes one from a local text file."""
+    vocab_size: int = 256
+    """synthetic: alphabet of the source. memmap: the largest token id + 1 in the file
+    (256 for scripts/prepare_data.py's byte-level encoding)."""
+    order: int = 2
+    """synthetic: the next token depends on this many previous tokens. Higher orders are
+    harder to learn in a short run."""
+    context_bits: int = 2
+    """synthetic: the context is the previous token plus the low `context_bits` bits of
+    each of the order-1 tokens before it: vocab_size * 2^(context_bits * (order-1))
+    contexts, each with its own next-token distribution. More contexts = more to learn."""
+    temperature: float = 1.0
+    """synthetic: in each context the i-th likeliest token has probability ∝ exp(-i /
+    temperature). 1.0 gives an entropy rate of 1.04 nats; lower is easier to predict."""
+    seed: int = 0
+    """synthetic: the source's seed (its transition tables). Different from train.seed."""
+    path: Optional[str] = None
+    """memmap: path to the token file."""
+    dtype: TokenDtype = TokenDtype.uint16
+    """memmap: token width in the file (uint16 covers vocabularies up to 65536)."""
+    num_workers: Optional[int] = None
+    """DataLoader worker processes per rank (null: 2 on CUDA, 0 on CPU where the cores
+    are busy with the ranks). Workers hide data time but cost CPU and memory."""
+    prefetch_factor: int = 2
+    """Batches each worker prepares ahead (only with workers)."""
+    pin_memory: bool = True
+    """Page-locked host buffers on CUDA for faster, asynchronous copies (ignored on CPU)."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    """Peak learning rate, reached after warm-up."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = 20
+    """Linear warm-up from 0; stabilises Adam's early, noisy second-moment estimates."""
+    weight_decay: float = 0.1
+    """Decoupled decay on matrices only (norms and biases are not decayed)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = off). Guards against loss spikes."""
+    fused: Optional[bool] = None
+    """Fused AdamW kernel (null: on for CUDA, off on CPU where it does not exist)."""
+
+
+@dataclass
+class PrecisionConfig:
+    name: Precision = Precision.bf16
+    """bf16: autocast to bfloat16, fp32 master weights; same range as fp32, no scaler.
+    fp16: autocast to float16 with a dynamic loss scaler (CUDA only); fp32: no autocast,
+    slowest on tensor cores, the reference for correctness checks."""
+    initial_scale: float = 65536.0
+    """fp16: the loss scale to start from (halved on overflow)."""
+    growth_interval: int = 1000
+    """fp16: steps without overflow before the scale doubles."""
+    min_scale: float = 1.0
+    """fp16: the scale never drops below this (DeepSpeed's min_loss_scale)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100
+    """Save every N optimizer steps (0 = only at the end). Frequent saves lose less work
+    on a crash but cost write time (the whole model state per save)."""
+    keep: int = 3
+    """Keep the newest K complete checkpoints; older ones are deleted after a save."""
+    resume: str = "auto"
+    """auto: continue from the run directory's latest checkpoint if there is one;
+    never: start fresh; or a path to a checkpoint folder (step_000100) to start from."""
+    dir: Optional[str] = None
+    """Where checkpoints go (null = RUN_DIR/checkpoints)."""
+    save_final: bool = True
+    """Save at the last step even when it is not a multiple of `every`."""
+
+
+@dataclass
+class LoggerConfig:
+    name: LoggerKind = LoggerKind.wandb
+    """wandb: Weights & Biases run (offline files in RUN_DIR/wandb without an API key);
+    none: console and metrics.jsonl only."""
+    mode: WandbMode = WandbMode.auto
+    """auto: online when an API key is configured, else offline."""
+    project: str = "launcher"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+    log_every: int = 10
+    """Log every N steps. Each log reduces the loss across ranks and syncs the device:
+    logging every step costs a little throughput."""
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    runner: Runner = Runner.torchrun
+    """How ranks start: torchrun (python -m torch.distributed.run)."""
+    nproc_per_node: Optional[int] = None
+    """Processes per node (null: every GPU; 2 on a CPU-only machine)."""
+    gpus_per_node: Optional[int] = None
+    """GPUs a node offers (null: detect). nproc_per_node may not exceed it."""
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    """Rendezvous host: the first node's address in a multi-node job."""
+    master_port: Optional[int] = None
+    """Rendezvous port (null: a free port on this machine, single node only)."""
+    max_restarts: int = 0
+    """torchrun restarts the whole group this many times after a failure; each restart
+    resumes from the latest checkpoint."""
+    cpu_threads: Optional[int] = None
+    """Threads per rank on CPU (null: cores / processes, at least 1)."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps."""
+    micro_batch: int = 8
+    """Sequences per rank per forward/backward. Activation memory grows linearly with it."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step. Larger global batch at no memory cost, but
+    proportionally more time per step."""
+    global_batch: Optional[int] = None
+    """Sequences per optimizer step over all ranks. When set, grad_accum is derived:
+    global_batch / (micro_batch x data-parallel size), which must divide exactly."""
+    seq_len: int = 128
+    """Tokens per sequence. Attention activations grow with its square (without flash)."""
+    stop_at: Optional[int] = None
+    """End this launch after this step, with a checkpoint; the schedule still spans
+    train.steps, so a later launch of the same run directory carries on (time-sliced
+    jobs, tests of resume). null = run to train.steps."""
+    seed: int = 1234
+    """Seeds model init and every RNG; the same seed gives the same run on CPU."""
+    activation_checkpointing: ACMode = ACMode.none
+    """none: keep all activations. full: recompute every block in backward (about a third
+    more compute, activations shrink to one tensor per block). selective: recompute every
+    ac_every-th block, a middle ground."""
+    ac_every: int = 2
+    """selective: recompute every N-th block."""
+    compile: bool = False
+    """torch.compile each block: faster steps after a compile pause at the start."""
+
+
+@dataclass
+class DistConfig:
+    backend: Backend = Backend.auto
+    """auto: nccl on CUDA, gloo on CPU."""
+    timeout_s: int = 600
+    """Collective timeout: a rank that stops answering ends the job after this long."""
+
+
+@dataclass
+class Config:
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    run_name: Optional[str] = None
+    """Name shown in W&B and the console (null: the run directory's name)."""
+    dry_run: bool = False
+    """Print the resolved config and the command; start nothing."""
+
+
+GROUPS = {
+    "recipe": RecipeConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "precision": PrecisionConfig,
+    "checkpoint": CheckpointConfig,
+    "logger": LoggerConfig,
+    "cluster": ClusterConfig,
+    "train": TrainConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the schema so `conf/config.yaml` (defaults: `- schema`) is typed."""
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+
+
+# ----------------------------------------------------------------------------- loading
+def to_typed(cfg_node) -> Config:
+    """An OmegaConf node (composed or loaded) to dataclasses with Enums."""
+    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg_node)
+    return OmegaConf.to_object(merged)
+
+
+def load_frozen(path: str | Path) -> Config:
+    """The train side: read RUN_DIR/config.yaml (or a path to it)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.yaml"
+    return to_typed(OmegaConf.load(p))
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+
+
+# ----------------------------------------------------------------------------- derived
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    """Ranks that see different data. Every recipe so far is pure data parallel."""
+    return world_size
+
+
+def grad_accum(cfg: Config, world_size: int) -> int:
+    t = cfg.train
+    if t.global_batch is None:
+        return t.grad_accum
+    return t.global_batch // (t.micro_batch * data_parallel_size(cfg, world_size))
+
+
+def global_batch(cfg: Config, world_size: int) -> int:
+    return cfg.train.micro_batch * grad_accum(cfg, world_size) * data_parallel_size(cfg, world_size)
+
+
+def ffn_dim(m: ModelConfig) -> int:
+    if m.ffn_dim is not None:
+        return m.ffn_dim
+    hidden = int(8 * m.dim / 3)
+    return m.multiple_of * ((hidden + m.multiple_of - 1) // m.multiple_of)
+
+
+# ----------------------------------------------------------------------------- validation
+def _positive(key: str, value, *, zero_ok: bool = False) -> None:
+    low = 0 if zero_ok else 1
+    if value is None or value < low:
+        raise ConfigError(key, value, f"must be >= {low}")
+
+
+def validate(cfg: Config, host) -> None:
+    """Cross-field checks on the launch side. `host` is a device.HostInfo."""
+    t, m, d, o = cfg.train, cfg.model, cfg.data, cfg.optim
+    for key in ("steps", "micro_batch", "grad_accum", "seq_len", "ac_every"):
+        _positive(f"train.{key}", getattr(t, key))
+    if t.global_batch is not None:
+        _positive("train.global_batch", t.global_batch)
+    if t.stop_at is not None and not 1 <= t.stop_at <= t.steps:
+        raise ConfigError("train.stop_at", t.stop_at, f"must be in [1, train.steps={t.steps}] (or null)")
+    for key in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.dim % m.n_heads:
+        raise ConfigError("model.n_heads", m.n_heads, f"must divide model.dim={m.dim}")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError("model.n_heads", m.n_heads,
+                          f"head_dim = dim/n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
+    if m.n_kv_heads is not None and (m.n_kv_heads < 1 or m.n_heads % m.n_kv_heads):
+        raise ConfigError("model.n_kv_heads", m.n_kv_heads, f"must be >= 1 and divide model.n_heads={m.n_heads}")
+    if m.ffn_dim is not None:
+        _positive("model.ffn_dim", m.ffn_dim)
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError("train.seq_len", t.seq_len, f"must be <= model.max_seq_len={m.max_seq_len}")
+
+    # data
+    _positive("data.vocab_size", d.vocab_size)
+    if d.vocab_size > m.vocab_size:
+        raise ConfigError("data.vocab_size", d.vocab_size, f"must be <= model.vocab_size={m.vocab_size}")
+    if d.name == DataKind.synthetic:
+        _positive("data.order", d.order)
+        if not 0 <= d.context_bits <= 8:
+            raise ConfigError("data.context_bits", d.context_bits, "must be in [0, 8]")
+        states = d.vocab_size * 2 ** (d.context_bits * (d.order - 1))
+        if states > 2**20:
+            raise ConfigError("data.order", d.order, f"vocab_size x 2^(context_bits x (order-1)) = {states} contexts; at most 2^20")
+        if not d.temperature > 0:
+            raise ConfigError("data.temperature", d.temperature, "must be > 0")
+        if d.vocab_size < 2:
+            raise ConfigError("data.vocab_size", d.vocab_size, "synthetic data needs >= 2 tokens")
+    elif d.name == DataKind.memmap:
+        if not d.path:
+            raise ConfigError("data.path", d.path, "missing: data=memmap needs a token file (scripts/prepare_data.py makes one)")
+        p = Path(d.path)
+        if not p.is_file():
+            raise ConfigError("data.path", d.path, "no such file")
+        width = 2 if d.dtype == TokenDtype.uint16 else 4
+        n_tokens = p.stat().st_size // width
+        if n_tokens < t.seq_len + 1:
+            raise ConfigError("data.path", d.path,
+                              f"holds {n_tokens} tokens; train.seq_len={t.seq_len} needs at least {t.seq_len + 1}")
+        if d.dtype == TokenDtype.uint16 and d.vocab_size > 65536:
+            raise ConfigError("data.vocab_size", d.vocab_size, "uint16 tokens allow at most 65536")
+    if d.num_workers is not None and d.num_workers < 0:
+        raise ConfigError("data.num_workers", d.num_workers, "must be >= 0 (or null for auto)")
+    _positive("data.prefetch_factor", d.prefetch_factor)
+
+    # optimizer
+    if not o.lr > 0:
+        raise ConfigError("optim.lr", o.lr, "must be > 0")
+    if o.name != "adamw":
+        raise ConfigError("optim.name", o.name, "allowed: adamw")
+    if o.warmup_steps < 0 or o.warmup_steps >= t.steps:
+        raise ConfigError("optim.warmup_steps", o.warmup_steps, f"must be in [0, train.steps={t.steps})")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(o, key) < 1:
+            raise ConfigError(f"optim.{key}", getattr(o, key), "must be in [0, 1)")
+    if o.weight_decay < 0:
+        raise ConfigError("optim.weight_decay", o.weight_decay, "must be >= 0")
+    if o.grad_clip < 0:
+        raise ConfigError("optim.grad_clip", o.grad_clip, "must be >= 0 (0 = off)")
+    if o.fused and not host.cuda:
+        raise ConfigError("optim.fused", o.fused, "fused AdamW needs CUDA; this machine has none (use null)")
+
+    # precision and device
+    if cfg.precision.name == Precision.fp16 and not host.cuda:
+        raise ConfigError("precision", "fp16", "fp16 needs CUDA (loss scaling on GPU); this machine has none: use bf16 or fp32")
+    if cfg.dist.backend == Backend.nccl and not host.cuda:
+        raise ConfigError("dist.backend", "nccl", "nccl needs CUDA GPUs; this machine has none: use auto or gloo")
+    _positive("dist.timeout_s", cfg.dist.timeout_s)
+
+    # checkpoint
+    _positive("checkpoint.every", cfg.checkpoint.every, zero_ok=True)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    r = cfg.checkpoint.resume
+    if r not in ("auto", "never") and not Path(r).is_dir():
+        raise ConfigError("checkpoint.resume", r, "allowed: auto, never, or an existing checkpoint folder")
+
+    # logger
+    _positive("logger.log_every", cfg.logger.log_every)
+
+    # cluster
+    c = cfg.cluster
+    _positive("cluster.nnodes", c.nnodes)
+    if not 0 <= c.node_rank < c.nnodes:
+        raise ConfigError("cluster.node_rank", c.node_rank, f"must be in [0, cluster.nnodes={c.nnodes})")
+    _positive("cluster.max_restarts", c.max_restarts, zero_ok=True)
+    if c.master_port is not None and not 1 <= c.master_port <= 65535:
+        raise ConfigError("cluster.master_port", c.master_port, "must be a port in 1..65535")
+    if c.nnodes > 1 and c.master_port is None:
+        raise ConfigError("cluster.master_port", None, "a multi-node run needs the same explicit port on every node")
+    if c.cpu_threads is not None:
+        _positive("cluster.cpu_threads", c.cpu_threads)
+    slots = c.gpus_per_node if c.gpus_per_node is not None else host.slots
+    if c.gpus_per_node is not None:
+        _positive("cluster.gpus_per_node", c.gpus_per_node)
+        if host.cuda and c.gpus_per_node > host.gpus:
+            raise ConfigError("cluster.gpus_per_node", c.gpus_per_node, f"this machine has {host.gpus} GPU(s)")
+    if c.nproc_per_node is not None:
+        if not 1 <= c.nproc_per_node <= slots:
+            where = f"{host.gpus} GPU(s)" if host.cuda else f"a CPU-only machine ({host.cpus} cores)"
+            raise ConfigError("cluster.nproc_per_node", c.nproc_per_node, f"allowed 1..{slots} on {where}")
+
+    # batch arithmetic
+    world = nproc_per_node(cfg, host) * c.nnodes
+    dp = data_parallel_size(cfg, world)
+    if t.global_batch is not None and t.global_batch % (t.micro_batch * dp):
+        raise ConfigError("train.global_batch", t.global_batch,
+                          f"must be a multiple of micro_batch({t.micro_batch}) x data-parallel size({dp}) = {t.micro_batch * dp}")
+
+
+def nproc_per_node(cfg: Config, host) -> int:
+    c = cfg.cluster
+    if c.nproc_per_node is not None:
+        return c.nproc_per_node
+    if c.gpus_per_node is not None:
+        return c.gpus_per_node
+    return host.gpus if host.cuda else 2

@@ -1,0 +1,153 @@
+"""The one device layer: everything that differs between CUDA and CPU lives here.
+
+The launch side only asks `HostInfo.detect()` (counting GPUs does not create a CUDA
+context). The train side gets its device, backend, autocast dtype and memory readings
+from here, so the rest of the code runs unchanged on a CPU-only machine with gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Dense bf16/fp16 tensor-core peaks (FLOP/s, no sparsity) by device name.
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,  # SXM; the PCIe card is lower, matched first below
+    "H100 PCIe": 756e12,
+    "A100": 312e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "V100": 125e12,
+}
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    cuda: bool
+    gpus: int
+    cpus: int
+
+    @property
+    def slots(self) -> int:
+        """Processes one node may run: one per GPU, or up to 4 per core on CPU."""
+        return self.gpus if self.cuda else 4 * self.cpus
+
+    @staticmethod
+    def detect() -> "HostInfo":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return HostInfo(cuda=gpus > 0, gpus=gpus, cpus=len(os.sched_getaffinity(0)))
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def local_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------- memory
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_stats(device: torch.device) -> dict[str, int]:
+    """mem/peak_bytes: CUDA max allocated, or the process's peak RSS on CPU.
+    mem/reserved_bytes: CUDA reserved by the caching allocator, or current RSS on CPU
+    (what the process holds from the OS now)."""
+    if device.type == "cuda":
+        return {
+            "mem/peak_bytes": torch.cuda.max_memory_allocated(device),
+            "mem/reserved_bytes": torch.cuda.memory_reserved(device),
+        }
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"mem/peak_bytes": peak_kib * 1024, "mem/reserved_bytes": current_rss()}
+
+
+def current_rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+# ----------------------------------------------------------------------------- peak FLOPs
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "launcher"
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype | None) -> float:
+    """Peak FLOP/s of one device for MFU: a table on GPUs, measured once on CPU."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key in sorted(GPU_PEAK_FLOPS, key=len, reverse=True):
+            if key in name:
+                return GPU_PEAK_FLOPS[key] * (1.0 if dtype is not None else 0.5)
+        return measure_matmul_flops(device, dtype or torch.float32)
+    dtype = dtype or torch.float32
+    key = f"{_cpu_model()}|threads={torch.get_num_threads()}|{dtype}"
+    path = _cache_dir() / "cpu_peak_flops.json"
+    cache = {}
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    if key not in cache:
+        cache[key] = measure_matmul_flops(device, dtype)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return float(cache[key])
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, seconds: float = 0.3) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    synchronize(device)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        synchronize(device)
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return sys.platform

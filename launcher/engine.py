@@ -1,0 +1,146 @@
+"""The one interface every recipe implements, and the helpers recipes share.
+
+A recipe module exposes `build(ctx) -> Engine`. The engine owns how micro-batches become
+one optimizer step (DDP with no_sync, DeepSpeed's engine, a pipeline schedule); the
+loop only calls it. Recipes share these helpers, not a base class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from launcher.config import Config, OptimConfig
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each (micro_batch, seq_len)
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    """Mean loss over this rank's micro-batches (a 0-d tensor; the loop reduces it
+    across ranks only when it logs, to keep the device unsynchronised in between)."""
+    grad_norm: torch.Tensor
+    """Global gradient norm before clipping (the same on every rank)."""
+    skipped: bool = False
+    """fp16: the step was skipped because gradients overflowed."""
+    loss_scale: float | None = None
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes this rank holds for the model state, by part and by place."""
+
+    params: int = 0
+    grads: int = 0
+    optim: int = 0
+    """Optimizer states, including fp32 master copies where the recipe keeps them."""
+    where: dict[str, str] = field(default_factory=lambda: {"params": "device", "grads": "device", "optim": "device"})
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optim
+
+    def as_metrics(self) -> dict[str, int]:
+        return {
+            "mem/params_bytes": self.params,
+            "mem/grads_bytes": self.grads,
+            "mem/optim_bytes": self.optim,
+            "mem/model_state_bytes": self.total,
+        }
+
+
+@dataclass
+class BuildContext:
+    """Everything a recipe needs to build its engine."""
+
+    cfg: Config
+    model: nn.Module
+    device: torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+    grad_accum: int
+    run_dir: Path
+
+
+class Engine(Protocol):
+    model: nn.Module
+
+    def train_step(self, micro_batches: list[Batch]) -> StepResult: ...
+
+    def state_bytes(self) -> MemoryBreakdown: ...
+
+    def lr(self) -> float: ...
+
+    def save(self, path: Path) -> None:
+        """Write this rank's part of the model and optimizer state under `path` (a folder
+        every rank can see). Called on every rank."""
+
+    def load(self, path: Path) -> None: ...
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full model weights (fp32, on CPU) on every rank; used for export and checks."""
+
+
+# ----------------------------------------------------------------------------- helpers
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (weights, embeddings); not vectors (norms, biases)."""
+    decay, no_decay = [], []
+    seen = set()
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             eps=cfg.eps, fused=fused or None)
+
+
+def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Linear warm-up over warmup_steps, then cosine from 1 down to min_lr_ratio.
+    `step` counts optimizer steps already taken (0 for the first)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.train.steps, cfg.optim))
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(tensor_bytes(v for v in state.values() if torch.is_tensor(v)) for state in optimizer.state.values())
+
+
+def all_ranks_same(value: torch.Tensor) -> bool:
+    """True when a 0-d tensor holds the same value on every rank (a cheap consistency check)."""
+    lo, hi = value.clone(), value.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return bool(lo == hi)

@@ -1,0 +1,174 @@
+"""Metrics: measured on every rank, written by global rank 0 only, through one helper.
+
+Sinks: the console (a progress bar on a terminal, one line per log step otherwise, a
+summary table at the end), RUN_DIR/metrics.jsonl and Weights & Biases (one run per
+job, offline files in RUN_DIR/wandb when there is no API key, the same run id on resume).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import string
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from launcher.config import Config, LoggerKind, WandbMode, to_dict
+
+# The names users, dashboards and tests rely on. Keep them stable.
+STEP_METRICS = (
+    "step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "samples_per_s", "mfu",
+    "data_wait_frac", "mem/peak_bytes", "mem/reserved_bytes", "mem/params_bytes", "mem/grads_bytes",
+    "mem/optim_bytes", "mem/model_state_bytes",
+)
+
+
+@dataclass
+class Throughput:
+    """Accumulates time between log steps; gives the rates for one log interval."""
+
+    tokens_per_step: int
+    samples_per_step: int
+    flops_per_token: float
+    peak_flops_total: float
+    """Peak FLOP/s of one device times the number of devices."""
+    steps: int = 0
+    data_wait: float = 0.0
+    start: float = field(default_factory=time.perf_counter)
+
+    def rates(self) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        step_time = elapsed / max(self.steps, 1)
+        tokens_per_s = self.tokens_per_step / step_time
+        out = {
+            "step_time_s": step_time,
+            "tokens_per_s": tokens_per_s,
+            "samples_per_s": self.samples_per_step / step_time,
+            "mfu": tokens_per_s * self.flops_per_token / self.peak_flops_total,
+            "data_wait_frac": min(1.0, self.data_wait / elapsed),
+        }
+        self.steps, self.data_wait, self.start = 0, 0.0, time.perf_counter()
+        return out
+
+
+class RankZeroLogger:
+    """Every rank holds one; only global rank 0's writes anything."""
+
+    def __init__(self, cfg: Config, run_dir: Path, rank: int, total_steps: int, start_step: int):
+        self.enabled = rank == 0
+        self.cfg, self.run_dir = cfg, run_dir
+        self.history: list[dict] = []
+        self.wandb_run = None
+        self.progress = None
+        if not self.enabled:
+            return
+        self.console = Console(file=sys.stdout, highlight=False)
+        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if self.console.is_terminal:
+            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console)
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
+            self.progress.start()
+        if cfg.logger.name == LoggerKind.wandb:
+            self.wandb_run = _init_wandb(cfg, run_dir)
+
+    def print(self, message: str) -> None:
+        if self.enabled:
+            self.console.print(message, markup=False, soft_wrap=True)
+
+    def log(self, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        self.history.append(metrics)
+        self.jsonl.write(json.dumps(metrics) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+        line = (f"step {metrics['step']:>6}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  "
+                f"gnorm {metrics['grad_norm']:.3f}  {metrics['tokens_per_s']:,.0f} tok/s  "
+                f"mfu {100 * metrics['mfu']:.1f}%  peak {metrics['mem/peak_bytes'] / 2**20:,.0f} MiB")
+        if self.progress is not None:
+            self.progress.update(self.task, completed=metrics["step"], info=f"loss {metrics['loss']:.4f}")
+            self.progress.console.print(line, markup=False)
+        else:
+            self.console.print(line, markup=False, soft_wrap=True)
+
+    def finish(self, summary: dict) -> None:
+        if not self.enabled:
+            return
+        if self.progress is not None:
+            self.progress.stop()
+        table = Table(title=f"run {self.run_dir.name}", show_header=False)
+        for k, v in summary.items():
+            table.add_row(k, _fmt(v))
+        self.console.print(table)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        self.jsonl.close()
+        if self.wandb_run is not None:
+            for k, v in summary.items():
+                if isinstance(v, (int, float, str)):
+                    self.wandb_run.summary[k] = v
+            self.wandb_run.finish()
+
+
+def _fmt(v) -> str:
+    if isinstance(v, list):
+        if v and all(x == v[0] for x in v):
+            return f"same on all {len(v)} ranks ({str(v[0])[:12]}...)"
+        return ", ".join(str(x)[:12] for x in v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "n/a"
+        return f"{v:,.4g}" if abs(v) < 1e6 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def wandb_mode(cfg: Config) -> str:
+    mode = cfg.logger.mode
+    if mode == WandbMode.auto:
+        return "online" if _has_wandb_credentials() else "offline"
+    return mode.value
+
+
+def _has_wandb_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        return False
+
+
+def _init_wandb(cfg: Config, run_dir: Path):
+    import wandb
+
+    id_file = run_dir / "wandb_id"
+    if id_file.exists():
+        run_id = id_file.read_text().strip()
+    else:
+        run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        id_file.write_text(run_id + "\n")
+    return wandb.init(
+        project=cfg.logger.project,
+        entity=cfg.logger.entity,
+        group=cfg.logger.group,
+        tags=list(cfg.logger.tags) or None,
+        name=cfg.run_name or run_dir.name,
+        id=run_id,
+        resume="allow",
+        dir=str(run_dir),
+        config=to_dict(cfg),
+        mode=wandb_mode(cfg),
+        settings=wandb.Settings(console="off", x_disable_stats=True, silent=True, disable_git=True,
+                                save_code=False, x_save_requirements=False),
+    )

@@ -1,0 +1,198 @@
+"""The project's decoder-only transformer, Llama-style.
+
+Pre-norm blocks: RMSNorm -> attention with rotary positions -> residual, RMSNorm ->
+SwiGLU MLP -> residual; a final RMSNorm and an output head (optionally tied to the
+embedding). No biases, no dropout. Parameter names are stable whatever the activation
+checkpointing mode, so checkpoints move between modes and recipes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from launcher.config import ACMode, ModelConfig, ffn_dim
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 for stability under autocast, return the input dtype.
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+def rotary_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    """(max_seq_len, head_dim/2, 2): cos and sin for each position and frequency."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """x: (batch, seq, heads, head_dim). Rotates pairs of channels by position."""
+    t = x.shape[1]
+    xf = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos = table[:t, None, :, 0]
+    sin = table[:t, None, :, 1]
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 rather than the configured head count: under tensor parallelism each rank
+        # holds a slice of the heads.
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        q, k, v = (y.transpose(1, 2) for y in (q, k, v))  # (b, heads, t, head_dim)
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = ffn_dim(cfg)
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not a parameter or persistent buffer: rebuilt on load, never checkpointed.
+        self.register_buffer("rope", rotary_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta),
+                             persistent=False)
+        self.checkpointed: set[int] = set()  # block indices recomputed in backward
+        self.init_weights()
+
+    # -------------------------------------------------------------------------- init
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 style: normal(0, std), residual projections scaled by 1/sqrt(2 n_layers)."""
+        std = self.cfg.init_std
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        if not self.cfg.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=std)
+        for layer in self.layers:
+            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv,
+                        layer.feed_forward.w1, layer.feed_forward.w3):
+                nn.init.normal_(lin.weight, std=std)
+            for lin in (layer.attention.wo, layer.feed_forward.w2):
+                nn.init.normal_(lin.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
+            layer.attention_norm.weight.fill_(1.0)
+            layer.ffn_norm.weight.fill_(1.0)
+        self.norm.weight.fill_(1.0)
+        self.rope.copy_(rotary_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta))
+
+    # -------------------------------------------------------------------------- forward
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, or the mean cross-entropy when targets are given."""
+        h = self.tok_embeddings(tokens)
+        for i, layer in enumerate(self.layers):
+            if i in self.checkpointed and torch.is_grad_enabled():
+                h = checkpoint(layer, h, self.rope, use_reentrant=False)
+            else:
+                h = layer(h, self.rope)
+        logits = self.output(self.norm(h))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    # -------------------------------------------------------------------------- facts
+    def num_params(self) -> int:
+        """Unique parameters (a tied head counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per matmul weight (forward 2, backward 4), the
+        output head included even when tied, plus attention scores and values:
+        12 * layers * dim * seq_len (PaLM appendix B). Recomputation is not counted:
+        MFU measures useful work."""
+        return flops_per_token(self.cfg, seq_len)
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    head_dim = cfg.dim // cfg.n_heads
+    kv = (cfg.n_kv_heads or cfg.n_heads) * head_dim
+    attn = cfg.dim * cfg.dim * 2 + cfg.dim * kv * 2
+    mlp = 3 * cfg.dim * ffn_dim(cfg)
+    return cfg.n_layers * (attn + mlp) + cfg.dim * cfg.vocab_size
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """Parameter count from the config alone (matches GPT(cfg).num_params())."""
+    embed = cfg.vocab_size * cfg.dim
+    norms = cfg.dim * (2 * cfg.n_layers + 1)
+    untied_head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+    return matmul_params(cfg) - cfg.dim * cfg.vocab_size + embed + untied_head + norms
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.dim * seq_len
+
+
+def set_activation_checkpointing(model: GPT, mode: ACMode, every: int) -> None:
+    """Choose which blocks recompute their activations in backward.
+    full: all blocks; selective: every `every`-th block (0, N, 2N, ...); none: no block."""
+    n = len(model.layers)
+    if mode == ACMode.full:
+        model.checkpointed = set(range(n))
+    elif mode == ACMode.selective:
+        model.checkpointed = set(range(0, n, every))
+    else:
+        model.checkpointed = set()

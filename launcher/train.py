@@ -1,0 +1,92 @@
+"""Per-rank entry: `python -m launcher.train RUN_DIR` (or RUN_DIR/config.yaml).
+
+Reads the frozen config the launch side wrote (ranks never compose Hydra configs),
+initialises torch.distributed, builds the model, data and the recipe's engine, and runs
+the loop. Works under the launcher's torchrun, under a torchrun typed by hand, and as a
+single process with no launcher at all.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+import recipes
+from launcher import config as C
+from launcher.data import build_dataset
+from launcher.device import autocast_dtype, backend_for, local_device
+from launcher.engine import BuildContext
+from launcher.loop import Job, run
+from launcher.models.gpt import GPT, set_activation_checkpointing
+
+
+def _single_process_env() -> None:
+    """Without torchrun: a world of one, on a free local port."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m launcher.train RUN_DIR | RUN_DIR/config.yaml", file=sys.stderr)
+        return 2
+    target = Path(argv[0]).resolve()
+    run_dir = target if target.is_dir() else target.parent
+    cfg = C.load_frozen(target)
+
+    _single_process_env()
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = local_device(local_rank)
+    backend = backend_for(device) if cfg.dist.backend == C.Backend.auto else cfg.dist.backend.value
+    if device.type == "cpu" and cfg.cluster.cpu_threads:
+        torch.set_num_threads(cfg.cluster.cpu_threads)
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist.timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        seed_everything(cfg.train.seed)
+        # Same seed on every rank: identical initial weights without a broadcast.
+        with torch.device(device):
+            model = GPT(cfg.model)
+        set_activation_checkpointing(model, cfg.train.activation_checkpointing, cfg.train.ac_every)
+        if cfg.train.compile:
+            for layer in model.layers:
+                layer.compile()
+        accum = C.grad_accum(cfg, world_size)
+        dp_size = C.data_parallel_size(cfg, world_size)
+        engine = recipes.build(BuildContext(cfg=cfg, model=model, device=device, rank=rank, world_size=world_size,
+                                            local_rank=local_rank, grad_accum=accum, run_dir=run_dir))
+        job = Job(cfg=cfg, run_dir=run_dir, engine=engine, dataset=build_dataset(cfg), device=device, rank=rank,
+                  world_size=world_size, dp_rank=rank, dp_size=dp_size, grad_accum=accum,
+                  flops_per_token=model.flops_per_token(cfg.train.seq_len),
+                  compute_dtype=autocast_dtype(cfg.precision.name.value))
+        run(job)
+    finally:
+        # gloo aborts at exit without this, and schedulers then mark the job failed.
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""`ddp`: DistributedDataParallel. Every rank holds the whole model, gradients and
+optimizer state; gradients are all-reduced in buckets that overlap with backward.
+
+Model states per rank (mixed-precision Adam under autocast): fp32 parameters 4Ψ, fp32
+gradients 4Ψ, Adam moments 8Ψ: 16Ψ bytes, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from launcher.device import autocast_dtype
+from launcher.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer,
+                             build_scheduler, optimizer_state_bytes, tensor_bytes)
+
+
+class DDPEngine:
+    def __init__(self, ctx: BuildContext):
+        cfg = ctx.cfg
+        self.cfg, self.device, self.rank = cfg, ctx.device, ctx.rank
+        self.module = ctx.model.to(ctx.device)
+        opts = cfg.recipe.ddp
+        self.model = DDP(
+            self.module,
+            device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
+            bucket_cap_mb=opts.bucket_cap_mb,
+            gradient_as_bucket_view=opts.gradient_as_bucket_view,
+            static_graph=opts.static_graph,
+            forward_sync_buffers=False,  # the only buffer (the rotary table) is identical everywhere
+        )
+        self.optimizer = build_optimizer(self.module, cfg.optim, ctx.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.dtype = autocast_dtype(cfg.precision.name.value)
+        self.scaler = None
+        if cfg.precision.name.value == "fp16":
+            p = cfg.precision
+            self.scaler = torch.amp.GradScaler("cuda", init_scale=p.initial_scale, growth_interval=p.growth_interval)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+
+    def train_step(self, micro_batches) -> StepResult:
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro_batches):
+            # Only the last micro-batch all-reduces; the others accumulate locally.
+            sync = contextlib.nullcontext() if i == n - 1 else self.model.no_sync()
+            with sync:
+                with autocast(self.device, self.dtype):
+                    loss = self.model(x, y)
+                scaled = loss / n
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            total += loss.detach()
+        skipped, scale = False, None
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        if self.scaler:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale
+        else:
+            self.optimizer.step()
+        # With bucket views the gradients stay allocated (they are the buckets): zero them.
+        self.optimizer.zero_grad(set_to_none=not self.cfg.recipe.ddp.gradient_as_bucket_view)
+        self.scheduler.step()
+        return StepResult(loss=total / n, grad_norm=grad_norm, skipped=skipped, loss_scale=scale)
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def state_bytes(self) -> MemoryBreakdown:
+        params = tensor_bytes(self.params)
+        grads = tensor_bytes(p.grad for p in self.params)
+        if not self.cfg.recipe.ddp.gradient_as_bucket_view:
+            grads *= 2  # DDP's reducer keeps its own bucket copy of every gradient
+        if grads == 0:  # before the first backward: the buckets DDP will fill
+            grads = tensor_bytes(self.params)
+        return MemoryBreakdown(params=params, grads=grads, optim=optimizer_state_bytes(self.optimizer))
+
+    # -------------------------------------------------------------------------- state
+    def save(self, path: Path) -> None:
+        """Replicated state: rank 0 writes it once."""
+        if self.rank != 0:
+            return
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(self.module.state_dict(), path / "model.pt")
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                    "scaler": self.scaler.state_dict() if self.scaler else None}, path / "optim.pt")
+
+    def load(self, path: Path) -> None:
+        self.module.load_state_dict(torch.load(path / "model.pt", map_location=self.device, weights_only=True))
+        state = torch.load(path / "optim.pt", map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        dist.barrier()
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().float().cpu() for k, v in self.module.state_dict().items()}
+
+
+def build(ctx: BuildContext) -> DDPEngine:
+    return DDPEngine(ctx)

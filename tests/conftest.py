@@ -1,0 +1,41 @@
+"""Shared helpers: launch the real launcher in a subprocess, read what a run left."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# Fast, quiet runs: the tiny model, few steps, W&B offline (never online from a test).
+FAST = ["train.steps=12", "optim.warmup_steps=2", "logger.log_every=1", "logger.mode=offline"]
+
+
+def launch(*overrides: str, run_dir: Path | None = None, command: str = "train", timeout: int = 300,
+           env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m launcher train [hydra.run.dir=RUN] overrides...`, as a user types it."""
+    argv = [sys.executable, "-m", "launcher", command]
+    if run_dir is not None:
+        argv.append(f"hydra.run.dir={run_dir}")
+    argv += list(overrides)
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The exact command that trains '/runs/x; touch pwned $(touch pwned2) '"'"'q'"'"''.
+# Run it again to resume from the latest checkpoint (checkpoint.resume=auto).
+set -euo pipefail
+cd '/home/me/my repo'
+export OMP_NUM_THREADS=1
+exec /opt/venv/bin/python -m torch.distributed.run --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29512 --rdzv-id=run-e114b94b883d --rdzv-conf=join_timeout=600 --max-restarts=0 -m launcher.train '/runs/x; touch pwned $(touch pwned2) '"'"'q'"'"''

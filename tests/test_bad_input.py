@@ -1,0 +1,88 @@
+"""Bad input: one line naming the key, the value and what is allowed; exit code 2; no
+traceback; no rank started and no run directory made."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from launcher import cli
+
+# (overrides, words the one line must contain)
+CASES = [
+    (["recipe=nope"], ["recipe=nope", "allowed: ddp"]),
+    (["model=gpt_huge"], ["model=gpt_huge", "gpt_tiny"]),
+    (["data=nope"], ["data=nope", "synthetic"]),
+    (["precision=fp8"], ["precision=fp8", "bf16", "fp32"]),
+    (["logger=tensorboardx"], ["logger=tensorboardx", "wandb"]),
+    (["cluster=nope"], ["cluster=nope", "local"]),
+    (["optim=sgdx"], ["optim=sgdx", "adamw"]),
+    (["train.nope=1"], ["train.nope", "unknown key", "micro_batch"]),
+    (["nope=1"], ["nope", "unknown key"]),
+    (["model.heads=4"], ["model.heads", "unknown key", "n_heads"]),
+    (["train.steps=abc"], ["train.steps=abc", "expected int"]),
+    (["train.compile=maybe"], ["train.compile=maybe", "expected bool"]),
+    (["optim.lr=fast"], ["optim.lr=fast", "expected float"]),
+    (["train.activation_checkpointing=sometimes"], ["train.activation_checkpointing=sometimes", "full"]),
+    (["train.steps=0"], ["train.steps=0", ">= 1"]),
+    (["train.micro_batch=-1"], ["train.micro_batch=-1", ">= 1"]),
+    (["train.seq_len=0"], ["train.seq_len=0"]),
+    (["model.dim=0"], ["model.dim=0"]),
+    (["train.seq_len=4096"], ["train.seq_len=4096", "max_seq_len=512"]),
+    (["train.global_batch=10"], ["train.global_batch=10", "multiple of", "16"]),
+    (["precision=fp16"], ["precision=fp16", "CUDA"]),
+    (["dist.backend=nccl"], ["dist.backend=nccl", "CUDA"]),
+    (["cluster.nproc_per_node=64"], ["cluster.nproc_per_node=64", "allowed 1.."]),
+    (["cluster.nproc_per_node=0"], ["cluster.nproc_per_node=0"]),
+    (["cluster.node_rank=1"], ["cluster.node_rank=1", "nnodes=1"]),
+    (["data=memmap"], ["data.path", "missing"]),
+    (["data=memmap", "data.path=/no/such/file.bin"], ["data.path=/no/such/file.bin", "no such file"]),
+    (["optim.lr=-1"], ["optim.lr=-1", "> 0"]),
+    (["optim.warmup_steps=500"], ["optim.warmup_steps=500", "train.steps=200"]),
+    (["optim.beta2=1.5"], ["optim.beta2=1.5", "[0, 1)"]),
+    (["checkpoint.keep=0"], ["checkpoint.keep=0"]),
+    (["checkpoint.resume=/no/such/ckpt"], ["checkpoint.resume=/no/such/ckpt", "auto, never"]),
+    (["model.n_heads=3"], ["model.n_heads=3", "divide model.dim=128"]),
+    (["data.vocab_size=1000"], ["data.vocab_size=1000", "model.vocab_size=256"]),
+    (["logger.log_every=0"], ["logger.log_every=0"]),
+    (["train.stop_at=500"], ["train.stop_at=500", "train.steps=200"]),
+    (["hydra.run.dir=/proc/launcher-test"], ["hydra.run.dir=/proc/launcher-test", "cannot write"]),
+    (["train.steps=[1"], ["train.steps=[1"]),
+    (["--bogus"], ["--bogus", "--dry-run"]),
+    (["frobnicate"], ["frobnicate", "allowed: train"]),
+]
+
+
+@pytest.mark.parametrize("overrides,words", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(overrides, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = list(overrides)
+    if not any(o.startswith("hydra.run.dir") for o in overrides) and overrides[0] != "frobnicate":
+        argv.append(f"hydra.run.dir={tmp_path / 'run'}")
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, f"exit {code}; stderr={err!r}"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for w in words:
+        assert w in lines[0], f"{w!r} not in {lines[0]!r}"
+    assert "Traceback" not in err + out
+    assert not (tmp_path / "run").exists(), "a run directory was made for bad input"
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("overrides", [["recipe=nope"], ["train.steps=abc"], ["precision=fp16"]])
+def test_bad_input_from_a_real_process(overrides, tmp_path):
+    """The same through `python -m launcher`: exit code 2 from the launcher process itself."""
+    proc = subprocess.run([sys.executable, "-m", "launcher", "train", f"hydra.run.dir={tmp_path / 'run'}", *overrides],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_at_least_thirty_cases():
+    assert len(CASES) >= 30

@@ -1,0 +1,65 @@
+"""Golden tests of the pure command builders: nothing is launched.
+
+Regenerate after an intended change with `UPDATE_GOLDEN=1 make test-quick` and review the diff.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+
+from launcher import cli
+from launcher.commands import LaunchPlan, command_script, rank_env, torchrun_argv
+
+GOLDEN = Path(__file__).parent / "golden"
+PLAN = LaunchPlan(python="/opt/venv/bin/python", nproc_per_node=2, master_port=29512, threads_per_rank=1,
+                  workdir="/home/me/launcher")
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert path.exists(), f"missing golden file {path}; run with UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"{name} differs from its golden file"
+
+
+CASES = {
+    "torchrun_default.txt": ([], PLAN, "/runs/a"),
+    "torchrun_restarts.txt": (["cluster.max_restarts=3", "dist.timeout_s=120"], PLAN, "/runs/b"),
+    "torchrun_multinode.txt": (["cluster.nnodes=2", "cluster.node_rank=1", "cluster.master_addr=10.0.0.1",
+                                "cluster.master_port=29400"],
+                               LaunchPlan("/opt/venv/bin/python", 8, 29400, 4, "/home/me/launcher"), "/runs/c"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_torchrun_argv(name):
+    overrides, plan, run_dir = CASES[name]
+    cfg, _, _ = cli.compose_config(overrides)
+    check_golden(name, " \\\n  ".join(torchrun_argv(cfg, run_dir, plan)) + "\n")
+
+
+def test_command_script_quotes_everything():
+    cfg, _, _ = cli.compose_config([])
+    run_dir = "/runs/x; touch pwned $(touch pwned2) 'q'"
+    script = command_script(torchrun_argv(cfg, run_dir, PLAN), rank_env(PLAN), "/home/me/my repo", run_dir)
+    check_golden("command_quoted.sh", script)
+    # The exec line parses back to exactly the argv: no word of it is shell syntax.
+    exec_line = [line for line in script.splitlines() if line.startswith("exec ")][0]
+    assert shlex.split(exec_line)[1:] == torchrun_argv(cfg, run_dir, PLAN)
+
+
+def test_rendezvous_id_is_stable_per_run_dir():
+    cfg, _, _ = cli.compose_config([])
+    a = torchrun_argv(cfg, "/runs/a", PLAN)
+    assert a == torchrun_argv(cfg, "/runs/a", PLAN)
+    assert a != torchrun_argv(cfg, "/runs/b", PLAN)
+
+
+def test_rank_env_holds_no_secrets(monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "planted-secret-123")
+    assert "planted-secret-123" not in str(rank_env(PLAN))

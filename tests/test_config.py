@@ -1,0 +1,58 @@
+"""Every recipe/model/data/precision combination in conf/ composes and validates."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from launcher import cli
+from launcher import config as C
+from launcher.device import HostInfo
+
+HOST = HostInfo.detect()
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (cli.CONF_DIR / group).glob("*.yaml"))
+
+
+def test_every_group_has_a_schema_and_files():
+    for group in C.GROUPS:
+        assert options(group), f"conf/{group}/ is empty"
+
+
+def test_every_config_file_opens_with_its_command():
+    for path in sorted(cli.CONF_DIR.rglob("*.yaml")):
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# make ") or first.startswith("# python "), f"{path} opens with {first!r}"
+
+
+@pytest.mark.parametrize("recipe,model,data,precision", list(itertools.product(
+    options("recipe"), options("model"), options("data"), options("precision"))))
+def test_combination_composes_and_validates(recipe, model, data, precision, tmp_path):
+    overrides = [f"recipe={recipe}", f"model={model}", f"data={data}", f"precision={precision}"]
+    if data == "memmap":
+        tokens = tmp_path / "tokens.bin"
+        tokens.write_bytes(b"\x01\x00" * 5000)
+        overrides.append(f"data.path={tokens}")
+    cfg, run_dir, _ = cli.compose_config(overrides)
+    assert cfg.recipe.name == recipe and cfg.model.name == model and cfg.precision.name.value == precision
+    assert isinstance(cfg.train.activation_checkpointing, C.ACMode)
+    if precision == "fp16" and not HOST.cuda:
+        with pytest.raises(C.ConfigError, match="fp16 needs CUDA"):
+            C.validate(cfg, HOST)
+    else:
+        C.validate(cfg, HOST)
+
+
+def test_frozen_config_round_trips(tmp_path):
+    cfg, _, _ = cli.compose_config(["model=gpt_small", "train.activation_checkpointing=selective"])
+    (tmp_path / "config.yaml").write_text(C.to_yaml(cfg))
+    again = C.load_frozen(tmp_path)
+    assert again == cfg
+
+
+def test_global_batch_derives_accumulation():
+    cfg, _, _ = cli.compose_config(["train.global_batch=64", "train.micro_batch=4"])
+    assert C.grad_accum(cfg, 2) == 8 and C.global_batch(cfg, 2) == 64

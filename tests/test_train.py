@@ -1,0 +1,132 @@
+"""End to end: real torchrun, 2 gloo processes, the tiny model, real W&B offline files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import wandb_file
+from conftest import REPO, launch, read_metrics
+from launcher import cli
+from launcher import config as C
+from launcher.checkpoint import verify
+from launcher.metrics import STEP_METRICS
+
+pytestmark = pytest.mark.slow
+
+
+def test_default_run_learns_logs_and_checkpoints(run_dir):
+    proc = launch("train.steps=100", "optim.warmup_steps=10", "logger.log_every=1", "logger.mode=offline",
+                  "checkpoint.every=50", run_dir=run_dir)
+    assert f"run directory: {run_dir}" in proc.stdout
+
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 101))
+    for row in rows:
+        for name in STEP_METRICS:
+            assert isinstance(row[name], (int, float)), f"{name} missing or not a number in {row}"
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"], (rows[0]["loss"], rows[-1]["loss"])
+    # 16Ψ for mixed-precision Adam (fp32 params 4Ψ, grads 4Ψ, moments 8Ψ), plus Adam's
+    # 4-byte step counter on each of the 38 parameter tensors.
+    assert all(r["mem/model_state_bytes"] == 16 * 885_888 + 4 * 38 for r in rows)
+    assert rows[-1]["mem/params_bytes"] == rows[-1]["mem/grads_bytes"] == 4 * 885_888
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    digests = summary["weights_digest_per_rank"]
+    assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights"
+    assert summary["final_loss"] > summary["loss_floor"] > 1.0
+
+    # The run directory: frozen config, the exact command, checkpoints behind `latest`.
+    frozen = C.load_frozen(run_dir)
+    assert frozen.train.steps == 100 and frozen.recipe.name == "ddp"
+    assert str(run_dir) in (run_dir / "command.sh").read_text()
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000100"
+    for step in (50, 100):
+        assert verify(ckpts / f"step_{step:08d}") is None
+    state = torch.load(ckpts / "step_00000100" / "engine" / "model.pt", weights_only=True)
+    assert state["tok_embeddings.weight"].shape == (256, 128)
+
+    # W&B: one offline run whose history holds the same numbers as metrics.jsonl.
+    runs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    info = wandb_file.run_info(runs[0])
+    assert info["id"] == (run_dir / "wandb_id").read_text().strip()
+    assert info["config"]["train"]["steps"] == 100
+    history = {h["_step"]: h for h in wandb_file.history(runs[0])}
+    assert sorted(history) == list(range(1, 101))
+    for row in rows:
+        logged = history[row["step"]]
+        for name in ("loss", "tokens_per_s", "mfu", "mem/peak_bytes", "mem/model_state_bytes"):
+            assert logged[name] == pytest.approx(row[name], rel=1e-12), name
+
+
+def test_resume_continues_bit_identically(tmp_path):
+    common = ["train.steps=20", "optim.warmup_steps=4", "logger=none", "logger.log_every=1", "checkpoint.every=10"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    launch(*common, run_dir=straight)
+    # The split run also logs to W&B (offline): the resumed launch must continue that run.
+    wandb_on = ["logger=wandb", "logger.mode=offline"]
+    launch(*common, *wandb_on, "train.stop_at=10", run_dir=split)
+    assert (split / "checkpoints" / "latest").read_text().strip() == "step_00000010"
+    assert not (split / "checkpoints" / "step_00000020").exists()
+    proc = launch(*common, *wandb_on, run_dir=split)  # checkpoint.resume=auto finds step 10
+    assert "resumed from" in proc.stdout and "at step 10" in proc.stdout
+
+    runs = sorted((split / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 2 and len({wandb_file.run_info(r)["id"] for r in runs}) == 1, "resume started a new W&B run"
+    assert [h["_step"] for h in wandb_file.history(runs[1])] == list(range(11, 21))
+
+    a, b = read_metrics(straight), read_metrics(split)
+    assert [r["step"] for r in b] == list(range(1, 21))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # exact, every step
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+    wa = torch.load(straight / "checkpoints/step_00000020/engine/model.pt", weights_only=True)
+    wb = torch.load(split / "checkpoints/step_00000020/engine/model.pt", weights_only=True)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    oa = torch.load(straight / "checkpoints/step_00000020/engine/optim.pt", weights_only=True)
+    ob = torch.load(split / "checkpoints/step_00000020/engine/optim.pt", weights_only=True)
+    for pid, st in oa["optimizer"]["state"].items():
+        assert torch.equal(st["exp_avg_sq"], ob["optimizer"]["state"][pid]["exp_avg_sq"])
+
+
+def test_rank_entry_by_hand_with_a_token_file(tmp_path):
+    """`python -m launcher.train RUN_DIR/config.yaml` without the launcher: one process."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    tokens = tmp_path / "corpus.bin"
+    subprocess.run([sys.executable, "scripts/prepare_data.py", "--input", str(text), "--output", str(tokens)],
+                   cwd=REPO, check=True, capture_output=True)
+    cfg, _, _ = cli.compose_config(["data=memmap", f"data.path={tokens}", "train.steps=30", "optim.warmup_steps=3",
+                                    "logger=none", "logger.log_every=5", "train.micro_batch=4"])
+    run = tmp_path / "byhand"
+    run.mkdir()
+    (run / "config.yaml").write_text(C.to_yaml(cfg))
+    proc = subprocess.run([sys.executable, "-m", "launcher.train", str(run / "config.yaml")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
+    assert rows[-1]["loss"] < 0.6 * rows[0]["loss"]  # English bytes: learnable fast
+    assert (run / "checkpoints" / "step_00000030" / "manifest.json").exists()
+
+
+def test_dry_run_prints_and_starts_nothing(run_dir):
+    proc = launch("--dry-run", "model=gpt_small", run_dir=run_dir)
+    assert "name: gpt_small" in proc.stdout and "torch.distributed.run" in proc.stdout
+    assert not run_dir.exists()
+    proc = launch("dry_run=true", run_dir=run_dir)
+    assert "launcher.train" in proc.stdout and not run_dir.exists()
+
+
+def test_multirun_makes_one_run_dir_per_point(tmp_path):
+    proc = launch("-m", "optim.lr=1e-3,2e-3", "--dry-run", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert proc.stdout.count("lr: 0.001") == 1 and proc.stdout.count("lr: 0.002") == 1
+    assert f"{tmp_path / 'sweep'}/0" in proc.stdout and f"{tmp_path / 'sweep'}/1" in proc.stdout
