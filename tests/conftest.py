@@ -36,6 +36,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def token_file(folder: Path, text: str) -> Path:
+    """A token file made from `text` by scripts/prepare_data.py, as a user makes one."""
+    src, out = folder / "corpus.txt", folder / "corpus.bin"
+    src.write_text(text)
+    subprocess.run([sys.executable, "scripts/prepare_data.py", "--input", str(src), "--output", str(out)],
+                   cwd=REPO, check=True, capture_output=True)
+    return out
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import token_file
 from launcher import cli
 from launcher.config import DataConfig, TokenDtype
 from launcher.data import MarkovSource, StepSampler, TokenFile
@@ -60,12 +58,8 @@ def test_resume_at_another_world_size_sees_the_same_data():
 
 
 def test_prepare_data_and_token_file(tmp_path):
-    text = tmp_path / "corpus.txt"
-    text.write_text("hello launcher, " * 500)
-    out = tmp_path / "corpus.bin"
-    subprocess.run([sys.executable, "scripts/prepare_data.py", "--input", str(text), "--output", str(out)],
-                   cwd=REPO, check=True, capture_output=True)
-    assert out.stat().st_size == 2 * len(text.read_bytes())
+    out = token_file(tmp_path, "hello launcher, " * 500)
+    assert out.stat().st_size == 2 * len("hello launcher, " * 500)
     ds = TokenFile(DataConfig(name="memmap", path=str(out), dtype=TokenDtype.uint16), seq_len=32, seed=0)
     a = ds.__getitems__(list(range(ds.windows)))  # one epoch: every window once
     assert a.shape == (ds.windows, 33)

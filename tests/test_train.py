@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import wandb_file
-from conftest import REPO, launch, read_metrics
+from conftest import REPO, launch, read_metrics, token_file
 from launcher import cli
 from launcher import config as C
 from launcher.checkpoint import verify
@@ -99,11 +99,7 @@ def test_resume_continues_bit_identically(tmp_path):
 
 def test_rank_entry_by_hand_with_a_token_file(tmp_path):
     """`python -m launcher.train RUN_DIR/config.yaml` without the launcher: one process."""
-    text = tmp_path / "corpus.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    tokens = tmp_path / "corpus.bin"
-    subprocess.run([sys.executable, "scripts/prepare_data.py", "--input", str(text), "--output", str(tokens)],
-                   cwd=REPO, check=True, capture_output=True)
+    tokens = token_file(tmp_path, "the quick brown fox jumps over the lazy dog. " * 400)
     cfg, _, _ = cli.compose_config(["data=memmap", f"data.path={tokens}", "train.steps=30", "optim.warmup_steps=3",
                                     "logger=none", "logger.log_every=5", "train.micro_batch=4"])
     run = tmp_path / "byhand"
