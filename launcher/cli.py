@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,11 +21,13 @@ from omegaconf.errors import OmegaConfBaseException
 from launcher import config as C
 from launcher.commands import LaunchPlan, command_script, rank_env, torchrun_argv
 from launcher.device import HostInfo
+from launcher.preempt import supervise
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "conf"
-COMMANDS = ("train",)
-USAGE = "usage: launcher {train} [key=value ...] [--dry-run] [-m|--multirun]"
+COMMANDS = ("train", "export")
+USAGE = """usage: launcher train [key=value ...] [--dry-run] [-m|--multirun]
+       launcher export RUN_DIR [export.key=value ...]"""
 
 
 class UsageError(Exception):
@@ -184,7 +185,7 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], bool, bool]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
-    for o in overrides:
+    for o in overrides if command == "train" else []:
         try:
             parser.parse_overrides([o])
         except HydraException as e:
@@ -197,19 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
-    host = HostInfo.detect()
     try:
         command, overrides, _, multirun = parse_args(argv)
-        points = expand_sweep(overrides) if multirun else [overrides]
-        jobs = []
-        for i, point in enumerate(points):
-            cfg, run_dir, hydra_node = compose_config(point)
-            if multirun:
-                run_dir = Path(str(hydra_node.sweep.dir)) / str(i)
-            run_dir = run_dir.resolve()
-            C.validate(cfg, host)
-            check_writable(run_dir)
-            jobs.append((cfg, run_dir))
+        if command == "export":
+            return cmd_export(overrides)
+        return cmd_train(overrides, multirun)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -217,26 +210,53 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {describe(e)}", file=sys.stderr)
         return 2
 
+
+def cmd_train(overrides: list[str], multirun: bool) -> int:
+    """Compose and validate every point first (bad input starts nothing), then run each."""
+    host = HostInfo.detect()
+    jobs = []
+    for i, point in enumerate(expand_sweep(overrides) if multirun else [overrides]):
+        cfg, run_dir, hydra_node = compose_config(point)
+        if multirun:
+            run_dir = Path(str(hydra_node.sweep.dir)) / str(i)
+        run_dir = run_dir.resolve()
+        C.validate(cfg, host)
+        check_writable(run_dir)
+        jobs.append((cfg, run_dir))
+
     rc = 0
     for cfg, run_dir in jobs:
-        try:
-            plan = make_plan(cfg, host)
-            if cfg.dry_run:
-                print(C.to_yaml(cfg), end="")
-                print("# command")
-                print(command_script(torchrun_argv(cfg, str(run_dir), plan), rank_env(plan), plan.workdir,
-                                     str(run_dir)), end="")
-                continue
-            argv_run, env = prepare_run(cfg, run_dir, plan)
-        except C.ConfigError as e:
-            print(f"error: {describe(e)}", file=sys.stderr)
-            return 2
+        plan = make_plan(cfg, host)
+        if cfg.dry_run:
+            print(C.to_yaml(cfg), end="")
+            print("# command")
+            print(command_script(torchrun_argv(cfg, str(run_dir), plan), rank_env(plan), plan.workdir,
+                                 str(run_dir)), end="")
+            continue
+        argv_run, env = prepare_run(cfg, run_dir, plan)
         print(f"run directory: {run_dir}", flush=True)
-        full_env = {**os.environ, **env}
-        if len(jobs) == 1:
-            os.execve(argv_run[0], argv_run, full_env)
-        rc = max(rc, subprocess.call(argv_run, env=full_env))
+        # The launcher stays as torchrun's parent: it forwards stop signals and turns a
+        # preemption into EXIT_PREEMPTED (torchrun itself would exit 1).
+        rc = max(rc, supervise(argv_run, {**os.environ, **env}, run_dir))
     return rc
+
+
+def cmd_export(args: list[str]) -> int:
+    """`launcher export RUN_DIR [export.key=value ...]`: consolidated weights."""
+    from launcher.export import export
+
+    if not args or "=" in args[0]:
+        raise UsageError("usage: launcher export RUN_DIR [export.format=safetensors export.dtype=fp32|bf16 "
+                         "export.step=N export.out=DIR]")
+    run_dir = Path(args[0]).resolve()
+    if not (run_dir / "config.yaml").is_file():
+        raise C.ConfigError("RUN", args[0], "not a run directory (no config.yaml in it)")
+    for o in args[1:]:
+        if not o.startswith("export."):
+            raise C.ConfigError(o.split("=", 1)[0], o.split("=", 1)[-1], "export takes only export.* options")
+    out = export(run_dir, args[1:])
+    print(f"exported {out}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ def torchrun_argv(cfg: Config, run_dir: str, plan: LaunchPlan) -> list[str]:
         f"--rdzv-id={rendezvous_id(run_dir)}",
         f"--rdzv-conf=join_timeout={cfg.dist.timeout_s}",
         f"--max-restarts={c.max_restarts}",
+        # Forward SIGUSR1 too (Slurm's warning signal); give ranks time to save.
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        f"--shutdown-timeout={c.shutdown_timeout_s}",
     ]
     return argv + ["-m", "launcher.train", run_dir]
 

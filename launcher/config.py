@@ -78,6 +78,15 @@ class Runner(str, enum.Enum):
     torchrun = "torchrun"
 
 
+class ExportFormat(str, enum.Enum):
+    safetensors = "safetensors"
+
+
+class ExportDtype(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 # ----------------------------------------------------------------------------- groups
 @dataclass
 class DDPOptions:
@@ -251,6 +260,9 @@ class ClusterConfig:
     max_restarts: int = 0
     """torchrun restarts the whole group this many times after a failure; each restart
     resumes from the latest checkpoint."""
+    shutdown_timeout_s: int = 300
+    """After a stop signal (SIGTERM, SIGUSR1) the ranks finish the step and save; torchrun
+    kills them after this long. Must cover one step plus one checkpoint save."""
     cpu_threads: Optional[int] = None
     """Threads per rank on CPU (null: cores / processes, at least 1)."""
 
@@ -294,6 +306,20 @@ class DistConfig:
 
 
 @dataclass
+class ExportConfig:
+    """`make export RUN=RUN_DIR` (launcher export RUN_DIR export.key=value ...)."""
+
+    format: ExportFormat = ExportFormat.safetensors
+    """safetensors: the project's model weights in one file (metadata holds the model config)."""
+    dtype: ExportDtype = ExportDtype.fp32
+    """fp32 keeps the master weights exactly; bf16 halves the file for inference."""
+    step: Optional[int] = None
+    """Which checkpoint (null = the latest complete one)."""
+    out: Optional[str] = None
+    """Output folder (null = RUN_DIR/export/step_XXXXXXXX)."""
+
+
+@dataclass
 class Config:
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -305,6 +331,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     run_name: Optional[str] = None
     """Name shown in W&B and the console (null: the run directory's name)."""
     dry_run: bool = False
@@ -481,6 +508,7 @@ def validate(cfg: Config, host) -> None:
     if not 0 <= c.node_rank < c.nnodes:
         raise ConfigError("cluster.node_rank", c.node_rank, f"must be in [0, cluster.nnodes={c.nnodes})")
     _positive("cluster.max_restarts", c.max_restarts, zero_ok=True)
+    _positive("cluster.shutdown_timeout_s", c.shutdown_timeout_s)
     if c.master_port is not None and not 1 <= c.master_port <= 65535:
         raise ConfigError("cluster.master_port", c.master_port, "must be a port in 1..65535")
     if c.nnodes > 1 and c.master_port is None:

@@ -11,11 +11,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher.checkpoint import Checkpointer
+from launcher.checkpoint import Checkpointer, step_name
 from launcher.config import Config
 from launcher.data import build_loader, loss_floor
 from launcher.device import memory_stats, peak_flops, reset_peak_memory, synchronize
 from launcher.metrics import RankZeroLogger, Throughput
+from launcher.preempt import EXIT_PREEMPTED, Preemption
 
 
 @dataclass
@@ -34,9 +35,11 @@ class Job:
     grad_accum: int
     flops_per_token: float
     compute_dtype: torch.dtype | None
+    preemption: Preemption
 
 
-def run(job: Job) -> dict:
+def run(job: Job) -> int:
+    """Train to the last step (0), or until a stop signal (EXIT_PREEMPTED)."""
     cfg, engine, device = job.cfg, job.engine, job.device
     global_batch = cfg.train.micro_batch * job.grad_accum * job.dp_size
     tokens_per_step = global_batch * cfg.train.seq_len
@@ -65,6 +68,7 @@ def run(job: Job) -> dict:
 
     # ------------------------------------------------------------------ loop
     last = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
+    saved_at, preempted = None, False
     while step < last:
         t0 = time.perf_counter()
         micro_batches = []
@@ -92,14 +96,24 @@ def run(job: Job) -> dict:
         every = cfg.checkpoint.every
         stopping_early = step == last < cfg.train.steps
         if (every and step % every == 0) or stopping_early or (step == last and cfg.checkpoint.save_final):
-            saved = ckpt.save(step, samples_seen, engine)
-            log.print(f"checkpoint {saved}")
+            saved_at = ckpt.save(step, samples_seen, engine)
+            log.print(f"checkpoint {saved_at}")
             meter.start = time.perf_counter()  # keep save time out of the step time
+
+        if job.preemption.requested():  # every rank agrees, so all stop after this step
+            if saved_at is None or saved_at.name != step_name(step):
+                saved_at = ckpt.save(step, samples_seen, engine)
+            if job.rank == 0:
+                job.preemption.write_marker(job.run_dir, step, saved_at)
+            log.print(f"stop signal: saved {saved_at} after step {step}; exiting as preempted")
+            preempted = True
+            break
 
     # ------------------------------------------------------------------ summary
     summary = summarize(job, log.history, step - first_step)
+    summary["preempted"] = preempted
     log.finish(summary)
-    return summary
+    return EXIT_PREEMPTED if preempted else 0
 
 
 def summarize(job: Job, history: list[dict], steps_run: int) -> dict:
@@ -107,7 +121,7 @@ def summarize(job: Job, history: list[dict], steps_run: int) -> dict:
     digests = [None] * job.world_size
     dist.all_gather_object(digests, weights_digest(job.engine))
     if job.rank != 0:
-        return {}
+        return {"steps": job.cfg.train.steps}
     # Skip the first interval (start-up, allocator warm-up) when there are more.
     steady = history[1:] if len(history) > 1 else history
     floor = loss_floor(job.cfg)

@@ -27,6 +27,7 @@ from launcher.device import autocast_dtype, backend_for, local_device
 from launcher.engine import BuildContext
 from launcher.loop import Job, run
 from launcher.models.gpt import GPT, set_activation_checkpointing
+from launcher.preempt import Preemption
 
 
 def _single_process_env() -> None:
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     target = Path(argv[0]).resolve()
     run_dir = target if target.is_dir() else target.parent
     cfg = C.load_frozen(target)
+    preemption = Preemption().install()  # before anything slow: a signal now still stops cleanly
 
     _single_process_env()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(cfg.cluster.cpu_threads)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist.timeout_s),
                             device_id=device if device.type == "cuda" else None)
+    if backend != "gloo":  # stop-signal agreement runs on the CPU, never syncing the GPU
+        preemption.group = dist.new_group(backend="gloo")
     try:
         seed_everything(cfg.train.seed)
         # Same seed on every rank: identical initial weights without a broadcast.
@@ -80,13 +84,19 @@ def main(argv: list[str] | None = None) -> int:
         job = Job(cfg=cfg, run_dir=run_dir, engine=engine, dataset=build_dataset(cfg), device=device, rank=rank,
                   world_size=world_size, dp_rank=rank, dp_size=dp_size, grad_accum=accum,
                   flops_per_token=model.flops_per_token(cfg.train.seq_len),
-                  compute_dtype=autocast_dtype(cfg.precision.name.value))
-        run(job)
+                  compute_dtype=autocast_dtype(cfg.precision.name.value), preemption=preemption)
+        code = run(job)
     finally:
         # gloo aborts at exit without this, and schedulers then mark the job failed.
         dist.destroy_process_group()
-    return 0
+    return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Skip interpreter teardown: with gloo, C++ threads torn down during finalization can
+    # abort a rank that already finished cleanly ("terminate called without an active
+    # exception"), and the job would be marked failed. Everything is flushed and closed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -10,6 +10,15 @@ RECIPES: dict[str, str] = {
 }
 
 
+def _module(cfg):
+    return importlib.import_module(RECIPES[cfg.recipe.strategy.value])
+
+
 def build(ctx):
     """The engine for `ctx.cfg.recipe.strategy` (see launcher.engine.Engine)."""
-    return importlib.import_module(RECIPES[ctx.cfg.recipe.strategy.value]).build(ctx)
+    return _module(ctx.cfg).build(ctx)
+
+
+def consolidate(cfg, engine_dir):
+    """Full fp32 weights from a checkpoint's engine/ folder, on one process (export)."""
+    return _module(cfg).consolidate(cfg, engine_dir)

@@ -109,3 +109,9 @@ class DDPEngine:
 
 def build(ctx: BuildContext) -> DDPEngine:
     return DDPEngine(ctx)
+
+
+def consolidate(cfg, engine_dir: Path) -> dict[str, torch.Tensor]:
+    """DDP checkpoints hold the whole model in one file."""
+    state = torch.load(engine_dir / "model.pt", map_location="cpu", weights_only=True)
+    return {k: v.float() for k, v in state.items()}

@@ -126,3 +126,68 @@ def test_multirun_makes_one_run_dir_per_point(tmp_path):
     proc = launch("-m", "optim.lr=1e-3,2e-3", "--dry-run", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert proc.stdout.count("lr: 0.001") == 1 and proc.stdout.count("lr: 0.002") == 1
     assert f"{tmp_path / 'sweep'}/0" in proc.stdout and f"{tmp_path / 'sweep'}/1" in proc.stdout
+
+
+def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}", *overrides]
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= step:
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} within {timeout}s")
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
+    import signal
+
+    from launcher.preempt import EXIT_PREEMPTED
+
+    run = tmp_path / "run"
+    args = ["train.steps=60", "optim.warmup_steps=5", "logger=none", "logger.log_every=1", "checkpoint.every=1000",
+            "checkpoint.save_final=true"]
+    proc = _start(run, *args)
+    _wait_for_step(run, 3, proc)
+    proc.send_signal(getattr(signal, sig))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    marker = json.loads((run / "preempted.json").read_text())
+    assert marker["signal"] == sig and 3 <= marker["step"] < 60
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{marker['step']:08d}"
+    assert read_metrics(run)[-1]["step"] == marker["step"]  # the step it was in finished
+    assert f"preempted by {sig}" in out
+    if sig == "SIGTERM":  # the next launch of the same run directory resumes and finishes
+        proc2 = launch(*args, run_dir=run)
+        assert f"at step {marker['step']}" in proc2.stdout
+        assert [r["step"] for r in read_metrics(run)] == list(range(1, 61))
+        assert not (run / "preempted.json").exists()
+
+
+def test_export_loads_into_the_model_with_the_same_logits(tmp_path):
+    from launcher.export import load_exported
+    from launcher.models.gpt import GPT
+
+    run = tmp_path / "run"
+    launch("train.steps=8", "optim.warmup_steps=2", "logger=none", run_dir=run)
+    proc = launch(str(run), command="export")
+    path = run / "export" / "step_00000008" / "model.safetensors"
+    assert str(path) in proc.stdout
+    exported = load_exported(path)
+    trained = GPT(C.load_frozen(run).model)
+    trained.load_state_dict(torch.load(run / "checkpoints/step_00000008/engine/model.pt", weights_only=True))
+    x = torch.randint(0, 256, (2, 64))
+    with torch.no_grad():
+        assert torch.equal(exported(x), trained(x))
+    launch(str(run), "export.dtype=bf16", f"export.out={tmp_path / 'bf16'}", command="export")
+    half = load_exported(tmp_path / "bf16" / "model.safetensors")
+    with torch.no_grad():
+        assert torch.allclose(half(x), trained(x), atol=0.05)

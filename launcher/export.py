@@ -1,0 +1,62 @@
+"""Export: consolidated weights from any recipe's checkpoint, on one process, no GPU.
+
+Each recipe module provides `consolidate(cfg, engine_dir) -> {name: fp32 tensor}` that
+reads its own checkpoint layout (DDP's single file, DeepSpeed's shards, DCP). This module
+picks the checkpoint, casts, and writes safetensors with the model config in the
+metadata, so `load_exported(path)` rebuilds the project's model from the file alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import recipes
+from launcher import config as C
+from launcher.checkpoint import find_latest, step_name, verify
+from launcher.models.gpt import GPT
+
+DTYPES = {C.ExportDtype.fp32: torch.float32, C.ExportDtype.bf16: torch.bfloat16}
+
+
+def export(run_dir: Path, overrides: list[str]) -> Path:
+    base = OmegaConf.merge(OmegaConf.structured(C.Config), OmegaConf.load(run_dir / "config.yaml"))
+    cfg: C.Config = C.to_typed(OmegaConf.merge(base, OmegaConf.from_dotlist(overrides)))
+    root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+    if cfg.export.step is None:
+        folder = find_latest(root)
+        if folder is None:
+            raise C.ConfigError("RUN", str(run_dir), f"no complete checkpoint under {root}")
+    else:
+        folder = root / step_name(cfg.export.step)
+        problem = verify(folder) if folder.is_dir() else "no such checkpoint"
+        if problem:
+            raise C.ConfigError("export.step", cfg.export.step, f"{folder}: {problem}")
+    state = recipes.consolidate(cfg, folder / "engine")
+    dtype = DTYPES[cfg.export.dtype]
+    # Tied weights share storage; safetensors stores each name as its own tensor.
+    tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in state.items()}
+    out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / folder.name
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "model.safetensors"
+    meta = {"format": "launcher", "step": folder.name, "recipe": cfg.recipe.name,
+            "model": json.dumps(OmegaConf.to_container(OmegaConf.structured(cfg.model), enum_to_str=True))}
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+def load_exported(path: str | Path, device: str = "cpu") -> GPT:
+    """The project's model with the exported weights, from the file alone."""
+    with safe_open(str(path), framework="pt", device=device) as f:
+        meta = f.metadata()
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(C.ModelConfig), json.loads(meta["model"])))
+    with torch.device(device):
+        model = GPT(model_cfg)
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model

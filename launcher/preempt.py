@@ -1,0 +1,76 @@
+"""Preemption: SIGTERM or SIGUSR1 (what schedulers send before they stop a job) makes every
+rank finish its current step, save a checkpoint and exit with EXIT_PREEMPTED.
+
+Ranks: `Preemption.install()` turns the signals into a flag; after every step the loop
+asks `requested()`, which agrees across ranks (a max all-reduce of the flag on a CPU
+group, so a GPU job is not synchronised for it): all ranks stop after the same step.
+Rank 0 then writes RUN_DIR/preempted.json. The launch side (`supervise`) forwards
+signals to torchrun and, when that file appeared during this launch, exits with
+EXIT_PREEMPTED instead of torchrun's generic failure code.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: stopped on request, resume by launching again
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+MARKER = "preempted.json"
+
+
+class Preemption:
+    def __init__(self, group=None):
+        self.signal: int | None = None
+        self.group = group  # a gloo group; None = the default group
+
+    def install(self) -> "Preemption":
+        for sig in SIGNALS:
+            signal.signal(sig, self._handler)
+        return self
+
+    def _handler(self, signum, _frame) -> None:
+        self.signal = signum
+
+    def requested(self) -> bool:
+        """True on every rank when any rank has received a stop signal."""
+        flag = torch.tensor([0 if self.signal is None else int(self.signal)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() and self.signal is None:
+            self.signal = int(flag.item())
+        return bool(flag.item())
+
+    def write_marker(self, run_dir: Path, step: int, checkpoint: Path | None) -> None:
+        name = signal.Signals(self.signal).name if self.signal else "unknown"
+        (run_dir / MARKER).write_text(json.dumps({"step": step, "signal": name, "checkpoint": str(checkpoint),
+                                                  "time": time.time()}) + "\n")
+
+
+def clear_marker(run_dir: Path) -> None:
+    (run_dir / MARKER).unlink(missing_ok=True)
+
+
+def supervise(argv: list[str], env: dict[str, str], run_dir: Path) -> int:
+    """Run torchrun as a child, forward stop signals to it, map the exit code."""
+    clear_marker(run_dir)
+    proc = subprocess.Popen(argv, env=env)
+    forward = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, lambda s, _f: proc.send_signal(s)) for sig in forward}
+    try:
+        rc = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    marker = run_dir / MARKER
+    if marker.exists():
+        info = json.loads(marker.read_text())
+        print(f"preempted by {info['signal']} after step {info['step']}; checkpoint {info['checkpoint']}. "
+              f"Launch the same run directory again to resume.", flush=True)
+        return EXIT_PREEMPTED
+    return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
