@@ -96,16 +96,11 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def find_latest(root: Path) -> Path | None:
-    """The newest checkpoint that passes its manifest check. `latest` is tried first;
-    a checkpoint that fails is skipped with a warning and the one before it is used."""
-    candidates = complete_checkpoints(root)[::-1]
-    pointer = root / "latest"
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named in candidates:
-            candidates.remove(named)
-            candidates.insert(0, named)
-    for folder in candidates:
+    """The newest checkpoint that passes its manifest check. Only renamed folders count
+    (a save killed before its rename left a .tmp folder, never read); one that fails its
+    check is skipped with a warning and the one before it is used. The newest complete
+    folder wins even when a kill came between its rename and the `latest` update."""
+    for folder in complete_checkpoints(root)[::-1]:
         problem = verify(folder)
         if problem is None:
             return folder
@@ -130,8 +125,15 @@ def set_rng_state(state: dict) -> None:
 class Checkpointer:
     """Owns CKPT_DIR for one job. Every method is called on every rank."""
 
-    def __init__(self, root: Path, keep: int, rank: int, world_size: int):
+    def __init__(self, root: Path, keep: int, rank: int, world_size: int, debug=None):
         self.root, self.keep, self.rank, self.world_size = root, keep, rank, world_size
+        self.debug = debug  # fault injection points (launcher/faults.py); None in real runs
+
+    def _fault(self, point: str, step: int) -> None:
+        from launcher.config import FaultPoint
+        from launcher.faults import strike
+
+        strike(self.debug, FaultPoint(point), step, self.rank)
 
     def save(self, step: int, samples_seen: int, engine) -> Path:
         final = self.root / step_name(step)
@@ -147,20 +149,29 @@ class Checkpointer:
         torch.save({"step": step, "samples_seen": samples_seen, "world_size": self.world_size, "rng": rng_state()},
                    tmp / "trainer" / f"rank_{self.rank:05d}.pt")
         dist.barrier()
+        self._fault("save_engine_written", step)
         if self.rank == 0:
             write_manifest(tmp, step)
+            self._fault("save_manifest_written", step)
             if final.exists():  # a save of the same step from an earlier attempt
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _fsync_dir(self.root)
+            self._fault("save_renamed", step)
             pointer = self.root / "latest.tmp"
             pointer.write_text(final.name + "\n")
             os.replace(pointer, self.root / "latest")
             _fsync_dir(self.root)
+            self._fault("save_latest_written", step)
             for old in complete_checkpoints(self.root)[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
         return final
+
+    def discard_partial(self, step: int) -> None:
+        """After a failed save: remove its temporary folder (best effort, rank 0)."""
+        if self.rank == 0:
+            shutil.rmtree(self.root / (step_name(step) + ".tmp"), ignore_errors=True)
 
     def resolve(self, resume: str) -> Path | None:
         """Which checkpoint to start from, decided on rank 0 and shared with all ranks."""

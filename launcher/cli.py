@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -135,13 +136,45 @@ def make_plan(cfg: C.Config, host: HostInfo) -> LaunchPlan:
                       workdir=os.getcwd())
 
 
-def check_writable(run_dir: Path) -> None:
-    """The run directory can be made (or is writable) -- found here, not on a rank."""
-    probe = run_dir
+def writable_parent(path: Path, key: str) -> Path:
+    """The nearest existing folder at or above `path`, proven writable by creating (and
+    removing) a file in it: permission bits alone do not tell (root, read-only mounts,
+    /proc). Found here, on the launch side, not on a rank."""
+    probe = path
     while not probe.exists():
         probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise C.ConfigError("hydra.run.dir", str(run_dir), f"cannot write under {probe}; choose a writable folder")
+    try:
+        if not probe.is_dir():
+            raise NotADirectoryError(20, "not a folder")
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".launcher-probe-"):
+            pass
+    except OSError as err:
+        raise C.ConfigError(key, str(path), f"cannot write under {probe} ({err.strerror}); choose a writable folder")
+    return probe
+
+
+def check_writable(run_dir: Path) -> None:
+    writable_parent(run_dir, "hydra.run.dir")
+
+
+def check_checkpoint_space(cfg: C.Config, run_dir: Path) -> None:
+    """The checkpoint folder is writable and its disk has room for keep + 1 checkpoints
+    (the newest is written before the oldest is deleted), found here, not mid-run."""
+    from launcher.checkpoint import complete_checkpoints
+    from launcher.memory import ParamCounts
+
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    probe = writable_parent(root, "checkpoint.dir")
+    # Upper bound per checkpoint: fp32 weights + Adam's two moments + a low-precision copy.
+    each = 16 * ParamCounts.of(cfg.model).total
+    existing = sum(f.stat().st_size for d in complete_checkpoints(root) for f in d.rglob("*") if f.is_file())
+    need = max(each, each * (cfg.checkpoint.keep + 1) - existing)
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise C.ConfigError("checkpoint.dir", str(root),
+                            f"{free / 2**30:.2f} GiB free, but keep={cfg.checkpoint.keep} checkpoints of up to "
+                            f"{each / 2**30:.2f} GiB need {need / 2**30:.2f} GiB; free space, lower checkpoint.keep, "
+                            f"or choose another checkpoint.dir")
 
 
 def prepare_run(cfg: C.Config, run_dir: Path, plan: LaunchPlan) -> tuple[list[str], dict[str, str]]:
@@ -229,6 +262,7 @@ def cmd_train(overrides: list[str], multirun: bool) -> int:
         run_dir = run_dir.resolve()
         C.validate(cfg, host)
         check_writable(run_dir)
+        check_checkpoint_space(cfg, run_dir)
         jobs.append((cfg, run_dir, choice))
 
     rc = 0
@@ -356,7 +390,7 @@ def supervise_with_backoff(cfg: C.Config, argv: list[str], env: dict[str, str], 
     find_executable_batch_size drives the retries); the run resumes from its checkpoints."""
     from accelerate.utils import find_executable_batch_size
 
-    from launcher.loop import OOM_MARKER
+    from launcher.exits import OOM_MARKER
 
     state = {"mb": cfg.train.micro_batch}
 

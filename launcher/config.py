@@ -312,6 +312,33 @@ class DistConfig:
     """Collective timeout: a rank that stops answering ends the job after this long."""
 
 
+class FaultPoint(str, enum.Enum):
+    """Where `debug.fault` strikes (reliability tests; never set it for real training)."""
+
+    save_engine_written = "save_engine_written"
+    """SIGKILL after every rank wrote its part of the checkpoint, before the manifest."""
+    save_manifest_written = "save_manifest_written"
+    """SIGKILL after the manifest, before the folder is renamed into place."""
+    save_renamed = "save_renamed"
+    """SIGKILL after the rename, before `latest` is updated."""
+    save_latest_written = "save_latest_written"
+    """SIGKILL after `latest` is updated, before old checkpoints are deleted."""
+    hang = "hang"
+    """The rank sleeps forever instead of fetching the batch of step `fault_step`."""
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection for the reliability tests: a real SIGKILL or a real sleep at a
+    named point, on one rank, at one step. Off (null) in every real run."""
+
+    fault: Optional[FaultPoint] = None
+    fault_step: int = 1
+    """The step at (or during whose checkpoint save) the fault strikes."""
+    fault_rank: int = 0
+    """The global rank it strikes."""
+
+
 @dataclass
 class ExportConfig:
     """`make export RUN=RUN_DIR` (launcher export RUN_DIR export.key=value ...)."""
@@ -368,6 +395,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     run_name: Optional[str] = None
     """Name shown in W&B and the console (null: the run directory's name)."""
     dry_run: bool = False

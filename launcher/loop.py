@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,13 +13,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher.checkpoint import Checkpointer, step_name
-from launcher.config import Config
+from launcher.checkpoint import Checkpointer, find_latest, step_name
+from launcher.config import Config, FaultPoint
 from launcher.data import build_loader, loss_floor
 from launcher.device import memory_stats, peak_flops, reset_peak_memory, synchronize
 from launcher.memory import ActivationCounter
 from launcher.metrics import RankZeroLogger, Throughput
-from launcher.preempt import EXIT_PREEMPTED, Preemption
+from launcher.exits import CHECKPOINT_FAILED_MARKER, EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED, OOM_MARKER
+from launcher.faults import strike
+from launcher.preempt import Preemption
+from launcher.watchdog import Watchdog
 
 
 @dataclass
@@ -48,7 +52,7 @@ def run(job: Job) -> int:
 
     # ------------------------------------------------------------------ resume
     ckpt = Checkpointer(Path(cfg.checkpoint.dir or job.run_dir / "checkpoints"), cfg.checkpoint.keep,
-                        job.rank, job.world_size)
+                        job.rank, job.world_size, debug=cfg.debug)
     step, samples_seen = 0, 0
     start_from = ckpt.resolve(cfg.checkpoint.resume)
     if start_from is not None:
@@ -70,15 +74,18 @@ def run(job: Job) -> int:
 
     # ------------------------------------------------------------------ loop
     last = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
+    watchdog = Watchdog(cfg.dist.timeout_s, job.rank, job.world_size, job.run_dir).start(step)
     saved_at, preempted = None, False
     measured: dict[str, int] = {}
     while step < last:
+        strike(cfg.debug, FaultPoint.hang, step + 1, job.rank)
         t0 = time.perf_counter()
         micro_batches = []
         for _ in range(job.grad_accum):
             batch = next(batches).to(device, non_blocking=True)
             micro_batches.append((batch[:, :-1], batch[:, 1:]))
         meter.data_wait += time.perf_counter() - t0
+        watchdog.in_step()
 
         try:
             if cfg.train.measure_activations and step == first_step:
@@ -96,6 +103,7 @@ def run(job: Job) -> int:
         step += 1
         samples_seen += global_batch
         meter.steps += 1
+        watchdog.progress(step)
 
         if step % cfg.logger.log_every == 0 or step == last:
             loss = result.loss.detach().clone()
@@ -111,13 +119,17 @@ def run(job: Job) -> int:
         every = cfg.checkpoint.every
         stopping_early = step == last < cfg.train.steps
         if (every and step % every == 0) or stopping_early or (step == last and cfg.checkpoint.save_final):
-            saved_at = ckpt.save(step, samples_seen, engine)
+            saved_at = save(ckpt, step, samples_seen, engine, watchdog, job)
+            if saved_at is None:
+                return EXIT_CHECKPOINT_FAILED
             log.print(f"checkpoint {saved_at}")
             meter.start = time.perf_counter()  # keep save time out of the step time
 
         if job.preemption.requested():  # every rank agrees, so all stop after this step
             if saved_at is None or saved_at.name != step_name(step):
-                saved_at = ckpt.save(step, samples_seen, engine)
+                saved_at = save(ckpt, step, samples_seen, engine, watchdog, job)
+                if saved_at is None:
+                    return EXIT_CHECKPOINT_FAILED
             if job.rank == 0:
                 job.preemption.write_marker(job.run_dir, step, saved_at)
             log.print(f"stop signal: saved {saved_at} after step {step}; exiting as preempted")
@@ -125,13 +137,42 @@ def run(job: Job) -> int:
             break
 
     # ------------------------------------------------------------------ summary
+    watchdog.stop()
     summary = summarize(job, log.history, step - first_step)
     summary["preempted"] = preempted
     log.finish(summary)
     return EXIT_PREEMPTED if preempted else 0
 
 
-OOM_MARKER = "oom.json"
+def save(ckpt: Checkpointer, step: int, samples_seen: int, engine, watchdog: Watchdog, job: Job) -> Path | None:
+    """A checkpoint, or None when it could not be written (disk full, folder gone): the
+    rank says so, leaves RUN_DIR/checkpoint_failed.json, and the run stops; the last
+    complete checkpoint stays as it was."""
+    try:
+        with watchdog.paused():
+            return ckpt.save(step, samples_seen, engine)
+    except (OSError, RuntimeError) as err:
+        if not is_write_failure(err):
+            raise
+        last = find_latest(ckpt.root)
+        message = (f"checkpoint at step {step} could not be written on rank {job.rank}: {err}; stopping. "
+                   f"The last complete checkpoint, {last or 'none'}, is untouched.")
+        print(message, file=sys.stderr, flush=True)
+        ckpt.discard_partial(step)
+        try:
+            (job.run_dir / CHECKPOINT_FAILED_MARKER).write_text(json.dumps({"message": message}) + "\n")
+        except OSError:
+            pass  # the run directory may be on the same full disk: the message above stands
+        watchdog.stop()
+        return None
+
+
+def is_write_failure(err: BaseException) -> bool:
+    """A failed file write: an OSError, or torch's zip writer reporting one (it turns a
+    full disk into a RuntimeError such as "unexpected pos 64 vs 0")."""
+    text = str(err)
+    return isinstance(err, OSError) or any(s in text for s in (
+        "PytorchStreamWriter", "inline_container", "file write failed", "No space left", "unexpected pos"))
 
 
 def is_out_of_memory(err: BaseException) -> bool:

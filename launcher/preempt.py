@@ -6,7 +6,8 @@ asks `requested()`, which agrees across ranks (a max all-reduce of the flag on a
 group, so a GPU job is not synchronised for it): all ranks stop after the same step.
 Rank 0 then writes RUN_DIR/preempted.json. The launch side (`supervise`) forwards
 signals to torchrun and, when that file appeared during this launch, exits with
-EXIT_PREEMPTED instead of torchrun's generic failure code.
+EXIT_PREEMPTED instead of torchrun's generic failure code (likewise for the other
+markers in launcher/exits.py).
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: stopped on request, resume by launching again
+from launcher.exits import EXIT_PREEMPTED, MARKERS, PREEMPTED_MARKER as MARKER
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-MARKER = "preempted.json"
 
 
 class Preemption:
@@ -52,13 +54,14 @@ class Preemption:
                                                   "time": time.time()}) + "\n")
 
 
-def clear_marker(run_dir: Path) -> None:
-    (run_dir / MARKER).unlink(missing_ok=True)
+def clear_markers(run_dir: Path) -> None:
+    for name in MARKERS:
+        (run_dir / name).unlink(missing_ok=True)
 
 
 def supervise(argv: list[str], env: dict[str, str], run_dir: Path) -> int:
     """Run torchrun as a child, forward stop signals to it, map the exit code."""
-    clear_marker(run_dir)
+    clear_markers(run_dir)
     proc = subprocess.Popen(argv, env=env)
     forward = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
     previous = {sig: signal.signal(sig, lambda s, _f: proc.send_signal(s)) for sig in forward}
@@ -67,10 +70,16 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    marker = run_dir / MARKER
-    if marker.exists():
-        info = json.loads(marker.read_text())
-        print(f"preempted by {info['signal']} after step {info['step']}; checkpoint {info['checkpoint']}. "
-              f"Launch the same run directory again to resume.", flush=True)
-        return EXIT_PREEMPTED
+    if rc == 0:
+        return 0
+    for name, code in MARKERS.items():
+        marker = run_dir / name
+        if marker.exists():
+            info = json.loads(marker.read_text())
+            if code == EXIT_PREEMPTED:
+                print(f"preempted by {info['signal']} after step {info['step']}; checkpoint {info['checkpoint']}. "
+                      f"Launch the same run directory again to resume.", flush=True)
+            else:
+                print(info["message"], file=sys.stderr, flush=True)
+            return code
     return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention

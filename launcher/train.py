@@ -40,6 +40,22 @@ def _single_process_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+def job_store(rank: int | None, world_size: int, timeout_s: float) -> dist.Store:
+    """The job's key-value store, namespaced per torchrun attempt.
+
+    torchrun hosts one store for the job (TORCHELASTIC_USE_AGENT_STORE) and keeps it across
+    restarts of the group: without a fresh namespace a restarted rank can read a dead
+    peer's address left by the previous attempt and fail to connect (seen with gloo).
+    Without torchrun, rank 0 hosts the store, as env:// would. `rank=None`: another
+    client (the watchdog's own connection)."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    host = rank == 0 and not agent_hosts
+    base = dist.TCPStore(addr, port, world_size if host else None, is_master=host,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False, multi_tenant=host)
+    return dist.PrefixStore(f"launcher/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", base)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -80,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     backend = backend_for(device) if cfg.dist.backend == C.Backend.auto else cfg.dist.backend.value
     if device.type == "cpu" and cfg.cluster.cpu_threads:
         torch.set_num_threads(cfg.cluster.cpu_threads)
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist.timeout_s),
+    # The collectives' own timeout is the backstop; the watchdog (launcher/watchdog.py)
+    # fires first, at dist.timeout_s, and names the silent rank.
+    backstop = cfg.dist.timeout_s + max(30, cfg.dist.timeout_s // 2)
+    dist.init_process_group(backend, store=job_store(rank, world_size, backstop), rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=backstop),
                             device_id=device if device.type == "cuda" else None)
     if backend != "gloo":  # stop-signal agreement runs on the CPU, never syncing the GPU
         preemption.group = dist.new_group(backend="gloo")

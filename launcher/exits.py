@@ -1,0 +1,24 @@
+"""Exit codes and the marker files that explain them.
+
+A rank that stops for a known reason leaves a small JSON file in RUN_DIR; torchrun itself
+exits 1 whatever happened, so the launcher (preempt.supervise) reads the marker and
+exits with the code that says why, after printing the reason.
+"""
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2  # refused on the launch side, nothing started
+EXIT_CHECKPOINT_FAILED = 74  # sysexits EX_IOERR: a checkpoint could not be written; the last good one stays
+EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: stopped on a signal after saving; launch again to resume
+EXIT_HANG = 124  # a rank stopped answering for dist.timeout_s (as timeout(1) exits)
+
+PREEMPTED_MARKER = "preempted.json"
+HANG_MARKER = "hang.json"
+CHECKPOINT_FAILED_MARKER = "checkpoint_failed.json"
+OOM_MARKER = "oom.json"  # a rank ran out of memory: train.micro_batch=auto backs off and retries
+
+# marker file -> exit code, in the order the launcher checks them
+MARKERS = {
+    CHECKPOINT_FAILED_MARKER: EXIT_CHECKPOINT_FAILED,
+    HANG_MARKER: EXIT_HANG,
+    PREEMPTED_MARKER: EXIT_PREEMPTED,
+}

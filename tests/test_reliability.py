@@ -1,0 +1,205 @@
+"""Reliability: kills, crashes, hangs, full disks, secrets and shell metacharacters,
+each with real processes. docs/reliability.md reports these tests' figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from conftest import REPO, launch, read_metrics
+from launcher.checkpoint import find_latest, verify
+from launcher.exits import EXIT_CHECKPOINT_FAILED, EXIT_HANG
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["train.steps=16", "optim.warmup_steps=2", "logger=none", "logger.log_every=1", "checkpoint.every=5",
+          "checkpoint.keep=2"]
+
+
+def start(run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}", *overrides]
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= step:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def rank_process(run_dir: Path, rank: int) -> psutil.Process:
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "launcher.train" in cmd and str(run_dir) in cmd:
+            try:
+                if p.environ().get("RANK") == str(rank):
+                    return p
+            except psutil.Error:
+                continue
+    raise AssertionError(f"no rank {rank} process for {run_dir}")
+
+
+def final_weights(run_dir: Path, step: int = 16) -> dict:
+    return torch.load(run_dir / f"checkpoints/step_{step:08d}/engine/model.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run every kill is compared with."""
+    run = tmp_path_factory.mktemp("reference") / "run"
+    launch(*COMMON, run_dir=run)
+    return run
+
+
+# ----------------------------------------------------------------------------- 1. SIGKILL
+KILL_STEPS = sorted(random.Random(6).sample(range(2, 15), 3))  # seeded: the same "random" steps each run
+
+
+@pytest.mark.parametrize("kill_after", KILL_STEPS)
+def test_a_killed_rank_restarts_resumes_and_ends_bit_identical(kill_after, reference, tmp_path):
+    run = tmp_path / "run"
+    proc = start(run, *COMMON, "cluster.max_restarts=2")
+    wait_for_step(run, kill_after, proc)
+    rank_process(run, 1).kill()  # SIGKILL, mid-run, the rank that does not log
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert out.count("rank(s) on cpu") == 2, "the group was not restarted"
+    if kill_after >= 5:  # a checkpoint existed: the restarted group must start from it
+        assert "resumed from" in out, "the restarted group did not resume from a checkpoint"
+    want, got = final_weights(reference), final_weights(run)
+    assert all(torch.equal(want[k], got[k]) for k in want), f"weights differ after a kill after step {kill_after}"
+    assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[-1]["loss"]
+
+
+# ----------------------------------------------------------------------------- 2. kill in a save
+@pytest.mark.parametrize("point,resumes_from", [
+    ("save_engine_written", 5), ("save_manifest_written", 5), ("save_renamed", 10), ("save_latest_written", 10)])
+def test_a_kill_inside_a_save_keeps_the_last_complete_checkpoint(point, resumes_from, reference, tmp_path):
+    run = tmp_path / "run"
+    proc = launch(*COMMON, f"debug.fault={point}", "debug.fault_step=10", "debug.fault_rank=0", run_dir=run,
+                  check=False)
+    assert proc.returncode != 0 and f"injected fault {point} at step 10" in proc.stderr
+    ckpts = run / "checkpoints"
+    latest = (ckpts / "latest").read_text().strip()
+    assert verify(ckpts / latest) is None, "latest names a partial checkpoint"
+    assert verify(ckpts / "step_00000005") is None, "the previous checkpoint was damaged"
+    assert find_latest(ckpts).name == f"step_{resumes_from:08d}"
+    proc = launch(*COMMON, run_dir=run)  # the next launch resumes from the last complete one
+    assert f"at step {resumes_from} " in proc.stdout
+    want, got = final_weights(reference), final_weights(run)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+# ----------------------------------------------------------------------------- 3. a hang
+def test_a_silent_rank_ends_the_job_with_a_message_naming_it(tmp_path):
+    run = tmp_path / "run"
+    t0 = time.time()
+    proc = launch("train.steps=40", "optim.warmup_steps=2", "logger=none", "logger.log_every=1",
+                  "dist.timeout_s=10", "debug.fault=hang", "debug.fault_step=6", "debug.fault_rank=1",
+                  run_dir=run, check=False, timeout=300)
+    elapsed = time.time() - t0
+    assert proc.returncode == EXIT_HANG, proc.stderr[-3000:]
+    hang = json.loads((run / "hang.json").read_text())  # written by the watchdog, not the backstop
+    assert hang["silent"] == [1] and hang["step"] == 6
+    assert "silent: rank(s) 1" in proc.stderr and "rank 1 waiting for data after step 5" in proc.stderr
+    print(f"hang detected and job ended {elapsed:.0f}s after launch (dist.timeout_s=10)")
+
+
+# ----------------------------------------------------------------------------- 4. disks
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real, small filesystem (tmpfs) for the checkpoints. Needs root to mount."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    size = {"mb": 40}
+
+    def make(mb: int) -> Path:
+        size["mb"] = mb
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", str(mount)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
+        return mount
+
+    yield make
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_too_little_disk_is_refused_before_the_run(small_disk, tmp_path, capsys, monkeypatch):
+    from launcher import cli
+
+    disk = small_disk(15)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["train", f"hydra.run.dir={tmp_path / 'run'}", f"checkpoint.dir={disk / 'ckpt'}",
+                     "checkpoint.keep=3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "checkpoint.dir=" in err[0] and "GiB free" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_disk_that_fills_mid_run_stops_cleanly_and_keeps_the_last_checkpoint(small_disk, tmp_path):
+    disk = small_disk(40)
+    run = tmp_path / "run"
+    args = ["train.steps=30", "optim.warmup_steps=2", "logger=none", "logger.log_every=1", "checkpoint.every=10",
+            "checkpoint.keep=1", f"checkpoint.dir={disk / 'ckpt'}"]
+    proc = start(run, *args)
+    wait_for_step(run, 12, proc)
+    filler = disk / "filler"
+    with open(filler, "wb") as f:  # another process fills the disk
+        try:
+            while True:
+                f.write(b"\0" * 2**20)
+        except OSError:
+            pass
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == EXIT_CHECKPOINT_FAILED, err[-3000:]
+    assert "checkpoint at step 20 could not be written" in err and "step_00000010" in err
+    assert verify(disk / "ckpt" / "step_00000010") is None
+    assert not list((disk / "ckpt").glob("*.tmp")), "the partial save was left behind"
+    filler.unlink()
+    proc = launch(*args, run_dir=run)
+    assert "at step 10 " in proc.stdout and read_metrics(run)[-1]["step"] == 30
+
+
+# ----------------------------------------------------------------------------- security
+def test_secrets_in_the_environment_never_land_on_disk(tmp_path):
+    secrets = {"WANDB_API_KEY": "planted-wandb-key-93f1c2", "HF_TOKEN": "planted-hf-token-5a7e",
+               "DB_PASSWORD": "planted-password-77aa", "MY_SECRET": "planted-secret-1234"}
+    run = tmp_path / "run"
+    proc = launch("train.steps=4", "optim.warmup_steps=1", "logger=wandb", "logger.mode=offline", run_dir=run,
+                  env=secrets)
+    files = [p for p in run.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files) and (run / "command.sh").exists()
+    for value in secrets.values():
+        assert value not in proc.stdout + proc.stderr
+        for p in files:
+            assert value.encode() not in p.read_bytes(), f"{value} found in {p}"
+
+
+@pytest.mark.parametrize("name", ["x; touch pwned", "$(touch pwned)", "`touch pwned`"])
+def test_shell_metacharacters_in_a_run_name_run_nothing(name, tmp_path):
+    run = tmp_path / name
+    # Quoted for Hydra's override grammar, as a user types it: run_name='x; touch pwned'
+    proc = launch("train.steps=2", "optim.warmup_steps=1", "logger=none", f"run_name='{name}'",
+                  f"hydra.run.dir='{run}'")
+    assert run.is_dir() and (run / "command.sh").exists()
+    # Running the exact command again (it resumes a finished run) must not run the name either.
+    again = subprocess.run(["bash", str(run / "command.sh")], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert not list(tmp_path.rglob("pwned")) and not (REPO / "pwned").exists(), proc.stdout
