@@ -87,6 +87,8 @@ def torchrun_argv(cfg: Config, run_dir: str, plan: LaunchPlan, node: NodeArgs | 
         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
         f"--shutdown-timeout={c.shutdown_timeout_s}",
     ]
+    if c.local_addr:
+        argv.append(f"--local-addr={c.local_addr}")
     return argv + ["-m", "launcher.train", run_dir]
 
 

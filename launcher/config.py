@@ -281,6 +281,10 @@ class ClusterConfig:
     """Seconds the nodes wait for each other at the rendezvous (null: dist.timeout_s). A
     node that has not joined by then ends the job with a message naming it. Long enough
     for the slowest node to start (image pulls, module loads); short to notice a dead one."""
+    local_addr: Optional[str] = None
+    """This node's address as the other nodes reach it (torchrun --local-addr; rank 0's
+    node hosts the ranks' store there). null: the host's name, right unless that name
+    resolves to an address the others cannot reach (several networks, containers)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment for the ranks on every node, e.g. NCCL and network settings:
     NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (the interface collectives use; pick the fast
@@ -638,6 +642,9 @@ def validate_slurm(cfg: Config) -> None:
         raise ConfigError("cluster.preempt_grace_s", c.preempt_grace_s,
                           f"must be >= cluster.shutdown_timeout_s={c.shutdown_timeout_s} (the ranks' save must fit in the warning)")
     _positive("cluster.max_requeues", c.max_requeues, zero_ok=True)
+    if c.local_addr is not None:
+        raise ConfigError("cluster.local_addr", c.local_addr,
+                          "one address for every node of a Slurm job cannot be right: leave it null (each node's name)")
     if c.requeue and cfg.checkpoint.resume != "auto":
         raise ConfigError("checkpoint.resume", cfg.checkpoint.resume,
                           "a requeued job must resume from its own latest checkpoint: use auto (or cluster.requeue=false)")

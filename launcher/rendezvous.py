@@ -33,8 +33,9 @@ class RendezvousFailed(Exception):
 
 
 def config_digest(cfg: C.Config) -> str:
-    """The settings every node must share (its own node_rank aside)."""
-    same = replace(cfg, cluster=replace(cfg.cluster, node_rank=0))
+    """The settings every node must share: all but the node's own rank, address and
+    environment (interface names differ between machines)."""
+    same = replace(cfg, cluster=replace(cfg.cluster, node_rank=0, local_addr=None, env={}))
     return hashlib.sha256(C.to_yaml(same).encode()).hexdigest()[:16]
 
 
@@ -130,7 +131,7 @@ class NodeRendezvous:
                             f"{self.me['run_dir']}: give every node the same hydra.run.dir (a shared folder)")
             if node["config"] != self.me["config"]:
                 self._abort(f"node {k} ({node['host']}) has other settings than node 0: launch every node with "
-                            f"the same overrides (only cluster.node_rank differs)")
+                            f"the same overrides (only cluster.node_rank, local_addr and env may differ)")
         self.store.set(self._key("go"), "1")
 
     def _await_go(self, deadline: float) -> None:
