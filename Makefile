@@ -10,7 +10,7 @@ ARGS   ?=
 RUN    ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train submit export test test-quick bench clean
+.PHONY: help setup train plan submit export test test-quick bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -26,6 +26,9 @@ $(STAMP): pyproject.toml
 
 train: setup ## train: RECIPE=<name> ARGS="<overrides>" (--dry-run in ARGS prints, starts nothing)
 	$(PY) -m launcher train $(if $(RECIPE),recipe=$(RECIPE)) $(ARGS)
+
+plan: setup ## memory per GPU of every recipe, the largest micro-batch that fits, the recommendation (ARGS="... --json")
+	$(PY) -m launcher plan $(ARGS)
 
 submit: setup ## Slurm batch job: RECIPE=<name> ARGS="cluster.nnodes=2 cluster.partition=gpu ..." (--dry-run prints the script)
 	$(PY) -m launcher submit $(if $(RECIPE),recipe=$(RECIPE)) $(ARGS)

@@ -7,6 +7,7 @@ with one line on stderr and exit code 2, before any rank starts.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -26,8 +27,9 @@ from launcher.preempt import supervise
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "conf"
-COMMANDS = ("train", "export", "submit")
+COMMANDS = ("train", "export", "plan", "submit")
 USAGE = """usage: launcher train [key=value ...] [--dry-run] [-m|--multirun]
+       launcher plan [key=value ...] [--json]
        launcher submit [key=value ...] [--dry-run] [-m|--multirun]   (a Slurm batch job; cluster=slurm)
        launcher export RUN_DIR [export.key=value ...]"""
 
@@ -187,6 +189,8 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], bool, bool]:
             dry = True
         elif a in ("-m", "--multirun"):
             multirun = True
+        elif a == "--json" and command == "plan":
+            overrides.append("+_json=true")
         elif a.startswith("-"):
             raise UsageError(f"unknown flag '{a}'; allowed: --dry-run, -m/--multirun, or key=value overrides")
         else:
@@ -213,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         command, overrides, _, multirun = parse_args(argv)
         if command == "export":
             return cmd_export(overrides)
+        if command == "plan":
+            return cmd_plan(overrides)
         if command == "submit":
             return cmd_submit(overrides, multirun)
         return cmd_train(overrides, multirun)
@@ -224,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def compose_jobs(command: str, overrides: list[str], multirun: bool) -> list[tuple[C.Config, Path, HostInfo]]:
+def compose_jobs(command: str, overrides: list[str],
+                 multirun: bool) -> list[tuple[C.Config, Path, HostInfo, str | None]]:
     """`train` and `submit` alike: compose and validate every point of a sweep first (bad
     input starts nothing and writes nothing); each point gets its own run directory."""
     here = HostInfo.detect()
@@ -232,6 +239,7 @@ def compose_jobs(command: str, overrides: list[str], multirun: bool) -> list[tup
         overrides = ["cluster=slurm", *overrides]
     jobs = []
     for i, point in enumerate(expand_sweep(overrides) if multirun else [overrides]):
+        point, choice = resolve_auto(point, planned_host(command, point, here))
         cfg, run_dir, hydra_node = compose_config(point)
         if multirun:
             run_dir = Path(str(hydra_node.sweep.dir)) / str(i)
@@ -242,10 +250,18 @@ def compose_jobs(command: str, overrides: list[str], multirun: bool) -> list[tup
         C.validate(cfg, host)
         check_run_dir_name(run_dir)
         check_writable(run_dir)
-        jobs.append((cfg, run_dir, host))
+        jobs.append((cfg, run_dir, host, choice))
     if command == "submit" and not jobs[0][0].dry_run:
         slurm.check_client()
     return jobs
+
+
+def planned_host(command: str, point: list[str], here: HostInfo) -> HostInfo:
+    """What recipe=auto / train.micro_batch=auto plan for: this machine, or a Slurm job's nodes."""
+    auto = ("recipe=auto", "train.micro_batch=auto")
+    if command != "submit" or not any(o in auto for o in point):
+        return here
+    return slurm.node_host(compose_config([o for o in point if o not in auto])[0], here)
 
 
 def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool) -> None:
@@ -279,7 +295,7 @@ def check_run_dir_name(run_dir: Path) -> None:
 def cmd_train(overrides: list[str], multirun: bool) -> int:
     """Compose and validate every point first (bad input starts nothing), then run each."""
     rc = 0
-    for cfg, run_dir, host in compose_jobs("train", overrides, multirun):
+    for cfg, run_dir, host, choice in compose_jobs("train", overrides, multirun):
         plan = make_plan(cfg, host)
         if cfg.dry_run:
             print(C.to_yaml(cfg), end="")
@@ -289,12 +305,144 @@ def cmd_train(overrides: list[str], multirun: bool) -> int:
             continue
         argv_run, env = prepare_run(cfg, run_dir, plan)
         print(f"run directory: {run_dir}", flush=True)
+        if choice is not None:
+            (run_dir / "plan.json").write_text(choice)
         # The launcher stays as torchrun's parent: it forwards stop signals and turns a
         # preemption into EXIT_PREEMPTED (torchrun itself would exit 1).
-        if cfg.cluster.nnodes > 1:
+        if cfg.cluster.nnodes > 1:  # several nodes by hand: meet the others first
             rc = max(rc, run_node(cfg, run_dir, argv_run, {**os.environ, **env}))
+        elif "train.micro_batch=auto" in overrides:
+            rc = max(rc, supervise_with_backoff(cfg, argv_run, {**os.environ, **env}, run_dir))
         else:
             rc = max(rc, supervise(argv_run, {**os.environ, **env}, run_dir))
+    return rc
+
+
+# ----------------------------------------------------------------------------- planning
+def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "planner.Hardware":
+    """The GPUs to plan for: the configured cluster, or this machine's."""
+    from launcher import plan as planner
+    from launcher.device import gpu_memory_bytes, gpu_name, table_tflops
+
+    c = cfg.cluster
+    if world_from_launch:
+        gpn = C.nproc_per_node(cfg, host)
+    else:
+        gpn = c.gpus_per_node or (host.gpus if host.cuda else None)
+        if gpn is None:
+            raise C.ConfigError("cluster.gpus_per_node", None, "needed to plan on a machine without GPUs (e.g. 8)")
+    mem = int(c.gpu_memory_gb * 2**30) if c.gpu_memory_gb else gpu_memory_bytes()
+    if mem is None:
+        raise C.ConfigError("cluster.gpu_memory_gb", None, "needed to plan on a machine without GPUs (e.g. 80)")
+    tflops = cfg.plan.gpu_tflops or table_tflops(gpu_name()) or planner.DEFAULT_TFLOPS
+    return planner.Hardware(gpu_bytes=mem, gpus_per_node=gpn, nnodes=c.nnodes, tflops=tflops)
+
+
+def available_recipes() -> set[str]:
+    return set(_options("recipe"))
+
+
+def cmd_plan(overrides: list[str]) -> int:
+    """`launcher plan`: the table (or --json), optionally a chart; validates the config
+    against the planned cluster, not this machine."""
+    from launcher import plan as planner
+
+    as_json = "+_json=true" in overrides
+    overrides = [o for o in overrides if o != "+_json=true"]
+    cfg, _, _ = compose_config(overrides)
+    host = HostInfo.detect()
+    hw = hardware(cfg, host, world_from_launch=False)
+    # Checked against the cluster being planned for, not this machine: one node with all
+    # its GPUs stands for it (the same data-parallel size, no rendezvous to check).
+    import dataclasses
+
+    as_one_node = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, nnodes=1, node_rank=0,
+                                                                       nproc_per_node=None, gpus_per_node=hw.world))
+    C.validate(as_one_node, HostInfo(cuda=True, gpus=hw.world, cpus=host.cpus))
+    rows = planner.plan(cfg, hw, available_recipes())
+    if as_json:
+        print(planner.to_json(rows, hw))
+    else:
+        from rich.console import Console
+
+        console = Console(width=200)
+        title = (f"{cfg.model.name}: seq {cfg.train.seq_len}, {cfg.precision.name.value}, "
+                 f"{hw.nnodes} node(s) x {hw.gpus_per_node} GPU(s) of {hw.gpu_bytes / 2**30:.0f} GiB")
+        console.print(planner.table(rows, hw, title))
+        best = planner.recommended(rows)
+        if best is None:
+            console.print(planner.no_fit_message(rows, hw, cfg.plan.reserve_gb), markup=False)
+        else:
+            args = " ".join(best.layout.overrides()[1:] + [f"train.activation_checkpointing={best.ac.value}",
+                                                          f"train.micro_batch={best.micro_batch}"])
+            console.print(f"recommended: make train RECIPE={best.layout.recipe} ARGS=\"{args}\"", markup=False)
+    if cfg.plan.chart:
+        planner.chart(rows, hw, Path(cfg.plan.chart))
+        if not as_json:
+            print(f"chart: {cfg.plan.chart}")
+    return 0
+
+
+def resolve_auto(overrides: list[str], host: HostInfo) -> tuple[list[str], str | None]:
+    """`recipe=auto` and `train.micro_batch=auto`: ask the planner, return the overrides
+    with its choice filled in, and the plan (json) to keep in the run directory."""
+    from launcher import plan as planner
+
+    auto_recipe = "recipe=auto" in overrides
+    auto_mb = "train.micro_batch=auto" in overrides
+    if not (auto_recipe or auto_mb):
+        return overrides, None
+    rest = [o for o in overrides if o not in ("recipe=auto", "train.micro_batch=auto")]
+    cfg, _, _ = compose_config(rest)
+    hw = hardware(cfg, host, world_from_launch=True)
+    rows = planner.plan(cfg, hw, available_recipes(), micro_batch=None if auto_mb else cfg.train.micro_batch)
+    if not auto_recipe:  # keep the user's recipe and checkpointing; choose the micro-batch
+        mine = planner.layout_for(cfg, hw.world)
+        rows = [r for r in rows if r.layout == mine and r.ac == cfg.train.activation_checkpointing]
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        raise C.ConfigError("recipe" if auto_recipe else "train.micro_batch", "auto",
+                            planner.no_fit_message(rows, hw, cfg.plan.reserve_gb))
+    best = min(fitting, key=lambda r: r.step_time_s / r.tokens_per_step)
+    chosen = list(rest)
+    if auto_recipe:
+        chosen += best.layout.overrides() + [f"train.activation_checkpointing={best.ac.value}"]
+    if auto_mb:
+        chosen.append(f"train.micro_batch={best.micro_batch}")
+    print(f"planner chose: {best.layout.label}, activation checkpointing {best.ac.value}, micro-batch "
+          f"{best.micro_batch} ({best.total / 2**30:.2f} of {hw.gpu_bytes / 2**30:.2f} GiB per GPU)", flush=True)
+    record = {"chosen": chosen[len(rest):], "plan": json.loads(planner.to_json(rows, hw))}
+    return chosen, json.dumps(record, indent=1)
+
+
+def supervise_with_backoff(cfg: C.Config, argv: list[str], env: dict[str, str], run_dir: Path) -> int:
+    """train.micro_batch=auto: when a rank runs out of memory (it leaves RUN_DIR/oom.json),
+    halve the micro-batch, rewrite config.yaml and launch again (accelerate's
+    find_executable_batch_size drives the retries); the run resumes from its checkpoints."""
+    from accelerate.utils import find_executable_batch_size
+
+    from launcher.loop import OOM_MARKER
+
+    state = {"mb": cfg.train.micro_batch}
+
+    def halve() -> int:
+        state["mb"] //= 2
+        return state["mb"]
+
+    @find_executable_batch_size(starting_batch_size=cfg.train.micro_batch, reduce_batch_size_fn=halve)
+    def attempt(batch_size: int) -> int:
+        if batch_size != cfg.train.micro_batch:
+            cfg.train.micro_batch = batch_size
+            (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
+            print(f"out of memory: retrying with train.micro_batch={batch_size}", flush=True)
+        (run_dir / OOM_MARKER).unlink(missing_ok=True)
+        rc = supervise(argv, env, run_dir)
+        if rc != 0 and (run_dir / OOM_MARKER).exists():
+            raise RuntimeError(f"CUDA out of memory. {(run_dir / OOM_MARKER).read_text().strip()}")
+        return rc
+
+    rc = attempt()
+    print(f"micro-batch settled at {cfg.train.micro_batch}", flush=True)
     return rc
 
 
@@ -326,12 +474,14 @@ def cmd_submit(overrides: list[str], multirun: bool) -> int:
     """`launcher submit`: per point, RUN_DIR/config.yaml + job.sbatch, then sbatch.
     --dry-run prints the script and submits nothing."""
     jobs = compose_jobs("submit", overrides, multirun)
-    for cfg, run_dir, host in jobs:
+    for cfg, run_dir, host, choice in jobs:
         script = sbatch_script(cfg, str(run_dir), slurm_plan(cfg, host))
         if cfg.dry_run:
             print(script, end="")
             continue
         created = write_run_dir(cfg, run_dir, {slurm.SCRIPT: script})
+        if choice is not None:  # recipe=auto / micro_batch=auto: what the planner chose, and why
+            (run_dir / "plan.json").write_text(choice)
         try:
             job_id = slurm.submit(run_dir)
         except slurm.SubmitError as e:

@@ -273,6 +273,9 @@ class ClusterConfig:
     kills them after this long. Must cover one step plus one checkpoint save."""
     cpu_threads: Optional[int] = None
     """Threads per rank on CPU (null: cores / processes, at least 1)."""
+    gpu_memory_gb: Optional[float] = None
+    """Memory of one GPU, for the planner (null: read from nvidia-smi; required on a
+    machine without GPUs when planning for one)."""
     scheduler: Scheduler = Scheduler.none
     """none: `make train` starts the ranks on this machine (several nodes: run it on each
     with nnodes, node_rank, master_addr, master_port). slurm: `make submit` renders
@@ -364,6 +367,10 @@ class TrainConfig:
     """selective: recompute every N-th block."""
     compile: bool = False
     """torch.compile each block: faster steps after a compile pause at the start."""
+    measure_activations: bool = False
+    """Count the bytes autograd saves for backward during the first step
+    (saved_tensors_hooks) and log them as mem/activation_bytes: checks the planner's
+    prediction on real hardware. Costs a little time on that one step."""
 
 
 @dataclass
@@ -389,6 +396,34 @@ class ExportConfig:
 
 
 @dataclass
+class PlanConfig:
+    """`make plan`: the memory planner's assumptions. The memory figures need none of
+    them; the relative step cost uses them (communication is assumed not to overlap
+    compute, so the cost is pessimistic for every layout alike)."""
+
+    chart: Optional[str] = None
+    """Also draw the plan as stacked bars against the GPU's memory line (a .png path)."""
+    gpu_tflops: Optional[float] = None
+    """Dense bf16 peak of one GPU in TFLOP/s (null: H100 989, the device table's entry
+    for the local GPU when there is one)."""
+    mfu: float = 0.4
+    """Fraction of peak the matmuls reach; scales compute time for every layout alike."""
+    intra_node_gbps: float = 200.0
+    """Collective bandwidth per GPU inside a node, GB/s (NVLink: 150-450)."""
+    inter_node_gbps: float = 25.0
+    """Collective bandwidth per GPU across nodes, GB/s (200 Gb/s InfiniBand = 25)."""
+    pcie_gbps: float = 20.0
+    """Host <-> GPU copy bandwidth for offload, GB/s (PCIe 4 x16: about 25)."""
+    cpu_adam_params_per_s: float = 1.0e9
+    """Parameters per second DeepSpeedCPUAdam updates on one rank's CPU cores (offload)."""
+    reserve_gb: float = 2.0
+    """Held back per GPU for the CUDA context, kernels' workspace and fragmentation:
+    a layout fits when its total plus this is within the GPU's memory."""
+    max_micro_batch: int = 1024
+    """The largest micro-batch the search tries."""
+
+
+@dataclass
 class Config:
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -401,6 +436,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     run_name: Optional[str] = None
     """Name shown in W&B and the console (null: the run directory's name)."""
     dry_run: bool = False

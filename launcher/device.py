@@ -46,6 +46,41 @@ class HostInfo:
         return HostInfo(cuda=gpus > 0, gpus=gpus, cpus=len(os.sched_getaffinity(0)))
 
 
+def _nvidia_smi(field: str) -> str | None:
+    """One field of GPU 0 from nvidia-smi: no CUDA context is created on the launch side."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return out.splitlines()[0].strip() or None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def gpu_memory_bytes() -> int | None:
+    """Memory of GPU 0, or None without a GPU."""
+    value = _nvidia_smi("memory.total")
+    return int(value) * 2**20 if value and value.isdigit() else None
+
+
+def gpu_name() -> str | None:
+    return _nvidia_smi("name")
+
+
+def table_tflops(name: str | None) -> float | None:
+    """Dense bf16 TFLOP/s of a GPU by name, from the table MFU uses."""
+    if not name:
+        return None
+    for key in sorted(GPU_PEAK_FLOPS, key=len, reverse=True):
+        if key in name:
+            return GPU_PEAK_FLOPS[key] / 1e12
+    return None
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -101,10 +136,9 @@ def _cache_dir() -> Path:
 def peak_flops(device: torch.device, dtype: torch.dtype | None) -> float:
     """Peak FLOP/s of one device for MFU: a table on GPUs, measured once on CPU."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key in sorted(GPU_PEAK_FLOPS, key=len, reverse=True):
-            if key in name:
-                return GPU_PEAK_FLOPS[key] * (1.0 if dtype is not None else 0.5)
+        tflops = table_tflops(torch.cuda.get_device_name(device))
+        if tflops is not None:
+            return tflops * 1e12 * (1.0 if dtype is not None else 0.5)
         return measure_matmul_flops(device, dtype or torch.float32)
     dtype = dtype or torch.float32
     key = f"{_cpu_model()}|threads={torch.get_num_threads()}|{dtype}"

@@ -4,6 +4,7 @@ how micro-batches become an optimizer step, the loop decides when to log and sav
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from launcher.checkpoint import Checkpointer, step_name
 from launcher.config import Config
 from launcher.data import build_loader, loss_floor
 from launcher.device import memory_stats, peak_flops, reset_peak_memory, synchronize
+from launcher.memory import ActivationCounter
 from launcher.metrics import RankZeroLogger, Throughput
 from launcher.preempt import EXIT_PREEMPTED, Preemption
 
@@ -69,6 +71,7 @@ def run(job: Job) -> int:
     # ------------------------------------------------------------------ loop
     last = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
     saved_at, preempted = None, False
+    measured: dict[str, int] = {}
     while step < last:
         t0 = time.perf_counter()
         micro_batches = []
@@ -77,7 +80,19 @@ def run(job: Job) -> int:
             micro_batches.append((batch[:, :-1], batch[:, 1:]))
         meter.data_wait += time.perf_counter() - t0
 
-        result = engine.train_step(micro_batches)
+        try:
+            if cfg.train.measure_activations and step == first_step:
+                with ActivationCounter(engine.model) as counter:
+                    result = engine.train_step(micro_batches)
+                measured = {"mem/activation_bytes": counter.bytes}
+            else:
+                result = engine.train_step(micro_batches)
+        except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
+            if is_out_of_memory(err):
+                (job.run_dir / OOM_MARKER).write_text(json.dumps(
+                    {"rank": job.rank, "step": step + 1, "micro_batch": cfg.train.micro_batch,
+                     "error": str(err).splitlines()[0][:300]}) + "\n")
+            raise
         step += 1
         samples_seen += global_batch
         meter.steps += 1
@@ -88,7 +103,7 @@ def run(job: Job) -> int:
             synchronize(device)
             metrics = {"step": step, "loss": loss.item() / job.world_size, "lr": engine.lr(),
                        "grad_norm": float(result.grad_norm), **meter.rates(), **memory_stats(device),
-                       **engine.state_bytes().as_metrics()}
+                       **engine.state_bytes().as_metrics(), **measured}
             if result.loss_scale is not None:
                 metrics["loss_scale"] = result.loss_scale
             log.log(metrics)
@@ -119,6 +134,15 @@ def run(job: Job) -> int:
     return EXIT_PREEMPTED if preempted else 0
 
 
+OOM_MARKER = "oom.json"
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """CUDA (torch.OutOfMemoryError) or a failed host allocation."""
+    text = str(err)
+    return isinstance(err, torch.OutOfMemoryError) or " out of memory" in text or "can't allocate memory" in text
+
+
 def summarize(job: Job, history: list[dict], steps_run: int) -> dict:
     """Final figures (rank 0's view) plus a digest of each rank's weights."""
     digests = [None] * job.world_size
@@ -141,6 +165,8 @@ def summarize(job: Job, history: list[dict], steps_run: int) -> dict:
         "world_size": job.world_size,
         "weights_digest_per_rank": digests,
     }
+    if history and "mem/activation_bytes" in history[-1]:
+        out["activation_bytes"] = history[-1]["mem/activation_bytes"]
     return out
 
 

@@ -26,7 +26,7 @@ from launcher.data import build_dataset
 from launcher.device import autocast_dtype, backend_for, local_device
 from launcher.engine import BuildContext
 from launcher.loop import Job, run
-from launcher.models.gpt import GPT, set_activation_checkpointing
+from launcher.models.gpt import GPT, flops_per_token, set_activation_checkpointing
 from launcher.preempt import Preemption
 
 
@@ -44,6 +44,22 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def build_engine(cfg: C.Config, device: torch.device, rank: int, world_size: int, local_rank: int,
+                 run_dir: Path):
+    """The model, built the same on every rank, handed to the recipe's engine."""
+    seed_everything(cfg.train.seed)
+    # Same seed on every rank: identical initial weights without a broadcast.
+    with torch.device(device):
+        model = GPT(cfg.model)
+    set_activation_checkpointing(model, cfg.train.activation_checkpointing, cfg.train.ac_every)
+    if cfg.train.compile:
+        for layer in model.layers:
+            layer.compile()
+    return recipes.build(BuildContext(cfg=cfg, model=model, device=device, rank=rank, world_size=world_size,
+                                      local_rank=local_rank, grad_accum=C.grad_accum(cfg, world_size),
+                                      run_dir=run_dir))
 
 
 @record
@@ -69,21 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     if backend != "gloo":  # stop-signal agreement runs on the CPU, never syncing the GPU
         preemption.group = dist.new_group(backend="gloo")
     try:
-        seed_everything(cfg.train.seed)
-        # Same seed on every rank: identical initial weights without a broadcast.
-        with torch.device(device):
-            model = GPT(cfg.model)
-        set_activation_checkpointing(model, cfg.train.activation_checkpointing, cfg.train.ac_every)
-        if cfg.train.compile:
-            for layer in model.layers:
-                layer.compile()
+        engine = build_engine(cfg, device, rank, world_size, local_rank, run_dir)
         accum = C.grad_accum(cfg, world_size)
         dp_size = C.data_parallel_size(cfg, world_size)
-        engine = recipes.build(BuildContext(cfg=cfg, model=model, device=device, rank=rank, world_size=world_size,
-                                            local_rank=local_rank, grad_accum=accum, run_dir=run_dir))
         job = Job(cfg=cfg, run_dir=run_dir, engine=engine, dataset=build_dataset(cfg), device=device, rank=rank,
                   world_size=world_size, dp_rank=rank, dp_size=dp_size, grad_accum=accum,
-                  flops_per_token=model.flops_per_token(cfg.train.seq_len),
+                  flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len),
                   compute_dtype=autocast_dtype(cfg.precision.name.value), preemption=preemption)
         code = run(job)
     finally:

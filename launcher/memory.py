@@ -1,0 +1,232 @@
+"""The model of memory: what one rank holds during a training step, term by term.
+
+docs/memory.md derives every formula here; the names of the functions and terms match
+the sections there. Everything is bytes, per rank, for the project's decoder
+(launcher/models/gpt.py): Ψ parameters, micro-batch b, sequence s, hidden h, heads a,
+key/value width h_kv, SwiGLU width f, vocabulary V, L layers.
+
+`ActivationCounter` measures the same quantity on a real step with
+torch.autograd.graph.saved_tensors_hooks, so predictions are checked against what
+autograd really keeps.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from launcher.config import ACMode, ModelConfig, ffn_dim
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes the formulas use, from a ModelConfig and the batch shape."""
+
+    b: int
+    s: int
+    h: int
+    a: int
+    h_kv: int
+    f: int
+    V: int
+    L: int
+    max_seq: int
+
+    @staticmethod
+    def of(m: ModelConfig, micro_batch: int, seq_len: int) -> "Shape":
+        head = m.dim // m.n_heads
+        return Shape(b=micro_batch, s=seq_len, h=m.dim, a=m.n_heads, h_kv=(m.n_kv_heads or m.n_heads) * head,
+                     f=ffn_dim(m), V=m.vocab_size, L=m.n_layers, max_seq=m.max_seq_len)
+
+
+def block_matmul_params(x: Shape) -> int:
+    """wq, wo (h x h), wk, wv (h x h_kv), w1, w3, w2 (h x f)."""
+    return 2 * x.h * x.h + 2 * x.h * x.h_kv + 3 * x.h * x.f
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters by part, counted on a meta-device model: nothing is allocated, so a
+    70B configuration is counted in well under a second. (torch's meta device does what
+    accelerate.init_empty_weights does, more simply, for a model we construct.)"""
+
+    embed: int
+    head: int
+    """0 when the head is tied to the embedding."""
+    block: int
+    """One transformer block: its matrices and its two norms."""
+    final_norm: int
+    n_blocks: int
+
+    @property
+    def total(self) -> int:
+        return self.embed + self.head + self.n_blocks * self.block + self.final_norm
+
+    @staticmethod
+    def of(m: ModelConfig) -> "ParamCounts":
+        return _param_counts(tuple(sorted(vars(m).items())))
+
+
+@functools.lru_cache(maxsize=32)
+def _param_counts(key: tuple) -> ParamCounts:
+    from launcher.models.gpt import GPT
+
+    m = ModelConfig(**dict(key))
+    with torch.device("meta"):
+        model = GPT(m)
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    return ParamCounts(embed=count(model.tok_embeddings), head=0 if m.tie_embeddings else count(model.output),
+                       block=count(model.layers[0]), final_norm=count(model.norm), n_blocks=len(model.layers))
+
+
+# ----------------------------------------------------------------------------- activations
+@dataclass(frozen=True)
+class Numerics:
+    """How a recipe runs the model's arithmetic; it decides what autograd saves.
+
+    autocast: fp32 parameters and residual stream, matmuls in `compute` bytes under
+      torch.autocast (ddp, tp, pp). Every matmul saves its own low-precision copy of its
+      input (autocast caches only parameter casts) and the weight copies are held.
+    low-precision parameters: the module itself is bf16 (DeepSpeed bf16; FSDP2 with a
+      bf16 MixedPrecisionPolicy), no autocast: the residual stream is bf16, the norms
+      compute in fp32 internally, projections share their input.
+    fp32: no autocast, everything 4 bytes, projections share their input.
+    """
+
+    compute: int
+    """Bytes of the matmul dtype."""
+    residual: int
+    """Bytes of the residual stream (and of checkpointed block inputs)."""
+    autocast: bool
+    rope: int = 4
+    """Bytes per element of the rotary table (bf16 when the whole module was cast)."""
+
+    @staticmethod
+    def of(precision: str, low_precision_params: bool = False, rope_cast: bool = False) -> "Numerics":
+        if precision == "fp32":
+            return Numerics(compute=4, residual=4, autocast=False)
+        if low_precision_params:
+            return Numerics(compute=2, residual=2, autocast=False, rope=2 if rope_cast else 4)
+        return Numerics(compute=2, residual=4, autocast=True)
+
+
+def _norm(x: Shape, n: Numerics) -> int:
+    """RMSNorm: x.float() -> pow saves the fp32 input (the input itself when it is
+    fp32, else a copy), rsqrt its (b, s, 1) result, `* weight` the normalised tensor in
+    the input dtype."""
+    b, s, h = x.b, x.s, x.h
+    return 4 * b * s * h + n.residual * b * s * h + 4 * b * s
+
+
+def _linear_inputs(x: Shape, n: Numerics, consumers: int) -> int:
+    """The norm's output as the projections' input: under autocast each projection casts
+    (and saves) its own copy; otherwise they share one tensor."""
+    copies = consumers if n.autocast else 1
+    width = n.compute if n.autocast else n.residual
+    return copies * width * x.b * x.s * x.h
+
+
+def block_activations(x: Shape, n: Numerics, tp: int = 1) -> int:
+    """Bytes one transformer block saves for backward (no recomputation). With tensor
+    parallelism the heads and the SwiGLU width are split over tp ranks; the norms and
+    the residual stream are replicated."""
+    b, s, c = x.b, x.s, n.compute
+    h_q, h_kv, heads, f = x.h // tp, x.h_kv // tp, x.a // tp, x.f // tp
+    # q, k, v, out; logsumexp in fp32. Grouped-query attention repeats k and v to all
+    # heads before attention, so attention saves the repeated (full-width) copies.
+    sdpa = c * b * s * (2 * h_q + 2 * max(h_kv, h_q)) + 4 * b * heads * s
+    mlp = 4 * c * b * s * f  # w1 out, w3 out, silu out, product
+    return 2 * _norm(x, n) + _linear_inputs(x, n, 3) + sdpa + _linear_inputs(x, n, 2) + mlp
+
+
+def head_activations(x: Shape, n: Numerics) -> int:
+    """After the last block: final norm, the output matmul's input, the fp32
+    log-softmax of the logits, the targets; plus the token ids and the rotary table."""
+    b, s = x.b, x.s
+    logsoftmax = 4 * b * s * x.V
+    ids = 8 * b * (s + 1) + 8 * b * s  # the batch (inputs and targets share it), flat targets
+    rope = n.rope * x.max_seq * (x.h // x.a)  # cos/sin: max_seq x head_dim/2 x 2
+    return _norm(x, n) + _linear_inputs(x, n, 1) + logsoftmax + ids + rope
+
+
+def weight_copies(x: Shape, n: Numerics, kept_blocks: int, head: bool, tp: int = 1) -> int:
+    """Autocast's cached low-precision copies of the matmul weights, held for backward.
+    Blocks that recompute make theirs again in backward (not held through forward)."""
+    if not n.autocast:
+        return 0
+    return n.compute * (kept_blocks * block_matmul_params(x) // tp + (x.V * x.h if head else 0))
+
+
+def recomputed(L: int, ac: ACMode, every: int) -> int:
+    if ac == ACMode.full:
+        return L
+    if ac == ACMode.selective:
+        return len(range(0, L, every))
+    return 0
+
+
+def activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, n: Numerics, ac: ACMode,
+                     ac_every: int = 2, layers: int | None = None, tp: int = 1, with_head: bool = True) -> int:
+    """What autograd holds at the end of one micro-batch's forward on one rank.
+
+    A recomputed block keeps only its input (the residual stream); the others keep
+    block_activations. `layers` limits the count to a pipeline stage's blocks; `with_head`
+    adds the final norm and logits (the last stage, or no pipeline)."""
+    x = Shape.of(m, micro_batch, seq_len)
+    n_layers = x.L if layers is None else layers
+    r = recomputed(n_layers, ac, ac_every)
+    blocks = r * n.residual * x.b * x.s * x.h + (n_layers - r) * block_activations(x, n, tp)
+    head = head_activations(x, n) if with_head else 0
+    return blocks + head + weight_copies(x, n, n_layers - r, with_head, tp)
+
+
+# ----------------------------------------------------------------------------- measuring
+class ActivationCounter:
+    """Counts the bytes autograd saves for backward, from the first save until the first
+    backward use (the end of the first micro-batch's forward, or for a pipeline the
+    micro-batches in flight when its first backward starts).
+
+    Each storage counts once (views share it); parameters do not count (they are model
+    state), but autocast's weight copies do (they are made per step).
+
+        with ActivationCounter(model) as counter:
+            engine.train_step(micro_batches)
+        counter.bytes
+    """
+
+    def __init__(self, model: nn.Module):
+        self.param_ptrs = {_storage(p)[0] for p in model.parameters()}
+        self.seen: dict[int, int] = {}
+        self.counting = True
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.seen.values())
+
+    def _pack(self, t: torch.Tensor):
+        if self.counting and not isinstance(t, nn.Parameter):
+            ptr, nbytes = _storage(t)
+            if ptr not in self.param_ptrs and ptr not in self.seen:
+                self.seen[ptr] = nbytes
+        return t
+
+    def _unpack(self, t):
+        self.counting = False
+        return t
+
+    def __enter__(self) -> "ActivationCounter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    local = getattr(t, "_local_tensor", t)  # DTensor: the shard this rank holds
+    st = local.untyped_storage()
+    return st.data_ptr(), st.nbytes()

@@ -1,0 +1,372 @@
+"""`make plan`: predict every layout's memory per GPU before launch, recommend what fits.
+
+For each candidate layout (recipe and degrees) and activation-checkpointing mode, find
+the largest micro-batch whose predicted peak fits the GPU, then estimate the step's
+relative cost. The recommended row is the cheapest time per token among those that
+fit. The formulas are launcher/memory.py's; docs/memory.md derives them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from launcher import memory as M
+from launcher.config import ACMode, Config, ModelConfig, Precision
+from launcher.models.gpt import flops_per_token
+
+GiB = 2**30
+DEFAULT_TFLOPS = 989.0  # H100 SXM dense bf16
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A recipe and its degrees. `shard` says how model states split over the
+    data-parallel ranks: none (replicated), zero1, zero2, zero3 (ZeRO-3 and FSDP)."""
+
+    recipe: str
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    shard: str = "none"
+    offload_optim: bool = False
+    offload_params: bool = False
+    fsdp: bool = False
+
+    @property
+    def label(self) -> str:
+        degrees = [f"dp{self.dp}"] + ([f"tp{self.tp}"] if self.tp > 1 else []) + ([f"pp{self.pp}"] if self.pp > 1 else [])
+        return f"{self.recipe} ({' '.join(degrees)})"
+
+    def overrides(self) -> list[str]:
+        out = [f"recipe={self.recipe}"]
+        if self.tp > 1:
+            out.append(f"parallel.tp={self.tp}")
+        if self.pp > 1:
+            out.append(f"parallel.pp={self.pp}")
+        return out
+
+
+@dataclass
+class Row:
+    layout: Layout
+    ac: ACMode
+    micro_batch: int
+    """The largest that fits (or 1 when nothing fits)."""
+    fits: bool
+    params: int
+    grads: int
+    optim: int
+    activations: int
+    temp: int
+    where: dict[str, str]
+    step_time_s: float = math.nan
+    tokens_per_step: int = 0
+    cost: float = math.nan
+    """Time per token relative to the recommended row (1.0 = the cheapest)."""
+    recommended: bool = False
+
+    @property
+    def total(self) -> int:
+        device = sum(v for k, v in (("params", self.params), ("grads", self.grads), ("optim", self.optim))
+                     if self.where.get(k, "device") == "device")
+        return device + self.activations + self.temp
+
+
+@dataclass
+class Hardware:
+    gpu_bytes: int
+    gpus_per_node: int
+    nnodes: int
+    tflops: float
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nnodes
+
+
+# ----------------------------------------------------------------------------- states
+def param_share(m: ModelConfig, layout: Layout) -> int:
+    """Parameters one rank holds before data-parallel sharding (the worst rank)."""
+    c = M.ParamCounts.of(m)
+    if layout.pp > 1:
+        per_stage = math.ceil(c.n_blocks / layout.pp)
+        # The first stage holds the embedding, the last the head and final norm; a tied
+        # embedding is held by both. The larger end is the worst rank.
+        ends = max(c.embed, (c.embed if m.tie_embeddings else c.head) + c.final_norm)
+        return per_stage * c.block + ends
+    if layout.tp > 1:
+        # Matrices (and the vocabulary dimension of embedding and head) are split; the
+        # norms are replicated.
+        norms = (2 * c.n_blocks + 1) * m.dim
+        return (c.total - norms) // layout.tp + norms
+    return c.total
+
+
+def model_states(m: ModelConfig, precision: Precision, layout: Layout) -> tuple[int, int, int, dict[str, str]]:
+    """(params, grads, optimizer) bytes on one rank and where each lives.
+
+    Mixed precision (bf16) with Adam, the ZeRO paper's accounting for DeepSpeed: 2 bytes
+    of bf16 parameters, 2 of bf16 gradients, 12 of optimizer state (fp32 master copy 4,
+    two moments 8) per parameter. DDP, TP and PP under autocast keep fp32 parameters and
+    gradients instead (4 + 4 + 8). FSDP2 with a bf16 MixedPrecisionPolicy shards fp32
+    parameters, fp32 gradients and the moments (16 per parameter, all sharded).
+    """
+    P = param_share(m, layout)
+    n = layout.dp
+    where = {"params": "device", "grads": "device", "optim": "device"}
+    if layout.shard == "none":
+        params, grads, optim = 4 * P, 4 * P, 8 * P
+    elif layout.fsdp:
+        params, grads, optim = 4 * P // n, 4 * P // n, 8 * P // n
+    else:
+        stage = int(layout.shard[-1])
+        # fp32 ZeRO: 4-byte parameters and gradients, no separate master copy.
+        p_bytes, g_bytes, o_bytes = (4, 4, 8) if precision == Precision.fp32 else (2, 2, 12)
+        params = p_bytes * P // n if stage == 3 else p_bytes * P
+        grads = g_bytes * P // n if stage >= 2 else g_bytes * P
+        optim = o_bytes * P // n
+    if layout.offload_optim:
+        where["optim"] = "cpu"
+    if layout.offload_params:
+        where["params"] = "cpu"
+    return params, grads, optim, where
+
+
+# ----------------------------------------------------------------------------- step memory
+def numerics(precision: Precision, layout: Layout) -> M.Numerics:
+    """DeepSpeed (bf16) casts the whole module, buffers included; FSDP2's bf16 policy
+    casts the parameters it gathers; DDP, TP and PP run fp32 parameters under autocast."""
+    if layout.shard.startswith("zero") and not layout.fsdp:
+        return M.Numerics.of(precision.value, low_precision_params=True, rope_cast=True)
+    return M.Numerics.of(precision.value, low_precision_params=layout.fsdp)
+
+
+def activations(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode, ac_every: int, b: int, s: int,
+                pp_microbatches: int) -> int:
+    """Saved activations on the worst rank. A pipeline's first stage holds the most
+    micro-batches in flight: all of them for GPipe-like fill, at most pp for 1F1B."""
+    n = numerics(precision, layout)
+    if layout.pp > 1:
+        per_stage = math.ceil(m.n_layers / layout.pp)
+        in_flight = min(layout.pp, pp_microbatches)
+        first = M.activation_bytes(m, b, s, n, ac, ac_every, layers=per_stage, with_head=False)
+        last = M.activation_bytes(m, b, s, n, ac, ac_every, layers=per_stage, with_head=True)
+        return max(in_flight * first, last)
+    return M.activation_bytes(m, b, s, n, ac, ac_every, tp=layout.tp)
+
+
+def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode, ac_every: int, b: int, s: int) -> int:
+    """Transient buffers at the step's peak: the logits (low-precision output and the
+    fp32 copy the loss takes), one block's activations while it is recomputed, and
+    ZeRO-3/FSDP's gathered layers (the current and the prefetched one, bf16)."""
+    n = numerics(precision, layout)
+    x = M.Shape.of(m, b, s)
+    logits = (n.compute + 4) * b * s * x.V // layout.tp
+    recompute = M.block_activations(x, n, layout.tp) if M.recomputed(x.L, ac, ac_every) else 0
+    gathered = 2 * 2 * M.block_matmul_params(x) // layout.tp if layout.shard == "zero3" else 0
+    return logits + recompute + gathered
+
+
+# ----------------------------------------------------------------------------- cost
+def step_time(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode, b: int) -> tuple[float, int]:
+    """Seconds per optimizer step and tokens per step, for the global batch this
+    micro-batch gives with the configured accumulation."""
+    p = cfg.plan
+    m, s = cfg.model, cfg.train.seq_len
+    accum = cfg.train.grad_accum
+    tokens = b * accum * layout.dp * s
+    recompute = 1 + (2 / 6) * M.recomputed(m.n_layers, ac, cfg.train.ac_every) / m.n_layers
+    flops = tokens * flops_per_token(m, s) * recompute / (layout.dp * layout.tp * layout.pp)
+    compute = flops / (hw.tflops * 1e12 * p.mfu)
+    if layout.pp > 1:  # the pipeline bubble: (pp - 1) idle micro-batch slots per step
+        compute *= (accum + layout.pp - 1) / accum
+
+    def bandwidth(group: int, spans_nodes: bool) -> float:
+        return (p.inter_node_gbps if spans_nodes else p.intra_node_gbps) * 1e9
+
+    P = param_share(m, layout)
+    dp_spans = layout.dp * layout.tp * layout.pp > hw.gpus_per_node
+    ring = 2 * (layout.dp - 1) / layout.dp if layout.dp > 1 else 0.0
+    if layout.shard in ("zero3",):
+        volume = 1.5 * ring * 2 * P  # all-gather forward and backward, reduce-scatter grads
+    elif layout.shard in ("zero1", "zero2"):
+        volume = ring * 2 * P  # reduce-scatter bf16 grads, all-gather bf16 params
+    else:
+        volume = ring * 4 * P  # all-reduce fp32 grads
+    comm = volume / bandwidth(layout.dp, dp_spans)
+    if layout.tp > 1:  # 4 all-reduces of b*s*h activations per layer per micro-batch
+        act = b * s * m.dim * numerics(cfg.precision.name, layout).compute
+        comm += accum * m.n_layers / layout.pp * 4 * (2 * (layout.tp - 1) / layout.tp) * act / bandwidth(layout.tp, False)
+    if layout.pp > 1:  # activations forward and gradients back across each boundary
+        comm += accum * 2 * b * s * m.dim * numerics(cfg.precision.name, layout).compute / bandwidth(2, dp_spans)
+    offload = 0.0
+    if layout.offload_optim:
+        shard = P / layout.dp
+        offload += (4 * shard + 2 * shard) / (p.pcie_gbps * 1e9) + shard / p.cpu_adam_params_per_s
+    if layout.offload_params:
+        offload += 2 * 2 * (P / layout.dp) / (p.pcie_gbps * 1e9)
+    return compute + comm + offload, tokens
+
+
+# ----------------------------------------------------------------------------- candidates
+def candidates(cfg: Config, hw: Hardware, available: set[str]) -> list[Layout]:
+    """Every layout of the landed recipes that divides this world."""
+    m, world = cfg.model, hw.world
+    kv = m.n_kv_heads or m.n_heads
+    out: list[Layout] = []
+    add = lambda layout: out.append(layout) if layout.recipe in available else None  # noqa: E731
+    add(Layout("ddp", dp=world))
+    add(Layout("zero1", dp=world, shard="zero1"))
+    add(Layout("zero2", dp=world, shard="zero2"))
+    add(Layout("zero3", dp=world, shard="zero3"))
+    add(Layout("zero2_offload", dp=world, shard="zero2", offload_optim=True))
+    add(Layout("zero3_offload", dp=world, shard="zero3", offload_optim=True, offload_params=True))
+    add(Layout("fsdp", dp=world, shard="zero3", fsdp=True))
+    for t in (2, 4, 8):
+        if world % t or t > hw.gpus_per_node or m.n_heads % t or kv % t:
+            continue
+        add(Layout("tp", dp=world // t, tp=t))
+        if world // t > 1:
+            add(Layout("tp_fsdp", dp=world // t, tp=t, shard="zero3", fsdp=True))
+    for pp in (2, 4):
+        if world % pp == 0 and pp <= m.n_layers:
+            add(Layout("pp", dp=world // pp, pp=pp))
+    return out
+
+
+def layout_for(cfg: Config, world: int) -> Layout:
+    """The layout a composed config runs: its recipe with its degrees on `world` ranks."""
+    tp = getattr(getattr(cfg, "parallel", None), "tp", 1) or 1
+    pp = getattr(getattr(cfg, "parallel", None), "pp", 1) or 1
+    hw = Hardware(gpu_bytes=0, gpus_per_node=world, nnodes=1, tflops=DEFAULT_TFLOPS)
+    for layout in candidates(cfg, hw, {cfg.recipe.name}):
+        if layout.tp == tp and layout.pp == pp:
+            return layout
+    raise ValueError(f"the planner has no layout for recipe {cfg.recipe.name} (tp={tp}, pp={pp}) on {world} ranks")
+
+
+def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int) -> Row:
+    prec = cfg.precision.name
+    params, grads, optim, where = model_states(cfg.model, prec, layout)
+    pp_micro = getattr(getattr(cfg, "parallel", None), "pp_microbatches", None) or max(layout.pp, cfg.train.grad_accum)
+    act = activations(cfg.model, prec, layout, ac, cfg.train.ac_every, b, cfg.train.seq_len, pp_micro)
+    tmp = temporaries(cfg.model, prec, layout, ac, cfg.train.ac_every, b, cfg.train.seq_len)
+    return Row(layout=layout, ac=ac, micro_batch=b, fits=False, params=params, grads=grads, optim=optim,
+               activations=act, temp=tmp, where=where)
+
+
+def largest_fitting(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode) -> Row:
+    """Binary search on the micro-batch: memory grows with it, monotonically."""
+    budget = hw.gpu_bytes - int(cfg.plan.reserve_gb * GiB)
+    fits = lambda b: memory_row(cfg, layout, ac, b).total <= budget  # noqa: E731
+    if not fits(1):
+        return memory_row(cfg, layout, ac, 1)
+    lo, hi = 1, 2
+    while hi <= cfg.plan.max_micro_batch and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, cfg.plan.max_micro_batch + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    row = memory_row(cfg, layout, ac, lo)
+    row.fits = True
+    return row
+
+
+def plan(cfg: Config, hw: Hardware, available: set[str], micro_batch: int | None = None) -> list[Row]:
+    """One row per layout x activation-checkpointing mode. With `micro_batch` given the
+    rows are for that micro-batch; otherwise each row has its largest fitting one."""
+    rows = []
+    budget = hw.gpu_bytes - int(cfg.plan.reserve_gb * GiB)
+    for layout in candidates(cfg, hw, available):
+        for ac in (ACMode.none, ACMode.selective, ACMode.full):
+            if micro_batch is None:
+                row = largest_fitting(cfg, hw, layout, ac)
+            else:
+                row = memory_row(cfg, layout, ac, micro_batch)
+                row.fits = row.total <= budget
+            row.step_time_s, row.tokens_per_step = step_time(cfg, hw, layout, ac, row.micro_batch)
+            rows.append(row)
+    fitting = [r for r in rows if r.fits]
+    if fitting:
+        best = min(fitting, key=lambda r: r.step_time_s / r.tokens_per_step)
+        best.recommended = True
+        unit = best.step_time_s / best.tokens_per_step
+        for r in rows:
+            r.cost = (r.step_time_s / r.tokens_per_step) / unit
+    return rows
+
+
+def recommended(rows: list[Row]) -> Row | None:
+    return next((r for r in rows if r.recommended), None)
+
+
+def no_fit_message(rows: list[Row], hw: Hardware, reserve_gb: float) -> str:
+    smallest = min(rows, key=lambda r: r.total)
+    need = smallest.total / GiB + reserve_gb
+    return (f"nothing fits in {hw.gpu_bytes / GiB:.0f} GiB per GPU on {hw.world} GPU(s): the smallest is "
+            f"{smallest.layout.label} with activation checkpointing {smallest.ac.value} at micro-batch 1, "
+            f"{smallest.total / GiB:.1f} GiB + {reserve_gb:g} GiB reserve; it needs GPUs with at least "
+            f"{math.ceil(need)} GiB, or more GPUs, or a shorter train.seq_len")
+
+
+# ----------------------------------------------------------------------------- output
+def to_json(rows: list[Row], hw: Hardware) -> str:
+    def row(r: Row) -> dict:
+        d = asdict(r)
+        d["layout"] = asdict(r.layout) | {"label": r.layout.label, "overrides": r.layout.overrides()}
+        d["ac"] = r.ac.value
+        d["total"] = r.total
+        d["headroom"] = hw.gpu_bytes - r.total
+        return d
+
+    return json.dumps({"gpu_bytes": hw.gpu_bytes, "world": hw.world, "rows": [row(r) for r in rows]}, indent=1)
+
+
+def table(rows: list[Row], hw: Hardware, title: str):
+    from rich.table import Table
+
+    t = Table(title=title, show_lines=False)
+    for col in ("", "layout", "AC", "micro-batch", "params", "grads", "optim", "activations", "temp", "total",
+                "headroom", "cost"):
+        t.add_column(col, justify="left" if col in ("layout", "AC", "") else "right")
+    gb = lambda v: f"{v / GiB:,.2f}"  # noqa: E731
+    for r in rows:
+        mark = "★" if r.recommended else ("" if r.fits else "✗")
+        place = lambda k, v: gb(v) + ("*" if r.where.get(k) == "cpu" else "")  # noqa: E731
+        t.add_row(mark, r.layout.label, r.ac.value, str(r.micro_batch) if r.fits else "-",
+                  place("params", r.params), place("grads", r.grads), place("optim", r.optim), gb(r.activations),
+                  gb(r.temp), gb(r.total), gb(hw.gpu_bytes - r.total), f"{r.cost:.2f}" if r.fits else "-",
+                  style="bold green" if r.recommended else (None if r.fits else "dim"))
+    t.caption = ("GiB per GPU. * = on the CPU (offload), not counted in total. cost = time per token relative "
+                 "to ★, the recommended row (the cheapest that fits). ✗ = does not fit even at micro-batch 1.")
+    return t
+
+
+def chart(rows: list[Row], hw: Hardware, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.layout.label}\n{r.ac.value} mb={r.micro_batch}" for r in rows]
+    parts = [("params", lambda r: r.params if r.where["params"] == "device" else 0),
+             ("grads", lambda r: r.grads if r.where["grads"] == "device" else 0),
+             ("optim", lambda r: r.optim if r.where["optim"] == "device" else 0),
+             ("activations", lambda r: r.activations), ("temp", lambda r: r.temp)]
+    fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(rows)), 6))
+    bottom = [0.0] * len(rows)
+    for name, get in parts:
+        values = [get(r) / GiB for r in rows]
+        ax.bar(range(len(rows)), values, bottom=bottom, label=name)
+        bottom = [a + b for a, b in zip(bottom, values)]
+    ax.axhline(hw.gpu_bytes / GiB, color="red", linestyle="--", label="GPU memory")
+    ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
+    ax.set_ylabel("GiB per GPU")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
