@@ -111,15 +111,17 @@ stop() {
 trap stop EXIT
 trap 'exit 0' INT TERM
 
-munged --foreground --force --socket="$SOCKET" --key-file="$DIR/munge/munge.key" \
+# Each daemon in its own session (setsid execs in place, so $! is its PID): a Ctrl-C in
+# this terminal reaches only this script, which then stops them in order.
+setsid munged --foreground --force --socket="$SOCKET" --key-file="$DIR/munge/munge.key" \
     --pid-file="$DIR/munge/munged.pid" --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munged.seed" 2>"$DIR/log/munged.out" &
 MUNGED=$!
 for _ in $(seq 1 100); do [[ -S $SOCKET ]] && break; sleep 0.1; done
 [[ -S $SOCKET ]] || { echo "error: munged did not start; see $DIR/log/munged.log" >&2; exit 1; }
 
-slurmctld -D -i -f "$SLURM_CONF" >"$DIR/log/slurmctld.out" 2>&1 &
+setsid slurmctld -D -i -f "$SLURM_CONF" >"$DIR/log/slurmctld.out" 2>&1 &
 CTLD=$!
-slurmd -D -N localhost -f "$SLURM_CONF" >"$DIR/log/slurmd.out" 2>&1 &
+setsid slurmd -D -N localhost -f "$SLURM_CONF" >"$DIR/log/slurmd.out" 2>&1 &
 SLURMD=$!
 
 # Ready when the node is idle (about 1 s).
