@@ -120,6 +120,9 @@ def run(job: Job) -> int:
                 saved_at = ckpt.save(step, samples_seen, engine)
             if job.rank == 0:
                 job.preemption.write_marker(job.run_dir, step, saved_at)
+            # No rank leaves before the marker exists: under Slurm the first node to exit
+            # starts the end of the whole step, and the job reads the marker to requeue.
+            dist.barrier()
             log.print(f"stop signal: saved {saved_at} after step {step}; exiting as preempted")
             preempted = True
             break
