@@ -10,7 +10,7 @@ ARGS   ?=
 RUN    ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train plan export test test-quick bench clean
+.PHONY: help setup train plan submit export test test-quick bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -29,6 +29,9 @@ train: setup ## train: RECIPE=<name> ARGS="<overrides>" (--dry-run in ARGS print
 
 plan: setup ## memory per GPU of every recipe, the largest micro-batch that fits, the recommendation (ARGS="... --json")
 	$(PY) -m launcher plan $(ARGS)
+
+submit: setup ## Slurm batch job: RECIPE=<name> ARGS="cluster.nnodes=2 cluster.partition=gpu ..." (--dry-run prints the script)
+	$(PY) -m launcher submit $(if $(RECIPE),recipe=$(RECIPE)) $(ARGS)
 
 export: setup ## consolidated weights: RUN=<run dir> [export.dtype=bf16] [export.step=N] [export.format=...]
 	@test -n "$(RUN)" || { echo 'error: RUN=<run directory> is required, e.g. make export RUN=outputs/2026-11-22/07-00-14-ddp' >&2; exit 2; }

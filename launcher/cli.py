@@ -21,15 +21,17 @@ from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from launcher import config as C
-from launcher.commands import LaunchPlan, command_script, rank_env, torchrun_argv
+from launcher import slurm
+from launcher.commands import SLURM_STEPS, LaunchPlan, command_script, rank_env, sbatch_script, torchrun_argv
 from launcher.device import HostInfo
 from launcher.preempt import supervise
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "conf"
-COMMANDS = ("train", "export", "plan")
+COMMANDS = ("train", "export", "plan", "submit")
 USAGE = """usage: launcher train [key=value ...] [--dry-run] [-m|--multirun]
        launcher plan [key=value ...] [--json]
+       launcher submit [key=value ...] [--dry-run] [-m|--multirun]   (a Slurm batch job; cluster=slurm)
        launcher export RUN_DIR [export.key=value ...]"""
 
 
@@ -181,19 +183,28 @@ def prepare_run(cfg: C.Config, run_dir: Path, plan: LaunchPlan) -> tuple[list[st
     """Write RUN_DIR/config.yaml and command.sh; return the command and its environment.
     A failure here removes a run directory this call created."""
     argv = torchrun_argv(cfg, str(run_dir), plan)
-    env = rank_env(plan)
+    env = rank_env(plan, cfg.cluster.env)
+    # Several nodes share the run directory: node 0 writes command.sh, node k command.node<k>.sh.
+    name = "command.sh" if cfg.cluster.node_rank == 0 else f"command.node{cfg.cluster.node_rank}.sh"
+    write_run_dir(cfg, run_dir, {name: command_script(argv, env, plan.workdir, str(run_dir))})
+    return argv, env
+
+
+def write_run_dir(cfg: C.Config, run_dir: Path, scripts: dict[str, str]) -> bool:
+    """RUN_DIR/config.yaml plus executable scripts. A failure removes a run directory this
+    call created. Returns whether it created the directory."""
     created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
-        script = run_dir / "command.sh"
-        script.write_text(command_script(argv, env, plan.workdir, str(run_dir)))
-        script.chmod(0o755)
+        for name, text in scripts.items():
+            (run_dir / name).write_text(text)
+            (run_dir / name).chmod(0o755)
     except OSError as err:
         if created:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise C.ConfigError("hydra.run.dir", str(run_dir), f"cannot write the run directory ({err.strerror})")
-    return argv, env
+    return created
 
 
 # ----------------------------------------------------------------------------- main
@@ -222,7 +233,7 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], bool, bool]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
-    for o in overrides if command == "train" else []:
+    for o in overrides if command in ("train", "submit") else []:
         try:
             parser.parse_overrides([o])
         except HydraException as e:
@@ -241,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export(overrides)
         if command == "plan":
             return cmd_plan(overrides)
+        if command == "submit":
+            return cmd_submit(overrides, multirun)
         return cmd_train(overrides, multirun)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -250,29 +263,79 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def cmd_train(overrides: list[str], multirun: bool) -> int:
-    """Compose and validate every point first (bad input starts nothing), then run each."""
-    host = HostInfo.detect()
+def compose_jobs(command: str, overrides: list[str],
+                 multirun: bool) -> list[tuple[C.Config, Path, HostInfo, str | None]]:
+    """`train` and `submit` alike: compose and validate every point of a sweep first (bad
+    input starts nothing and writes nothing); each point gets its own run directory."""
+    here = HostInfo.detect()
+    if command == "submit" and not any(o.split("=", 1)[0].lstrip("+~") == "cluster" for o in overrides):
+        overrides = ["cluster=slurm", *overrides]
     jobs = []
     for i, point in enumerate(expand_sweep(overrides) if multirun else [overrides]):
-        point, choice = resolve_auto(point, host)
+        point, choice = resolve_auto(point, planned_host(command, point, here))
         cfg, run_dir, hydra_node = compose_config(point)
         if multirun:
             run_dir = Path(str(hydra_node.sweep.dir)) / str(i)
         run_dir = run_dir.resolve()
+        check_command(command, cfg, point, multirun)
+        # A Slurm job is validated against the nodes it asks for, not this login machine.
+        host = slurm.node_host(cfg, here) if command == "submit" else here
         C.validate(cfg, host)
+        check_run_dir_name(run_dir)
         check_writable(run_dir)
         check_checkpoint_space(cfg, run_dir)
-        jobs.append((cfg, run_dir, choice))
+        jobs.append((cfg, run_dir, host, choice))
+    if command == "submit" and not jobs[0][0].dry_run:
+        slurm.check_client()
+    return jobs
 
+
+def planned_host(command: str, point: list[str], here: HostInfo) -> HostInfo:
+    """What recipe=auto / train.micro_batch=auto plan for: this machine, or a Slurm job's nodes."""
+    auto = ("recipe=auto", "train.micro_batch=auto")
+    if command != "submit" or not any(o in auto for o in point):
+        return here
+    return slurm.node_host(compose_config([o for o in point if o not in auto])[0], here)
+
+
+def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool) -> None:
+    """The config fits the command: Slurm configs are submitted, others trained here."""
+    c = cfg.cluster
+    slurm_cfg = c.scheduler == C.Scheduler.slurm
+    if command == "train" and slurm_cfg:
+        raise C.ConfigError("cluster.scheduler", "slurm", f"cluster={c.name} is a Slurm config: submit it with "
+                                                          "`make submit` (launcher submit), or train here with cluster=local")
+    if command == "submit":
+        if not slurm_cfg:
+            raise C.ConfigError("cluster.scheduler", c.scheduler.value,
+                                f"cluster={c.name} is not a Slurm config; submit needs one, e.g. cluster=slurm")
+        if c.runner not in SLURM_STEPS:
+            raise C.ConfigError("cluster.runner", c.runner.value,
+                                f"submit supports: {', '.join(r.value for r in SLURM_STEPS)}")
+    if command == "train" and c.nnodes > 1:
+        key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+        if not any(o.startswith(key + "=") for o in point):
+            raise C.ConfigError(key, "(default: a timestamp)",
+                                f"a run over cluster.nnodes={c.nnodes} nodes needs the same {key}=... on every node "
+                                "(a folder they share)")
+
+
+def check_run_dir_name(run_dir: Path) -> None:
+    """The run directory's path goes into scripts (quoted): a line break would end a comment."""
+    if any(ch in str(run_dir) for ch in "\n\r\0"):
+        raise C.ConfigError("hydra.run.dir", repr(str(run_dir)), "a path without line breaks")
+
+
+def cmd_train(overrides: list[str], multirun: bool) -> int:
+    """Compose and validate every point first (bad input starts nothing), then run each."""
     rc = 0
-    for cfg, run_dir, choice in jobs:
+    for cfg, run_dir, host, choice in compose_jobs("train", overrides, multirun):
         plan = make_plan(cfg, host)
         if cfg.dry_run:
             print(C.to_yaml(cfg), end="")
             print("# command")
-            print(command_script(torchrun_argv(cfg, str(run_dir), plan), rank_env(plan), plan.workdir,
-                                 str(run_dir)), end="")
+            print(command_script(torchrun_argv(cfg, str(run_dir), plan), rank_env(plan, cfg.cluster.env),
+                                 plan.workdir, str(run_dir)), end="")
             continue
         argv_run, env = prepare_run(cfg, run_dir, plan)
         print(f"run directory: {run_dir}", flush=True)
@@ -280,7 +343,9 @@ def cmd_train(overrides: list[str], multirun: bool) -> int:
             (run_dir / "plan.json").write_text(choice)
         # The launcher stays as torchrun's parent: it forwards stop signals and turns a
         # preemption into EXIT_PREEMPTED (torchrun itself would exit 1).
-        if "train.micro_batch=auto" in overrides:
+        if cfg.cluster.nnodes > 1:  # several nodes by hand: meet the others first
+            rc = max(rc, run_node(cfg, run_dir, argv_run, {**os.environ, **env}))
+        elif "train.micro_batch=auto" in overrides:
             rc = max(rc, supervise_with_backoff(cfg, argv_run, {**os.environ, **env}, run_dir))
         else:
             rc = max(rc, supervise(argv_run, {**os.environ, **env}, run_dir))
@@ -413,6 +478,53 @@ def supervise_with_backoff(cfg: C.Config, argv: list[str], env: dict[str, str], 
     rc = attempt()
     print(f"micro-batch settled at {cfg.train.micro_batch}", flush=True)
     return rc
+
+
+def run_node(cfg: C.Config, run_dir: Path, argv: list[str], env: dict[str, str]) -> int:
+    """One node of a multi-node run started by hand: meet the other nodes' launchers
+    first (a node that never comes is named), then supervise this node's torchrun."""
+    from launcher.rendezvous import NodeRendezvous, RendezvousFailed
+
+    try:
+        with NodeRendezvous(cfg, run_dir) as meeting:
+            print(f"node {cfg.cluster.node_rank}: all {cfg.cluster.nnodes} nodes joined "
+                  f"({meeting.describe()})", flush=True)
+            return supervise(argv, env, run_dir)
+    except RendezvousFailed as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def slurm_plan(cfg: C.Config, host: HostInfo) -> LaunchPlan:
+    """A job's plan: ranks per node from the nodes it asks for; threads from its CPUs."""
+    nproc = C.nproc_per_node(cfg, host)
+    c = cfg.cluster
+    threads = c.cpu_threads or (max(1, c.cpus_per_task // nproc) if c.cpus_per_task else 1)
+    return LaunchPlan(python=sys.executable, nproc_per_node=nproc, master_port=c.master_port or 0,
+                      threads_per_rank=threads, workdir=os.getcwd())
+
+
+def cmd_submit(overrides: list[str], multirun: bool) -> int:
+    """`launcher submit`: per point, RUN_DIR/config.yaml + job.sbatch, then sbatch.
+    --dry-run prints the script and submits nothing."""
+    jobs = compose_jobs("submit", overrides, multirun)
+    for cfg, run_dir, host, choice in jobs:
+        script = sbatch_script(cfg, str(run_dir), slurm_plan(cfg, host))
+        if cfg.dry_run:
+            print(script, end="")
+            continue
+        created = write_run_dir(cfg, run_dir, {slurm.SCRIPT: script})
+        if choice is not None:  # recipe=auto / micro_batch=auto: what the planner chose, and why
+            (run_dir / "plan.json").write_text(choice)
+        try:
+            job_id = slurm.submit(run_dir)
+        except slurm.SubmitError as e:
+            if created:  # nothing ran: leave nothing behind
+                shutil.rmtree(run_dir, ignore_errors=True)
+            print(f"error: sbatch refused the job for {run_dir}: {e}", file=sys.stderr)
+            return 2
+        print(f"submitted job {job_id}: run directory {run_dir}, log {slurm.log_path(run_dir, job_id)}", flush=True)
+    return 0
 
 
 def cmd_export(args: list[str]) -> int:

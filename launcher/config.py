@@ -12,6 +12,7 @@ prints as one line and turns into exit code 2 before any rank starts.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -76,6 +77,13 @@ class Backend(str, enum.Enum):
 
 class Runner(str, enum.Enum):
     torchrun = "torchrun"
+
+
+class Scheduler(str, enum.Enum):
+    """Who starts the nodes: nobody (`make train` here, other nodes by hand) or Slurm."""
+
+    none = "none"
+    slurm = "slurm"
 
 
 class ExportFormat(str, enum.Enum):
@@ -268,6 +276,67 @@ class ClusterConfig:
     gpu_memory_gb: Optional[float] = None
     """Memory of one GPU, for the planner (null: read from nvidia-smi; required on a
     machine without GPUs when planning for one)."""
+    scheduler: Scheduler = Scheduler.none
+    """none: `make train` starts the ranks on this machine (several nodes: run it on each
+    with nnodes, node_rank, master_addr, master_port). slurm: `make submit` renders
+    RUN_DIR/job.sbatch and hands it to sbatch; `make train` refuses such a config."""
+    join_timeout_s: Optional[int] = None
+    """Seconds the nodes wait for each other at the rendezvous (null: dist.timeout_s). A
+    node that has not joined by then ends the job with a message naming it. Long enough
+    for the slowest node to start (image pulls, module loads); short to notice a dead one."""
+    local_addr: Optional[str] = None
+    """This node's address as the other nodes reach it (torchrun --local-addr; rank 0's
+    node hosts the ranks' store there). null: the host's name, right unless that name
+    resolves to an address the others cannot reach (several networks, containers)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment for the ranks on every node, e.g. NCCL and network settings:
+    NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (the interface collectives use; pick the fast
+    one, not the management network), NCCL_IB_HCA, NCCL_DEBUG=INFO (verbose: for hangs).
+    Set one with `+cluster.env.NAME=value`. Values are shell-quoted where they are written."""
+
+    # ---- Slurm (scheduler: slurm); `make submit` writes them as #SBATCH lines
+    partition: Optional[str] = None
+    """--partition (null: the cluster's default partition)."""
+    account: Optional[str] = None
+    """--account to charge (null: your default account)."""
+    qos: Optional[str] = None
+    """--qos (null: the default). A preemptible QOS often starts sooner; pair it with
+    requeue so a preempted job carries on by itself."""
+    time: Optional[str] = None
+    """--time limit: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (null: the
+    partition's default). Shorter jobs are scheduled sooner (backfill); a run longer than
+    the limit saves at the warning signal and requeues itself."""
+    cpus_per_task: Optional[int] = None
+    """CPUs for the one task per node, shared by its ranks and their data loaders (null:
+    Slurm's default, often 1 CPU for the whole node's ranks: set it)."""
+    mem: Optional[str] = None
+    """--mem per node: a number with an optional K/M/G/T suffix; 0 = all of the node's
+    memory (null: the partition's default)."""
+    constraint: Optional[str] = None
+    """--constraint: node features, e.g. a100|h100 (null: any node of the partition)."""
+    exclusive: bool = False
+    """--exclusive: no other job shares the nodes. Steadier speed (no neighbour on the
+    memory bus or the network card), but the whole nodes are charged."""
+    sbatch_extra: list[str] = field(default_factory=list)
+    """More #SBATCH options, one per entry, written as given after the others (they win),
+    e.g. ["--gres=gpu:a100:8", "--reservation=big"]. Each starts with '-'."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines the job runs before the ranks start, as written (this is shell code,
+    not quoted): `module load cuda/12.4`, `source /shared/venv/bin/activate`..."""
+    preempt_grace_s: int = 300
+    """Slurm sends SIGUSR1 this many seconds before the time limit (--signal=B:USR1@N; it
+    may come up to 60 s early): the ranks finish the step, save and the job requeues.
+    Must cover shutdown_timeout_s (one step plus one save). Longer loses more of the
+    allocation; shorter risks the time limit striking during the save (the previous
+    checkpoint then stays the latest)."""
+    requeue: bool = True
+    """After a warning signal the job requeues itself (scontrol requeue) and the requeued
+    job resumes from the run directory's latest checkpoint, in the same W&B run. false:
+    it saves and ends (resume by hand: sbatch job.sbatch in the run directory)."""
+    max_requeues: int = 20
+    """Requeues one job may make (Slurm's own requeues after a node failure count too).
+    Bounds a job that keeps being stopped; failures that are not preemptions are never
+    requeued by the job (torchrun's max_restarts covers those within the job)."""
 
 
 @dataclass
@@ -575,10 +644,17 @@ def validate(cfg: Config, host) -> None:
     _positive("cluster.shutdown_timeout_s", c.shutdown_timeout_s)
     if c.master_port is not None and not 1 <= c.master_port <= 65535:
         raise ConfigError("cluster.master_port", c.master_port, "must be a port in 1..65535")
-    if c.nnodes > 1 and c.master_port is None:
+    if c.nnodes > 1 and c.master_port is None and c.scheduler != Scheduler.slurm:
         raise ConfigError("cluster.master_port", None, "a multi-node run needs the same explicit port on every node")
     if c.cpu_threads is not None:
         _positive("cluster.cpu_threads", c.cpu_threads)
+    if c.join_timeout_s is not None:
+        _positive("cluster.join_timeout_s", c.join_timeout_s)
+    for name in c.env:
+        if not _ENV_NAME.fullmatch(name):
+            raise ConfigError(f"cluster.env.{name}", c.env[name], "environment variable names are letters, digits, _")
+    if c.scheduler == Scheduler.slurm:
+        validate_slurm(cfg)
     slots = c.gpus_per_node if c.gpus_per_node is not None else host.slots
     if c.gpus_per_node is not None:
         _positive("cluster.gpus_per_node", c.gpus_per_node)
@@ -595,6 +671,47 @@ def validate(cfg: Config, host) -> None:
     if t.global_batch is not None and t.global_batch % (t.micro_batch * dp):
         raise ConfigError("train.global_batch", t.global_batch,
                           f"must be a multiple of micro_batch({t.micro_batch}) x data-parallel size({dp}) = {t.micro_batch * dp}")
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# What sbatch accepts (checked here so a typo fails before anything is written).
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_.,:+@-]+")
+_SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE")
+_SLURM_MEM = re.compile(r"\d+[KMGT]?")
+_SLURM_CONSTRAINT = re.compile(r"[A-Za-z0-9_.,:+@&|*!()\[\]-]+")
+
+
+def validate_slurm(cfg: Config) -> None:
+    """The Slurm fields: values sbatch will accept, a warning that covers the save."""
+    c = cfg.cluster
+    for key in ("partition", "account", "qos"):
+        value = getattr(c, key)
+        if value is not None and not _SLURM_NAME.fullmatch(value):
+            raise ConfigError(f"cluster.{key}", value, "letters, digits and _.,:+@- only (a Slurm name)")
+    if c.time is not None and not _SLURM_TIME.fullmatch(c.time):
+        raise ConfigError("cluster.time", c.time,
+                          "allowed: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, UNLIMITED (or null)")
+    if c.mem is not None and not _SLURM_MEM.fullmatch(c.mem):
+        raise ConfigError("cluster.mem", c.mem, "a number with an optional K/M/G/T suffix, e.g. 200G (0 = all)")
+    if c.constraint is not None and not _SLURM_CONSTRAINT.fullmatch(c.constraint):
+        raise ConfigError("cluster.constraint", c.constraint, "node features joined by & | , e.g. a100|h100")
+    if c.cpus_per_task is not None:
+        _positive("cluster.cpus_per_task", c.cpus_per_task)
+    for line in c.sbatch_extra:
+        if not line.startswith("-") or "\n" in line or "\r" in line:
+            raise ConfigError("cluster.sbatch_extra", line, "each entry is one sbatch option on one line, e.g. --gres=gpu:8")
+    if not 1 <= c.preempt_grace_s <= 65535:
+        raise ConfigError("cluster.preempt_grace_s", c.preempt_grace_s, "must be in 1..65535 seconds")
+    if c.preempt_grace_s < c.shutdown_timeout_s:
+        raise ConfigError("cluster.preempt_grace_s", c.preempt_grace_s,
+                          f"must be >= cluster.shutdown_timeout_s={c.shutdown_timeout_s} (the ranks' save must fit in the warning)")
+    _positive("cluster.max_requeues", c.max_requeues, zero_ok=True)
+    if c.local_addr is not None:
+        raise ConfigError("cluster.local_addr", c.local_addr,
+                          "one address for every node of a Slurm job cannot be right: leave it null (each node's name)")
+    if c.requeue and cfg.checkpoint.resume != "auto":
+        raise ConfigError("checkpoint.resume", cfg.checkpoint.resume,
+                          "a requeued job must resume from its own latest checkpoint: use auto (or cluster.requeue=false)")
 
 
 def nproc_per_node(cfg: Config, host) -> int:

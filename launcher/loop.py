@@ -132,6 +132,9 @@ def run(job: Job) -> int:
                     return EXIT_CHECKPOINT_FAILED
             if job.rank == 0:
                 job.preemption.write_marker(job.run_dir, step, saved_at)
+            # No rank leaves before the marker exists: under Slurm the first node to exit
+            # starts the end of the whole step, and the job reads the marker to requeue.
+            dist.barrier()
             log.print(f"stop signal: saved {saved_at} after step {step}; exiting as preempted")
             preempted = True
             break

@@ -36,6 +36,22 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_same_training(a: Path, b: Path, steps: int) -> None:
+    """Two runs trained identically: the same loss and gradient norm at every step (exactly)
+    and the same weights in the last checkpoint."""
+    import torch
+
+    ra, rb = read_metrics(a), read_metrics(b)
+    assert [r["step"] for r in rb] == list(range(1, steps + 1))
+    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]  # exact, every step
+    assert [r["grad_norm"] for r in ra] == [r["grad_norm"] for r in rb]
+    last = f"checkpoints/step_{steps:08d}/engine/model.pt"
+    wa, wb = torch.load(a / last, weights_only=True), torch.load(b / last, weights_only=True)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
 def token_file(folder: Path, text: str) -> Path:
     """A token file made from `text` by scripts/prepare_data.py, as a user makes one."""
     src, out = folder / "corpus.txt", folder / "corpus.bin"

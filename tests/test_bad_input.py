@@ -52,6 +52,23 @@ CASES = [
     (["hydra.run.dir=/proc/launcher-test"], ["hydra.run.dir=/proc/launcher-test", "cannot write"]),
     (["train.steps=[1"], ["train.steps=[1"]),
     (["--bogus"], ["--bogus", "--dry-run"]),
+    # Slurm submission and multi-node
+    (["submit", "cluster.time=forever"], ["cluster.time=forever", "HH:MM:SS"]),
+    (["submit", "cluster.partition=gpu/a100"], ["cluster.partition=gpu/a100", "Slurm name"]),
+    (["submit", "cluster.mem=lots"], ["cluster.mem=lots", "K/M/G/T"]),
+    (["submit", "cluster.constraint=a b"], ["cluster.constraint=a b", "node features"]),
+    (["submit", "cluster.cpus_per_task=0"], ["cluster.cpus_per_task=0", ">= 1"]),
+    (["submit", "cluster.preempt_grace_s=70000"], ["cluster.preempt_grace_s=70000", "1..65535"]),
+    (["submit", "cluster.preempt_grace_s=60"], ["cluster.preempt_grace_s=60", "shutdown_timeout_s=180"]),
+    (["submit", "cluster.max_requeues=-1"], ["cluster.max_requeues=-1", ">= 0"]),
+    (["submit", "checkpoint.resume=never"], ["checkpoint.resume=never", "use auto"]),
+    (["submit", "cluster.sbatch_extra=[hold]"], ["cluster.sbatch_extra=hold", "one sbatch option"]),
+    (["submit", "cluster.nnodes=0"], ["cluster.nnodes=0", ">= 1"]),
+    (["submit", "cluster=local"], ["cluster.scheduler=none", "cluster=slurm"]),
+    (["cluster=slurm"], ["cluster.scheduler=slurm", "make submit"]),
+    (["+cluster.env.BAD-NAME=x"], ["cluster.env.BAD-NAME=x", "environment variable"]),
+    (["cluster.join_timeout_s=0"], ["cluster.join_timeout_s=0", ">= 1"]),
+    (["cluster.nnodes=2"], ["cluster.master_port", "same explicit port"]),
     (["frobnicate"], ["frobnicate", "allowed: train"]),
 ]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from launcher import cli
-from launcher.commands import LaunchPlan, command_script, rank_env, torchrun_argv
+from launcher.commands import LaunchPlan, command_script, rank_env, sbatch_quote, sbatch_script, torchrun_argv
 
 GOLDEN = Path(__file__).parent / "golden"
 PLAN = LaunchPlan(python="/opt/venv/bin/python", nproc_per_node=2, master_port=29512, threads_per_rank=1,
@@ -63,3 +63,38 @@ def test_rendezvous_id_is_stable_per_run_dir():
 def test_rank_env_holds_no_secrets(monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "planted-secret-123")
     assert "planted-secret-123" not in str(rank_env(PLAN))
+
+
+def test_sbatch_script_quotes_everything():
+    """A run directory and settings full of shell syntax: every value in a shell line is
+    shlex-quoted, every #SBATCH value quoted the way sbatch parses it."""
+    run_dir = "/runs/x; touch pwned $(touch pwned2) 'q' \"dq\""
+    cfg, _, _ = cli.compose_config(["cluster=slurm", "cluster.nnodes=2", "cluster.partition=gpu", "cluster.qos=low",
+                                    "cluster.sbatch_extra=['--hold']"])
+    cfg.cluster.env = {"NCCL_DEBUG": "INFO; touch pwned3"}
+    cfg.run_name = "my 'run' \"x\""
+    plan = LaunchPlan("/opt/my venv/bin/python", 2, 0, 1, "/home/me/my repo")
+    script = sbatch_script(cfg, run_dir, plan)
+    check_golden("sbatch_quoted.sbatch", script)
+    # bash parses it; the step's inner command parses back to torchrun's argv, with the
+    # per-node values left for the task's shell.
+    import subprocess
+
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    step = [line for line in script.replace("\\\n", " ").splitlines() if line.startswith("srun ")][0]
+    words = shlex.split(step.removesuffix(" &"))
+    assert words[:4] == ["srun", "--ntasks-per-node=1", "--wait=60", "bash"] and words[4] == "-c"
+    inner = shlex.split(words[5].replace("\\\n", " "))
+    assert inner[0] == "exec" and inner[1] == plan.python and inner[-1] == run_dir
+    assert "--nnodes=$SLURM_NNODES" in inner and "--rdzv-endpoint=$HEAD_NODE:$MASTER_PORT" in inner
+    assert "export NCCL_DEBUG='INFO; touch pwned3'" in script
+    assert '#SBATCH --job-name="my \'run\' \\"x\\""' in script
+    assert "#SBATCH --hold" in script and f"RUN_DIR={shlex.quote(run_dir)}" in script
+
+
+@pytest.mark.parametrize("value,quoted", [
+    ("gpu", "gpu"), ("24:00:00", "24:00:00"), ("a b", '"a b"'), ('say "hi"', '"say \\"hi\\""'),
+    ("back\\slash", '"back\\\\slash"'), ("it's", '"it\'s"'),
+])
+def test_sbatch_quote(value, quoted):
+    assert sbatch_quote(value) == quoted

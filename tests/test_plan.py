@@ -153,7 +153,7 @@ def test_out_of_memory_backs_off_the_micro_batch(run_dir):
     (told the device is large) starts too big, a rank fails to allocate, the launcher
     halves the micro-batch and relaunches until the step fits."""
     argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}", "model=gpt_small",
-            "train.micro_batch=auto", "cluster.gpu_memory_gb=1.6", "train.steps=2", "optim.warmup_steps=1",
+            "train.micro_batch=auto", "cluster.gpu_memory_gb=1.6", "plan.reserve_gb=0", "train.steps=2", "optim.warmup_steps=1",
             "logger=none", "train.seq_len=256", "plan.max_micro_batch=256"]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,
                           preexec_fn=_limit_address_space(2.2))

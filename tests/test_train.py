@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import wandb_file
-from conftest import REPO, launch, read_metrics, token_file
+from conftest import REPO, assert_same_training, launch, read_metrics, token_file
 from launcher import cli
 from launcher import config as C
 from launcher.checkpoint import verify
@@ -82,15 +82,7 @@ def test_resume_continues_bit_identically(tmp_path):
     assert len(runs) == 2 and len({wandb_file.run_info(r)["id"] for r in runs}) == 1, "resume started a new W&B run"
     assert [h["_step"] for h in wandb_file.history(runs[1])] == list(range(11, 21))
 
-    a, b = read_metrics(straight), read_metrics(split)
-    assert [r["step"] for r in b] == list(range(1, 21))
-    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # exact, every step
-    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
-    wa = torch.load(straight / "checkpoints/step_00000020/engine/model.pt", weights_only=True)
-    wb = torch.load(split / "checkpoints/step_00000020/engine/model.pt", weights_only=True)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
+    assert_same_training(straight, split, 20)
     oa = torch.load(straight / "checkpoints/step_00000020/engine/optim.pt", weights_only=True)
     ob = torch.load(split / "checkpoints/step_00000020/engine/optim.pt", weights_only=True)
     for pid, st in oa["optimizer"]["state"].items():
