@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = recipes.build(BuildContext(cfg=cfg, model=model, device=device, rank=rank, world_size=world_size,
                                             local_rank=local_rank, grad_accum=accum, run_dir=run_dir))
         job = Job(cfg=cfg, run_dir=run_dir, engine=engine, dataset=build_dataset(cfg), device=device, rank=rank,
-                  world_size=world_size, dp_rank=rank, dp_size=dp_size, grad_accum=accum,
+                  world_size=world_size, dp_rank=C.degrees(cfg, world_size).dp_rank(rank), dp_size=dp_size,
+                  grad_accum=accum,
                   flops_per_token=model.flops_per_token(cfg.train.seq_len),
                   compute_dtype=autocast_dtype(cfg.precision.name.value), preemption=preemption)
         code = run(job)
