@@ -9,7 +9,8 @@ model: fsdp, tp, tp_fsdp, pp. Written under the engine folder the Checkpointer g
 
 DCP records every tensor's global shape and where each shard lies, so a load at another
 layout (other world size, FSDP <-> TP <-> pipeline stages, one process) reads the pieces
-each rank now needs: that is the resharding. Only tensors go into DCP (DCP would load
+each rank now needs: that is the resharding. A ddp checkpoint (whole tensors in
+model.pt/optim.pt) loads too, and ddp loads these. Only tensors go into DCP (DCP would load
 other objects with pickle); DCP's own .metadata file is its pickle format. A tied head
 is stored once, as `tok_embeddings.weight`, whichever rank holds it under which name.
 """
@@ -20,26 +21,30 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
 from launcher.config import Config
+from launcher.engine import param_groups
 from launcher.models.gpt import GPT
 
 OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)  # keys "state.<fqn>.<exp_avg|...>"
 TIED = ("output.weight", "tok_embeddings.weight")
 
 
+def _canonical_key(key: str, tied: bool, prefix: str = "") -> str:
+    head, embed = prefix + TIED[0], prefix + TIED[1]
+    return embed + key[len(head):] if tied and key.startswith(head) else key
+
+
 def _canonical(state: dict[str, torch.Tensor], tied: bool, prefix: str = "") -> dict[str, torch.Tensor]:
     """The same tensors, a tied head under the embedding's name (once)."""
-    head, embed = prefix + TIED[0], prefix + TIED[1]
     out = {}
     for key, value in state.items():
-        if tied and key.startswith(head):
-            key = embed + key[len(head):]
-        out.setdefault(key, value)
+        out.setdefault(_canonical_key(key, tied, prefix), value)
     return out
 
 
@@ -61,15 +66,44 @@ def save(path: Path, model: nn.Module, optimizer, scheduler, tied: bool, rank: i
         torch.save({"scheduler": scheduler.state_dict()}, path / "scheduler.pt")
 
 
-def load(path: Path, model: nn.Module, optimizer, scheduler, tied: bool) -> None:
+def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config) -> None:
+    """Called on every rank; `path` holds a DCP checkpoint of any layout, or ddp's files."""
+    tied = cfg.model.tie_embeddings
     model_sd, optim_sd, wanted = _tensors(model, optimizer, tied)
-    dcp.load(wanted, checkpoint_id=str(path))
+    if (path / DDP_MODEL).is_file():
+        _load_ddp_files(path, cfg, wanted)
+        schedule = torch.load(path / DDP_OPTIM, map_location="cpu", weights_only=True)["scheduler"]
+    else:
+        dcp.load(wanted, checkpoint_id=str(path))
+        schedule = torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True)["scheduler"]
     set_model_state_dict(model, model_sd)
     set_optimizer_state_dict(model, optimizer, optim_sd, options=OPTIM)
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True)["scheduler"])
+    scheduler.load_state_dict(schedule)
     # The LR lives in the optimizer's param groups, which DCP does not hold: the schedule sets it.
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
+
+
+DDP_MODEL, DDP_OPTIM = "model.pt", "optim.pt"  # recipes/ddp.py's files
+
+
+def _load_ddp_files(path: Path, cfg: Config, wanted: dict[str, dict[str, torch.Tensor]]) -> None:
+    """What DCP's load does, from ddp's whole tensors: each rank copies its part into its
+    tensors (a DTensor takes its shard; no communication). ddp's optimizer numbers its
+    parameters in build_optimizer's order, which a model on the meta device gives."""
+    whole = torch.load(path / DDP_MODEL, map_location="cpu", weights_only=True)
+    with torch.device("meta"):
+        shape = GPT(cfg.model)
+    name_of = {id(p): n for n, p in shape.named_parameters()}
+    names = [name_of[id(p)] for g in param_groups(shape, cfg.optim.weight_decay) for p in g["params"]]
+    states = torch.load(path / DDP_OPTIM, map_location="cpu", weights_only=True)["optimizer"]["state"]
+    whole.update({f"state.{names[pid]}.{k}": v for pid, state in states.items() for k, v in state.items()})
+    for part in wanted.values():
+        for key, t in part.items():
+            src = whole[key]
+            if isinstance(t, DTensor):
+                src = distribute_tensor(src.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
+            t.copy_(src)
 
 
 def consolidate(cfg: Config, engine_dir: Path) -> dict[str, torch.Tensor]:

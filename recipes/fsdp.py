@@ -85,7 +85,7 @@ class ShardedEngine:
         dcp.save(path, self.model, self.optimizer, self.scheduler, self.cfg.model.tie_embeddings, self.rank)
 
     def load(self, path: Path) -> None:
-        dcp.load(path, self.model, self.optimizer, self.scheduler, self.cfg.model.tie_embeddings)
+        dcp.load(path, self.model, self.optimizer, self.scheduler, self.cfg)
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))

@@ -120,7 +120,7 @@ class PipelineEngine:
         dcp.save(path, self.model, self.optimizer, self.scheduler, self.cfg.model.tie_embeddings, self.rank)
 
     def load(self, path: Path) -> None:
-        dcp.load(path, self.model, self.optimizer, self.scheduler, self.cfg.model.tie_embeddings)
+        dcp.load(path, self.model, self.optimizer, self.scheduler, self.cfg)
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         parts = [None] * dist.get_world_size()

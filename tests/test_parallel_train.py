@@ -2,8 +2,8 @@
 
 Every run below trains the same 20 steps (same seed, data and global batch) and is
 compared with ddp: the loss of every step within REL. The runs that resume start from
-another run's step-10 DCP checkpoint at another layout (resharding) and must continue
-with ddp's losses for steps 11-20. The same runs give the memory per rank and the
+another run's step-10 checkpoint (DCP, or ddp's files) at another layout (resharding) and
+must continue with ddp's losses for steps 11-20. The same runs give the memory per rank and the
 exports. Runs are launched once, on first use, and shared by the tests.
 """
 
@@ -28,18 +28,21 @@ COMMON = ["train.steps=20", "optim.warmup_steps=4", "train.seq_len=64", "train.m
           "train.global_batch=8", "logger=none", "logger.log_every=1", "checkpoint.every=10"]
 STEP10 = "checkpoints/step_00000010"
 
-# name: (overrides, the run it resumes from at step 10 or None)
+# name: (overrides, the run it resumes from at step 10 or None[, overrides of a second
+# launch of the same run directory, which resumes it by itself])
 RUNS = {
     "ddp": (["recipe=ddp"], None),
-    "fsdp": (["recipe=fsdp", "train.activation_checkpointing=full"], None),
+    # 2 ranks to step 10, then the same run directory relaunched on 4 (the issue's command)
+    "fsdp": (["recipe=fsdp", "train.activation_checkpointing=full", "train.stop_at=10"], None,
+             ["recipe=fsdp", "cluster.nproc_per_node=4"]),
     "tp": (["recipe=tp", "parallel.tp=2"], None),
     "pp": (["recipe=pp", "parallel.pp_schedule=1f1b", "train.activation_checkpointing=selective"], None),
     "tp_fsdp4": (["recipe=tp_fsdp", "cluster.nproc_per_node=4", "parallel.sequence_parallel=true"], None),
-    "pp_interleaved4": (["recipe=pp", "cluster.nproc_per_node=4", "parallel.pp_schedule=interleaved_1f1b"], None),
     # resharding: another layout picks up a step-10 checkpoint
-    "fsdp4_from_fsdp": (["recipe=fsdp", "cluster.nproc_per_node=4"], "fsdp"),
+    "pp_interleaved4_from_ddp": (["recipe=pp", "cluster.nproc_per_node=4", "parallel.pp_schedule=interleaved_1f1b"],
+                                 "ddp"),
     "fsdp_from_tp": (["recipe=fsdp"], "tp"),
-    "one_from_pp": (["recipe=fsdp", "cluster.nproc_per_node=1"], "pp"),
+    "one_from_pp": (["recipe=ddp", "cluster.nproc_per_node=1"], "pp"),
     "gpipe_from_tp_fsdp4": (["recipe=pp", "parallel.pp_schedule=gpipe", "parallel.pp_split=[1]"], "tp_fsdp4"),
     # untied embeddings: vocabulary-parallel embedding, column-parallel head, HSDP
     "ddp_untied": (["recipe=ddp", "model.tie_embeddings=false"], None),
@@ -51,8 +54,8 @@ RUNS = {
     "fsdp_bf16": (["recipe=fsdp", "precision=bf16", "train.stop_at=8", "recipe.fsdp.cpu_offload=true",
                    "recipe.fsdp.reshard_after_forward=false"], None),
 }
-FRESH = ["fsdp", "tp", "pp", "tp_fsdp4", "pp_interleaved4"]
-RESUMED = ["fsdp4_from_fsdp", "fsdp_from_tp", "one_from_pp", "gpipe_from_tp_fsdp4"]
+FRESH = ["fsdp", "tp", "pp", "tp_fsdp4"]
+RESUMED = ["fsdp_from_tp", "one_from_pp", "gpipe_from_tp_fsdp4", "pp_interleaved4_from_ddp"]
 
 
 class Runs:
@@ -61,14 +64,17 @@ class Runs:
 
     def __call__(self, name: str) -> Path:
         if name not in self.done:
-            overrides, source = RUNS[name]
+            overrides, source, *then = RUNS[name]
             extra = [f"checkpoint.resume={self(source) / STEP10}"] if source else []
             run = self.root / name
             if not any(o.startswith("precision=") for o in overrides):
                 extra.append("precision=fp32")
             proc = launch(*COMMON, *overrides, *extra, run_dir=run, timeout=600)
-            self.done[name] = run
             (run / "stdout.txt").write_text(proc.stdout)
+            if then:
+                proc = launch(*COMMON, *then[0], "precision=fp32", run_dir=run, timeout=600)
+                (run / "stdout2.txt").write_text(proc.stdout)
+            self.done[name] = run
         return self.done[name]
 
 
@@ -107,6 +113,15 @@ def test_resume_at_another_layout_continues_the_loss(runs, name):
     assert losses(run)[11] == pytest.approx(losses(source)[11], rel=REL)
 
 
+def test_relaunch_of_the_run_directory_on_more_ranks_continues(runs):
+    """`make train RECIPE=fsdp ARGS="cluster.nproc_per_node=4"` on a run 2 ranks wrote."""
+    run = runs("fsdp")
+    out = (run / "stdout2.txt").read_text()
+    assert f"resumed from {run / STEP10} at step 10" in out and "4 rank(s)" in out
+    assert "mesh: pp 1 x dp_replicate 1 x dp_shard 4 x tp 1" in out
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 21))  # 1-10 on 2 ranks, 11-20 on 4
+
+
 def test_untied_tensor_parallel_and_hsdp_match_ddp(runs):
     ref = runs("ddp_untied")
     assert_same_losses(runs("tp4_untied"), ref, range(1, 21))
@@ -134,14 +149,15 @@ def test_model_state_bytes_per_rank_match_the_formulas(runs):
 
     expected = {
         "ddp": 16 * psi + step_counters,
-        "fsdp": 16 * psi // 2 + step_counters,  # 16Ψ/N
-        "fsdp4_from_fsdp": 16 * psi // 4 + step_counters,
+        "fsdp": 16 * psi // 4 + step_counters,  # 16Ψ/N: steps 11-20 ran on 4 ranks
         "tp": 16 * (matmul // 2 + replicated) + step_counters,
         "tp_fsdp4": 16 * (matmul // 4 + replicated // 2) + step_counters,
         # rank 0 is the first stage: the embedding and layers 0, 1 (balanced: 2 + 2)
         "pp": 16 * (m.vocab_size * m.dim + 2 * block) + 4 * (1 + 2 * 9),
         "one_from_pp": 16 * psi + step_counters,
     }
+    on_two = read_metrics(runs("fsdp"))[9]  # step 10, still on 2 ranks
+    assert on_two["mem/model_state_bytes"] == 16 * psi // 2 + step_counters
     for name, want in expected.items():
         row = last(name)
         assert row["mem/model_state_bytes"] == want, (name, row["mem/model_state_bytes"], want)
@@ -158,7 +174,7 @@ def test_export_from_dcp_checkpoints_gives_the_same_model(runs, tmp_path):
     reference = GPT(C.load_frozen(runs("ddp")).model)
     reference.load_state_dict(ddp_final)
     x = torch.randint(0, 256, (2, 64))
-    for name in ("pp", "tp_fsdp4", "gpipe_from_tp_fsdp4"):
+    for name in ("pp", "tp_fsdp4"):  # stage-wise files; 2-D (strided) shards
         run = runs(name)
         proc = launch(str(run), command="export")
         path = run / "export" / "step_00000020" / "model.safetensors"
