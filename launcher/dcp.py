@@ -17,6 +17,7 @@ is stored once, as `tok_embeddings.weight`, whichever rank holds it under which 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -115,5 +116,7 @@ def consolidate(cfg: Config, engine_dir: Path) -> dict[str, torch.Tensor]:
     if cfg.model.tie_embeddings:  # to_empty gave each module its own tensor: tie them again
         model.output.weight = model.tok_embeddings.weight
     state = model.state_dict()
-    dcp.load({"model": _canonical(state, cfg.model.tie_embeddings)}, checkpoint_id=str(engine_dir), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": no_dist=True says so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": _canonical(state, cfg.model.tie_embeddings)}, checkpoint_id=str(engine_dir), no_dist=True)
     return {k: v.float() for k, v in state.items()}

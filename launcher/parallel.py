@@ -45,7 +45,7 @@ def parallelize(model: GPT, mesh: DeviceMesh, deg: C.Degrees, cfg: C.Config) -> 
        FSDP and TP hooks, so recomputation re-gathers what it needs.
     2. compile: train.py called `block.compile()`, which is lazy: the graph is traced at
        the first forward, after 3 and 4, so it sees the sharded (DTensor) block.
-    3. tensor parallel: first, because FSDP must shard the DTensors TP made (a second,
+    3. tensor parallel, before FSDP: FSDP must shard the DTensors TP made (a second,
        data-parallel dimension on the same mesh: 2-D), not the other way round.
     4. FSDP: each block, then the root (embedding, final norm, head), so one block's
        parameters are gathered at a time.

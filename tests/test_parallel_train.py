@@ -35,7 +35,7 @@ RUNS = {
     # 2 ranks to step 10, then the same run directory relaunched on 4 (the command)
     "fsdp": (["recipe=fsdp", "train.activation_checkpointing=full", "train.stop_at=10"], None,
              ["recipe=fsdp", "cluster.nproc_per_node=4"]),
-    "tp": (["recipe=tp", "parallel.tp=2"], None),
+    "tp": (["recipe=tp", "parallel.tp=2", "train.activation_checkpointing=full"], None),
     "pp": (["recipe=pp", "parallel.pp_schedule=1f1b", "train.activation_checkpointing=selective"], None),
     "tp_fsdp4": (["recipe=tp_fsdp", "cluster.nproc_per_node=4", "parallel.sequence_parallel=true"], None),
     # resharding: another layout picks up a step-10 checkpoint
