@@ -34,6 +34,20 @@ class Strategy(str, enum.Enum):
     """Which `recipes/` module builds the engine (the registry key)."""
 
     ddp = "ddp"
+    fsdp = "fsdp"
+    tp = "tp"
+    pp = "pp"
+    tp_fsdp = "tp_fsdp"
+
+
+# Pipeline schedules. Declared functionally because "1f1b" is not a Python identifier;
+# the names are what the command line and config.yaml say (parallel.pp_schedule=1f1b).
+PPSchedule = enum.Enum("PPSchedule", {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved_1f1b"},
+                       type=str)
+PPSchedule.__doc__ = """gpipe: all forwards, then all backwards: simplest, but every micro-batch's
+activations are alive at once. 1f1b: one forward, one backward in the steady state: the
+same bubble, activations of at most `pp` micro-batches. interleaved_1f1b: each rank holds
+pp_virtual_stages smaller stages; the bubble shrinks by that factor for more messages."""
 
 
 class Precision(str, enum.Enum):
@@ -110,6 +124,20 @@ class DDPOptions:
 
 
 @dataclass
+class FSDPOptions:
+    """FSDP2 (`fully_shard`) settings for the recipes that shard (fsdp, tp_fsdp)."""
+
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward and gather them again in
+    backward: parameters cost Ψ/N between layers, for one more all-gather per block. False
+    keeps them gathered from forward to backward (less communication, more memory)."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters, gradients and optimizer states in host memory and run
+    the optimizer step on the CPU: device memory holds only what one block needs, at the
+    price of host-device copies every step and a CPU optimizer step."""
+
+
+@dataclass
 class RecipeConfig:
     """`recipe=<name>` selects conf/recipe/<name>.yaml."""
 
@@ -117,8 +145,55 @@ class RecipeConfig:
     """The recipe's name, as on the command line (informative; the file sets it)."""
     strategy: Strategy = Strategy.ddp
     """The recipes/ module that builds the engine. ddp: replicate the model, all-reduce
-    gradients: model states cost 16 bytes/param on every rank (mixed-precision Adam)."""
+    gradients: model states cost 16 bytes/param on every rank (mixed-precision Adam).
+    fsdp: shard them over dp_shard ranks (16Ψ/N). tp: split the matmuls over tp ranks.
+    tp_fsdp: both, on a 2-D mesh. pp: split the layers into pipeline stages."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees: world size = dp_replicate x dp_shard x tp x pp. One device mesh
+    (pp, dp_replicate, dp_shard, tp), outermost first, is built from them: tensor-parallel
+    ranks are neighbours (the most traffic on the fastest links), pipeline stages the
+    furthest apart (the least traffic). Each recipe file names its default degrees
+    (conf/parallel/<recipe>.yaml); which degrees a recipe may use is in RECIPE_PARALLELISM."""
+
+    dp_replicate: int = 1
+    """Data-parallel replicas that all-reduce gradients. With fsdp/tp_fsdp and dp_shard > 1
+    this is HSDP: shard within a group of dp_shard ranks, replicate across groups (all-
+    reduces cross the slow links only once per step, at the cost of dp_replicate copies)."""
+    dp_shard: int = -1
+    """Data-parallel ranks that shard parameters, gradients and optimizer states (FSDP):
+    model states shrink to 16Ψ/dp_shard, for an all-gather per block in forward and
+    backward and a reduce-scatter of gradients. -1: every rank the other degrees leave
+    (recipes that do not shard replicate over those ranks instead)."""
+    tp: int = 1
+    """Tensor-parallel degree: attention heads and the SwiGLU hidden size are split over
+    tp ranks (column-wise q/k/v/w1/w3, row-wise wo/w2). Cuts parameters and activations of
+    the matmuls by tp, for two all-reduces per block in forward and two in backward: keep
+    it within a node. Must divide the heads, the KV heads and the hidden size."""
+    sequence_parallel: bool = False
+    """tp > 1: also split the norms' activations along the sequence (the all-reduces
+    become reduce-scatter + all-gather, same volume): saves activation memory of the norms
+    and residual stream by tp. Needs train.seq_len divisible by tp."""
+    pp: int = 1
+    """Pipeline stages: the layers are cut into pp contiguous stages on different ranks,
+    activations are sent between them. Only point-to-point traffic, but idle time (the
+    bubble, (pp-1)/pp_microbatches of a step for gpipe/1f1b) unless micro-batches are many."""
+    pp_schedule: PPSchedule = PPSchedule["1f1b"]
+    """gpipe | 1f1b | interleaved_1f1b (see PPSchedule)."""
+    pp_microbatches: int = 4
+    """Micro-batches the pipeline cuts each data-parallel rank's batch (train.micro_batch x
+    grad_accum sequences) into. More shrink the bubble, but each is a smaller matmul. Must
+    divide that batch; 1f1b needs at least pp of them."""
+    pp_virtual_stages: int = 2
+    """interleaved_1f1b: stages per rank (rank r holds stages r, r+pp, ...). The bubble
+    shrinks by this factor; each micro-batch crosses the ranks that many times more."""
+    pp_split: Optional[list[int]] = None
+    """The first layer of every stage but the first, e.g. [2] for pp=2 on 4 layers
+    (null: balance the stages by parameter count, the embedding and head included)."""
 
 
 @dataclass
@@ -461,6 +536,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
@@ -481,6 +557,7 @@ GROUPS = {
     "logger": LoggerConfig,
     "cluster": ClusterConfig,
     "train": TrainConfig,
+    "parallel": ParallelConfig,
 }
 
 
@@ -514,9 +591,71 @@ def to_dict(cfg: Config) -> dict:
 
 
 # ----------------------------------------------------------------------------- derived
+@dataclass(frozen=True)
+class Parallelism:
+    """What a recipe may split: data-parallel sharding, tensor parallel, pipeline."""
+
+    shards: bool = False
+    tp: bool = False
+    pp: bool = False
+
+
+# Recipes not listed here are pure data parallel.
+RECIPE_PARALLELISM = {
+    "fsdp": Parallelism(shards=True),
+    "tp": Parallelism(tp=True),
+    "tp_fsdp": Parallelism(shards=True, tp=True),
+    "pp": Parallelism(pp=True),
+}
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """The resolved degrees of one job; ranks are laid out row-major over
+    (pp, dp_replicate, dp_shard, tp), the order of the device mesh's dimensions."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def coords(self, rank: int) -> tuple[int, int, int, int]:
+        """(pp, dp_replicate, dp_shard, tp) coordinates of a global rank."""
+        rest, t = divmod(rank, self.tp)
+        rest, s = divmod(rest, self.dp_shard)
+        p, r = divmod(rest, self.dp_replicate)
+        return p, r, s, t
+
+    def dp_rank(self, rank: int) -> int:
+        """Which slice of each global batch this rank's data-parallel group reads."""
+        _, r, s, _ = self.coords(rank)
+        return r * self.dp_shard + s
+
+
+def degrees(cfg: Config, world_size: int) -> Degrees:
+    """The degrees for this recipe at this world size. dp_shard=-1 takes the ranks the
+    others leave; a recipe that does not shard replicates over them instead. Degrees a
+    recipe does not use count as 1 (validate refuses them before a launch)."""
+    p = cfg.parallel
+    can = RECIPE_PARALLELISM.get(cfg.recipe.strategy.value, Parallelism())
+    tp, pp = (p.tp if can.tp else 1), (p.pp if can.pp else 1)
+    rest = p.dp_shard if p.dp_shard != -1 else max(1, world_size // max(1, p.dp_replicate * tp * pp))
+    if can.shards:
+        return Degrees(pp=pp, dp_replicate=p.dp_replicate, dp_shard=rest, tp=tp)
+    return Degrees(pp=pp, dp_replicate=p.dp_replicate * rest, dp_shard=1, tp=tp)
+
+
 def data_parallel_size(cfg: Config, world_size: int) -> int:
-    """Ranks that see different data. Every recipe so far is pure data parallel."""
-    return world_size
+    """Ranks that see different data: world / (tp x pp)."""
+    return degrees(cfg, world_size).dp
 
 
 def grad_accum(cfg: Config, world_size: int) -> int:
@@ -667,10 +806,98 @@ def validate(cfg: Config, host) -> None:
 
     # batch arithmetic
     world = nproc_per_node(cfg, host) * c.nnodes
+    validate_parallel(cfg, world)
     dp = data_parallel_size(cfg, world)
     if t.global_batch is not None and t.global_batch % (t.micro_batch * dp):
         raise ConfigError("train.global_batch", t.global_batch,
                           f"must be a multiple of micro_batch({t.micro_batch}) x data-parallel size({dp}) = {t.micro_batch * dp}")
+    validate_pipeline_batch(cfg, world)
+
+
+def validate_parallel(cfg: Config, world: int) -> None:
+    """Degrees against the recipe, the model and the world size (numbers in every message)."""
+    p, m, name = cfg.parallel, cfg.model, cfg.recipe.strategy.value
+    can = RECIPE_PARALLELISM.get(name, Parallelism())
+    for key in ("dp_replicate", "tp", "pp", "pp_microbatches", "pp_virtual_stages"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    if p.dp_shard != -1 and p.dp_shard < 1:
+        raise ConfigError("parallel.dp_shard", p.dp_shard, "must be >= 1, or -1 for the ranks the other degrees leave")
+    if p.tp > 1 and not can.tp:
+        raise ConfigError("parallel.tp", p.tp, f"recipe {name} has no tensor parallel; use recipe=tp or recipe=tp_fsdp")
+    if p.pp > 1 and not can.pp:
+        raise ConfigError("parallel.pp", p.pp, f"recipe {name} has no pipeline parallel; use recipe=pp")
+    if p.dp_shard > 1 and not can.shards:
+        raise ConfigError("parallel.dp_shard", p.dp_shard,
+                          f"recipe {name} does not shard; use recipe=fsdp or recipe=tp_fsdp, or parallel.dp_replicate")
+    if can.tp and p.tp < 2:
+        raise ConfigError("parallel.tp", p.tp, f"recipe {name} needs tp >= 2 (tp=1 is plain data parallel)")
+    if can.pp and p.pp < 2:
+        raise ConfigError("parallel.pp", p.pp, f"recipe {name} needs pp >= 2 (pp=1 is plain data parallel)")
+    if name in RECIPE_PARALLELISM and cfg.precision.name == Precision.fp16:
+        raise ConfigError("precision", "fp16", f"recipe {name} supports bf16 and fp32 (it has no fp16 loss scaler)")
+
+    # tensor parallel: every split dimension divides
+    if p.tp > 1:
+        kv = m.n_kv_heads or m.n_heads
+        for key, size in (("model.n_heads", m.n_heads), ("model.n_kv_heads", kv),
+                          ("model.ffn_dim (SwiGLU hidden)", ffn_dim(m))):
+            if size % p.tp:
+                raise ConfigError("parallel.tp", p.tp, f"must divide {key}={size}")
+        if not m.tie_embeddings and m.vocab_size % p.tp:
+            raise ConfigError("parallel.tp", p.tp,
+                              f"must divide model.vocab_size={m.vocab_size} (untied embeddings are split by vocabulary)")
+        if p.sequence_parallel and cfg.train.seq_len % p.tp:
+            raise ConfigError("parallel.sequence_parallel", "true",
+                              f"needs train.seq_len={cfg.train.seq_len} divisible by parallel.tp={p.tp}")
+
+    # pipeline: stages fit the layers
+    if p.pp > 1:
+        stages = pipeline_stages(p)
+        if stages > m.n_layers:
+            raise ConfigError("parallel.pp", p.pp, f"{stages} stages (pp {p.pp} x {stages // p.pp} per rank) "
+                              f"but model.n_layers={m.n_layers}; every stage needs a layer")
+        if p.pp_split is not None:
+            split = list(p.pp_split)
+            if len(split) != stages - 1 or split != sorted(set(split)) or not all(0 < s < m.n_layers for s in split):
+                which = "stage 2" if stages == 2 else f"stages 2..{stages}"
+                raise ConfigError("parallel.pp_split", split, f"needs {stages - 1} increasing layer index(es) in "
+                                  f"[1, {m.n_layers - 1}] (the first layer of {which}); null balances by parameters")
+
+    # the world
+    fixed = p.dp_replicate * p.tp * p.pp
+    shard = p.dp_shard if p.dp_shard != -1 else world // fixed
+    if shard < 1 or fixed * shard != world:
+        key, value = next(((f"parallel.{k}", getattr(p, k)) for k in ("tp", "pp", "dp_shard", "dp_replicate")
+                           if getattr(p, k) not in (1, -1)), ("parallel", "default"))
+        world_is = f"world size {world} (cluster.nproc_per_node x cluster.nnodes = {world // cfg.cluster.nnodes} x {cfg.cluster.nnodes})"
+        if p.dp_shard == -1:
+            raise ConfigError(key, value, f"{world_is} is not a multiple of dp_replicate({p.dp_replicate}) x "
+                              f"tp({p.tp}) x pp({p.pp}) = {fixed}")
+        raise ConfigError(key, value, f"{world_is} is not dp_replicate({p.dp_replicate}) x dp_shard({p.dp_shard}) x "
+                          f"tp({p.tp}) x pp({p.pp}) = {fixed * p.dp_shard}")
+
+
+def pipeline_stages(p: ParallelConfig) -> int:
+    """Pipeline stages in all: pp, times the stages per rank of an interleaved schedule."""
+    return p.pp * (p.pp_virtual_stages if p.pp_schedule == PPSchedule["interleaved_1f1b"] else 1)
+
+
+def validate_pipeline_batch(cfg: Config, world: int) -> None:
+    """The pipeline cuts each data-parallel rank's batch into pp_microbatches equal parts."""
+    p = cfg.parallel
+    if p.pp < 2:
+        return
+    batch = cfg.train.micro_batch * grad_accum(cfg, world)
+    n = p.pp_microbatches
+    if batch % n:
+        raise ConfigError("parallel.pp_microbatches", n, f"must divide the batch of each data-parallel rank: "
+                          f"micro_batch({cfg.train.micro_batch}) x grad_accum({grad_accum(cfg, world)}) = {batch}")
+    if p.pp_schedule == PPSchedule["1f1b"] and n < p.pp:
+        raise ConfigError("parallel.pp_microbatches", n, f"1f1b needs at least pp={p.pp} micro-batches")
+    rounds = max(1, n // p.pp)
+    if p.pp_schedule == PPSchedule["interleaved_1f1b"] and n % rounds:
+        raise ConfigError("parallel.pp_microbatches", n,
+                          f"interleaved_1f1b needs a multiple of max(1, pp_microbatches // pp) = {rounds}")
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from launcher.config import Config, OptimConfig
 
@@ -33,6 +34,10 @@ class StepResult:
     skipped: bool = False
     """fp16: the step was skipped because gradients overflowed."""
     loss_scale: float | None = None
+    loss_owner: bool = True
+    """This rank reports the loss of its data-parallel slice. Exactly one rank per slice
+    does (the loop averages over data-parallel slices): ranks that hold the same loss
+    (tensor parallel) or none (pipeline stages before the last) set it False."""
 
 
 @dataclass
@@ -131,7 +136,9 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 
 
 def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    """Bytes these tensors occupy on this rank (a DTensor: its local shard only)."""
+    local = (t._local_tensor if isinstance(t, DTensor) else t for t in tensors if t is not None)
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

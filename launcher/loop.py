@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from launcher.checkpoint import Checkpointer, find_latest, step_name
-from launcher.config import Config, FaultPoint
+from launcher.config import RECIPE_PARALLELISM, Config, FaultPoint, degrees
 from launcher.data import build_loader, loss_floor
 from launcher.device import memory_stats, peak_flops, reset_peak_memory, synchronize
 from launcher.memory import ActivationCounter
@@ -64,6 +65,9 @@ def run(job: Job) -> int:
         log.print(f"resumed from {start_from} at step {step} ({samples_seen:,} samples seen)")
     log.print(f"{cfg.recipe.name}: {job.world_size} rank(s) on {device.type}, global batch {global_batch} "
               f"({cfg.train.micro_batch} x {job.grad_accum} accum x {job.dp_size} dp), {tokens_per_step:,} tokens/step")
+    if job.dp_size != job.world_size or cfg.recipe.strategy.value in RECIPE_PARALLELISM:
+        d = degrees(cfg, job.world_size)
+        log.print(f"mesh: pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp}")
 
     loader = build_loader(cfg, job.dataset, samples_seen, global_batch, job.dp_rank, job.dp_size, device)
     batches = iter(loader)
@@ -106,10 +110,11 @@ def run(job: Job) -> int:
         watchdog.progress(step)
 
         if step % cfg.logger.log_every == 0 or step == last:
-            loss = result.loss.detach().clone()
+            # Mean over data-parallel slices: one rank per slice contributes its loss.
+            loss = result.loss.detach().clone() if result.loss_owner else torch.zeros((), device=device)
             dist.all_reduce(loss, op=dist.ReduceOp.SUM)
             synchronize(device)
-            metrics = {"step": step, "loss": loss.item() / job.world_size, "lr": engine.lr(),
+            metrics = {"step": step, "loss": loss.item() / job.dp_size, "lr": engine.lr(),
                        "grad_norm": float(result.grad_norm), **meter.rates(), **memory_stats(device),
                        **engine.state_bytes().as_metrics(), **measured}
             if result.loss_scale is not None:
@@ -220,5 +225,6 @@ def weights_digest(engine) -> str:
     h = hashlib.sha256()
     for name, p in sorted(engine.model.named_parameters()):
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        t = p.detach().to_local() if isinstance(p, DTensor) else p.detach()  # a shard: this rank's part
+        h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

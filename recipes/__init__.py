@@ -7,6 +7,10 @@ import importlib
 
 RECIPES: dict[str, str] = {
     "ddp": "recipes.ddp",
+    "fsdp": "recipes.fsdp",
+    "tp": "recipes.tp",
+    "tp_fsdp": "recipes.tp_fsdp",
+    "pp": "recipes.pp",
 }
 
 

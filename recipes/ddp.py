@@ -95,6 +95,12 @@ class DDPEngine:
                     "scaler": self.scaler.state_dict() if self.scaler else None}, path / "optim.pt")
 
     def load(self, path: Path) -> None:
+        if not (path / "model.pt").is_file():  # written by fsdp, tp, tp_fsdp or pp: DCP, any layout
+            from launcher import dcp
+
+            dcp.load(path, self.module, self.optimizer, self.scheduler, self.cfg)
+            dist.barrier()
+            return
         self.module.load_state_dict(torch.load(path / "model.pt", map_location=self.device, weights_only=True))
         state = torch.load(path / "optim.pt", map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])

@@ -4,7 +4,9 @@
 For each case the recipe runs through the real launcher (torchrun, the data loader, the
 loop, metrics; no checkpoints, no W&B) and the baseline through torchrun as well, on the
 same model, batch, precision and threads. They alternate, several rounds; the median of
-each is compared. Results go to bench/results.md (and bench/results.json).
+each is compared. Then the parallel recipes (fsdp, tp, pp, tp_fsdp) run beside ddp on the
+same model and global batch: tokens/s, peak memory and model-state bytes per rank.
+Results go to bench/results.md (and bench/results.json, bench/parallel.json).
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ def _run(cmd: list[str], env: dict | None = None) -> None:
 
 
 def run_recipe(recipe: str, model: str, steps: int, nproc: int, extra: list[str]) -> float:
+    return measure_recipe(recipe, model, steps, nproc, extra)["tokens_per_s"]
+
+
+def measure_recipe(recipe: str, model: str, steps: int, nproc: int, extra: list[str]) -> dict:
+    """Steady-state tokens/s, the largest peak memory logged, and rank 0's model-state bytes."""
     run = OUT / "runs" / f"{recipe}-{model}"
     shutil.rmtree(run, ignore_errors=True)
     cmd = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}", f"recipe={recipe}", f"model={model}",
@@ -40,7 +47,45 @@ def run_recipe(recipe: str, model: str, steps: int, nproc: int, extra: list[str]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steady = rows[1:]  # the first interval holds start-up
     tokens_per_step = rows[0]["tokens_per_s"] * rows[0]["step_time_s"]
-    return tokens_per_step / statistics.mean(r["step_time_s"] for r in steady)
+    return {"tokens_per_s": tokens_per_step / statistics.mean(r["step_time_s"] for r in steady),
+            "peak_mem_bytes": max(r["mem/peak_bytes"] for r in rows),
+            "model_state_bytes": rows[-1]["mem/model_state_bytes"]}
+
+
+# The parallel recipes beside ddp: (recipe, overrides). Same model, global batch, precision.
+PARALLEL_CASES = [
+    ("ddp", []),
+    ("fsdp", []),
+    ("tp", ["parallel.tp=2"]),
+    ("pp", ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=4"]),
+    ("tp_fsdp", ["parallel.tp=2"]),
+]
+
+
+def bench_parallel(model: str, steps: int, nproc: int, rounds: int) -> list[dict]:
+    """Each recipe `rounds` times, interleaved (a slow spell of the machine hits all alike)."""
+    from launcher.cli import compose_config
+    from launcher.models.gpt import num_params
+
+    cfg, _, _ = compose_config([f"model={model}"])
+    psi = num_params(cfg.model)
+    batch = ["train.global_batch=16", "train.micro_batch=8"]
+    seen: dict[str, list[dict]] = {name: [] for name, _ in PARALLEL_CASES}
+    for i in range(rounds):
+        for name, extra in (PARALLEL_CASES if i % 2 == 0 else PARALLEL_CASES[::-1]):
+            seen[name].append(measure_recipe(name, model, steps, nproc, [*batch, *extra]))
+    out = []
+    for name, extra in PARALLEL_CASES:
+        runs = seen[name]
+        r = {"recipe": name, "overrides": extra, "model": model, "nproc": nproc, "steps": steps,
+             "tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs),
+             "peak_mem_bytes": statistics.median(x["peak_mem_bytes"] for x in runs),
+             "model_state_bytes": runs[-1]["model_state_bytes"], "model_state_x_16psi": runs[-1]["model_state_bytes"] / (16 * psi),
+             "runs": runs}
+        out.append(r)
+        print(f"{name:8} {model:10} {r['tokens_per_s']:10,.0f} tok/s  peak {r['peak_mem_bytes'] / 2**20:7.0f} MiB  "
+              f"model state {r['model_state_bytes'] / 2**20:7.1f} MiB/rank ({r['model_state_x_16psi']:.2f} x 16Ψ)", flush=True)
+    return out
 
 
 def run_baseline(script: str, model: str, steps: int, nproc: int, threads: int) -> float:
@@ -77,8 +122,11 @@ def main() -> int:
         print(f"{recipe:6} {model:10} recipe {r['recipe_tokens_per_s']:10,.0f} tok/s  "
               f"hand-written {r['baseline_tokens_per_s']:10,.0f} tok/s  ratio {r['ratio']:.3f}", flush=True)
 
+    parallel = bench_parallel("gpt_small", 40, args.nproc, args.rounds)
+
     OUT.mkdir(exist_ok=True)
     (OUT / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (OUT / "parallel.json").write_text(json.dumps(parallel, indent=1) + "\n")
     lines = [
         "# Benchmark results",
         "",
@@ -93,6 +141,22 @@ def main() -> int:
     for r in results:
         lines.append(f"| {r['recipe']} | {r['model']} | {r['recipe_tokens_per_s']:,.0f} | "
                      f"{r['baseline_tokens_per_s']:,.0f} | {r['ratio']:.3f} |")
+    ddp = parallel[0]
+    lines += [
+        "",
+        "## Parallel recipes beside ddp",
+        "",
+        f"Same run: {parallel[0]['model']}, {args.nproc} processes, global batch 16 x 128 tokens, bf16, "
+        f"{parallel[0]['steps']} steps; median of {args.rounds} rounds (interleaved). Peak memory is the process's "
+        "peak RSS on CPU (CUDA: max allocated); model state is what rank 0 holds, counted from its tensors.",
+        "",
+        "| recipe | overrides | tokens/s | vs ddp | peak memory/rank | model state/rank | x 16Ψ |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in parallel:
+        lines.append(f"| {r['recipe']} | {' '.join(r['overrides']) or '-'} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['tokens_per_s'] / ddp['tokens_per_s']:.2f} | {r['peak_mem_bytes'] / 2**20:,.0f} MiB | "
+                     f"{r['model_state_bytes'] / 2**20:,.1f} MiB | {r['model_state_x_16psi']:.2f} |")
     (OUT / "results.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {OUT / 'results.md'}")
     return 0

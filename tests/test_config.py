@@ -42,6 +42,9 @@ def test_combination_composes_and_validates(recipe, model, data, precision, tmp_
     if precision == "fp16" and not HOST.cuda:
         with pytest.raises(C.ConfigError, match="fp16 needs CUDA"):
             C.validate(cfg, HOST)
+    elif precision == "fp16" and recipe in C.RECIPE_PARALLELISM:
+        with pytest.raises(C.ConfigError, match="no fp16 loss scaler"):
+            C.validate(cfg, HOST)
     else:
         C.validate(cfg, HOST)
 

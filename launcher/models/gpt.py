@@ -143,15 +143,11 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or the mean cross-entropy when targets are given."""
         h = self.tok_embeddings(tokens)
-        for i, layer in enumerate(self.layers):
-            if i in self.checkpointed and torch.is_grad_enabled():
-                h = checkpoint(layer, h, self.rope, use_reentrant=False)
-            else:
-                h = layer(h, self.rope)
+        h = run_layers(enumerate(self.layers), h, self.rope, self.checkpointed)
         logits = self.output(self.norm(h))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return lm_loss(logits, targets)
 
     # -------------------------------------------------------------------------- facts
     def num_params(self) -> int:
@@ -166,12 +162,33 @@ class GPT(nn.Module):
         return flops_per_token(self.cfg, seq_len)
 
 
-def matmul_params(cfg: ModelConfig) -> int:
+def run_layers(layers, h: torch.Tensor, rope: torch.Tensor, checkpointed: set[int]) -> torch.Tensor:
+    """The blocks in order; (index, block) pairs. Blocks in `checkpointed` keep only their
+    input and recompute the rest in backward (activation checkpointing)."""
+    for i, layer in layers:
+        if i in checkpointed and torch.is_grad_enabled():
+            h = checkpoint(layer, h, rope, use_reentrant=False)
+        else:
+            h = layer(h, rope)
+    return h
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def block_matmul_params(cfg: ModelConfig) -> int:
+    """Matmul weights of one block: q, k, v, o and the three SwiGLU projections."""
     head_dim = cfg.dim // cfg.n_heads
     kv = (cfg.n_kv_heads or cfg.n_heads) * head_dim
     attn = cfg.dim * cfg.dim * 2 + cfg.dim * kv * 2
     mlp = 3 * cfg.dim * ffn_dim(cfg)
-    return cfg.n_layers * (attn + mlp) + cfg.dim * cfg.vocab_size
+    return attn + mlp
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    return cfg.n_layers * block_matmul_params(cfg) + cfg.dim * cfg.vocab_size
 
 
 def num_params(cfg: ModelConfig) -> int:

@@ -1,0 +1,122 @@
+"""Distributed checkpoints (torch.distributed.checkpoint) for the recipes that split the
+model: fsdp, tp, tp_fsdp, pp. Written under the engine folder the Checkpointer gives
+(its atomic rename, manifest, `latest` and keep-K cover these files like any other).
+
+    engine/.metadata, engine/__R_0.distcp   DCP: each rank writes its own shards of the
+                                            model and the Adam states, keyed by the full
+                                            model's parameter names
+    engine/scheduler.pt                     the LR schedule (rank 0; weights_only load)
+
+DCP records every tensor's global shape and where each shard lies, so a load at another
+layout (other world size, FSDP <-> TP <-> pipeline stages, one process) reads the pieces
+each rank now needs: that is the resharding. A ddp checkpoint (whole tensors in
+model.pt/optim.pt) loads too, and ddp loads these. Only tensors go into DCP (DCP would load
+other objects with pickle); DCP's own .metadata file is its pickle format. A tied head
+is stored once, as `tok_embeddings.weight`, whichever rank holds it under which name.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from launcher.config import Config
+from launcher.engine import param_groups
+from launcher.models.gpt import GPT
+
+OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)  # keys "state.<fqn>.<exp_avg|...>"
+TIED = ("output.weight", "tok_embeddings.weight")
+
+
+def _canonical_key(key: str, tied: bool, prefix: str = "") -> str:
+    head, embed = prefix + TIED[0], prefix + TIED[1]
+    return embed + key[len(head):] if tied and key.startswith(head) else key
+
+
+def _canonical(state: dict[str, torch.Tensor], tied: bool, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The same tensors, a tied head under the embedding's name (once)."""
+    out = {}
+    for key, value in state.items():
+        out.setdefault(_canonical_key(key, tied, prefix), value)
+    return out
+
+
+def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer, tied: bool):
+    """(model state, optimizer state, what goes into DCP): the first two are the live
+    tensors (DCP loads in place into them), the third is their canonical, tensor-only view."""
+    model_sd = get_model_state_dict(model)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=OPTIM)  # initialises Adam's state if empty
+    saved = {"model": _canonical(model_sd, tied),
+             "optim": _canonical({k: v for k, v in optim_sd.items() if k.startswith("state.")}, tied, "state.")}
+    return model_sd, optim_sd, saved
+
+
+def save(path: Path, model: nn.Module, optimizer, scheduler, tied: bool, rank: int) -> None:
+    """Called on every rank."""
+    _, _, saved = _tensors(model, optimizer, tied)
+    dcp.save(saved, checkpoint_id=str(path))
+    if rank == 0:
+        torch.save({"scheduler": scheduler.state_dict()}, path / "scheduler.pt")
+
+
+def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config) -> None:
+    """Called on every rank; `path` holds a DCP checkpoint of any layout, or ddp's files."""
+    tied = cfg.model.tie_embeddings
+    model_sd, optim_sd, wanted = _tensors(model, optimizer, tied)
+    if (path / DDP_MODEL).is_file():
+        _load_ddp_files(path, cfg, wanted)
+        schedule = torch.load(path / DDP_OPTIM, map_location="cpu", weights_only=True)["scheduler"]
+    else:
+        dcp.load(wanted, checkpoint_id=str(path))
+        schedule = torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True)["scheduler"]
+    set_model_state_dict(model, model_sd)
+    set_optimizer_state_dict(model, optimizer, optim_sd, options=OPTIM)
+    scheduler.load_state_dict(schedule)
+    # The LR lives in the optimizer's param groups, which DCP does not hold: the schedule sets it.
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
+
+
+DDP_MODEL, DDP_OPTIM = "model.pt", "optim.pt"  # recipes/ddp.py's files
+
+
+def _load_ddp_files(path: Path, cfg: Config, wanted: dict[str, dict[str, torch.Tensor]]) -> None:
+    """What DCP's load does, from ddp's whole tensors: each rank copies its part into its
+    tensors (a DTensor takes its shard; no communication). ddp's optimizer numbers its
+    parameters in build_optimizer's order, which a model on the meta device gives."""
+    whole = torch.load(path / DDP_MODEL, map_location="cpu", weights_only=True)
+    with torch.device("meta"):
+        shape = GPT(cfg.model)
+    name_of = {id(p): n for n, p in shape.named_parameters()}
+    names = [name_of[id(p)] for g in param_groups(shape, cfg.optim.weight_decay) for p in g["params"]]
+    states = torch.load(path / DDP_OPTIM, map_location="cpu", weights_only=True)["optimizer"]["state"]
+    whole.update({f"state.{names[pid]}.{k}": v for pid, state in states.items() for k, v in state.items()})
+    for part in wanted.values():
+        for key, t in part.items():
+            src = whole[key]
+            if isinstance(t, DTensor):
+                src = distribute_tensor(src.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
+            t.copy_(src)
+
+
+def consolidate(cfg: Config, engine_dir: Path) -> dict[str, torch.Tensor]:
+    """Full fp32 weights on one process, no process group (export): DCP reads every
+    shard into the full model's tensors."""
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    model.to_empty(device="cpu")  # storage without the cost of initialising it
+    if cfg.model.tie_embeddings:  # to_empty gave each module its own tensor: tie them again
+        model.output.weight = model.tok_embeddings.weight
+    state = model.state_dict()
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": no_dist=True says so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": _canonical(state, cfg.model.tie_embeddings)}, checkpoint_id=str(engine_dir), no_dist=True)
+    return {k: v.float() for k, v in state.items()}

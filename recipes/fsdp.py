@@ -1,0 +1,100 @@
+"""`fsdp`: FSDP2 (`fully_shard`) on every transformer block and the root, over the
+data-parallel ranks (HSDP when parallel.dp_replicate > 1).
+
+Model states per rank (mixed-precision Adam): fp32 parameter shards 4Ψ/N, fp32 gradient
+shards 4Ψ/N, Adam moments 8Ψ/N: 16Ψ/N. Each block's parameters are all-gathered (in
+bf16 under precision=bf16) for its forward and again for its backward; gradients are
+reduce-scattered in fp32.
+
+The engine here (`ShardedEngine`) also runs `tp` and `tp_fsdp`: the three differ only in
+what `launcher.parallel.parallelize` applies for their degrees, so they share the step,
+the DCP checkpoints and the memory accounting.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from launcher import config as C
+from launcher import dcp
+from launcher.device import autocast_dtype
+from launcher.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
+                             optimizer_state_bytes, tensor_bytes)
+from launcher.parallel import allreduce_grads, build_mesh, clip_grad_norm, parallelize, match_grad_layouts
+
+
+class ShardedEngine:
+    def __init__(self, ctx: BuildContext):
+        cfg = ctx.cfg
+        self.cfg, self.device, self.rank = cfg, ctx.device, ctx.rank
+        self.deg = C.degrees(cfg, ctx.world_size)
+        mesh = build_mesh(self.deg, ctx.device)
+        self.model = ctx.model.to(ctx.device)
+        parallelize(self.model, mesh, self.deg, cfg)
+        self.sharded = C.RECIPE_PARALLELISM[cfg.recipe.strategy.value].shards
+        # FSDP's mixed-precision policy casts the parameters; without FSDP, autocast does it.
+        self.dtype = None if self.sharded else autocast_dtype(cfg.precision.name.value)
+        # Replicas that do not shard (tp with world > tp) average gradients themselves.
+        self.dp_group = None if self.sharded or self.deg.dp == 1 else mesh["dp_replicate"].get_group()
+        self.params = list(dict.fromkeys(p for p in self.model.parameters() if p.requires_grad))
+        self.optimizer = build_optimizer(self.model, cfg.optim, ctx.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        # Tensor-parallel ranks compute the same loss: one of them reports it.
+        self.loss_owner = mesh["tp"].get_local_rank() == 0
+        self.grad_bytes = 0
+        where = "cpu" if self.sharded and cfg.recipe.fsdp.cpu_offload else "device"
+        self.where = {"params": where, "grads": where, "optim": where}
+
+    def train_step(self, micro_batches) -> StepResult:
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for x, y in micro_batches:
+            # FSDP reduce-scatters after every micro-batch's backward and accumulates the
+            # sharded gradients: the full gradient is never held, at n reduce-scatters a step.
+            with autocast(self.device, self.dtype):
+                loss = self.model(x, y)
+            (loss / n).backward()
+            total += loss.detach()
+        if not self.sharded:
+            match_grad_layouts(self.params)
+        if self.dp_group is not None:
+            allreduce_grads(self.params, self.dp_group, self.deg.dp)
+        grad_norm = clip_grad_norm(self.params, self.clip)
+        self.grad_bytes = tensor_bytes(p.grad for p in self.params)  # held from backward to here
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return StepResult(loss=total / n, grad_norm=grad_norm, loss_owner=self.loss_owner)
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def state_bytes(self) -> MemoryBreakdown:
+        """This rank's shards: parameters, the gradients as they stood at the last
+        optimizer step (freed after it), and the optimizer states."""
+        return MemoryBreakdown(params=tensor_bytes(self.params), grads=self.grad_bytes,
+                               optim=optimizer_state_bytes(self.optimizer), where=dict(self.where))
+
+    # -------------------------------------------------------------------------- state
+    def save(self, path: Path) -> None:
+        dcp.save(path, self.model, self.optimizer, self.scheduler, self.cfg.model.tie_embeddings, self.rank)
+
+    def load(self, path: Path) -> None:
+        dcp.load(path, self.model, self.optimizer, self.scheduler, self.cfg)
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().float().cpu() for k, v in full.items()}
+
+
+def build(ctx: BuildContext) -> ShardedEngine:
+    return ShardedEngine(ctx)
+
+
+def consolidate(cfg, engine_dir: Path) -> dict[str, torch.Tensor]:
+    return dcp.consolidate(cfg, engine_dir)

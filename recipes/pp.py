@@ -1,0 +1,151 @@
+"""`pp`: pipeline parallel with torch.distributed.pipelining. The layers are cut into
+stages at block boundaries (launcher/models/parallel.py: balanced by parameter count, or
+parallel.pp_split); each rank holds its stage (interleaved_1f1b: pp_virtual_stages of
+them, rank r holding stages r, r+pp, ...). Every rank first builds the whole model from
+the same seed, so each stage starts from exactly the weights ddp starts from, then keeps
+its layers and drops the others.
+
+The data-parallel rank's batch (micro_batch x grad_accum sequences) goes through the
+schedule as parallel.pp_microbatches micro-batches; the schedule scales gradients by
+1/micro-batches, so the step equals one over the whole batch. Ranks left over
+(world / pp) are data-parallel replicas that average gradients after the schedule.
+
+A tied embedding and head live on the first and the last stage: two copies that start
+equal, get the sum of both gradients (one all-reduce between those two ranks) and the
+same Adam update, so they stay equal. Model states per rank: 16 bytes x the stage's
+parameters (the first stage adds the embedding, the last the norm and head).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from launcher import config as C
+from launcher import dcp
+from launcher.device import autocast_dtype
+from launcher.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
+                             optimizer_state_bytes, tensor_bytes)
+from launcher.models.gpt import lm_loss
+from launcher.models.parallel import Stage, stage_bounds
+from launcher.parallel import allreduce_grads, build_mesh, clip_grad_norm
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+class PipelineEngine:
+    def __init__(self, ctx: BuildContext):
+        cfg, p = ctx.cfg, ctx.cfg.parallel
+        self.cfg, self.device, self.rank = cfg, ctx.device, ctx.rank
+        self.deg = C.degrees(cfg, ctx.world_size)
+        mesh = build_mesh(self.deg, ctx.device)
+        pp_rank = mesh["pp"].get_local_rank()
+        n_stages = C.pipeline_stages(p)
+        self.bounds = stage_bounds(cfg.model, n_stages, p.pp_split)
+        mine = list(range(pp_rank, n_stages, self.deg.pp))
+        full = ctx.model.to(ctx.device)
+        layers = [i for s in mine for i in range(*self.bounds[s])]
+        self.model = Stage(full, layers)  # all this rank holds, under the full model's names
+        self.first, self.last = 0 in mine, n_stages - 1 in mine
+        self.stages = [PipelineStage(Stage(full, range(*self.bounds[s])), s, n_stages, ctx.device,
+                                     group=mesh["pp"].get_group()) for s in mine]
+        _drop_the_rest(full, layers, self.first, self.last)
+
+        schedule = SCHEDULES[p.pp_schedule.value]
+        target = self.stages if schedule is ScheduleInterleaved1F1B else self.stages[0]
+        self.schedule = schedule(target, n_microbatches=p.pp_microbatches, loss_fn=lm_loss)
+        self.dtype = autocast_dtype(cfg.precision.name.value)
+        self.dp_group = mesh["dp_replicate"].get_group() if self.deg.dp > 1 else None
+        self.tied_group, self.head_copy = self._tie(cfg)
+
+        self.params = [q for q in self.model.parameters() if q.requires_grad]
+        self.optimizer = build_optimizer(self.model, cfg.optim, ctx.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        self.grad_bytes = 0
+
+    def _tie(self, cfg: C.Config):
+        """The group joining the first and the last stage of each data-parallel replica
+        (every rank creates every group, in the same order), and the head copy."""
+        if not cfg.model.tie_embeddings:
+            return None, None
+        mine = None
+        R = self.deg.dp_replicate
+        for r in range(R):
+            group = dist.new_group([r, (self.deg.pp - 1) * R + r])
+            if self.rank in (r, (self.deg.pp - 1) * R + r):
+                mine = group
+        tied = self.model.tok_embeddings.weight if self.first else self.model.output.weight if self.last else None
+        return (mine if tied is not None else None), (tied if self.last else None)
+
+    def train_step(self, micro_batches) -> StepResult:
+        # One pass of the schedule over this data-parallel rank's whole batch.
+        x = torch.cat([mb[0] for mb in micro_batches])
+        y = torch.cat([mb[1] for mb in micro_batches])
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.first else ()
+        kwargs = {"target": y, "losses": losses} if self.last else {}
+        with autocast(self.device, self.dtype):
+            self.schedule.step(*args, **kwargs)
+        if self.tied_group is not None:  # embedding + head gradients: the tied weight's gradient
+            tied = self.model.tok_embeddings.weight if self.first else self.model.output.weight
+            dist.all_reduce(tied.grad, group=self.tied_group)
+        if self.dp_group is not None:
+            allreduce_grads(self.params, self.dp_group, self.deg.dp)
+        # Each stage's parameters are held by the dp replicas; the head copy is counted on the first stage.
+        grad_norm = clip_grad_norm(self.params, self.clip, copies=lambda q: 0 if q is self.head_copy else self.deg.dp)
+        self.grad_bytes = tensor_bytes(q.grad for q in self.params)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        loss = torch.stack([v.detach() for v in losses]).mean() if self.last else torch.zeros((), device=self.device)
+        return StepResult(loss=loss, grad_norm=grad_norm, loss_owner=self.last)
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def state_bytes(self) -> MemoryBreakdown:
+        """This rank's stage(s): parameters, the gradients as they stood at the last
+        optimizer step, the Adam states."""
+        return MemoryBreakdown(params=tensor_bytes(self.params), grads=self.grad_bytes,
+                               optim=optimizer_state_bytes(self.optimizer))
+
+    # -------------------------------------------------------------------------- state
+    def save(self, path: Path) -> None:
+        dcp.save(path, self.model, self.optimizer, self.scheduler, self.cfg.model.tie_embeddings, self.rank)
+
+    def load(self, path: Path) -> None:
+        dcp.load(path, self.model, self.optimizer, self.scheduler, self.cfg)
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()})
+        full = {k: v for part in parts for k, v in part.items()}
+        if self.cfg.model.tie_embeddings:
+            full["output.weight"] = full["tok_embeddings.weight"]
+        return full
+
+
+def _drop_the_rest(model: nn.Module, layers: list[int], first: bool, last: bool) -> None:
+    """Free what other stages hold (the full model was built only to start from ddp's weights)."""
+    keep = set(layers)
+    for i in range(len(model.layers)):
+        if i not in keep:
+            model.layers[i] = nn.Identity()
+    if not first:
+        model.tok_embeddings = nn.Identity()
+    if not last:
+        model.norm, model.output = nn.Identity(), nn.Identity()
+
+
+def build(ctx: BuildContext) -> PipelineEngine:
+    return PipelineEngine(ctx)
+
+
+def consolidate(cfg, engine_dir: Path) -> dict[str, torch.Tensor]:
+    return dcp.consolidate(cfg, engine_dir)

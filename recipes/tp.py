@@ -1,0 +1,11 @@
+"""`tp`: tensor parallel (DTensor) over parallel.tp ranks; the ranks left over are
+data-parallel replicas that average gradients after backward.
+
+Model states per rank: the matmul weights (q/k/v/o, the SwiGLU projections; an untied
+embedding and head by vocabulary) and their gradients and Adam states are split tp
+ways; the norms (and a tied embedding) are replicated: 16 x (Ψ_matmul/tp + Ψ_replicated).
+Each block all-reduces its activations twice in forward and twice in backward. The plan
+is in launcher/models/parallel.py; the engine is fsdp's ShardedEngine (no FSDP here).
+"""
+
+from recipes.fsdp import build, consolidate  # noqa: F401  (the registry's interface)
