@@ -443,7 +443,7 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each block: faster steps after a compile pause at the start."""
     measure_activations: bool = False
-    """Count the bytes autograd saves for backward during the first step
+    """Count the bytes autograd saves for backward during the second step of the launch
     (saved_tensors_hooks) and log them as mem/activation_bytes: checks the planner's
     prediction on real hardware. Costs a little time on that one step."""
 

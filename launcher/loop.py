@@ -92,7 +92,9 @@ def run(job: Job) -> int:
         watchdog.in_step()
 
         try:
-            if cfg.train.measure_activations and step == first_step:
+            # The second step of a launch: the first also holds one-time work (a
+            # pipeline's shape inference); the planner predicts the steady state.
+            if cfg.train.measure_activations and step == min(first_step + 1, last - 1):
                 with ActivationCounter(engine.model) as counter:
                     result = engine.train_step(micro_batches)
                 measured = {"mem/activation_bytes": counter.bytes}

@@ -13,6 +13,7 @@ autograd really keeps.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -34,17 +35,17 @@ class Shape:
     V: int
     L: int
     max_seq: int
+    block_params: int
+    """Matmul weights of one block (launcher.models.gpt.block_matmul_params)."""
 
     @staticmethod
     def of(m: ModelConfig, micro_batch: int, seq_len: int) -> "Shape":
+        from launcher.models.gpt import block_matmul_params
+
         head = m.dim // m.n_heads
         return Shape(b=micro_batch, s=seq_len, h=m.dim, a=m.n_heads, h_kv=(m.n_kv_heads or m.n_heads) * head,
-                     f=ffn_dim(m), V=m.vocab_size, L=m.n_layers, max_seq=m.max_seq_len)
-
-
-def block_matmul_params(x: Shape) -> int:
-    """wq, wo (h x h), wk, wv (h x h_kv), w1, w3, w2 (h x f)."""
-    return 2 * x.h * x.h + 2 * x.h * x.h_kv + 3 * x.h * x.f
+                     f=ffn_dim(m), V=m.vocab_size, L=m.n_layers, max_seq=m.max_seq_len,
+                     block_params=block_matmul_params(m))
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ class Numerics:
     autocast: bool
     rope: int = 4
     """Bytes per element of the rotary table (bf16 when the whole module was cast)."""
+    gathered_head: bool = False
+    """FSDP: the root module's gathered (bf16) head weight stays for backward."""
 
     @staticmethod
     def of(precision: str, low_precision_params: bool = False, rope_cast: bool = False) -> "Numerics":
@@ -144,20 +147,27 @@ def block_activations(x: Shape, n: Numerics, tp: int = 1) -> int:
 
 def head_activations(x: Shape, n: Numerics) -> int:
     """After the last block: final norm, the output matmul's input, the fp32
-    log-softmax of the logits, the targets; plus the token ids and the rotary table."""
-    b, s = x.b, x.s
-    logsoftmax = 4 * b * s * x.V
-    ids = 8 * b * (s + 1) + 8 * b * s  # the batch (inputs and targets share it), flat targets
-    rope = n.rope * x.max_seq * (x.h // x.a)  # cos/sin: max_seq x head_dim/2 x 2
-    return _norm(x, n) + _linear_inputs(x, n, 1) + logsoftmax + ids + rope
+    log-softmax of the logits, the flat int64 targets."""
+    return _norm(x, n) + _linear_inputs(x, n, 1) + 4 * x.b * x.s * x.V + 8 * x.b * x.s
+
+
+def token_ids(x: Shape) -> int:
+    """The batch of token ids the embedding saves (inputs and targets share it)."""
+    return 8 * x.b * (x.s + 1)
+
+
+def rope_table(x: Shape, n: Numerics) -> int:
+    """The rotary table the blocks save slices of: max_seq x head_dim/2 x (cos, sin)."""
+    return n.rope * x.max_seq * (x.h // x.a)
 
 
 def weight_copies(x: Shape, n: Numerics, kept_blocks: int, head: bool, tp: int = 1) -> int:
-    """Autocast's cached low-precision copies of the matmul weights, held for backward.
-    Blocks that recompute make theirs again in backward (not held through forward)."""
-    if not n.autocast:
-        return 0
-    return n.compute * (kept_blocks * block_matmul_params(x) // tp + (x.V * x.h if head else 0))
+    """Low-precision weights held for backward, once per step: autocast's cached copies
+    of the matmul weights (blocks that recompute make theirs again in backward), or
+    FSDP's gathered head weight (the root is not resharded after forward)."""
+    head_bytes = n.compute * x.V * x.h if head and (n.autocast or n.gathered_head) else 0
+    blocks = n.compute * kept_blocks * x.block_params // tp if n.autocast else 0
+    return blocks + head_bytes
 
 
 def recomputed(L: int, ac: ACMode, every: int) -> int:
@@ -169,18 +179,23 @@ def recomputed(L: int, ac: ACMode, every: int) -> int:
 
 
 def activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, n: Numerics, ac: ACMode,
-                     ac_every: int = 2, layers: int | None = None, tp: int = 1, with_head: bool = True) -> int:
-    """What autograd holds at the end of one micro-batch's forward on one rank.
+                     ac_every: int = 2, layers: int | None = None, tp: int = 1, with_head: bool = True,
+                     with_embedding: bool = True, in_flight: int = 1) -> int:
+    """What autograd holds on one rank at the end of forward: `in_flight` micro-batches'
+    activations (a pipeline stage holds several), plus what is held once per step (the
+    rotary table, weight copies).
 
     A recomputed block keeps only its input (the residual stream); the others keep
-    block_activations. `layers` limits the count to a pipeline stage's blocks; `with_head`
-    adds the final norm and logits (the last stage, or no pipeline)."""
+    block_activations. `layers` limits the count to a pipeline stage's blocks;
+    `with_embedding` / `with_head` say whether the stage has the token ids / the final
+    norm and logits (both, without a pipeline)."""
     x = Shape.of(m, micro_batch, seq_len)
     n_layers = x.L if layers is None else layers
     r = recomputed(n_layers, ac, ac_every)
-    blocks = r * n.residual * x.b * x.s * x.h + (n_layers - r) * block_activations(x, n, tp)
-    head = head_activations(x, n) if with_head else 0
-    return blocks + head + weight_copies(x, n, n_layers - r, with_head, tp)
+    per_micro_batch = (r * n.residual * x.b * x.s * x.h + (n_layers - r) * block_activations(x, n, tp)
+                       + (head_activations(x, n) if with_head else 0) + (token_ids(x) if with_embedding else 0))
+    once = (rope_table(x, n) if n_layers else 0) + weight_copies(x, n, n_layers - r, with_head, tp)
+    return in_flight * per_micro_batch + once
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -198,24 +213,36 @@ class ActivationCounter:
     """
 
     def __init__(self, model: nn.Module):
-        self.param_ptrs = {_storage(p)[0] for p in model.parameters()}
-        self.seen: dict[int, int] = {}
+        self.param_ptrs = {_storage(p).data_ptr() for p in model.parameters()}
+        self.saved: list[weakref.ref] = []
         self.counting = True
+        self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.seen.values())
 
     def _pack(self, t: torch.Tensor):
         if self.counting and not isinstance(t, nn.Parameter):
-            ptr, nbytes = _storage(t)
-            if ptr not in self.param_ptrs and ptr not in self.seen:
-                self.seen[ptr] = nbytes
+            self.saved.append(weakref.ref(t))  # autograd holds `t` itself until backward uses it
         return t
 
+    def _close(self) -> None:
+        """Bytes autograd still holds when the window closes, each storage once: a tensor
+        autograd already let go (a pipeline's shape-inference pass) does not count, nor a
+        layer FSDP freed (resized to nothing) after its forward although autograd saved a
+        view of it."""
+        if self.counting:
+            self.counting = False
+            live = {}
+            for ref in self.saved:
+                t = ref()
+                if t is not None:
+                    st = _storage(t)
+                    if st.data_ptr() not in self.param_ptrs:
+                        live[st.data_ptr()] = st.nbytes()
+            self.bytes = sum(live.values())
+            self.saved.clear()
+
     def _unpack(self, t):
-        self.counting = False
+        self._close()
         return t
 
     def __enter__(self) -> "ActivationCounter":
@@ -223,10 +250,10 @@ class ActivationCounter:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._close()
         self._hooks.__exit__(*exc)
 
 
-def _storage(t: torch.Tensor) -> tuple[int, int]:
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
     local = getattr(t, "_local_tensor", t)  # DTensor: the shard this rank holds
-    st = local.untyped_storage()
-    return st.data_ptr(), st.nbytes()
+    return local.untyped_storage()

@@ -8,6 +8,7 @@ fit. The formulas are launcher/memory.py's; docs/memory.md derives them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -88,24 +89,52 @@ class Hardware:
 
 
 # ----------------------------------------------------------------------------- states
-def param_share(m: ModelConfig, layout: Layout) -> int:
-    """Parameters one rank holds before data-parallel sharding (the worst rank)."""
+def pipeline(cfg: Config) -> tuple[int, int, str, list[int] | None]:
+    """(micro-batches, stages per rank, schedule, user split) of the pipeline settings."""
+    p = getattr(cfg, "parallel", None)
+    if p is None:
+        return 1, 1, "1f1b", None
+    schedule = p.pp_schedule.value
+    virtual = p.pp_virtual_stages if schedule == "interleaved_1f1b" else 1
+    return p.pp_microbatches, virtual, schedule, p.pp_split
+
+
+def stage_ranks(cfg: Config, layout: Layout) -> list[list[tuple[int, int, bool, bool]]]:
+    """For each pipeline rank, its stages as (first layer, end layer, has embedding,
+    has head) -- launcher.models.parallel.stage_bounds, as the pp recipe cuts them."""
+    from launcher.models.parallel import stage_bounds
+
+    _, virtual, _, split = pipeline(cfg)
+    n_stages = layout.pp * virtual
+    bounds = stage_bounds(cfg.model, n_stages, split)
+    return [[(*bounds[s], s == 0, s == n_stages - 1) for s in range(r, n_stages, layout.pp)]
+            for r in range(layout.pp)]
+
+
+def param_share(cfg: Config, layout: Layout, pp_rank: int | None = None) -> int:
+    """Parameters one rank holds before data-parallel sharding: pipeline rank `pp_rank`,
+    or the worst rank."""
+    m = cfg.model
     c = M.ParamCounts.of(m)
     if layout.pp > 1:
-        per_stage = math.ceil(c.n_blocks / layout.pp)
-        # The first stage holds the embedding, the last the head and final norm; a tied
-        # embedding is held by both. The larger end is the worst rank.
-        ends = max(c.embed, (c.embed if m.tie_embeddings else c.head) + c.final_norm)
-        return per_stage * c.block + ends
+        # The first stage holds the embedding, the last the final norm and the head (a
+        # tied head is a copy there).
+        head = c.embed if m.tie_embeddings else c.head
+        shares = [sum((end - first) * c.block + (c.embed if emb else 0) + (head + c.final_norm if last else 0)
+                      for first, end, emb, last in stages) for stages in stage_ranks(cfg, layout)]
+        return max(shares) if pp_rank is None else shares[pp_rank]
     if layout.tp > 1:
-        # Matrices (and the vocabulary dimension of embedding and head) are split; the
-        # norms are replicated.
+        # The matrices are split; the norms are replicated; so is a tied embedding (one
+        # parameter shared with the head), while an untied embedding and head split by
+        # vocabulary.
         norms = (2 * c.n_blocks + 1) * m.dim
-        return (c.total - norms) // layout.tp + norms
+        matrices = c.n_blocks * (c.block - 2 * m.dim)
+        ends = c.embed if m.tie_embeddings else (c.embed + c.head) // layout.tp
+        return matrices // layout.tp + norms + ends
     return c.total
 
 
-def model_states(m: ModelConfig, precision: Precision, layout: Layout) -> tuple[int, int, int, dict[str, str]]:
+def model_states(cfg: Config, layout: Layout, pp_rank: int | None = None) -> tuple[int, int, int, dict[str, str]]:
     """(params, grads, optimizer) bytes on one rank and where each lives.
 
     Mixed precision (bf16) with Adam, the ZeRO paper's accounting for DeepSpeed: 2 bytes
@@ -114,7 +143,8 @@ def model_states(m: ModelConfig, precision: Precision, layout: Layout) -> tuple[
     gradients instead (4 + 4 + 8). FSDP2 with a bf16 MixedPrecisionPolicy shards fp32
     parameters, fp32 gradients and the moments (16 per parameter, all sharded).
     """
-    P = param_share(m, layout)
+    P = param_share(cfg, layout, pp_rank)
+    precision = cfg.precision.name
     n = layout.dp
     where = {"params": "device", "grads": "device", "optim": "device"}
     if layout.shard == "none":
@@ -141,21 +171,35 @@ def numerics(precision: Precision, layout: Layout) -> M.Numerics:
     casts the parameters it gathers; DDP, TP and PP run fp32 parameters under autocast."""
     if layout.shard.startswith("zero") and not layout.fsdp:
         return M.Numerics.of(precision.value, low_precision_params=True, rope_cast=True)
-    return M.Numerics.of(precision.value, low_precision_params=layout.fsdp)
+    if layout.fsdp:
+        return dataclasses.replace(M.Numerics.of(precision.value, low_precision_params=True), gathered_head=True)
+    return M.Numerics.of(precision.value)
 
 
-def activations(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode, ac_every: int, b: int, s: int,
-                pp_microbatches: int) -> int:
-    """Saved activations on the worst rank. A pipeline's first stage holds the most
-    micro-batches in flight: all of them for GPipe-like fill, at most pp for 1F1B."""
-    n = numerics(precision, layout)
+def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | None = None) -> int:
+    """Saved activations on pipeline rank `pp_rank`, or the worst rank.
+
+    A pipeline cuts each data-parallel rank's batch (b x grad_accum sequences) into
+    parallel.pp_microbatches; a stage keeps the activations of every micro-batch it has
+    run forward but not yet backward: all of them under GPipe, pp - s for stage s under
+    1F1B (interleaved: the same rule over the virtual stages)."""
+    m, s, every = cfg.model, cfg.train.seq_len, cfg.train.ac_every
+    n = numerics(cfg.precision.name, layout)
     if layout.pp > 1:
-        per_stage = math.ceil(m.n_layers / layout.pp)
-        in_flight = min(layout.pp, pp_microbatches)
-        first = M.activation_bytes(m, b, s, n, ac, ac_every, layers=per_stage, with_head=False)
-        last = M.activation_bytes(m, b, s, n, ac, ac_every, layers=per_stage, with_head=True)
-        return max(in_flight * first, last)
-    return M.activation_bytes(m, b, s, n, ac, ac_every, tp=layout.tp)
+        n_mb, virtual, schedule, _ = pipeline(cfg)
+        mb = max(1, b * cfg.train.grad_accum // n_mb)
+        n_stages = layout.pp * virtual
+        per_rank = []
+        for r, stages in enumerate(stage_ranks(cfg, layout)):
+            total = 0
+            for k, (first, end, emb, last) in enumerate(stages):
+                stage = r + k * layout.pp
+                in_flight = n_mb if schedule == "gpipe" else min(n_mb, n_stages - stage)
+                total += M.activation_bytes(m, mb, s, n, ac, every, layers=end - first, with_head=last,
+                                            with_embedding=emb, in_flight=in_flight)
+            per_rank.append(total)
+        return max(per_rank) if pp_rank is None else per_rank[pp_rank]
+    return M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp)
 
 
 def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode, ac_every: int, b: int, s: int) -> int:
@@ -166,7 +210,7 @@ def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode
     x = M.Shape.of(m, b, s)
     logits = (n.compute + 4) * b * s * x.V // layout.tp
     recompute = M.block_activations(x, n, layout.tp) if M.recomputed(x.L, ac, ac_every) else 0
-    gathered = 2 * 2 * M.block_matmul_params(x) // layout.tp if layout.shard == "zero3" else 0
+    gathered = 2 * 2 * x.block_params // layout.tp if layout.shard == "zero3" else 0
     return logits + recompute + gathered
 
 
@@ -187,7 +231,7 @@ def step_time(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode, b: int) -> 
     def bandwidth(group: int, spans_nodes: bool) -> float:
         return (p.inter_node_gbps if spans_nodes else p.intra_node_gbps) * 1e9
 
-    P = param_share(m, layout)
+    P = param_share(cfg, layout)
     dp_spans = layout.dp * layout.tp * layout.pp > hw.gpus_per_node
     ring = 2 * (layout.dp - 1) / layout.dp if layout.dp > 1 else 0.0
     if layout.shard in ("zero3",):
@@ -229,8 +273,7 @@ def candidates(cfg: Config, hw: Hardware, available: set[str]) -> list[Layout]:
         if world % t or t > hw.gpus_per_node or m.n_heads % t or kv % t:
             continue
         add(Layout("tp", dp=world // t, tp=t))
-        if world // t > 1:
-            add(Layout("tp_fsdp", dp=world // t, tp=t, shard="zero3", fsdp=True))
+        add(Layout("tp_fsdp", dp=world // t, tp=t, shard="zero3", fsdp=True))
     for pp in (2, 4):
         if world % pp == 0 and pp <= m.n_layers:
             add(Layout("pp", dp=world // pp, pp=pp))
@@ -249,11 +292,9 @@ def layout_for(cfg: Config, world: int) -> Layout:
 
 
 def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int) -> Row:
-    prec = cfg.precision.name
-    params, grads, optim, where = model_states(cfg.model, prec, layout)
-    pp_micro = getattr(getattr(cfg, "parallel", None), "pp_microbatches", None) or max(layout.pp, cfg.train.grad_accum)
-    act = activations(cfg.model, prec, layout, ac, cfg.train.ac_every, b, cfg.train.seq_len, pp_micro)
-    tmp = temporaries(cfg.model, prec, layout, ac, cfg.train.ac_every, b, cfg.train.seq_len)
+    params, grads, optim, where = model_states(cfg, layout)
+    act = activations(cfg, layout, ac, b)
+    tmp = temporaries(cfg.model, cfg.precision.name, layout, ac, cfg.train.ac_every, b, cfg.train.seq_len)
     return Row(layout=layout, ac=ac, micro_batch=b, fits=False, params=params, grads=grads, optim=optim,
                activations=act, temp=tmp, where=where)
 

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from launcher import plan as planner
 from launcher.cli import compose_config
 from launcher.data import build_dataset
-from launcher.device import local_device
+from launcher.config import validate
+from launcher.device import HostInfo, local_device
 from launcher.memory import ActivationCounter
 from launcher.train import build_engine
 
@@ -49,18 +50,24 @@ def main() -> None:
     for recipe, model, mb, ac in itertools.product(args.recipes.split(","), args.models.split(","),
                                                    [int(b) for b in args.micro_batches.split(",")],
                                                    args.ac.split(",")):
+        # A pipeline cuts each batch into parallel.pp_microbatches: 2 fits every micro-batch here.
+        extra = ["parallel.pp_microbatches=2"] if recipe == "pp" else []
         cfg, _, _ = compose_config([f"recipe={recipe}", f"model={model}", f"train.micro_batch={mb}",
                                     f"train.activation_checkpointing={ac}", f"train.seq_len={args.seq_len}",
-                                    "logger=none", f"cluster.nproc_per_node={world}"])
+                                    "logger=none", f"cluster.nproc_per_node={world}", *extra])
+        validate(cfg, HostInfo.detect())
         engine = build_engine(cfg, device, rank, world, rank, tmp)
         batch = build_dataset(cfg).__getitems__(list(range(rank * mb, rank * mb + mb))).to(device)
+        # A warm-up step first: the pipeline's first step also holds its shape-inference
+        # pass; the planner predicts the steady state every later step holds.
+        engine.train_step([(batch[:, :-1], batch[:, 1:])])
         with ActivationCounter(engine.model) as counter:
             engine.train_step([(batch[:, :-1], batch[:, 1:])])
         held = engine.state_bytes()
         layout = planner.layout_for(cfg, world)
-        p, g, o, where = planner.model_states(cfg.model, cfg.precision.name, layout)
-        predicted_act = planner.activations(cfg.model, cfg.precision.name, layout, cfg.train.activation_checkpointing,
-                                            cfg.train.ac_every, mb, args.seq_len, max(layout.pp, 1))
+        pp_rank = rank // (world // layout.pp)  # the mesh puts pipeline stages outermost
+        p, g, o, where = planner.model_states(cfg, layout, pp_rank)
+        predicted_act = planner.activations(cfg, layout, cfg.train.activation_checkpointing, mb, pp_rank)
         results.append({"recipe": recipe, "model": model, "micro_batch": mb, "ac": ac, "rank": rank,
                         "measured": {"params": held.params, "grads": held.grads, "optim": held.optim,
                                      "model_state": held.total, "activations": counter.bytes},
