@@ -19,7 +19,7 @@ from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from launcher import config as C
-from launcher.commands import LaunchPlan, command_script, rank_env, torchrun_argv
+from launcher.commands import HOSTFILE, LaunchPlan, command_script, hostfile_text, launch_argv, rank_env
 from launcher.device import HostInfo
 from launcher.preempt import supervise
 
@@ -142,15 +142,31 @@ def check_writable(run_dir: Path) -> None:
         raise C.ConfigError("hydra.run.dir", str(run_dir), f"cannot write under {probe}; choose a writable folder")
 
 
-def prepare_run(cfg: C.Config, run_dir: Path, plan: LaunchPlan) -> tuple[list[str], dict[str, str]]:
-    """Write RUN_DIR/config.yaml and command.sh; return the command and its environment.
-    A failure here removes a run directory this call created."""
-    argv = torchrun_argv(cfg, str(run_dir), plan)
+def run_files(cfg: C.Config, plan: LaunchPlan, ds: dict | None) -> dict[str, str]:
+    """Files besides config.yaml the ranks or the runner read: ds_config.json (ZeRO), the
+    hostfile (runner=deepspeed on several nodes)."""
+    from launcher import ds_config
+
+    files = {}
+    if ds is not None:
+        files[ds_config.FILE] = ds_config.text(ds)
+    if cfg.cluster.runner == C.Runner.deepspeed and cfg.cluster.nnodes > 1:
+        files[HOSTFILE] = hostfile_text(cfg, plan)
+    return files
+
+
+def prepare_run(cfg: C.Config, run_dir: Path, plan: LaunchPlan,
+                files: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """Write RUN_DIR/config.yaml, command.sh and `files`; return the command and its
+    environment. A failure here removes a run directory this call created."""
+    argv = launch_argv(cfg, str(run_dir), plan)
     env = rank_env(plan)
     created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
+        for name, text in (files or {}).items():
+            (run_dir / name).write_text(text)
         script = run_dir / "command.sh"
         script.write_text(command_script(argv, env, plan.workdir, str(run_dir)))
         script.chmod(0o755)
@@ -221,24 +237,46 @@ def cmd_train(overrides: list[str], multirun: bool) -> int:
             run_dir = Path(str(hydra_node.sweep.dir)) / str(i)
         run_dir = run_dir.resolve()
         C.validate(cfg, host)
+        ds = zero_config(cfg, host)
         check_writable(run_dir)
-        jobs.append((cfg, run_dir))
+        jobs.append((cfg, run_dir, ds))
 
     rc = 0
-    for cfg, run_dir in jobs:
+    for cfg, run_dir, ds in jobs:
         plan = make_plan(cfg, host)
+        files = run_files(cfg, plan, ds)
         if cfg.dry_run:
             print(C.to_yaml(cfg), end="")
+            for name, text in files.items():
+                print(f"# {name}")
+                print(text, end="")
             print("# command")
-            print(command_script(torchrun_argv(cfg, str(run_dir), plan), rank_env(plan), plan.workdir,
+            print(command_script(launch_argv(cfg, str(run_dir), plan), rank_env(plan), plan.workdir,
                                  str(run_dir)), end="")
             continue
-        argv_run, env = prepare_run(cfg, run_dir, plan)
+        argv_run, env = prepare_run(cfg, run_dir, plan, files)
         print(f"run directory: {run_dir}", flush=True)
         # The launcher stays as torchrun's parent: it forwards stop signals and turns a
-        # preemption into EXIT_PREEMPTED (torchrun itself would exit 1).
-        rc = max(rc, supervise(argv_run, {**os.environ, **env}, run_dir))
+        # preemption into EXIT_PREEMPTED (torchrun itself would exit 1). DeepSpeed's
+        # launcher dies on a signal before its ranks have saved: it runs in its own process
+        # group, which gets the signals and is waited for as a whole.
+        own_group = cfg.cluster.runner == C.Runner.deepspeed
+        rc = max(rc, supervise(argv_run, {**os.environ, **env}, run_dir, own_group=own_group,
+                               drain_s=cfg.cluster.shutdown_timeout_s))
     return rc
+
+
+def zero_config(cfg: C.Config, host: HostInfo) -> dict | None:
+    """recipe.strategy=zero: DeepSpeed's config, generated, merged with recipe.zero.extra and
+    checked by DeepSpeed's parser at the world size of this launch (ConfigError if not)."""
+    if cfg.recipe.strategy != C.Strategy.zero:
+        return None
+    from launcher import ds_config
+    from launcher.device import deepspeed_env
+
+    deepspeed_env()
+    world = C.nproc_per_node(cfg, host) * cfg.cluster.nnodes
+    return ds_config.launch_config(cfg, world, host.cuda)
 
 
 def cmd_export(args: list[str]) -> int:

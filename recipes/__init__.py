@@ -7,6 +7,7 @@ import importlib
 
 RECIPES: dict[str, str] = {
     "ddp": "recipes.ddp",
+    "zero": "recipes.zero",
 }
 
 
