@@ -4,7 +4,8 @@
                                                        precision.*, recipe.zero.*
     merge_extra(generated, extra) -> dict              pure: recipe.zero.extra on top; a key the
                                                        Hydra config already sets must agree
-    check(merged, world_size)                          DeepSpeed's own config parser, no ranks
+    check(merged, extra, world_size)                   DeepSpeed's own config parser, no ranks;
+                                                       a key of extra it never reads is unknown
     launch_config(cfg, world_size, cuda) -> dict       all three: what the launch side writes
                                                        to RUN_DIR/ds_config.json
 

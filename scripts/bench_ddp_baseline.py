@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher.cli import compose_config
+from launcher.device import memory_stats
+from launcher.engine import optimizer_state_bytes, tensor_bytes
 from launcher.models.gpt import GPT
 
 
@@ -62,9 +64,12 @@ def main() -> None:
     elapsed = time.perf_counter() - t0
     timed = args.steps - args.warmup
     tokens = timed * args.micro_batch * args.seq_len * world
+    params = list(model.parameters())
+    held = tensor_bytes(params) + tensor_bytes(p.grad for p in params) + optimizer_state_bytes(opt)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"tokens_per_s": tokens / elapsed, "step_time_s": elapsed / timed,
+                       "peak_bytes": memory_stats(torch.device("cpu"))["mem/peak_bytes"], "model_state_bytes": held,
                        "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS")}, f)
     dist.destroy_process_group()
 

@@ -207,6 +207,8 @@ def test_model_state_bytes_per_rank_against_the_zero_paper(nproc, tmp_path):
         assert n == nproc and len(r["ranks"]) == nproc
         # bf16 steps of every recipe on the same batches: ddp's loss (the first step is equal).
         assert all(rel(a, b) < BF16_REL for a, b in zip(r["losses"], losses[model])), (recipe, model, r["losses"])
+        # consolidated_state_dict(): every weight whole, in place (init std 0.02; two steps of lr 3e-3)
+        assert r["weight_names_match"] and r["max_weight_diff"] < 1e-3, (recipe, model, r["max_weight_diff"])
         if recipe == "ddp":
             continue
         stage = 3 if recipe.startswith("zero3") else int(recipe[4])

@@ -6,7 +6,8 @@ loss of each step, to compare with ddp's on the same batches).
 For each recipe and model (composed from conf/ as a user would: precision bf16, two
 micro-batches per step), the launch side's ds_config.json is written, the real engine is
 built (recipes.build), two optimizer steps are taken (Adam creates its moments during the
-first), and rank 0 writes every rank's `state_bytes()` of the second step to OUT.json. Building the engines one after another in one job keeps the
+first), and rank 0 writes every rank's `state_bytes()` of the second step to OUT.json, with
+the losses and how far `consolidated_state_dict()` is from the first case's (ddp's) weights. Building the engines one after another in one job keeps the
 test to one launch per world size.
 """
 
@@ -53,6 +54,7 @@ def measure(recipe: str, model: str, rank: int, world: int, scratch: Path) -> di
         loss = result.loss.detach().clone()
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
+    weights = engine.consolidated_state_dict()  # a collective under stage 3
     b = engine.state_bytes()
     mine = {"params": b.params, "grads": b.grads, "optim": b.optim, "total": b.total, "host": b.host,
             "where": b.where}
@@ -60,7 +62,9 @@ def measure(recipe: str, model: str, rank: int, world: int, scratch: Path) -> di
     dist.all_gather_object(everyone, mine)
     del engine, net
     gc.collect()
-    return {"recipe": recipe, "model": model, "world_size": world, "psi": psi, "largest_param": largest, "ranks": everyone, "losses": losses}
+    result = {"recipe": recipe, "model": model, "world_size": world, "psi": psi, "largest_param": largest,
+              "ranks": everyone, "losses": losses}
+    return result, weights
 
 
 def main() -> None:
@@ -70,7 +74,16 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     scratch = [tempfile.mkdtemp(prefix="zero-memory-") if rank == 0 else None]
     dist.broadcast_object_list(scratch)
-    results = [measure(recipe, model, rank, world, Path(scratch[0])) for recipe, model in cases]
+    results, reference = [], {}
+    for recipe, model in cases:  # ddp first for each model: its weights are the reference
+        result, weights = measure(recipe, model, rank, world, Path(scratch[0]))
+        reference.setdefault(model, weights)
+        ref = reference[model]
+        result["weight_names_match"] = sorted(weights) == sorted(ref) and all(
+            weights[k].shape == ref[k].shape for k in ref)
+        result["max_weight_diff"] = max((weights[k] - ref[k]).abs().max().item() for k in ref) \
+            if result["weight_names_match"] else None
+        results.append(result)
     if rank == 0:
         out.write_text(json.dumps(results, indent=1))
         shutil.rmtree(scratch[0], ignore_errors=True)
