@@ -9,36 +9,25 @@ front), no logging, no checkpoints: the fastest honest DeepSpeed loop.
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import os
-import time
-
 import torch
 import torch.distributed as dist
 
+from baseline_common import parser, report, timed_loop
 from launcher.cli import compose_config
-from launcher.device import deepspeed_env, memory_stats
+from launcher.device import deepspeed_env
 from launcher.models.gpt import GPT
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser()
     ap.add_argument("--stage", type=int, required=True)
-    ap.add_argument("--model", default="gpt_tiny")
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--warmup", type=int, default=10, help="steps not timed")
-    ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     deepspeed_env()
     import deepspeed
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     cfg, _, _ = compose_config([f"model={args.model}"])
     torch.manual_seed(0)
     model = GPT(cfg.model)
@@ -59,38 +48,23 @@ def main() -> None:
     other = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
-    batches = torch.randint(0, 256, (16, args.micro_batch, args.seq_len + 1))
 
-    for step in range(args.steps):
-        if step == args.warmup:
-            dist.barrier()
-            t0 = time.perf_counter()
-        lr = 3e-3 * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        b = batches[step % 16]
+    def step(b):
         loss = engine(b[:, :-1], b[:, 1:])
         engine.backward(loss)
         engine.step()
-    dist.barrier()
-    elapsed = time.perf_counter() - t0
-    timed = args.steps - args.warmup
-    tokens = timed * args.micro_batch * args.seq_len * world
+
+    elapsed = timed_loop(args, optimizer, step)
     # One more (untimed) step, its model-state bytes counted the way the recipe counts them.
     from recipes.zero import ZeroMemory
 
     memory = ZeroMemory(optimizer, engine.module, torch.device("cpu"))
     memory.start_step()
-    b = batches[0]
+    b = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1))
     engine.backward(engine(b[:, :-1], b[:, 1:]))
     memory.sample()
     engine.step()
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump({"tokens_per_s": tokens / elapsed, "step_time_s": elapsed / timed,
-                       "peak_bytes": memory_stats(torch.device("cpu"))["mem/peak_bytes"],
-                       "model_state_bytes": memory.breakdown().total,
-                       "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS")}, f)
+    report(args, elapsed, memory.breakdown().total)
     dist.destroy_process_group()
 
 
