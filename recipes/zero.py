@@ -199,8 +199,13 @@ def build(ctx: BuildContext) -> ZeroEngine:
 
 def consolidate(cfg, engine_dir: Path) -> dict[str, torch.Tensor]:
     """Full fp32 weights from the shards of every rank (DeepSpeed's zero_to_fp32), on one
-    process without a process group."""
+    process without a process group. Stage 0 shards nothing: its model file holds the whole
+    module (in bf16 runs, the bf16 weights)."""
     deepspeed_env()
+    if json.loads((engine_dir / META).read_text())["stage"] == 0:
+        with weights_only_loads():
+            state = torch.load(engine_dir / TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
+        return {k: v.float() for k, v in state["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     log = io.StringIO()
