@@ -1,5 +1,8 @@
 """Export: consolidated weights from any recipe's checkpoint, on one process, no GPU.
 
+`export.format=hf` writes a folder `AutoModelForCausalLM.from_pretrained` loads instead
+(launcher.models.hf.save_pretrained; the project's decoder as LlamaForCausalLM).
+
 Each recipe module provides `consolidate(cfg, engine_dir) -> {name: fp32 tensor}` that
 reads its own checkpoint layout (DDP's single file, DeepSpeed's shards, DCP). This module
 picks the checkpoint, casts, and writes safetensors with the model config in the
@@ -39,6 +42,14 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
             raise C.ConfigError("export.step", cfg.export.step, f"{folder}: {problem}")
     state = recipes.consolidate(cfg, folder / "engine")
     dtype = DTYPES[cfg.export.dtype]
+    if cfg.export.format == C.ExportFormat.hf:  # a from_pretrained folder (launcher/models/hf.py)
+        from launcher.models.hf import save_pretrained
+
+        return save_pretrained(cfg, state, Path(cfg.export.out) if cfg.export.out else run_dir / "export" / f"{folder.name}-hf",
+                               dtype)
+    if cfg.model.kind == C.ModelKind.hf:
+        raise C.ConfigError("export.format", cfg.export.format.value,
+                            "model=hf exports as export.format=hf (a from_pretrained folder)")
     # Tied weights share storage; safetensors stores each name as its own tensor.
     tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in state.items()}
     out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / folder.name
