@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 TINY_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=64,
@@ -17,3 +18,19 @@ def tiny_llama_config(folder: Path, **changes) -> Path:
     path = folder / "config.json"
     path.write_text(json.dumps({**TINY_LLAMA, **changes}, indent=1))
     return path
+
+
+def bad_hf_files() -> dict[str, Path]:
+    """Config folders for the bad-input table: a good Llama config (but no weights), an
+    empty folder, a model type transformers does not have, one that is no causal LM, and
+    a GPT-2 (no tensor-parallel or pipeline plan). Made once per test session."""
+    root = Path(tempfile.mkdtemp(prefix="launcher-hf-bad-"))
+    tiny_llama_config(root / "llama")
+    (root / "empty").mkdir()
+    for name, fields in {"no_such_model": {"model_type": "no_such_model", "hidden_size": 64},
+                         "t5": {"model_type": "t5", "d_model": 64},
+                         "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300,
+                                  "n_positions": 256, "bos_token_id": 0, "eos_token_id": 0}}.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(fields))
+    return {p.name: p for p in root.iterdir()}

@@ -40,12 +40,16 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
-    """A tiny Llama made with transformers and saved as a user's local checkpoint."""
+    """A tiny Llama made with transformers and saved as a user's local checkpoint; its
+    head is tied to the embedding (the config-only runs' is not)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     folder = tmp_path_factory.mktemp("tiny_llama")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}))
+    fields = {**TINY_LLAMA, "tie_word_embeddings": True}
+    del fields["model_type"]
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**fields))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     model.save_pretrained(folder)
     assert list(folder.glob("*.safetensors")) and (folder / "config.json").is_file()
     return folder
@@ -59,7 +63,8 @@ def runs(tmp_path_factory, saved):
     def get(name: str) -> Path:
         if name not in done:
             overrides, source = RUNS[name]
-            weights = f"model.config={saved / 'config.json'}" if source == "config" else f"model.pretrained={saved}"
+            untied = tiny_llama_config(root / "untied")
+            weights = f"model.config={untied}" if source == "config" else f"model.pretrained={saved}"
             launch(*COMMON, weights, *overrides, run_dir=root / name)
             done[name] = root / name
         return done[name]
@@ -133,14 +138,15 @@ def test_resume_from_step_2_is_bit_identical(runs, tmp_path):
     wa = torch.load(straight / STEP4 / "engine/model.pt", weights_only=True)
     wb = torch.load(resumed / STEP4 / "engine/model.pt", weights_only=True)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert "model.layers.0.self_attn.q_proj.weight" in wa  # transformers' own names
+    assert {"model.layers.0.self_attn.q_proj.weight", "lm_head.weight"} <= set(wa)  # transformers' own names
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp", "pp"])
 def test_export_hf_loads_with_from_pretrained_and_gives_the_trained_logits(runs, name, tmp_path, capsys):
-    """ddp's whole-model file and pp's stage-wise DCP shards: the export is a folder that
-    from_pretrained loads, with the trained weights (torch's own DCP reader for pp)."""
+    """ddp's whole-model file (untied) and pp's stage-wise DCP shards (tied: the head copy
+    on the last stage): the export is a folder that from_pretrained loads, with the
+    trained weights (read for pp by torch's own DCP converter)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM
 
@@ -154,9 +160,12 @@ def test_export_hf_loads_with_from_pretrained_and_gives_the_trained_logits(runs,
     else:
         dcp_to_torch_save(run / STEP4 / "engine", tmp_path / "pp.pt")
         state = torch.load(tmp_path / "pp.pt", weights_only=True)["model"]
+        assert "lm_head.weight" not in state  # stored once, under the embedding's name
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     reference = trained(run, state)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert type(loaded).__name__ == "LlamaForCausalLM"
+    assert loaded.config.tie_word_embeddings == (name == "pp")  # pp trained the saved, tied model
     x = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 32))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=x).logits, reference(x))
@@ -166,6 +175,39 @@ def test_export_hf_loads_with_from_pretrained_and_gives_the_trained_logits(runs,
 
 
 # ----------------------------------------------------------------------------- in-process
+def saved_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward in one forward."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, x).backward()
+    return total
+
+
+def test_activation_checkpointing_is_the_models_own_switch(tmp_path):
+    """full: every decoder layer recomputes (transformers' gradient checkpointing);
+    selective: every ac_every-th; each keeps less for backward than the one before."""
+    config = tiny_llama_config(tmp_path)
+    x = torch.randint(0, 300, (2, 64))
+    held = {}
+    for mode in ("none", "selective", "full"):
+        cfg = compose("model=hf", f"model.config={config}", f"train.activation_checkpointing={mode}",
+                      "train.ac_every=2")
+        torch.manual_seed(0)
+        model = models.build(cfg, torch.device("cpu"))
+        models.set_activation_checkpointing(model, cfg)
+        flags = [layer.gradient_checkpointing for layer in models.decoder_layers(model)]
+        assert flags == {"none": [False] * 4, "selective": [True, False, True, False], "full": [True] * 4}[mode]
+        held[mode] = saved_bytes(model, x)
+    assert held["none"] > held["selective"] > held["full"], held
+
+
+
 def compose(*overrides: str) -> C.Config:
     cfg, _, _ = cli.compose_config(list(overrides))
     return cfg

@@ -31,6 +31,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no "Loading weights" bars in every rank's log
 
 import functools  # noqa: E402
 import json  # noqa: E402
@@ -59,11 +60,12 @@ def _transformers():
 
 def source(m: ModelConfig) -> tuple[str, str]:
     """(key, path) of the model's files: model.config or model.pretrained, exactly one."""
-    if (m.config is None) == (m.pretrained is None):
-        raise ConfigError("model.config" if m.config is not None else "model.pretrained",
-                          m.config if m.config is not None else None,
-                          "model=hf needs exactly one of model.config=<config.json or its folder> (random init) "
-                          "or model.pretrained=<folder with config.json and *.safetensors>")
+    if m.config is None and m.pretrained is None:
+        raise ConfigError("model.config", None, "model=hf needs exactly one of model.config=<config.json or its "
+                          "folder> (random init) or model.pretrained=<folder with config.json and *.safetensors>")
+    if m.config is not None and m.pretrained is not None:
+        raise ConfigError("model.pretrained", m.pretrained, "model.config is set too: give exactly one of them "
+                          "(pretrained weights come with their own config.json)")
     return ("model.config", m.config) if m.config is not None else ("model.pretrained", m.pretrained)
 
 
@@ -257,14 +259,18 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
 
 
 def set_activation_checkpointing(model: HFCausalLM, mode: ACMode, every: int) -> None:
-    """The model's own switch (gradient_checkpointing_enable, non-reentrant): every
-    decoder layer recomputes in backward; selective keeps it on every `every`-th."""
+    """The model's own switch, non-reentrant: every decoder layer recomputes in backward
+    (full), or every `every`-th, layers 0, every, 2 x every... (selective)."""
     if mode == ACMode.none:
         return
-    model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if mode == ACMode.selective:
-        for i, layer in enumerate(model.get_submodule(model.layout.layers)):
-            layer.gradient_checkpointing = i % every == 0
+    n = every if mode == ACMode.selective else 1
+    kwargs = {"use_reentrant": False}
+    if hasattr(model.hf, "activation_checkpointing_enable"):  # transformers >= 5.23 (the old name is deprecated)
+        model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=n)
+        return
+    model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    for i, layer in enumerate(model.get_submodule(model.layout.layers)):
+        layer.gradient_checkpointing = i % n == 0
 
 
 # ----------------------------------------------------------------------------- validation
