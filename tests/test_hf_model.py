@@ -151,6 +151,8 @@ def test_export_hf_loads_with_from_pretrained_and_gives_the_trained_logits(runs,
     from transformers import AutoModelForCausalLM
 
     run = runs(name)
+    assert cli.main(["export", str(run)]) == 2  # the project's single-file format is for its own decoder
+    assert "export.format=safetensors: model=hf exports as export.format=hf" in capsys.readouterr().err
     assert cli.main(["export", str(run), "export.format=hf", f"export.out={tmp_path / 'hf'}"]) == 0
     assert str(tmp_path / "hf") in capsys.readouterr().out
     files = {p.name for p in (tmp_path / "hf").iterdir()}

@@ -33,6 +33,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no "Loading weights" bars in every rank's log
 
+import copy  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -128,7 +129,7 @@ def build(m: ModelConfig, device: torch.device, weights: bool = True) -> "HFCaus
         model = AutoModelForCausalLM.from_pretrained(m.pretrained, local_files_only=True, **kwargs).to(device)
     else:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(hf_config(m), **kwargs)
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config(m)), **kwargs)
     model.train()  # from_pretrained returns eval mode: no dropout, and no gradient checkpointing
     model.config.use_cache = False
     return HFCausalLM(model)
@@ -188,8 +189,8 @@ def _layout_of(model: nn.Module) -> Layout:
     names = {mod: name for name, mod in model.named_modules()}
     embed, head = names[model.get_input_embeddings()], names[model.get_output_embeddings()]
     units = set(getattr(model, "_no_split_modules", None) or ())
-    layers = next(name for name, mod in model.named_modules()
-                  if isinstance(mod, nn.ModuleList) and len(mod) and type(mod[0]).__name__ in units)
+    layers = next((name for name, mod in model.named_modules()
+                   if isinstance(mod, nn.ModuleList) and len(mod) and type(mod[0]).__name__ in units), "")
     prefix = model.base_model_prefix
     pp = list(getattr(model.config, "base_model_pp_plan", None) or {})
     norm = f"{prefix}.norm" if pp == list(PP_PARTS) and layers == f"{prefix}.layers" else ""
@@ -198,7 +199,7 @@ def _layout_of(model: nn.Module) -> Layout:
     usable = plan and all(k.startswith("layers.*.") for k in plan) and set(split.values()) <= set(TP_STYLES)
     colwise = tuple(k for k, v in split.items() if v == "colwise") if usable else ()
     rowwise = tuple(k for k, v in split.items() if v == "rowwise") if usable else ()
-    layer0 = model.get_submodule(layers)[0]
+    layer0 = model.get_submodule(layers)[0] if layers else nn.Module()
     norms = tuple(n for n, mod in layer0.named_modules() if n and n not in split
                   and list(mod.parameters(recurse=False)) and not any(n.startswith(s + ".") for s in split))
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
@@ -281,6 +282,9 @@ def check(cfg: Config) -> None:
     c = hf_config(m)
     lay = layout(m)
     shape = gpt_shape(m)
+    if not lay.layers:
+        raise ConfigError(*source(m), f"model_type {c.model_type!r}: transformers names no decoder-layer class "
+                          "(_no_split_modules) to shard and checkpoint layer by layer")
     if cfg.train.seq_len > shape.max_seq_len:
         raise ConfigError("train.seq_len", cfg.train.seq_len,
                           f"must be <= the model's max_position_embeddings={shape.max_seq_len}")
