@@ -35,6 +35,7 @@ RUNS = {
     "fsdp": (["recipe=fsdp"], "config"),
     "tp": (["recipe=tp", "train.activation_checkpointing=selective"], "pretrained"),
     "pp": (["recipe=pp", "parallel.pp_schedule=1f1b"], "pretrained"),
+    "zero3": (["recipe=zero3"], "pretrained"),
 }
 
 
@@ -94,18 +95,19 @@ def trained(run: Path, state: dict[str, torch.Tensor]) -> torch.nn.Module:
 
 
 @pytest.mark.slow
-def test_pretrained_weights_give_the_saved_models_own_loss_under_tp_and_pp(runs, saved):
+def test_pretrained_weights_give_the_saved_models_own_loss_under_tp_pp_and_zero3(runs, saved):
     from transformers import AutoModelForCausalLM
 
     x, y = first_batch(runs("tp"))
     own = AutoModelForCausalLM.from_pretrained(saved)
     with torch.no_grad():
         want = lm_loss(own(input_ids=x).logits, y).item()
-    tp, pp = losses(runs("tp")), losses(runs("pp"))
-    assert tp[0] == pytest.approx(want, rel=1e-5) and pp[0] == pytest.approx(want, rel=1e-5), (tp[0], pp[0], want)
-    assert tp == pytest.approx(pp, rel=REL)  # and they train alike: 4 steps
+    tp, pp, zero3 = losses(runs("tp")), losses(runs("pp")), losses(runs("zero3"))
+    for name, got in (("tp", tp), ("pp", pp), ("zero3", zero3)):
+        assert got[0] == pytest.approx(want, rel=1e-5), (name, got[0], want)
+    assert tp == pytest.approx(pp, rel=REL) and tp == pytest.approx(zero3, rel=REL)  # and they train alike
     assert tp[-1] < tp[0]
-    print(f"step-1 loss: saved model {want:.6f}, tp {tp[0]:.6f}, pp {pp[0]:.6f}")
+    print(f"step-1 loss: saved model {want:.6f}, tp {tp[0]:.6f}, pp {pp[0]:.6f}, zero3 {zero3[0]:.6f}")
 
 
 @pytest.mark.slow
@@ -142,11 +144,12 @@ def test_resume_from_step_2_is_bit_identical(runs, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ddp", "pp"])
+@pytest.mark.parametrize("name", ["ddp", "pp", "zero3"])
 def test_export_hf_loads_with_from_pretrained_and_gives_the_trained_logits(runs, name, tmp_path, capsys):
-    """ddp's whole-model file (untied) and pp's stage-wise DCP shards (tied: the head copy
-    on the last stage): the export is a folder that from_pretrained loads, with the
-    trained weights (read for pp by torch's own DCP converter)."""
+    """ddp's whole-model file (untied), pp's stage-wise DCP shards (tied: the head copy on
+    the last stage) and ZeRO-3's partitions: the export is a folder that from_pretrained
+    loads, with the trained weights (read for pp by torch's own DCP converter, for zero3
+    by DeepSpeed's zero_to_fp32)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM
 
@@ -159,6 +162,10 @@ def test_export_hf_loads_with_from_pretrained_and_gives_the_trained_logits(runs,
     assert {"config.json", "model.safetensors", "generation_config.json"} <= files, files
     if name == "ddp":
         state = torch.load(run / STEP4 / "engine/model.pt", weights_only=True)
+    elif name == "zero3":
+        from recipes.zero import consolidate
+
+        state = consolidate(C.load_frozen(run), run / STEP4 / "engine")
     else:
         dcp_to_torch_save(run / STEP4 / "engine", tmp_path / "pp.pt")
         state = torch.load(tmp_path / "pp.pt", weights_only=True)["model"]
@@ -167,7 +174,7 @@ def test_export_hf_loads_with_from_pretrained_and_gives_the_trained_logits(runs,
     reference = trained(run, state)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert type(loaded).__name__ == "LlamaForCausalLM"
-    assert loaded.config.tie_word_embeddings == (name == "pp")  # pp trained the saved, tied model
+    assert loaded.config.tie_word_embeddings == (name != "ddp")  # pp and zero3 trained the saved, tied model
     x = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 32))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=x).logits, reference(x))
