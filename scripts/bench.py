@@ -98,6 +98,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--only", nargs="*", default=None, help="recipes to run against a baseline (default: all)")
+    ap.add_argument("--models", nargs="*", default=None, help="models to run against a baseline (default: all)")
     ap.add_argument("--no-parallel", action="store_true", help="skip the parallel recipes beside ddp")
     args = ap.parse_args()
     threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
@@ -106,7 +107,7 @@ def main() -> int:
     # ZeRO against a hand-written DeepSpeed loop with the same stage and buckets.
     cases += [(f"zero{stage}", model, steps, "bench_deepspeed_baseline.py", ["--stage", str(stage)])
               for model, steps in (("gpt_tiny", 300), ("gpt_small", 60)) for stage in (1, 2, 3)]
-    cases = [c for c in cases if args.only is None or c[0] in args.only]
+    cases = [c for c in cases if (args.only is None or c[0] in args.only) and (args.models is None or c[1] in args.models)]
     results = []
     for recipe, model, steps, baseline, baseline_args in cases:
         ours, theirs = [], []
