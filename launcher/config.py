@@ -244,7 +244,8 @@ class DataConfig:
     scripts/prepare_data.py makes one from a local text file."""
     vocab_size: int = 256
     """synthetic: alphabet of the source. memmap: the largest token id + 1 in the file
-    (256 for scripts/prepare_data.py's byte-level encoding)."""
+    (256 for scripts/prepare_data.py's byte-level encoding). hf_text: unused (the
+    tokenizer's vocabulary is checked against the model's embedding)."""
     order: int = 2
     """synthetic: the next token depends on this many previous tokens. Higher orders are
     harder to learn in a short run."""
@@ -762,7 +763,7 @@ def validate(cfg: Config, host) -> None:
 
     # data
     _positive("data.vocab_size", d.vocab_size)
-    if d.vocab_size > m.vocab_size:
+    if d.vocab_size > m.vocab_size and d.name != DataKind.hf_text:  # hf_text: the tokenizer's, checked below
         raise ConfigError("data.vocab_size", d.vocab_size, f"must be <= model.vocab_size={m.vocab_size}")
     if d.name == DataKind.synthetic:
         _positive("data.order", d.order)

@@ -11,6 +11,8 @@ import pytest
 from conftest import REPO
 from launcher import cli
 
+CORPUS = REPO / "tests" / "data" / "hf" / "corpus.jsonl"  # fields: id, text
+
 # (overrides, words the one line must contain)
 CASES = [
     (["recipe=nope"], ["recipe=nope", "allowed: ddp"]),
@@ -95,6 +97,20 @@ CASES = [
     (["recipe=tp", "parallel.dp_shard=2"], ["parallel.dp_shard=2", "does not shard"]),
     (["recipe=pp", "parallel.pp=1"], ["parallel.pp=1", ">= 2"]),
     (["parallel.nope=1"], ["parallel.nope", "unknown key", "pp_schedule"]),
+    # data=hf_text, the profiler, more loggers
+    (["data=hf_text"], ["data.files", "missing"]),
+    (["data=hf_text", "data.files=/no/such/dir/*.jsonl"], ["data.files=/no/such/dir/*.jsonl", "matches no file"]),
+    (["data=hf_text", f"data.files={CORPUS}", "data.text_field=body"],
+     ["data.text_field=body", "corpus.jsonl", "its fields: id, text"]),
+    (["data=hf_text", f"data.files={CORPUS}", "data.tokenizer=/no/such/tokenizer"],
+     ["data.tokenizer=/no/such/tokenizer", "no such folder"]),
+    (["data=hf_text", f"data.files={CORPUS}", "model.vocab_size=200"],
+     ["data.tokenizer=byte", "256 tokens", "model.vocab_size=200"]),
+    (["data=hf_text", f"data.files={CORPUS}", "data.format=xml"], ["data.format=xml", "json, parquet, text"]),
+    (["profile.enabled=true", "profile.steps=[8,5]"], ["profile.steps=[8, 5]", "first <= last"]),
+    (["profile.enabled=true", "profile.steps=[5,500]"], ["profile.steps=[5, 500]", "train.steps=200"]),
+    (["profile.enabled=true", "profile.steps=[5]"], ["profile.steps=[5]", "[first, last]"]),
+    (["logger.also=[tensorboard,nope]"], ["logger.also", "nope", "tensorboard"]),
 ]
 
 
