@@ -150,10 +150,12 @@ def sinks(cfg: Config) -> set[LoggerKind]:
 
 def _init_tensorboard(run_dir: Path, start_step: int):
     """RUN_DIR/tensorboard. A resumed launch purges events logged after its checkpoint by
-    the launch before (a crash after the last save), so each step appears once."""
+    the launch before (a crash after the last save), so each step appears once. Flushed
+    every 10 s (torch's default is 120): a crash loses little of what metrics.jsonl kept."""
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None,
+                         flush_secs=10)
 
 
 def wandb_mode(cfg: Config) -> str:
