@@ -22,7 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from launcher import config as C
 from launcher import slurm
-from launcher.commands import SLURM_STEPS, LaunchPlan, command_script, rank_env, sbatch_script, torchrun_argv
+from launcher.commands import (HOSTFILE, SLURM_STEPS, LaunchPlan, command_script, hostfile_text, launch_argv, rank_env,
+                               sbatch_script)
 from launcher.device import HostInfo
 from launcher.hf_text import offline
 from launcher.preempt import supervise
@@ -180,24 +181,40 @@ def check_checkpoint_space(cfg: C.Config, run_dir: Path) -> None:
                             f"or choose another checkpoint.dir")
 
 
-def prepare_run(cfg: C.Config, run_dir: Path, plan: LaunchPlan) -> tuple[list[str], dict[str, str]]:
-    """Write RUN_DIR/config.yaml and command.sh; return the command and its environment.
-    A failure here removes a run directory this call created."""
-    argv = torchrun_argv(cfg, str(run_dir), plan)
+def run_files(cfg: C.Config, plan: LaunchPlan, ds: dict | None) -> dict[str, str]:
+    """Files besides config.yaml the ranks or the runner read: ds_config.json (ZeRO), the
+    hostfile (runner=deepspeed on several nodes)."""
+    from launcher import ds_config
+
+    files = {}
+    if ds is not None:
+        files[ds_config.FILE] = ds_config.text(ds)
+    if cfg.cluster.runner == C.Runner.deepspeed and cfg.cluster.nnodes > 1:
+        files[HOSTFILE] = hostfile_text(cfg, plan)
+    return files
+
+
+def prepare_run(cfg: C.Config, run_dir: Path, plan: LaunchPlan,
+                files: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """Write RUN_DIR/config.yaml, command.sh and `files`; return the command and its
+    environment. A failure here removes a run directory this call created."""
+    argv = launch_argv(cfg, str(run_dir), plan)
     env = rank_env(plan, cfg.cluster.env)
     # Several nodes share the run directory: node 0 writes command.sh, node k command.node<k>.sh.
     name = "command.sh" if cfg.cluster.node_rank == 0 else f"command.node{cfg.cluster.node_rank}.sh"
-    write_run_dir(cfg, run_dir, {name: command_script(argv, env, plan.workdir, str(run_dir))})
+    write_run_dir(cfg, run_dir, {name: command_script(argv, env, plan.workdir, str(run_dir))}, files)
     return argv, env
 
 
-def write_run_dir(cfg: C.Config, run_dir: Path, scripts: dict[str, str]) -> bool:
-    """RUN_DIR/config.yaml plus executable scripts. A failure removes a run directory this
-    call created. Returns whether it created the directory."""
+def write_run_dir(cfg: C.Config, run_dir: Path, scripts: dict[str, str], files: dict[str, str] | None = None) -> bool:
+    """RUN_DIR/config.yaml, executable scripts and other files the ranks read. A failure
+    removes a run directory this call created. Returns whether it created the directory."""
     created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
+        for name, text in (files or {}).items():
+            (run_dir / name).write_text(text)
         for name, text in scripts.items():
             (run_dir / name).write_text(text)
             (run_dir / name).chmod(0o755)
@@ -303,7 +320,7 @@ def compose_jobs(command: str, overrides: list[str],
         check_run_dir_name(run_dir)
         check_writable(run_dir)
         check_checkpoint_space(cfg, run_dir)
-        jobs.append((cfg, run_dir, host, choice))
+        jobs.append((cfg, run_dir, host, choice, zero_config(cfg, host)))
     if command == "submit" and not jobs[0][0].dry_run:
         slurm.check_client()
     return jobs
@@ -331,7 +348,7 @@ def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool)
         if c.runner not in SLURM_STEPS:
             raise C.ConfigError("cluster.runner", c.runner.value,
                                 f"submit supports: {', '.join(r.value for r in SLURM_STEPS)}")
-    if command == "train" and c.nnodes > 1:
+    if command == "train" and c.nnodes > 1 and c.runner != C.Runner.deepspeed:  # deepspeed: one launch for all
         key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
         if not any(o.startswith(key + "=") for o in point):
             raise C.ConfigError(key, "(default: a timestamp)",
@@ -348,26 +365,35 @@ def check_run_dir_name(run_dir: Path) -> None:
 def cmd_train(overrides: list[str], multirun: bool) -> int:
     """Compose and validate every point first (bad input starts nothing), then run each."""
     rc = 0
-    for cfg, run_dir, host, choice in compose_jobs("train", overrides, multirun):
+    for cfg, run_dir, host, choice, ds in compose_jobs("train", overrides, multirun):
         plan = make_plan(cfg, host)
+        files = run_files(cfg, plan, ds)
         if cfg.dry_run:
             print(C.to_yaml(cfg), end="")
+            for name, text in files.items():
+                print(f"# {name}")
+                print(text, end="")
             print("# command")
-            print(command_script(torchrun_argv(cfg, str(run_dir), plan), rank_env(plan, cfg.cluster.env),
+            print(command_script(launch_argv(cfg, str(run_dir), plan), rank_env(plan, cfg.cluster.env),
                                  plan.workdir, str(run_dir)), end="")
             continue
-        argv_run, env = prepare_run(cfg, run_dir, plan)
+        argv_run, env = prepare_run(cfg, run_dir, plan, files)
         print(f"run directory: {run_dir}", flush=True)
         if choice is not None:
             (run_dir / "plan.json").write_text(choice)
         # The launcher stays as torchrun's parent: it forwards stop signals and turns a
-        # preemption into EXIT_PREEMPTED (torchrun itself would exit 1).
-        if cfg.cluster.nnodes > 1:  # several nodes by hand: meet the others first
+        # preemption into EXIT_PREEMPTED (torchrun itself would exit 1). DeepSpeed's
+        # launcher dies on a signal before its ranks have saved: it runs in its own process
+        # group, which gets the signals and is waited for as a whole; it starts the other
+        # nodes itself (over ssh, from the hostfile).
+        own_group = cfg.cluster.runner == C.Runner.deepspeed
+        if cfg.cluster.nnodes > 1 and not own_group:  # several nodes by hand: meet the others first
             rc = max(rc, run_node(cfg, run_dir, argv_run, {**os.environ, **env}))
         elif "train.micro_batch=auto" in overrides:
             rc = max(rc, supervise_with_backoff(cfg, argv_run, {**os.environ, **env}, run_dir))
         else:
-            rc = max(rc, supervise(argv_run, {**os.environ, **env}, run_dir))
+            rc = max(rc, supervise(argv_run, {**os.environ, **env}, run_dir, own_group=own_group,
+                                   drain_s=cfg.cluster.shutdown_timeout_s))
     return rc
 
 
@@ -527,12 +553,12 @@ def cmd_submit(overrides: list[str], multirun: bool) -> int:
     """`launcher submit`: per point, RUN_DIR/config.yaml + job.sbatch, then sbatch.
     --dry-run prints the script and submits nothing."""
     jobs = compose_jobs("submit", overrides, multirun)
-    for cfg, run_dir, host, choice in jobs:
+    for cfg, run_dir, host, choice, ds in jobs:
         script = sbatch_script(cfg, str(run_dir), slurm_plan(cfg, host))
         if cfg.dry_run:
             print(script, end="")
             continue
-        created = write_run_dir(cfg, run_dir, {slurm.SCRIPT: script})
+        created = write_run_dir(cfg, run_dir, {slurm.SCRIPT: script}, run_files(cfg, slurm_plan(cfg, host), ds))
         if choice is not None:  # recipe=auto / micro_batch=auto: what the planner chose, and why
             (run_dir / "plan.json").write_text(choice)
         try:
@@ -544,6 +570,19 @@ def cmd_submit(overrides: list[str], multirun: bool) -> int:
             return 2
         print(f"submitted job {job_id}: run directory {run_dir}, log {slurm.log_path(run_dir, job_id)}", flush=True)
     return 0
+
+
+def zero_config(cfg: C.Config, host: HostInfo) -> dict | None:
+    """recipe.strategy=zero: DeepSpeed's config, generated, merged with recipe.zero.extra and
+    checked by DeepSpeed's parser at the world size of this launch (ConfigError if not)."""
+    if cfg.recipe.strategy != C.Strategy.zero:
+        return None
+    from launcher import ds_config
+    from launcher.device import deepspeed_env
+
+    deepspeed_env()
+    world = C.nproc_per_node(cfg, host) * cfg.cluster.nnodes
+    return ds_config.launch_config(cfg, world, host.cuda)
 
 
 def cmd_export(args: list[str]) -> int:

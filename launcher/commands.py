@@ -92,6 +92,39 @@ def torchrun_argv(cfg: Config, run_dir: str, plan: LaunchPlan, node: NodeArgs | 
     return argv + ["-m", "launcher.train", run_dir]
 
 
+def deepspeed_argv(cfg: Config, run_dir: str, plan: LaunchPlan) -> list[str]:
+    """The `deepspeed` command (DeepSpeed's launcher, `python -m deepspeed.launcher.runner`, which
+    is what the `deepspeed` script runs, with this interpreter).
+
+    One node: `--num_gpus` processes on localhost. Several nodes: the first node reads
+    RUN_DIR/hostfile (`hostfile_text`) and starts every node over pdsh/ssh; launch once.
+    `--no_local_rank`: ranks read LOCAL_RANK from the environment (launcher.train takes
+    only the run directory).
+    """
+    c = cfg.cluster
+    argv = [plan.python, "-m", "deepspeed.launcher.runner", f"--num_nodes={c.nnodes}",
+            f"--num_gpus={plan.nproc_per_node}", f"--master_port={plan.master_port}"]
+    if c.nnodes > 1:
+        argv += [f"--hostfile={run_dir}/{HOSTFILE}", f"--master_addr={c.hosts[0]}", "--launcher=pdsh"]
+    argv += ["--no_local_rank", "--log_level=warning", "--module", "launcher.train", run_dir]
+    return argv
+
+
+HOSTFILE = "hostfile"
+
+
+def hostfile_text(cfg: Config, plan: LaunchPlan) -> str:
+    """RUN_DIR/hostfile for runner=deepspeed on several nodes: `host slots=N` per node."""
+    return "".join(f"{host} slots={plan.nproc_per_node}\n" for host in cfg.cluster.hosts)
+
+
+def launch_argv(cfg: Config, run_dir: str, plan: LaunchPlan) -> list[str]:
+    """The command of `cluster.runner`."""
+    if cfg.cluster.runner == Runner.deepspeed:
+        return deepspeed_argv(cfg, run_dir, plan)
+    return torchrun_argv(cfg, run_dir, plan)
+
+
 def rendezvous_id(run_dir: str) -> str:
     """Stable per run directory, so agents of one job (and only they) meet."""
     import hashlib

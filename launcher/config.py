@@ -12,6 +12,7 @@ prints as one line and turns into exit code 2 before any rank starts.
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ class Strategy(str, enum.Enum):
     tp = "tp"
     pp = "pp"
     tp_fsdp = "tp_fsdp"
+    zero = "zero"
 
 
 # Pipeline schedules. Declared functionally because "1f1b" is not a Python identifier;
@@ -102,6 +104,14 @@ class Backend(str, enum.Enum):
 
 class Runner(str, enum.Enum):
     torchrun = "torchrun"
+    deepspeed = "deepspeed"
+
+
+class OffloadDevice(str, enum.Enum):
+    """Where ZeRO keeps a part of the model state: on the accelerator, or in host memory."""
+
+    none = "none"
+    cpu = "cpu"
 
 
 class Scheduler(str, enum.Enum):
@@ -149,6 +159,65 @@ class FSDPOptions:
 
 
 @dataclass
+class ZeroOptions:
+    """DeepSpeed ZeRO (recipe.strategy=zero). Every field becomes a key of RUN_DIR/ds_config.json
+    (launcher/ds_config.py); `extra` carries any other DeepSpeed key. Bucket sizes count
+    elements, as DeepSpeed does; null = model.dim^2 (the rule Hugging Face's "auto" uses),
+    so buckets grow with the model instead of DeepSpeed's fixed 5e8 elements (1-2 GB)."""
+
+    stage: int = 1
+    """0: no sharding (DeepSpeed's data parallel). 1: shard the optimizer states (fp32 master
+    and Adam moments): 4Ψ + 12Ψ/N bytes per rank. 2: also shard gradients, reduce-scattered
+    in buckets during backward: 2Ψ + 14Ψ/N, the same traffic as DDP. 3: also shard the
+    parameters, all-gathered layer by layer in forward and backward: 16Ψ/N, about 1.5x the
+    traffic of DDP. Higher stages fit bigger models on the same ranks and cost more messages."""
+    overlap_comm: Optional[bool] = None
+    """Reduce gradients while backward still runs (null: DeepSpeed's default, on for stage 3
+    only). Hides communication but keeps two reduce buckets alive instead of one."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced: avoids fragmentation
+    (stage 2 and 3) at the cost of one copy per gradient."""
+    reduce_scatter: bool = True
+    """Average gradients with reduce-scatter (each rank receives only its shard) rather than
+    all-reduce: half the received bytes. Off only to debug."""
+    reduce_bucket_size: Optional[int] = None
+    """Elements reduced per message (null: model.dim^2). Bigger buckets use the bandwidth
+    better and hold more memory (one or two buckets of this size during backward)."""
+    allgather_bucket_size: Optional[int] = None
+    """Stage 1/2: elements all-gathered per message when the updated shards are shared
+    after the step (null: model.dim^2). Bigger = fewer messages, a bigger temporary buffer."""
+    prefetch_bucket_size: Optional[int] = None
+    """Stage 3 (stage3_prefetch_bucket_size): parameter elements fetched ahead of use (null:
+    0.9 x model.dim^2). More prefetch hides all-gather latency, holds more gathered weights."""
+    param_persistence_threshold: Optional[int] = None
+    """Stage 3 (stage3_param_persistence_threshold): parameters smaller than this many
+    elements are not sharded but kept whole on every rank (null: 10 x model.dim, the norms).
+    Saves many tiny latency-bound all-gathers; costs their full size on every rank."""
+    max_live_parameters: int = 1_000_000_000
+    """Stage 3 (stage3_max_live_parameters): gathered parameter elements allowed at once
+    before the oldest are released. Lower saves memory, costs re-gathers."""
+    max_reuse_distance: int = 1_000_000_000
+    """Stage 3 (stage3_max_reuse_distance): keep a gathered parameter if it is used again
+    within this many elements of computation. Lower saves memory, costs re-gathers."""
+    offload_optimizer: OffloadDevice = OffloadDevice.none
+    """cpu: keep the fp32 master weights and Adam moments (12Ψ/N) in host memory and run
+    the optimizer step there (DeepSpeedCPUAdam, compiled once on first use). Frees device
+    memory for bigger models; each step copies gradients down and weights up over PCIe."""
+    offload_param: OffloadDevice = OffloadDevice.none
+    """Stage 3 only. cpu: keep the parameter shards in host memory too and stream them to the
+    device layer by layer: the largest models per device, the slowest steps."""
+    pin_memory: bool = True
+    """Offload into page-locked host memory: faster, asynchronous copies, but pinned memory
+    is scarce and cannot be swapped. Ignored on a CPU-only machine (nothing to pin for)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Raw DeepSpeed config keys merged into the generated JSON, e.g.
+    recipe.zero.extra={zero_optimization:{round_robin_gradients:true}}. A key that the Hydra
+    config already sets must agree with it (batch sizes, precision, optimizer, clipping:
+    change those through train.*, precision.*, optim.*); a key DeepSpeed does not know is
+    refused. Both are checked on the launch side with DeepSpeed's own config parser."""
+
+
+@dataclass
 class RecipeConfig:
     """`recipe=<name>` selects conf/recipe/<name>.yaml."""
 
@@ -158,9 +227,12 @@ class RecipeConfig:
     """The recipes/ module that builds the engine. ddp: replicate the model, all-reduce
     gradients: model states cost 16 bytes/param on every rank (mixed-precision Adam).
     fsdp: shard them over dp_shard ranks (16Ψ/N). tp: split the matmuls over tp ranks.
-    tp_fsdp: both, on a 2-D mesh. pp: split the layers into pipeline stages."""
+    tp_fsdp: both, on a 2-D mesh. pp: split the layers into pipeline stages. zero: DeepSpeed
+    ZeRO (recipe.zero.*): shard optimizer states, gradients and parameters over the ranks for
+    less memory per rank and more communication."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+    zero: ZeroOptions = field(default_factory=ZeroOptions)
 
 
 @dataclass
@@ -361,7 +433,12 @@ class LoggerConfig:
 class ClusterConfig:
     name: str = "local"
     runner: Runner = Runner.torchrun
-    """How ranks start: torchrun (python -m torch.distributed.run)."""
+    """How ranks start: torchrun (python -m torch.distributed.run), or deepspeed (DeepSpeed's
+    own launcher, `deepspeed --num_nodes --num_gpus`, recipe.strategy=zero only; several nodes
+    are started from the first one over ssh/pdsh with a generated RUN_DIR/hostfile)."""
+    hosts: list[str] = field(default_factory=list)
+    """runner=deepspeed with nnodes > 1: the nodes' hostnames, the first one runs the launcher
+    (written to RUN_DIR/hostfile with nproc_per_node slots each; needs passwordless ssh)."""
     nproc_per_node: Optional[int] = None
     """Processes per node (null: every GPU; 2 on a CPU-only machine)."""
     gpus_per_node: Optional[int] = None
@@ -869,6 +946,9 @@ def validate(cfg: Config, host) -> None:
             where = f"{host.gpus} GPU(s)" if host.cuda else f"a CPU-only machine ({host.cpus} cores)"
             raise ConfigError("cluster.nproc_per_node", c.nproc_per_node, f"allowed 1..{slots} on {where}")
 
+    # recipe and runner
+    validate_zero(cfg, host)
+
     # batch arithmetic
     world = nproc_per_node(cfg, host) * c.nnodes
     validate_parallel(cfg, world)
@@ -1004,6 +1084,52 @@ def validate_slurm(cfg: Config) -> None:
     if c.requeue and cfg.checkpoint.resume != "auto":
         raise ConfigError("checkpoint.resume", cfg.checkpoint.resume,
                           "a requeued job must resume from its own latest checkpoint: use auto (or cluster.requeue=false)")
+
+
+def validate_zero(cfg: Config, host) -> None:
+    """ZeRO options, offload and the deepspeed runner: what combinations make sense."""
+    z, c, strategy = cfg.recipe.zero, cfg.cluster, cfg.recipe.strategy
+    if c.runner == Runner.deepspeed and strategy != Strategy.zero:
+        raise ConfigError("cluster.runner", "deepspeed",
+                          f"DeepSpeed's launcher is for recipe.strategy=zero; recipe {cfg.recipe.name} "
+                          f"(strategy {strategy.value}) does not use DeepSpeed: use cluster.runner=torchrun")
+    if strategy != Strategy.zero:
+        for key in ("offload_optimizer", "offload_param"):
+            if getattr(z, key) != OffloadDevice.none:
+                raise ConfigError(f"recipe.zero.{key}", getattr(z, key).value,
+                                  f"recipe {cfg.recipe.name} (strategy {strategy.value}) cannot offload; "
+                                  "offload needs a ZeRO recipe (zero2_offload, zero3_offload)")
+        return
+    if not 0 <= z.stage <= 3:
+        raise ConfigError("recipe.zero.stage", z.stage, "allowed: 0, 1, 2, 3")
+    if z.offload_optimizer != OffloadDevice.none and z.stage == 0:
+        raise ConfigError("recipe.zero.offload_optimizer", z.offload_optimizer.value,
+                          "optimizer offload needs recipe.zero.stage 1, 2 or 3")
+    if z.offload_param != OffloadDevice.none and z.stage != 3:
+        raise ConfigError("recipe.zero.offload_param", z.offload_param.value,
+                          f"parameter offload needs recipe.zero.stage=3 (this is stage {z.stage})")
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
+        if getattr(z, key) is not None:
+            _positive(f"recipe.zero.{key}", getattr(z, key))
+    if z.param_persistence_threshold is not None:
+        _positive("recipe.zero.param_persistence_threshold", z.param_persistence_threshold, zero_ok=True)
+    _positive("recipe.zero.max_live_parameters", z.max_live_parameters)
+    _positive("recipe.zero.max_reuse_distance", z.max_reuse_distance, zero_ok=True)
+    p = cfg.precision
+    if p.name == Precision.fp16 and (p.initial_scale < 1 or math.log2(p.initial_scale) % 1):
+        raise ConfigError("precision.initial_scale", p.initial_scale,
+                          "DeepSpeed's loss scale starts at a power of two (2^initial_scale_power)")
+    if c.runner == Runner.deepspeed and c.nnodes > 1:
+        if len(c.hosts) != c.nnodes:
+            raise ConfigError("cluster.hosts", list(c.hosts),
+                              f"runner=deepspeed with cluster.nnodes={c.nnodes} needs {c.nnodes} hostnames "
+                              "(the first runs the launcher and starts the others over ssh)")
+        if c.node_rank != 0:
+            raise ConfigError("cluster.node_rank", c.node_rank,
+                              "runner=deepspeed starts every node from the first one: launch once, with node_rank=0")
+        for h in c.hosts:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", h):
+                raise ConfigError("cluster.hosts", h, "a hostname or address (letters, digits, '.', '_', '-')")
 
 
 def nproc_per_node(cfg: Config, host) -> int:

@@ -209,3 +209,10 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return sys.platform
+
+
+# ----------------------------------------------------------------------------- DeepSpeed
+def deepspeed_env() -> None:
+    """Tell DeepSpeed its accelerator before it is imported: it would otherwise probe for one
+    and print a warning on a CPU-only machine (on stdout, into every launch's output)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")

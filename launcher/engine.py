@@ -49,6 +49,9 @@ class MemoryBreakdown:
     optim: int = 0
     """Optimizer states, including fp32 master copies where the recipe keeps them."""
     where: dict[str, str] = field(default_factory=lambda: {"params": "device", "grads": "device", "optim": "device"})
+    """Where each part lives: "device", "cpu" (host memory: ZeRO offload) or "device+cpu"."""
+    host: int = 0
+    """Bytes of the total kept in host memory rather than on the device (offload)."""
 
     @property
     def total(self) -> int:
@@ -60,6 +63,7 @@ class MemoryBreakdown:
             "mem/grads_bytes": self.grads,
             "mem/optim_bytes": self.optim,
             "mem/model_state_bytes": self.total,
+            "mem/host_bytes": self.host,
         }
 
 

@@ -215,6 +215,7 @@ def summarize(job: Job, history: list[dict], steps_run: int) -> dict:
         "data_wait_frac": _mean(steady, "data_wait_frac"),
         "peak_mem_bytes": max((h["mem/peak_bytes"] for h in history), default=0),
         "model_state_bytes": history[-1]["mem/model_state_bytes"] if history else 0,
+        "model_state_where": job.engine.state_bytes().where,  # params/grads/optim: device or cpu (offload)
         "world_size": job.world_size,
         "weights_digest_per_rank": digests,
     }

@@ -198,6 +198,52 @@ def activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, n: Numerics
     return in_flight * per_micro_batch + once
 
 
+# ----------------------------------------------------------------------------- ZeRO model states
+def zero_paper_bytes(stage: int, psi: float, world: int) -> float:
+    """The ZeRO paper's model states per rank for mixed-precision Adam (Rajbhandari et al.,
+    2020, figure 1): Ψ parameters, N ranks."""
+    n = world
+    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def zero_states(stage: int, psi: float, world: int, grad_accum: int = 1, offload_optimizer: bool = False,
+                offload_param: bool = False, largest_param: int = 0) -> dict[str, tuple[float, float]]:
+    """What DeepSpeed 0.19 really holds per rank at the peak of a step, bf16 weights and Adam:
+    {"params" | "grads" | "optim": (device bytes, host bytes)}. Measured by tests/test_zero.py
+    (recipes/zero.py::model_state_bytes sums it); the planner uses it.
+
+    The paper's terms, plus one it leaves out: for the update DeepSpeed makes an fp32 copy of
+    the rank's gradient shard (4Ψ/N) next to the bf16 one (2Ψ/N). So, per rank:
+        stage 0: 2Ψ bf16 weights + 2Ψ bf16 grads + 4Ψ fp32 grads + 4Ψ fp32 master + 8Ψ moments = 20Ψ
+        stage 1: 2Ψ + 12Ψ/N + max(2Ψ whole bf16 grads while accumulating, 6Ψ/N grad shards)
+        stage 2: 2Ψ + 12Ψ/N + 6Ψ/N = 2Ψ + 18Ψ/N
+        stage 3: 2Ψ/N + 12Ψ/N + 6Ψ/N = 20Ψ/N
+    Left out, each under 2% here: the reduce buckets (reduce_bucket_size elements, two with
+    overlap_comm), padding of the shards to the world size, stage 3's persistent small
+    parameters (whole on every rank), Adam's step counters.
+    Offload moves the fp32 master, the moments and the fp32 gradient shard to host memory,
+    with a bf16 gradient shard to accumulate into (2Ψ/N); stage 1/2 keep a bf16 copy of the
+    own shard on the device for the upload (2Ψ/N) and a bf16 copy buffer of the largest
+    parameter on each side (2 x largest_param bytes, device and host; counted as gradients).
+    Parameter offload (stage 3) moves the bf16 weight shard to host memory too.
+    """
+    n, p = world, psi
+    optim, grad_shards = 12 * p / n, 6 * p / n
+    if stage == 0:
+        return {"params": (2 * p, 0.0), "grads": (6 * p, 0.0), "optim": (12 * p, 0.0)}
+    whole = 2 * p if stage == 1 and grad_accum > 1 else 0.0  # stage 1 accumulates into whole bf16 grads
+    params = 2 * p / n if stage == 3 else 2 * p
+    if not offload_optimizer:
+        grads = max(whole, grad_shards) if stage == 1 else grad_shards
+        return {"params": (params, 0.0), "grads": (grads, 0.0), "optim": (optim, 0.0)}
+    if stage in (1, 2):
+        copy = 2 * largest_param
+        return {"params": (params, 0.0), "grads": (2 * p / n + whole + copy, grad_shards + copy),
+                "optim": (0.0, optim)}
+    return {"params": (0.0, params) if offload_param else (params, 0.0), "grads": (0.0, grad_shards),
+            "optim": (0.0, optim)}
+
+
 # ----------------------------------------------------------------------------- measuring
 class ActivationCounter:
     """Counts the bytes autograd saves for backward, from the first save until the first

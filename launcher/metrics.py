@@ -29,7 +29,7 @@ from launcher.config import Config, LoggerKind, WandbMode, to_dict
 STEP_METRICS = (
     "step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "samples_per_s", "mfu",
     "data_wait_frac", "mem/peak_bytes", "mem/reserved_bytes", "mem/params_bytes", "mem/grads_bytes",
-    "mem/optim_bytes", "mem/model_state_bytes",
+    "mem/optim_bytes", "mem/model_state_bytes", "mem/host_bytes",
 )
 
 

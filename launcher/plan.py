@@ -63,6 +63,8 @@ class Row:
     activations: int
     temp: int
     where: dict[str, str]
+    host: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The part of params/grads/optim kept in host memory (offload): not counted in total."""
     step_time_s: float = math.nan
     tokens_per_step: int = 0
     cost: float = math.nan
@@ -71,9 +73,7 @@ class Row:
 
     @property
     def total(self) -> int:
-        device = sum(v for k, v in (("params", self.params), ("grads", self.grads), ("optim", self.optim))
-                     if self.where.get(k, "device") == "device")
-        return device + self.activations + self.temp
+        return self.params + self.grads + self.optim - sum(self.host.values()) + self.activations + self.temp
 
 
 @dataclass
@@ -134,43 +134,53 @@ def param_share(cfg: Config, layout: Layout, pp_rank: int | None = None) -> int:
     return c.total
 
 
-def model_states(cfg: Config, layout: Layout, pp_rank: int | None = None) -> tuple[int, int, int, dict[str, str]]:
-    """(params, grads, optimizer) bytes on one rank and where each lives.
+def model_states(cfg: Config, layout: Layout,
+                 pp_rank: int | None = None) -> tuple[int, int, int, dict[str, str], dict[str, int]]:
+    """(params, grads, optimizer) bytes on one rank, where each lives (device, cpu or
+    device+cpu) and how many of them are in host memory (offload).
 
-    Mixed precision (bf16) with Adam, the ZeRO paper's accounting for DeepSpeed: 2 bytes
-    of bf16 parameters, 2 of bf16 gradients, 12 of optimizer state (fp32 master copy 4,
-    two moments 8) per parameter. DDP, TP and PP under autocast keep fp32 parameters and
-    gradients instead (4 + 4 + 8). FSDP2 with a bf16 MixedPrecisionPolicy shards fp32
-    parameters, fp32 gradients and the moments (16 per parameter, all sharded).
+    DDP, TP and PP under autocast keep fp32 parameters and gradients (4 + 4 + 8 bytes per
+    parameter with Adam). FSDP2 with a bf16 MixedPrecisionPolicy shards fp32 parameters,
+    fp32 gradients and the moments (16 per parameter, all sharded). DeepSpeed (bf16/fp16)
+    holds what launcher.memory.zero_states says, measured: the ZeRO paper's 2 + 2 + 12 bytes
+    plus an fp32 copy of the gradient shard, with offload splitting parts to the host.
     """
     P = param_share(cfg, layout, pp_rank)
     precision = cfg.precision.name
     n = layout.dp
     where = {"params": "device", "grads": "device", "optim": "device"}
+    host = {"params": 0, "grads": 0, "optim": 0}
     if layout.shard == "none":
         params, grads, optim = 4 * P, 4 * P, 8 * P
     elif layout.fsdp:
         params, grads, optim = 4 * P // n, 4 * P // n, 8 * P // n
-    else:
+    elif precision == Precision.fp32:
+        # fp32 ZeRO (not measured): 4-byte parameters and gradients, no separate master copy.
         stage = int(layout.shard[-1])
-        # fp32 ZeRO: 4-byte parameters and gradients, no separate master copy.
-        p_bytes, g_bytes, o_bytes = (4, 4, 8) if precision == Precision.fp32 else (2, 2, 12)
-        params = p_bytes * P // n if stage == 3 else p_bytes * P
-        grads = g_bytes * P // n if stage >= 2 else g_bytes * P
-        optim = o_bytes * P // n
-    if layout.offload_optim:
-        where["optim"] = "cpu"
-    if layout.offload_params:
-        where["params"] = "cpu"
-    return params, grads, optim, where
+        params = 4 * P // n if stage == 3 else 4 * P
+        grads = 4 * P // n if stage >= 2 else 4 * P
+        optim = 8 * P // n
+        if layout.offload_optim:
+            where["optim"], host["optim"] = "cpu", optim
+        if layout.offload_params:
+            where["params"], host["params"] = "cpu", params
+    else:
+        parts = M.zero_states(int(layout.shard[-1]), P, n, cfg.train.grad_accum, layout.offload_optim,
+                              layout.offload_params, largest_param=cfg.model.vocab_size * cfg.model.dim)
+        params, grads, optim = (int(d + h) for d, h in parts.values())
+        for k, (d, h) in parts.items():
+            host[k] = int(h)
+            where[k] = "cpu" if not d else ("device+cpu" if h else "device")
+    return params, grads, optim, where, host
 
 
 # ----------------------------------------------------------------------------- step memory
 def numerics(precision: Precision, layout: Layout) -> M.Numerics:
-    """DeepSpeed (bf16) casts the whole module, buffers included; FSDP2's bf16 policy
-    casts the parameters it gathers; DDP, TP and PP run fp32 parameters under autocast."""
+    """DeepSpeed (bf16) casts the parameters (the rotary table stays fp32, measured);
+    FSDP2's bf16 policy casts the parameters it gathers; DDP, TP and PP run fp32
+    parameters under autocast."""
     if layout.shard.startswith("zero") and not layout.fsdp:
-        return M.Numerics.of(precision.value, low_precision_params=True, rope_cast=True)
+        return M.Numerics.of(precision.value, low_precision_params=True)
     if layout.fsdp:
         return dataclasses.replace(M.Numerics.of(precision.value, low_precision_params=True), gathered_head=True)
     return M.Numerics.of(precision.value)
@@ -292,11 +302,11 @@ def layout_for(cfg: Config, world: int) -> Layout:
 
 
 def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int) -> Row:
-    params, grads, optim, where = model_states(cfg, layout)
+    params, grads, optim, where, host = model_states(cfg, layout)
     act = activations(cfg, layout, ac, b)
     tmp = temporaries(cfg.model, cfg.precision.name, layout, ac, cfg.train.ac_every, b, cfg.train.seq_len)
     return Row(layout=layout, ac=ac, micro_batch=b, fits=False, params=params, grads=grads, optim=optim,
-               activations=act, temp=tmp, where=where)
+               activations=act, temp=tmp, where=where, host=host)
 
 
 def largest_fitting(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode) -> Row:
@@ -377,12 +387,12 @@ def table(rows: list[Row], hw: Hardware, title: str):
     gb = lambda v: f"{v / GiB:,.2f}"  # noqa: E731
     for r in rows:
         mark = "★" if r.recommended else ("" if r.fits else "✗")
-        place = lambda k, v: gb(v) + ("*" if r.where.get(k) == "cpu" else "")  # noqa: E731
+        place = lambda k, v: gb(v) + ("*" if r.host.get(k) else "")  # noqa: E731
         t.add_row(mark, r.layout.label, r.ac.value, str(r.micro_batch) if r.fits else "-",
                   place("params", r.params), place("grads", r.grads), place("optim", r.optim), gb(r.activations),
                   gb(r.temp), gb(r.total), gb(hw.gpu_bytes - r.total), f"{r.cost:.2f}" if r.fits else "-",
                   style="bold green" if r.recommended else (None if r.fits else "dim"))
-    t.caption = ("GiB per GPU. * = on the CPU (offload), not counted in total. cost = time per token relative "
+    t.caption = ("GiB per GPU. * = (partly) in host memory (offload); the host part is not counted in total. cost = time per token relative "
                  "to ★, the recommended row (the cheapest that fits). ✗ = does not fit even at micro-batch 1.")
     return t
 
@@ -394,9 +404,9 @@ def chart(rows: list[Row], hw: Hardware, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = [f"{r.layout.label}\n{r.ac.value} mb={r.micro_batch}" for r in rows]
-    parts = [("params", lambda r: r.params if r.where["params"] == "device" else 0),
-             ("grads", lambda r: r.grads if r.where["grads"] == "device" else 0),
-             ("optim", lambda r: r.optim if r.where["optim"] == "device" else 0),
+    parts = [("params", lambda r: r.params - r.host.get("params", 0)),
+             ("grads", lambda r: r.grads - r.host.get("grads", 0)),
+             ("optim", lambda r: r.optim - r.host.get("optim", 0)),
              ("activations", lambda r: r.activations), ("temp", lambda r: r.temp)]
     fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(rows)), 6))
     bottom = [0.0] * len(rows)

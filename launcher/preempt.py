@@ -12,7 +12,9 @@ markers in launcher/exits.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -59,14 +61,30 @@ def clear_markers(run_dir: Path) -> None:
         (run_dir / name).unlink(missing_ok=True)
 
 
-def supervise(argv: list[str], env: dict[str, str], run_dir: Path) -> int:
-    """Run torchrun as a child, forward stop signals to it, map the exit code."""
+def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bool = False,
+              drain_s: float = 300) -> int:
+    """Run torchrun as a child, forward stop signals to it, map the exit code.
+
+    own_group: the child leads its own process group; signals go to the whole group (the
+    ranks included) and, once the child has exited, the ranks still saving are waited for
+    (at most drain_s). For a launcher that dies on a signal instead of waiting for its
+    ranks (DeepSpeed's)."""
     clear_markers(run_dir)
-    proc = subprocess.Popen(argv, env=env)
+    proc = subprocess.Popen(argv, env=env, start_new_session=own_group)
+
+    def send(sig, _frame):
+        if own_group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+
     forward = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
-    previous = {sig: signal.signal(sig, lambda s, _f: proc.send_signal(s)) for sig in forward}
+    previous = {sig: signal.signal(sig, send) for sig in forward}
     try:
         rc = proc.wait()
+        if own_group:
+            _wait_for_group(proc.pid, drain_s)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -83,3 +101,16 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path) -> int:
                 print(info["message"], file=sys.stderr, flush=True)
             return code
     return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
+
+
+def _wait_for_group(pgid: int, timeout_s: float) -> None:
+    """Until no process of the group is left (or timeout_s, then kill what is left)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)

@@ -11,6 +11,7 @@ RECIPES: dict[str, str] = {
     "tp": "recipes.tp",
     "tp_fsdp": "recipes.tp_fsdp",
     "pp": "recipes.pp",
+    "zero": "recipes.zero",
 }
 
 

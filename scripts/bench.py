@@ -32,12 +32,7 @@ def _run(cmd: list[str], env: dict | None = None) -> None:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
 
 
-def run_recipe(recipe: str, model: str, steps: int, nproc: int, extra: list[str]) -> float:
-    return measure_recipe(recipe, model, steps, nproc, extra)["tokens_per_s"]
-
-
-def measure_recipe(recipe: str, model: str, steps: int, nproc: int, extra: list[str]) -> dict:
-    """Steady-state tokens/s, the largest peak memory logged, and rank 0's model-state bytes."""
+def run_recipe(recipe: str, model: str, steps: int, nproc: int, extra: list[str]) -> dict:
     run = OUT / "runs" / f"{recipe}-{model}"
     shutil.rmtree(run, ignore_errors=True)
     cmd = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}", f"recipe={recipe}", f"model={model}",
@@ -48,7 +43,7 @@ def measure_recipe(recipe: str, model: str, steps: int, nproc: int, extra: list[
     steady = rows[1:]  # the first interval holds start-up
     tokens_per_step = rows[0]["tokens_per_s"] * rows[0]["step_time_s"]
     return {"tokens_per_s": tokens_per_step / statistics.mean(r["step_time_s"] for r in steady),
-            "peak_mem_bytes": max(r["mem/peak_bytes"] for r in rows),
+            "peak_bytes": max(r["mem/peak_bytes"] for r in rows),
             "model_state_bytes": rows[-1]["mem/model_state_bytes"]}
 
 
@@ -73,56 +68,68 @@ def bench_parallel(model: str, steps: int, nproc: int, rounds: int) -> list[dict
     seen: dict[str, list[dict]] = {name: [] for name, _ in PARALLEL_CASES}
     for i in range(rounds):
         for name, extra in (PARALLEL_CASES if i % 2 == 0 else PARALLEL_CASES[::-1]):
-            seen[name].append(measure_recipe(name, model, steps, nproc, [*batch, *extra]))
+            seen[name].append(run_recipe(name, model, steps, nproc, [*batch, *extra]))
     out = []
     for name, extra in PARALLEL_CASES:
         runs = seen[name]
         r = {"recipe": name, "overrides": extra, "model": model, "nproc": nproc, "steps": steps,
              "tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs),
-             "peak_mem_bytes": statistics.median(x["peak_mem_bytes"] for x in runs),
+             "peak_bytes": statistics.median(x["peak_bytes"] for x in runs),
              "model_state_bytes": runs[-1]["model_state_bytes"], "model_state_x_16psi": runs[-1]["model_state_bytes"] / (16 * psi),
              "runs": runs}
         out.append(r)
-        print(f"{name:8} {model:10} {r['tokens_per_s']:10,.0f} tok/s  peak {r['peak_mem_bytes'] / 2**20:7.0f} MiB  "
+        print(f"{name:8} {model:10} {r['tokens_per_s']:10,.0f} tok/s  peak {r['peak_bytes'] / 2**20:7.0f} MiB  "
               f"model state {r['model_state_bytes'] / 2**20:7.1f} MiB/rank ({r['model_state_x_16psi']:.2f} x 16Ψ)", flush=True)
     return out
 
 
-def run_baseline(script: str, model: str, steps: int, nproc: int, threads: int) -> float:
+def run_baseline(script: str, model: str, steps: int, nproc: int, threads: int, args: list[str] = ()) -> dict:
     out = OUT / "runs" / f"baseline-{model}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"scripts/{script}", "--model", model, "--steps", str(steps), "--out", str(out)]
+           f"scripts/{script}", "--model", model, "--steps", str(steps), "--out", str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     _run(cmd, env)
-    return json.loads(out.read_text())["tokens_per_s"]
+    return json.loads(out.read_text())
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--only", nargs="*", default=None, help="recipes to run against a baseline (default: all)")
+    ap.add_argument("--no-parallel", action="store_true", help="skip the parallel recipes beside ddp")
     args = ap.parse_args()
     threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
-    cases = [("ddp", "gpt_tiny", 300, "bench_ddp_baseline.py"), ("ddp", "gpt_small", 60, "bench_ddp_baseline.py")]
+    cases = [("ddp", "gpt_tiny", 300, "bench_ddp_baseline.py", []),
+             ("ddp", "gpt_small", 60, "bench_ddp_baseline.py", [])]
+    # ZeRO against a hand-written DeepSpeed loop with the same stage and buckets.
+    cases += [(f"zero{stage}", model, steps, "bench_deepspeed_baseline.py", ["--stage", str(stage)])
+              for model, steps in (("gpt_tiny", 300), ("gpt_small", 60)) for stage in (1, 2, 3)]
+    cases = [c for c in cases if args.only is None or c[0] in args.only]
     results = []
-    for recipe, model, steps, baseline in cases:
+    for recipe, model, steps, baseline, baseline_args in cases:
         ours, theirs = [], []
         for i in range(args.rounds):
             # Alternate who goes first: a slow spell of the machine hits both sides alike.
             pair = [lambda: ours.append(run_recipe(recipe, model, steps, args.nproc, [])),
-                    lambda: theirs.append(run_baseline(baseline, model, steps, args.nproc, threads))]
+                    lambda: theirs.append(run_baseline(baseline, model, steps, args.nproc, threads, baseline_args))]
             for run in (pair if i % 2 == 0 else pair[::-1]):
                 run()
-        ratios = [a / b for a, b in zip(ours, theirs)]
-        r = {"recipe": recipe, "model": model, "steps": steps, "recipe_tokens_per_s": statistics.median(ours),
-             "baseline_tokens_per_s": statistics.median(theirs), "recipe_runs": ours, "baseline_runs": theirs,
-             "round_ratios": ratios, "ratio": statistics.median(ratios)}
+        ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)]
+        r = {"recipe": recipe, "model": model, "steps": steps,
+             "recipe_tokens_per_s": statistics.median(a["tokens_per_s"] for a in ours),
+             "baseline_tokens_per_s": statistics.median(b["tokens_per_s"] for b in theirs),
+             "recipe_peak_bytes": max(a["peak_bytes"] for a in ours),
+             "baseline_peak_bytes": max((b.get("peak_bytes", 0) for b in theirs), default=0),
+             "recipe_model_state_bytes": ours[-1]["model_state_bytes"],
+             "baseline_model_state_bytes": theirs[-1].get("model_state_bytes"),
+             "recipe_runs": ours, "baseline_runs": theirs, "round_ratios": ratios, "ratio": statistics.median(ratios)}
         results.append(r)
         print(f"{recipe:6} {model:10} recipe {r['recipe_tokens_per_s']:10,.0f} tok/s  "
               f"hand-written {r['baseline_tokens_per_s']:10,.0f} tok/s  ratio {r['ratio']:.3f}", flush=True)
 
-    parallel = bench_parallel("gpt_small", 40, args.nproc, args.rounds)
+    parallel = [] if args.no_parallel else bench_parallel("gpt_small", 40, args.nproc, args.rounds)
 
     OUT.mkdir(exist_ok=True)
     (OUT / "results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -135,31 +142,43 @@ def main() -> int:
         f"micro-batch 8 x 128 tokens per rank. Median of {args.rounds} rounds (recipe and hand-written back to back, order alternating); "
         f"the ratio is the median of the per-round ratios; steady-state steps only.",
         "",
-        "| recipe | model | recipe tokens/s | hand-written tokens/s | ratio (target >= 0.97) |",
-        "|---|---|---:|---:|---:|",
+        "Peak memory: the process's peak RSS on CPU (CUDA: max allocated), largest over the rounds. Model "
+        "states: bytes one rank holds at the peak of a step (params, grads, optimizer states), counted "
+        "from the engine's tensors the same way on both sides.",
+        "",
+        "| recipe | model | recipe tokens/s | hand-written tokens/s | ratio (target >= 0.97) "
+        "| peak MiB recipe / hand-written | model states MiB per rank recipe / hand-written |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(f"| {r['recipe']} | {r['model']} | {r['recipe_tokens_per_s']:,.0f} | "
-                     f"{r['baseline_tokens_per_s']:,.0f} | {r['ratio']:.3f} |")
-    ddp = parallel[0]
-    lines += [
-        "",
-        "## Parallel recipes beside ddp",
-        "",
-        f"Same run: {parallel[0]['model']}, {args.nproc} processes, global batch 16 x 128 tokens, bf16, "
-        f"{parallel[0]['steps']} steps; median of {args.rounds} rounds (interleaved). Peak memory is the process's "
-        "peak RSS on CPU (CUDA: max allocated); model state is what rank 0 holds, counted from its tensors.",
-        "",
-        "| recipe | overrides | tokens/s | vs ddp | peak memory/rank | model state/rank | x 16Ψ |",
-        "|---|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in parallel:
-        lines.append(f"| {r['recipe']} | {' '.join(r['overrides']) or '-'} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['tokens_per_s'] / ddp['tokens_per_s']:.2f} | {r['peak_mem_bytes'] / 2**20:,.0f} MiB | "
-                     f"{r['model_state_bytes'] / 2**20:,.1f} MiB | {r['model_state_x_16psi']:.2f} |")
+                     f"{r['baseline_tokens_per_s']:,.0f} | {r['ratio']:.3f} | {_mib(r['recipe_peak_bytes'])} / "
+                     f"{_mib(r['baseline_peak_bytes'])} | {_mib(r['recipe_model_state_bytes'])} / "
+                     f"{_mib(r['baseline_model_state_bytes'])} |")
+    if parallel:
+        ddp = parallel[0]
+        lines += [
+            "",
+            "## Parallel recipes beside ddp",
+            "",
+            f"Same run: {ddp['model']}, {args.nproc} processes, global batch 16 x 128 tokens, bf16, "
+            f"{ddp['steps']} steps; median of {args.rounds} rounds (interleaved). Peak memory is the process's "
+            "peak RSS on CPU (CUDA: max allocated); model state is what rank 0 holds, counted from its tensors.",
+            "",
+            "| recipe | overrides | tokens/s | vs ddp | peak memory/rank | model state/rank | x 16Ψ |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in parallel:
+            lines.append(f"| {r['recipe']} | {' '.join(r['overrides']) or '-'} | {r['tokens_per_s']:,.0f} | "
+                         f"{r['tokens_per_s'] / ddp['tokens_per_s']:.2f} | {_mib(r['peak_bytes'])} MiB | "
+                         f"{_mib(r['model_state_bytes'])} MiB | {r['model_state_x_16psi']:.2f} |")
     (OUT / "results.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {OUT / 'results.md'}")
     return 0
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:,.1f}" if n else "n/a"
 
 
 if __name__ == "__main__":

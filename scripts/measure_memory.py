@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from launcher import ds_config
 from launcher import plan as planner
 from launcher.cli import compose_config
+from launcher.config import Strategy, validate
 from launcher.data import build_dataset
-from launcher.config import validate
 from launcher.device import HostInfo, local_device
 from launcher.memory import ActivationCounter
 from launcher.train import build_engine
@@ -56,6 +57,8 @@ def main() -> None:
                                     f"train.activation_checkpointing={ac}", f"train.seq_len={args.seq_len}",
                                     "logger=none", f"cluster.nproc_per_node={world}", *extra])
         validate(cfg, HostInfo.detect())
+        if cfg.recipe.strategy == Strategy.zero:  # what the launch side writes for DeepSpeed
+            (tmp / ds_config.FILE).write_text(ds_config.text(ds_config.launch_config(cfg, world, device.type == "cuda")))
         engine = build_engine(cfg, device, rank, world, rank, tmp)
         batch = build_dataset(cfg).__getitems__(list(range(rank * mb, rank * mb + mb))).to(device)
         # A warm-up step first: the pipeline's first step also holds its shape-inference
@@ -66,7 +69,7 @@ def main() -> None:
         held = engine.state_bytes()
         layout = planner.layout_for(cfg, world)
         pp_rank = rank // (world // layout.pp)  # the mesh puts pipeline stages outermost
-        p, g, o, where = planner.model_states(cfg, layout, pp_rank)
+        p, g, o, _, _ = planner.model_states(cfg, layout, pp_rank)
         predicted_act = planner.activations(cfg, layout, cfg.train.activation_checkpointing, mb, pp_rank)
         results.append({"recipe": recipe, "model": model, "micro_batch": mb, "ac": ac, "rank": rank,
                         "measured": {"params": held.params, "grads": held.grads, "optim": held.optim,

@@ -32,6 +32,27 @@ def launch(*overrides: str, run_dir: Path | None = None, command: str = "train",
     return proc
 
 
+def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """`python -m launcher train ...` in the background (to signal it while it trains)."""
+    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}", *overrides]
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until metrics.jsonl has `step` rows (the run logs every step)."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= step:
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} within {timeout}s")
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -97,6 +97,31 @@ CASES = [
     (["recipe=tp", "parallel.dp_shard=2"], ["parallel.dp_shard=2", "does not shard"]),
     (["recipe=pp", "parallel.pp=1"], ["parallel.pp=1", ">= 2"]),
     (["parallel.nope=1"], ["parallel.nope", "unknown key", "pp_schedule"]),
+    # ZeRO recipes (launcher/config.py::validate_zero, launcher/ds_config.py)
+    (["recipe=zero1", "recipe.zero.stage=4"], ["recipe.zero.stage=4", "allowed: 0, 1, 2, 3"]),
+    (["recipe=zero1", "recipe.zero.stage=-1"], ["recipe.zero.stage=-1", "allowed: 0, 1, 2, 3"]),
+    (["recipe.zero.offload_optimizer=cpu"], ["recipe.zero.offload_optimizer=cpu", "recipe ddp", "cannot offload"]),
+    (["recipe=zero2", "recipe.zero.offload_param=cpu"], ["recipe.zero.offload_param=cpu", "stage=3"]),
+    (["recipe=zero2_offload", "recipe.zero.stage=0"], ["recipe.zero.offload_optimizer=cpu", "stage 1, 2 or 3"]),
+    (["recipe=zero2", "recipe.zero.offload_optimizer=nvme"], ["recipe.zero.offload_optimizer=nvme", "none, cpu"]),
+    (["recipe=zero2", "+recipe.zero.extra.no_such_key=1"], ["recipe.zero.extra.no_such_key=1", "DeepSpeed does not know"]),
+    (["recipe=zero2", "++recipe.zero.extra.zero_optimization.round_robin_gradientz=true"],
+     ["recipe.zero.extra.zero_optimization.round_robin_gradientz=true", "DeepSpeed refuses it"]),
+    (["recipe=zero2", "+recipe.zero.extra.train_batch_size=64"],
+     ["recipe.zero.extra.train_batch_size=64", "contradicts", "16", "train.global_batch"]),
+    (["recipe=zero3", "++recipe.zero.extra.zero_optimization.stage=2"],
+     ["recipe.zero.extra.zero_optimization.stage=2", "contradicts", "recipe.zero.stage"]),
+    (["recipe=zero2", "++recipe.zero.extra.bf16.enabled=false"], ["recipe.zero.extra.bf16.enabled=false", "precision"]),
+    (["recipe=zero2", "+recipe.zero.extra.scheduler.type=WarmupCosineLR"],
+     ["recipe.zero.extra.scheduler", "lr_factor"]),
+    (["cluster.runner=deepspeed"], ["cluster.runner=deepspeed", "recipe.strategy=zero", "cluster.runner=torchrun"]),
+    (["cluster.runner=mpirun"], ["cluster.runner=mpirun", "torchrun, deepspeed"]),
+    (["recipe=zero2", "cluster.runner=deepspeed", "cluster.nnodes=2", "cluster.master_port=29400"],
+     ["cluster.hosts=[]", "2 hostnames"]),
+    (["recipe=zero2", "cluster.runner=deepspeed", "cluster.nnodes=2", "cluster.master_port=29400",
+      "cluster.hosts=[a,b]", "cluster.node_rank=1"], ["cluster.node_rank=1", "node_rank=0"]),
+    (["recipe=zero2", "cluster.runner=deepspeed", "cluster.nnodes=2", "cluster.master_port=29400",
+      "cluster.hosts=['a b',c]"], ["cluster.hosts=a b", "hostname"]),
     # data=hf_text, the profiler, more loggers
     (["data=hf_text"], ["data.files", "missing"]),
     (["data=hf_text", "data.files=/no/such/dir/*.jsonl"], ["data.files=/no/such/dir/*.jsonl", "matches no file"]),
@@ -132,7 +157,8 @@ def test_bad_input_is_one_line_and_exit_2(overrides, words, tmp_path, capsys, mo
     assert not (tmp_path / "outputs").exists()
 
 
-@pytest.mark.parametrize("overrides", [["recipe=nope"], ["train.steps=abc"], ["precision=fp16"]])
+@pytest.mark.parametrize("overrides", [["recipe=nope"], ["train.steps=abc"], ["precision=fp16"],
+                                       ["recipe=zero2", "+recipe.zero.extra.train_batch_size=64"]])
 def test_bad_input_from_a_real_process(overrides, tmp_path):
     """The same through `python -m launcher`: exit code 2 from the launcher process itself."""
     proc = subprocess.run([sys.executable, "-m", "launcher", "train", f"hydra.run.dir={tmp_path / 'run'}", *overrides],

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from launcher import cli
-from launcher.commands import LaunchPlan, command_script, rank_env, sbatch_quote, sbatch_script, torchrun_argv
+from launcher.commands import (LaunchPlan, command_script, deepspeed_argv, hostfile_text, launch_argv, rank_env,
+                               sbatch_quote, sbatch_script, torchrun_argv)
 
 GOLDEN = Path(__file__).parent / "golden"
 PLAN = LaunchPlan(python="/opt/venv/bin/python", nproc_per_node=2, master_port=29512, threads_per_rank=1,
@@ -98,3 +99,31 @@ def test_sbatch_script_quotes_everything():
 ])
 def test_sbatch_quote(value, quoted):
     assert sbatch_quote(value) == quoted
+DS_CASES = {
+    "deepspeed_single.txt": (["recipe=zero2", "cluster.runner=deepspeed"], PLAN, "/runs/d"),
+    "deepspeed_multinode.txt": (["recipe=zero3", "cluster.runner=deepspeed", "cluster.nnodes=2",
+                                 "cluster.master_port=29400", "cluster.hosts=[node-a,node-b]"],
+                                LaunchPlan("/opt/venv/bin/python", 8, 29400, 4, "/home/me/launcher"), "/runs/e"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DS_CASES))
+def test_deepspeed_argv(name):
+    overrides, plan, run_dir = DS_CASES[name]
+    cfg, _, _ = cli.compose_config(overrides)
+    argv = deepspeed_argv(cfg, run_dir, plan)
+    assert launch_argv(cfg, run_dir, plan) == argv  # cluster.runner=deepspeed picks it
+    check_golden(name, " \\\n  ".join(argv) + "\n")
+
+
+def test_hostfile_lists_every_node_with_its_slots():
+    overrides, plan, _ = DS_CASES["deepspeed_multinode.txt"]
+    cfg, _, _ = cli.compose_config(overrides)
+    check_golden("hostfile_multinode.txt", hostfile_text(cfg, plan))
+    assert hostfile_text(cfg, plan) == "node-a slots=8\nnode-b slots=8\n"
+
+
+def test_default_runner_is_torchrun_for_every_recipe():
+    for recipe in ("ddp", "zero1", "zero3_offload"):
+        cfg, _, _ = cli.compose_config([f"recipe={recipe}"])
+        assert launch_argv(cfg, "/runs/a", PLAN) == torchrun_argv(cfg, "/runs/a", PLAN)

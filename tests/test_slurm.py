@@ -24,8 +24,8 @@ from test_commands import check_golden
 # The jobs: 2 gloo ranks on the one node (2 CPUs), W&B offline.
 JOB = ["cluster.nproc_per_node=2", "cluster.cpus_per_task=2", *FAST]
 
-# Recipes submitted end to end. A recipe joins with one entry (zero2 once it has landed).
-SUBMITTED_RECIPES = ["ddp"]
+# Recipes submitted end to end. A recipe joins with one entry.
+SUBMITTED_RECIPES = ["ddp", "zero2"]
 
 
 def hydra_quote(value: str) -> str:
@@ -120,6 +120,8 @@ def test_submitted_job_runs_to_completion(recipe, slurm_cluster, tmp_path):
     assert verify(run_dir / "checkpoints" / "step_00000012") is None
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["preempted"] == 0
+    if recipe.startswith("zero"):  # the generated DeepSpeed config travelled with the job
+        assert json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["stage"] == int(recipe[4])
     runs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
     assert wandb_file.run_info(runs[0])["id"] == (run_dir / "wandb_id").read_text().strip()

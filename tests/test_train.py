@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import wandb_file
 from conftest import REPO, assert_same_training, launch, read_metrics, token_file
+from conftest import start as _start
+from conftest import wait_for_step as _wait_for_step
 from launcher import cli
 from launcher import config as C
 from launcher.checkpoint import verify
@@ -118,24 +119,6 @@ def test_multirun_makes_one_run_dir_per_point(tmp_path):
     proc = launch("-m", "optim.lr=1e-3,2e-3", "--dry-run", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert proc.stdout.count("lr: 0.001") == 1 and proc.stdout.count("lr: 0.002") == 1
     assert f"{tmp_path / 'sweep'}/0" in proc.stdout and f"{tmp_path / 'sweep'}/1" in proc.stdout
-
-
-def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}", *overrides]
-    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    import time
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        path = run_dir / "metrics.jsonl"
-        if path.exists() and len(path.read_text().splitlines()) >= step:
-            return
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.2)
-    raise AssertionError(f"no step {step} within {timeout}s")
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])

@@ -1,0 +1,348 @@
+"""`zero1`, `zero2`, `zero3` and their offload variants: DeepSpeed ZeRO.
+
+One engine for every stage; RUN_DIR/ds_config.json (written by the launch side from the
+Hydra config, launcher/ds_config.py) says which. DeepSpeed owns the micro-batch loop's
+gradient reduction, the sharded optimizer step and the checkpoint files; this module adds
+what the launcher needs around it:
+
+- the project's optimizer groups (decay on matrices only) and learning-rate schedule
+  (launcher.engine.lr_factor, handed to DeepSpeed as a client scheduler, so the curve is
+  the one ddp follows);
+- `state_bytes()`: the model-state tensors this rank really holds, counted from DeepSpeed's
+  own buffers at the moment of the step where most of them are alive;
+- checkpoints under the Checkpointer's folder, loaded with weights_only=True, and resumed
+  at another world size through DeepSpeed's universal checkpoint;
+- `consolidate()`: full fp32 weights from the shards on one process, for `make export`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from launcher import ds_config
+from launcher.device import deepspeed_env
+from launcher.engine import BuildContext, MemoryBreakdown, StepResult, build_scheduler, param_groups
+from launcher.memory import zero_states
+
+# DeepSpeed 0.19 calls torch collectives torch 2.13 deprecates; one warning per rank per call
+# site, on every launch. Nothing the user can act on.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+TAG = "ds"  # DeepSpeed's checkpoint tag: files go to engine/ds/
+META = "zero.json"  # world size and stage of a checkpoint, read before DeepSpeed loads it
+UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
+
+
+# ----------------------------------------------------------------------------- safe loading
+def _safe_globals() -> list:
+    """The non-tensor types DeepSpeed pickles into its checkpoint files; nothing else may load."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+@contextlib.contextmanager
+def weights_only_loads():
+    """Every torch.load DeepSpeed makes in this block runs with weights_only=True (it passes
+    weights_only=False itself; TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides that), allowing only
+    the DeepSpeed types listed in `_safe_globals`."""
+    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            yield
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
+
+
+# ----------------------------------------------------------------------------- engine
+class ZeroEngine:
+    def __init__(self, ctx: BuildContext):
+        deepspeed_env()
+        import deepspeed
+
+        cfg = ctx.cfg
+        self.cfg, self.device, self.rank, self.world_size = cfg, ctx.device, ctx.rank, ctx.world_size
+        self.config = ds_config.read(ctx.run_dir, ctx.world_size)
+        self.stage = self.config["zero_optimization"]["stage"]
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=ctx.model,
+            model_parameters=param_groups(ctx.model, cfg.optim.weight_decay),
+            config=self.config,
+            # The project's schedule on DeepSpeed's inner optimizer (see launcher/ds_config.py).
+            lr_scheduler=lambda optimizer: build_scheduler(optimizer, cfg),
+        )
+        self.model = self.engine.module
+        self.accum = self.config["gradient_accumulation_steps"]
+        self.memory = ZeroMemory(self.optimizer, self.model, ctx.device)
+        self.steps = 0
+        self.memory.sample()  # before the first step: what the engine holds at rest
+
+    def train_step(self, micro_batches) -> StepResult:
+        assert len(micro_batches) == self.accum, (len(micro_batches), self.accum)
+        self.steps += 1
+        # Count the memory on the first two steps (Adam's moments appear in the first) and on
+        # the steps the loop logs; the count costs about 0.1-0.3 ms a sample.
+        self.memory.start_step(active=self.steps <= 2 or self.steps % self.cfg.logger.log_every == 0)
+        total = torch.zeros((), device=self.device)
+        own_norm = None
+        for x, y in micro_batches:
+            loss = self.engine(x, y)
+            # DeepSpeed divides by the accumulation steps and reduces gradients in buckets;
+            # step() is a no-op except at the accumulation boundary.
+            self.engine.backward(loss)
+            self.memory.sample()
+            if self.stage == 0 and self.engine.is_gradient_accumulation_boundary():
+                own_norm = self._reduced_grad_norm()
+            self.engine.step()
+            total += loss.detach().float()
+        norm = self.engine.get_global_grad_norm()
+        norm = own_norm if norm is None else norm  # stage 0 in fp32 does not keep it
+        grad_norm = torch.tensor(float(norm) if norm is not None else float("nan"))
+        scale = skipped = None
+        if self.config["fp16"]["enabled"]:
+            scale = float(self.optimizer.loss_scale)  # fp16 (CUDA only): the dynamic loss scale after this step
+            skipped = not self.engine.was_step_applied()
+        return StepResult(loss=total / len(micro_batches), grad_norm=grad_norm, skipped=bool(skipped),
+                          loss_scale=scale)
+
+    def _reduced_grad_norm(self) -> torch.Tensor:
+        """Stage 0: the gradients are whole and already averaged after the last backward."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def state_bytes(self) -> MemoryBreakdown:
+        return self.memory.breakdown()
+
+    # -------------------------------------------------------------------------- state
+    def save(self, path: Path) -> None:
+        """Every rank writes its shards under path/ds/ (DeepSpeed's layout); rank 0 adds
+        zero.json. No `latest` file: the Checkpointer owns that."""
+        path.mkdir(parents=True, exist_ok=True)
+        self.engine.save_checkpoint(str(path), tag=TAG, client_state=dict(UNIVERSAL_INFO), save_latest=False)
+        if self.rank == 0:
+            (path / META).write_text(json.dumps({"world_size": self.world_size, "stage": self.stage,
+                                                 "tag": TAG}) + "\n")
+
+    def load(self, path: Path) -> None:
+        saved = json.loads((path / META).read_text())
+        if saved["world_size"] == self.world_size or saved["stage"] == 0:  # stage 0 shards nothing
+            with weights_only_loads():
+                loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG)
+        else:
+            loaded = self._load_resharded(path, saved["world_size"])
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
+        dist.barrier()
+
+    def _load_resharded(self, path: Path, saved_world: int):
+        """A checkpoint of another world size: rank 0 converts it to DeepSpeed's universal
+        format (one file per parameter and state, unsharded) next to the checkpoint, in a
+        `.tmp` folder the next save cleans up; every rank loads its new shard from there."""
+        scratch = path.parent.parent / f"{path.parent.name}.universal.tmp"
+        if self.rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+            to_universal(path / TAG, scratch / TAG)
+            print(f"resharding a checkpoint of {saved_world} rank(s) onto {self.world_size} "
+                  f"(DeepSpeed universal checkpoint in {scratch})", flush=True)
+        dist.barrier()
+        self.engine._config.load_universal_checkpoint = True  # for this one load only
+        try:
+            with weights_only_loads():
+                loaded, _ = self.engine.load_checkpoint(str(scratch), tag=TAG)
+        finally:
+            self.engine._config.load_universal_checkpoint = False
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return loaded
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 master weights on every rank (a collective under stage 3)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {name: safe_get_full_fp32_param(p).detach().float().cpu()
+                for name, p in self.model.named_parameters(remove_duplicate=False)}
+
+
+def to_universal(checkpoint: Path, out: Path) -> None:
+    """DeepSpeed's ds_to_universal, in this process (serial, its output kept quiet)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=str(checkpoint), output_folder=str(out), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+    log = io.StringIO()
+    with weights_only_loads(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        ds_to_universal.main(args)
+
+
+def build(ctx: BuildContext) -> ZeroEngine:
+    return ZeroEngine(ctx)
+
+
+def consolidate(cfg, engine_dir: Path) -> dict[str, torch.Tensor]:
+    """Full fp32 weights from the shards of every rank (DeepSpeed's zero_to_fp32), on one
+    process without a process group. Stage 0 shards nothing: its model file holds the whole
+    module (in bf16 runs, the bf16 weights)."""
+    deepspeed_env()
+    if json.loads((engine_dir / META).read_text())["stage"] == 0:
+        with weights_only_loads():
+            state = torch.load(engine_dir / TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
+        return {k: v.float() for k, v in state["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    log = io.StringIO()
+    with weights_only_loads(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        state = get_fp32_state_dict_from_zero_checkpoint(str(engine_dir), tag=TAG)
+    return {k: v.float() for k, v in state.items()}
+
+
+# ----------------------------------------------------------------------------- memory
+def model_state_bytes(stage: int, psi: float, world: int, grad_accum: int = 1, offload_optimizer: bool = False,
+                      offload_param: bool = False, largest_param: int = 0) -> dict[str, float]:
+    """{"device": bytes, "cpu": bytes} per rank: launcher.memory.zero_states, summed."""
+    parts = zero_states(stage, psi, world, grad_accum, offload_optimizer, offload_param, largest_param)
+    return {"device": sum(d for d, _ in parts.values()), "cpu": sum(h for _, h in parts.values())}
+
+
+class ZeroMemory:
+    """What this rank holds for the model state, counted from DeepSpeed's own tensors.
+
+    Gradients exist only inside a step (DeepSpeed frees them after the update), so the
+    count is taken at several points of each step -- after every backward, and just before
+    and after the inner optimizer updates each parameter group, while the fp32 gradient
+    shard exists (after, too: Adam creates its moments lazily in the first update) -- and
+    the point with the most bytes is reported. Each storage is counted once, under the
+    first part that names it (params, then optim, then grads).
+    """
+
+    def __init__(self, optimizer, model, device: torch.device):
+        self.optimizer, self.model, self.device = optimizer, model, device
+        self.last: MemoryBreakdown | None = None
+        self.current: MemoryBreakdown | None = None
+        self.active = True
+        inner = getattr(optimizer, "optimizer", optimizer)  # stage 0 in fp32: the optimizer itself
+        if isinstance(inner, torch.optim.Optimizer):
+            inner.register_step_pre_hook(lambda *_: self.sample())
+            inner.register_step_post_hook(lambda *_: self.sample())
+
+    def start_step(self, active: bool = True) -> None:
+        self.current, self.active = None, active
+
+    def sample(self) -> None:
+        if not self.active:
+            return
+        now = count(terms_held(self.optimizer, self.model), self.device)
+        if self.current is None or now.total > self.current.total:
+            self.current = now
+        self.last = self.current
+
+    def breakdown(self) -> MemoryBreakdown:
+        return self.last
+
+
+def _tensors(x):
+    """The tensors in x: a tensor, None, or nested lists, tuples and dict values of them."""
+    if x is None:
+        return
+    if torch.is_tensor(x):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+
+
+def _grads(tensors):
+    return [t.grad for t in _tensors(tensors)]
+
+
+def terms_held(opt, model) -> list[tuple[str, str, str, list]]:
+    """(part, place, what, tensors) for every model-state buffer of DeepSpeed's ZeRO
+    optimizer. `place` is where DeepSpeed keeps it: "device", or "cpu" when offloaded."""
+    inner = getattr(opt, "optimizer", opt)
+    state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+    buckets = [b.buffer for b in getattr(opt, "ipg_buckets", {}).values()]
+    if not hasattr(opt, "bit16_groups_flat") and not hasattr(opt, "fp16_partitioned_groups_flat"):
+        # stage 0: DeepSpeed's data parallel (bf16: FP16_UnfusedOptimizer's fp32 copies; fp32: AdamW)
+        master = getattr(opt, "fp32_groups", None)
+        return [
+            ("params", "device", "weights, whole model", [p.data for p in model.parameters()]),
+            ("optim", "device", "fp32 master weights (bf16 runs)", master),
+            ("optim", "device", "Adam moments", state),
+            ("grads", "device", "gradients, whole model", [p.grad for p in model.parameters()] + _grads(master)),
+        ]
+    if hasattr(opt, "bit16_groups_flat"):  # stage 0-2: DeepSpeedZeroOptimizer
+        home = "cpu" if opt.cpu_offload else "device"
+        params = [p for group in opt.bit16_groups for p in group]
+        return [
+            ("params", "device", "bf16 weights, whole model", opt.bit16_groups_flat),
+            ("params", "device", "bf16 copy of the own shard for the upload (offload)",
+             getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None)),
+            ("optim", home, "fp32 master shard", opt.single_partition_of_fp32_groups),
+            ("optim", home, "Adam moments of the shard", state),
+            ("grads", "device", "bf16 gradients, whole model (accumulated between micro-batches)",
+             [p.grad for p in params]),
+            ("grads", "device", "bf16 gradient shard", [opt.averaged_gradients, opt.all_grad_tensors]),
+            ("grads", "device", "reduce buckets", buckets),
+            ("grads", home, "fp32 gradient shard for the update", _grads(opt.single_partition_of_fp32_groups)),
+            ("grads", "cpu", "bf16 gradient shard accumulated in host memory (offload)",
+             getattr(opt, "accumulated_grads_in_cpu", None)),
+            ("grads", "cpu", "host copy buffer (offload)", getattr(opt, "temp_grad_buffer_for_cpu_offload", None)),
+            ("grads", "device", "device copy buffer (offload)",
+             getattr(opt, "temp_grad_buffer_for_gpu_offload", None)),
+        ]
+    # stage 3: DeepSpeedZeroOptimizer_Stage3
+    home = "cpu" if opt.offload_optimizer else "device"
+    param_home = "cpu" if opt.offload_param else "device"
+    return [
+        ("params", param_home, "bf16 weight shard", opt.fp16_partitioned_groups_flat),
+        ("params", "device", "whole weights: persistent small parameters and any gathered now",
+         [p.data for p in model.parameters() if p.data.numel()]),
+        ("optim", home, "fp32 master shard", opt.fp32_partitioned_groups_flat),
+        ("optim", home, "Adam moments of the shard", state),
+        ("grads", home, "bf16 gradient shard", [opt.grad_partitions_flat_buffer, opt.averaged_gradients]),
+        ("grads", "device", "reduce buckets", buckets),
+        ("grads", home, "fp32 gradient shard for the update", _grads(opt.fp32_partitioned_groups_flat)),
+    ]
+
+
+def count(terms, device: torch.device) -> MemoryBreakdown:
+    """Bytes per part, each storage once. On CUDA a tensor's place is its device; on a
+    CPU-only machine both are host memory, and the place is the one DeepSpeed chose."""
+    seen: set[int] = set()
+    sizes = {"params": 0, "grads": 0, "optim": 0}
+    places: dict[str, set] = {part: set() for part in sizes}
+    host = 0
+    for part, place, _what, tensors in sorted(terms, key=lambda t: ("params", "optim", "grads").index(t[0])):
+        for t in _tensors(tensors):
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            where = ("cpu" if t.device.type == "cpu" else "device") if device.type == "cuda" else place
+            sizes[part] += storage.nbytes()
+            places[part].add(where)
+            host += storage.nbytes() if where == "cpu" else 0
+    where = {part: "+".join(sorted(p, key=["device", "cpu"].index)) or "device" for part, p in places.items()}
+    return MemoryBreakdown(params=sizes["params"], grads=sizes["grads"], optim=sizes["optim"], where=where, host=host)

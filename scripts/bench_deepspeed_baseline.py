@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""The yardstick for the zero recipes: a minimal hand-written DeepSpeed loop on the same
+model, batch, precision and threads, with the ZeRO settings the recipe files resolve to
+(stage, overlap_comm, buckets of dim^2 elements). No data loader (random tokens made up
+front), no logging, no checkpoints: the fastest honest DeepSpeed loop.
+
+    torchrun --nproc-per-node 2 scripts/bench_deepspeed_baseline.py --stage 2 --model gpt_tiny --steps 150 --out b.json
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from baseline_common import parser, report, timed_loop
+from launcher.cli import compose_config
+from launcher.device import deepspeed_env
+from launcher.models.gpt import GPT
+
+
+def main() -> None:
+    ap = parser()
+    ap.add_argument("--stage", type=int, required=True)
+    args = ap.parse_args()
+
+    deepspeed_env()
+    import deepspeed
+
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    cfg, _, _ = compose_config([f"model={args.model}"])
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    dim2 = cfg.model.dim ** 2
+    zero = {"stage": args.stage, "overlap_comm": args.stage >= 2, "contiguous_gradients": True,
+            "reduce_bucket_size": dim2, "allgather_bucket_size": dim2}
+    if args.stage == 3:
+        zero.update({"stage3_prefetch_bucket_size": int(0.9 * dim2),
+                     "stage3_param_persistence_threshold": 10 * cfg.model.dim})
+    config = {
+        "train_batch_size": args.micro_batch * world, "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 2**31 - 1,
+        "bf16": {"enabled": True}, "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,
+                                                  "torch_adam": True}},
+    }
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+
+    def step(b):
+        loss = engine(b[:, :-1], b[:, 1:])
+        engine.backward(loss)
+        engine.step()
+
+    elapsed = timed_loop(args, optimizer, step)
+    # One more (untimed) step, its model-state bytes counted the way the recipe counts them.
+    from recipes.zero import ZeroMemory
+
+    memory = ZeroMemory(optimizer, engine.module, torch.device("cpu"))
+    memory.start_step()
+    b = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1))
+    engine.backward(engine(b[:, :-1], b[:, 1:]))
+    memory.sample()
+    engine.step()
+    report(args, elapsed, memory.breakdown().total)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
