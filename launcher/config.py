@@ -123,6 +123,21 @@ class Scheduler(str, enum.Enum):
 
 class ExportFormat(str, enum.Enum):
     safetensors = "safetensors"
+    hf = "hf"
+
+
+class ModelKind(str, enum.Enum):
+    """gpt: the project's decoder (launcher/models/gpt.py); hf: a transformers causal LM."""
+
+    gpt = "gpt"
+    hf = "hf"
+
+
+class HFAttention(str, enum.Enum):
+    """model=hf: transformers' attention implementation (config._attn_implementation)."""
+
+    sdpa = "sdpa"
+    eager = "eager"
 
 
 class ExportDtype(str, enum.Enum):
@@ -306,6 +321,26 @@ class ModelConfig:
     """Share the input embedding with the output head: saves vocab*dim parameters, which
     matters for small models; large models usually untie."""
     init_std: float = 0.02
+
+    # ---- model=hf (conf/model/hf.yaml): a transformers causal LM from local files only.
+    # The fields above shape the project's decoder; with kind=hf the shape comes from the
+    # Hugging Face config and they are not used.
+    kind: ModelKind = ModelKind.gpt
+    """gpt: the project's decoder, shaped by the fields above. hf: any causal LM that
+    transformers (the optional `hf` extra) builds offline from `config` or `pretrained`;
+    nothing is fetched from a hub (HF_HUB_OFFLINE=1 on the launch side and the ranks).
+    Tensor and pipeline parallel need a Llama-family layout (launcher/models/hf.py)."""
+    config: Optional[str] = None
+    """hf: a config.json (or the folder holding one): AutoModelForCausalLM.from_config,
+    random init from train.seed, the same on every rank. Cheap to try shapes; it starts
+    from nothing."""
+    pretrained: Optional[str] = None
+    """hf: a local folder with config.json and *.safetensors weights (save_pretrained's
+    layout): AutoModelForCausalLM.from_pretrained, weights loaded in fp32 (the master
+    copy; precision.name decides the compute dtype). Exactly one of config/pretrained."""
+    attn_implementation: HFAttention = HFAttention.sdpa
+    """hf: sdpa (torch's fused attention; the causal mask is implicit, no mask tensor)
+    or eager (transformers' matmul-softmax reference: slower, materialises seq^2 scores)."""
 
 
 @dataclass
@@ -619,7 +654,10 @@ class ExportConfig:
     """`make export RUN=RUN_DIR` (launcher export RUN_DIR export.key=value ...)."""
 
     format: ExportFormat = ExportFormat.safetensors
-    """safetensors: the project's model weights in one file (metadata holds the model config)."""
+    """safetensors: the project's model weights in one file (metadata holds the model config).
+    hf: a folder AutoModelForCausalLM.from_pretrained loads (config.json, safetensors
+    shards, generation config, the run's tokenizer when the data named a local one);
+    model=hf exports its own class, the project's decoder exports as LlamaForCausalLM."""
     dtype: ExportDtype = ExportDtype.fp32
     """fp32 keeps the master weights exactly; bf16 halves the file for inference."""
     step: Optional[int] = None
@@ -824,24 +862,15 @@ def validate(cfg: Config, host) -> None:
         _positive("train.global_batch", t.global_batch)
     if t.stop_at is not None and not 1 <= t.stop_at <= t.steps:
         raise ConfigError("train.stop_at", t.stop_at, f"must be in [1, train.steps={t.steps}] (or null)")
-    for key in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
-        _positive(f"model.{key}", getattr(m, key))
-    if m.dim % m.n_heads:
-        raise ConfigError("model.n_heads", m.n_heads, f"must divide model.dim={m.dim}")
-    if (m.dim // m.n_heads) % 2:
-        raise ConfigError("model.n_heads", m.n_heads,
-                          f"head_dim = dim/n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
-    if m.n_kv_heads is not None and (m.n_kv_heads < 1 or m.n_heads % m.n_kv_heads):
-        raise ConfigError("model.n_kv_heads", m.n_kv_heads, f"must be >= 1 and divide model.n_heads={m.n_heads}")
-    if m.ffn_dim is not None:
-        _positive("model.ffn_dim", m.ffn_dim)
-    if t.seq_len > m.max_seq_len:
-        raise ConfigError("train.seq_len", t.seq_len, f"must be <= model.max_seq_len={m.max_seq_len}")
+    if m.kind == ModelKind.hf:
+        validate_hf_model(cfg)
+    else:
+        validate_gpt_model(cfg)
 
     # data
     _positive("data.vocab_size", d.vocab_size)
-    if d.vocab_size > m.vocab_size and d.name != DataKind.hf_text:  # hf_text: the tokenizer's, checked below
-        raise ConfigError("data.vocab_size", d.vocab_size, f"must be <= model.vocab_size={m.vocab_size}")
+    if d.vocab_size > model_vocab_size(cfg) and d.name != DataKind.hf_text:  # hf_text: the tokenizer's, checked below
+        raise ConfigError("data.vocab_size", d.vocab_size, f"must be <= model.vocab_size={model_vocab_size(cfg)}")
     if d.name == DataKind.synthetic:
         _positive("data.order", d.order)
         if not 0 <= d.context_bits <= 8:
@@ -959,9 +988,52 @@ def validate(cfg: Config, host) -> None:
     validate_pipeline_batch(cfg, world)
 
 
+def validate_gpt_model(cfg: Config) -> None:
+    """The project's decoder: its shape fields."""
+    t, m = cfg.train, cfg.model
+    for key in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.dim % m.n_heads:
+        raise ConfigError("model.n_heads", m.n_heads, f"must divide model.dim={m.dim}")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError("model.n_heads", m.n_heads,
+                          f"head_dim = dim/n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
+    if m.n_kv_heads is not None and (m.n_kv_heads < 1 or m.n_heads % m.n_kv_heads):
+        raise ConfigError("model.n_kv_heads", m.n_kv_heads, f"must be >= 1 and divide model.n_heads={m.n_heads}")
+    if m.ffn_dim is not None:
+        _positive("model.ffn_dim", m.ffn_dim)
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError("train.seq_len", t.seq_len, f"must be <= model.max_seq_len={m.max_seq_len}")
+
+
+def validate_hf_model(cfg: Config) -> None:
+    """model=hf: the files exist, transformers builds the model offline, its shape fits the
+    sequence length and the parallel degrees (launcher/models/hf.py; imports transformers)."""
+    from launcher.models.hf import check
+
+    check(cfg)
+
+
+def model_shape(cfg: Config) -> ModelConfig:
+    """The decoder's shape in the project's fields (heads, layers, hidden sizes, vocabulary,
+    tying): model=hf reads it from the Hugging Face config (launcher.models.hf.gpt_shape),
+    so degree checks, pipeline cuts and the planner's formulas see one kind of model."""
+    if cfg.model.kind == ModelKind.hf:
+        from launcher.models.hf import gpt_shape
+
+        return gpt_shape(cfg.model)
+    return cfg.model
+
+
+def model_vocab_size(cfg: Config) -> int:
+    """Embedding rows of the configured model, read from its config without building it
+    (launcher.models.hf.model_vocab_size). The data's token ids must stay below it."""
+    return model_shape(cfg).vocab_size
+
+
 def validate_parallel(cfg: Config, world: int) -> None:
     """Degrees against the recipe, the model and the world size (numbers in every message)."""
-    p, m, name = cfg.parallel, cfg.model, cfg.recipe.strategy.value
+    p, m, name = cfg.parallel, model_shape(cfg), cfg.recipe.strategy.value
     can = RECIPE_PARALLELISM.get(name, Parallelism())
     for key in ("dp_replicate", "tp", "pp", "pp_microbatches", "pp_virtual_stages"):
         _positive(f"parallel.{key}", getattr(p, key))

@@ -30,26 +30,28 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from launcher.config import Config
 from launcher.engine import param_groups
-from launcher.models.gpt import GPT
+from launcher import models
 
 OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)  # keys "state.<fqn>.<exp_avg|...>"
-TIED = ("output.weight", "tok_embeddings.weight")
 
 
-def _canonical_key(key: str, tied: bool, prefix: str = "") -> str:
-    head, embed = prefix + TIED[0], prefix + TIED[1]
-    return embed + key[len(head):] if tied and key.startswith(head) else key
+def _canonical_key(key: str, tied: tuple[str, str] | None, prefix: str = "") -> str:
+    if tied is None:
+        return key
+    head, embed = prefix + tied[0], prefix + tied[1]
+    return embed + key[len(head):] if key.startswith(head) else key
 
 
-def _canonical(state: dict[str, torch.Tensor], tied: bool, prefix: str = "") -> dict[str, torch.Tensor]:
-    """The same tensors, a tied head under the embedding's name (once)."""
+def _canonical(state: dict[str, torch.Tensor], tied: tuple[str, str] | None, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The same tensors, a tied head under the embedding's name (once). `tied`: the
+    (head, embedding) weight names of a tied model (Layout.tied_names), or None."""
     out = {}
     for key, value in state.items():
         out.setdefault(_canonical_key(key, tied, prefix), value)
     return out
 
 
-def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer, tied: bool):
+def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer, tied: tuple[str, str] | None):
     """(model state, optimizer state, what goes into DCP): the first two are the live
     tensors (DCP loads in place into them), the third is their canonical, tensor-only view."""
     model_sd = get_model_state_dict(model)
@@ -59,8 +61,8 @@ def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer, tied: bool):
     return model_sd, optim_sd, saved
 
 
-def save(path: Path, model: nn.Module, optimizer, scheduler, tied: bool, rank: int) -> None:
-    """Called on every rank."""
+def save(path: Path, model: nn.Module, optimizer, scheduler, tied: tuple[str, str] | None, rank: int) -> None:
+    """Called on every rank. `tied`: Layout.tied_names() of the model."""
     _, _, saved = _tensors(model, optimizer, tied)
     dcp.save(saved, checkpoint_id=str(path))
     if rank == 0:
@@ -69,7 +71,7 @@ def save(path: Path, model: nn.Module, optimizer, scheduler, tied: bool, rank: i
 
 def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config) -> None:
     """Called on every rank; `path` holds a DCP checkpoint of any layout, or ddp's files."""
-    tied = cfg.model.tie_embeddings
+    tied = models.layout(cfg).tied_names()
     model_sd, optim_sd, wanted = _tensors(model, optimizer, tied)
     if (path / DDP_MODEL).is_file():
         _load_ddp_files(path, cfg, wanted)
@@ -93,8 +95,7 @@ def _load_ddp_files(path: Path, cfg: Config, wanted: dict[str, dict[str, torch.T
     tensors (a DTensor takes its shard; no communication). ddp's optimizer numbers its
     parameters in build_optimizer's order, which a model on the meta device gives."""
     whole = torch.load(path / DDP_MODEL, map_location="cpu", weights_only=True)
-    with torch.device("meta"):
-        shape = GPT(cfg.model)
+    shape = models.on_meta(cfg)
     name_of = {id(p): n for n, p in shape.named_parameters()}
     names = [name_of[id(p)] for g in param_groups(shape, cfg.optim.weight_decay) for p in g["params"]]
     states = torch.load(path / DDP_OPTIM, map_location="cpu", weights_only=True)["optimizer"]["state"]
@@ -110,13 +111,12 @@ def _load_ddp_files(path: Path, cfg: Config, wanted: dict[str, dict[str, torch.T
 def consolidate(cfg: Config, engine_dir: Path) -> dict[str, torch.Tensor]:
     """Full fp32 weights on one process, no process group (export): DCP reads every
     shard into the full model's tensors."""
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-    model.to_empty(device="cpu")  # storage without the cost of initialising it
-    if cfg.model.tie_embeddings:  # to_empty gave each module its own tensor: tie them again
-        model.output.weight = model.tok_embeddings.weight
+    layout = models.layout(cfg)
+    model = models.on_meta(cfg).to_empty(device="cpu")  # storage without the cost of initialising it
+    if layout.tied:  # to_empty gave each module its own tensor: tie them again
+        model.get_submodule(layout.head).weight = model.get_submodule(layout.embed).weight
     state = model.state_dict()
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": no_dist=True says so
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": _canonical(state, cfg.model.tie_embeddings)}, checkpoint_id=str(engine_dir), no_dist=True)
+        dcp.load({"model": _canonical(state, layout.tied_names())}, checkpoint_id=str(engine_dir), no_dist=True)
     return {k: v.float() for k, v in state.items()}

@@ -67,7 +67,8 @@ def deepspeed_config(cfg: C.Config, world_size: int, cuda: bool) -> dict[str, An
     """The DeepSpeed config of `cfg` at `world_size` ranks (pure)."""
     t, o, p, z = cfg.train, cfg.optim, cfg.precision, cfg.recipe.zero
     accum = C.grad_accum(cfg, world_size)
-    dim2 = cfg.model.dim * cfg.model.dim
+    m = C.model_shape(cfg)  # model=hf: the sizes from its Hugging Face config
+    dim2 = m.dim * m.dim
     zero: dict[str, Any] = {
         "stage": z.stage,
         # DeepSpeed's own default, made explicit so ds_config.json says what runs.
@@ -82,7 +83,7 @@ def deepspeed_config(cfg: C.Config, world_size: int, cuda: bool) -> dict[str, An
             "stage3_prefetch_bucket_size": z.prefetch_bucket_size or int(0.9 * dim2),
             "stage3_param_persistence_threshold": (z.param_persistence_threshold
                                                    if z.param_persistence_threshold is not None
-                                                   else 10 * cfg.model.dim),
+                                                   else 10 * m.dim),
             "stage3_max_live_parameters": z.max_live_parameters,
             "stage3_max_reuse_distance": z.max_reuse_distance,
         })
@@ -125,8 +126,8 @@ def deepspeed_config(cfg: C.Config, world_size: int, cuda: bool) -> dict[str, An
         # The model recomputes blocks with torch.utils.checkpoint (launcher/models/gpt.py);
         # DeepSpeed's own activation partitioning and CPU checkpointing act only on its
         # checkpoint function, which the model does not use: recorded here as off.
-        blocks = cfg.model.n_layers if t.activation_checkpointing == C.ACMode.full else \
-            len(range(0, cfg.model.n_layers, t.ac_every))
+        blocks = m.n_layers if t.activation_checkpointing == C.ACMode.full else \
+            len(range(0, m.n_layers, t.ac_every))
         out["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
                                            "contiguous_memory_optimization": False, "number_checkpoints": blocks,
                                            "synchronize_checkpoint_boundary": False, "profile": False}

@@ -1,5 +1,8 @@
 """Export: consolidated weights from any recipe's checkpoint, on one process, no GPU.
 
+`export.format=hf` writes a folder `AutoModelForCausalLM.from_pretrained` loads instead
+(launcher.models.hf.save_pretrained; the project's decoder as LlamaForCausalLM).
+
 Each recipe module provides `consolidate(cfg, engine_dir) -> {name: fp32 tensor}` that
 reads its own checkpoint layout (DDP's single file, DeepSpeed's shards, DCP). This module
 picks the checkpoint, casts, and writes safetensors with the model config in the
@@ -27,6 +30,9 @@ DTYPES = {C.ExportDtype.fp32: torch.float32, C.ExportDtype.bf16: torch.bfloat16}
 def export(run_dir: Path, overrides: list[str]) -> Path:
     base = OmegaConf.merge(OmegaConf.structured(C.Config), OmegaConf.load(run_dir / "config.yaml"))
     cfg: C.Config = C.to_typed(OmegaConf.merge(base, OmegaConf.from_dotlist(overrides)))
+    if cfg.model.kind == C.ModelKind.hf and cfg.export.format != C.ExportFormat.hf:
+        raise C.ConfigError("export.format", cfg.export.format.value,
+                            "model=hf exports as export.format=hf (a from_pretrained folder)")
     root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     if cfg.export.step is None:
         folder = find_latest(root)
@@ -39,6 +45,11 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
             raise C.ConfigError("export.step", cfg.export.step, f"{folder}: {problem}")
     state = recipes.consolidate(cfg, folder / "engine")
     dtype = DTYPES[cfg.export.dtype]
+    if cfg.export.format == C.ExportFormat.hf:  # a from_pretrained folder (launcher/models/hf.py)
+        from launcher.models.hf import save_pretrained
+
+        out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / f"{folder.name}-hf"
+        return save_pretrained(cfg, state, out, dtype)
     # Tied weights share storage; safetensors stores each name as its own tensor.
     tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in state.items()}
     out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / folder.name

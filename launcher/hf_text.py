@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from launcher.config import Config, ConfigError, DataConfig, TextFormat, TokenDtype
+from launcher.config import Config, ConfigError, DataConfig, TextFormat, TokenDtype, model_vocab_size
 
 CACHE_VERSION = 1
 POINTER = "hf_text.json"
@@ -159,20 +159,6 @@ def load_tokenizer(spec: str) -> ByteTokenizer | LocalTokenizer:
         raise ConfigError("data.tokenizer", spec, "not a folder; allowed: byte, or a local tokenizer folder")
     offline()
     return LocalTokenizer(path)
-
-
-def model_vocab_size(cfg: Config) -> int:
-    """Rows of the model's embedding. The one place data asks the model: the project's GPT
-    says model.vocab_size; a Hugging Face model (model=hf) says it in its config.json.
-    TODO(lead): replace the config.json reading with launcher.models.hf.model_vocab_size
-    when model=hf lands."""
-    m = cfg.model
-    source = getattr(m, "pretrained", None) or getattr(m, "config", None)
-    if source:
-        path = Path(source)
-        path = path / "config.json" if path.is_dir() else path
-        return int(json.loads(path.read_text())["vocab_size"])
-    return m.vocab_size
 
 
 # ----------------------------------------------------------------------------- launch side

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from launcher import config as C
 from launcher.device import autocast_dtype
-from launcher.models.gpt import GPT
+from launcher.models import decoder_layers
 from launcher.models.parallel import apply_tp
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -37,7 +37,7 @@ def data_parallel_mesh(mesh: DeviceMesh, deg: C.Degrees) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"] if deg.dp_replicate > 1 else mesh["dp_shard"]
 
 
-def parallelize(model: GPT, mesh: DeviceMesh, deg: C.Degrees, cfg: C.Config) -> None:
+def parallelize(model: torch.nn.Module, mesh: DeviceMesh, deg: C.Degrees, cfg: C.Config) -> None:
     """Apply the parallelisms to `model` in place, in this order (as torchtitan does):
 
     1. activation checkpointing: train.py marked the blocks (`model.checkpointed`) before
@@ -56,14 +56,14 @@ def parallelize(model: GPT, mesh: DeviceMesh, deg: C.Degrees, cfg: C.Config) -> 
         apply_fsdp(model, data_parallel_mesh(mesh, deg), cfg, mesh.device_type)
 
 
-def apply_fsdp(model: GPT, mesh: DeviceMesh, cfg: C.Config, device_type: str) -> None:
+def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, cfg: C.Config, device_type: str) -> None:
     """FSDP2: bf16 parameters for compute (fp32 kept sharded for the optimizer), gradients
     reduced in fp32 (a sum over many ranks in bf16 loses bits)."""
     opts = cfg.recipe.fsdp
     mp = MixedPrecisionPolicy(param_dtype=autocast_dtype(cfg.precision.name.value), reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if opts.cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=opts.reshard_after_forward, offload_policy=offload)
-    for layer in model.layers:
+    for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from launcher import memory as M
-from launcher.config import ACMode, Config, ModelConfig, Precision
+from launcher.config import ACMode, Config, ConfigError, ModelConfig, ModelKind, Precision
 from launcher.models.gpt import flops_per_token
 
 GiB = 2**30
@@ -330,6 +330,7 @@ def largest_fitting(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode) -> Ro
 def plan(cfg: Config, hw: Hardware, available: set[str], micro_batch: int | None = None) -> list[Row]:
     """One row per layout x activation-checkpointing mode. With `micro_batch` given the
     rows are for that micro-batch; otherwise each row has its largest fitting one."""
+    cfg = planned_model(cfg)
     rows = []
     budget = hw.gpu_bytes - int(cfg.plan.reserve_gb * GiB)
     for layout in candidates(cfg, hw, available):
@@ -349,6 +350,23 @@ def plan(cfg: Config, hw: Hardware, available: set[str], micro_batch: int | None
         for r in rows:
             r.cost = (r.step_time_s / r.tokens_per_step) / unit
     return rows
+
+
+def planned_model(cfg: Config) -> Config:
+    """model=hf: the project decoder of the same shape (launcher.models.hf.gpt_shape), whose
+    formulas hold exactly for a Llama-layout model (its meta-device parameter count is
+    checked equal). Any other model type is refused: the activation formulas would give
+    wrong numbers for it."""
+    if cfg.model.kind != ModelKind.hf:
+        return cfg
+    from launcher.models import hf
+
+    shape = hf.gpt_shape(cfg.model)
+    params = hf.structure(cfg.model).num_params()
+    if not hf.is_llama_like(cfg.model) or M.ParamCounts.of(shape).total != params:
+        raise ConfigError("model", f"hf ({shape.name})", f"not a Llama-layout decoder ({params:,} parameters): the "
+                          "planner's memory formulas (docs/memory.md) do not apply; choose the recipe and micro-batch by hand")
+    return dataclasses.replace(cfg, model=shape)
 
 
 def recommended(rows: list[Row]) -> Row | None:

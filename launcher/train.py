@@ -22,11 +22,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import recipes
 from launcher import config as C
+from launcher import models
 from launcher.data import build_dataset
 from launcher.device import autocast_dtype, backend_for, local_device
 from launcher.engine import BuildContext
 from launcher.loop import Job, run
-from launcher.models.gpt import GPT, flops_per_token, set_activation_checkpointing
 from launcher.preempt import Preemption
 
 
@@ -67,11 +67,10 @@ def build_engine(cfg: C.Config, device: torch.device, rank: int, world_size: int
     """The model, built the same on every rank, handed to the recipe's engine."""
     seed_everything(cfg.train.seed)
     # Same seed on every rank: identical initial weights without a broadcast.
-    with torch.device(device):
-        model = GPT(cfg.model)
-    set_activation_checkpointing(model, cfg.train.activation_checkpointing, cfg.train.ac_every)
+    model = models.build(cfg, device)
+    models.set_activation_checkpointing(model, cfg)
     if cfg.train.compile:
-        for layer in model.layers:
+        for layer in models.decoder_layers(model):
             layer.compile()
     return recipes.build(BuildContext(cfg=cfg, model=model, device=device, rank=rank, world_size=world_size,
                                       local_rank=local_rank, grad_accum=C.grad_accum(cfg, world_size),
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         dp_size = C.data_parallel_size(cfg, world_size)
         job = Job(cfg=cfg, run_dir=run_dir, engine=engine, dataset=build_dataset(cfg, run_dir), device=device, rank=rank,
                   world_size=world_size, dp_rank=C.degrees(cfg, world_size).dp_rank(rank), dp_size=dp_size,
-                  grad_accum=accum, flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len),
+                  grad_accum=accum, flops_per_token=models.flops_per_token(cfg, cfg.train.seq_len),
                   compute_dtype=autocast_dtype(cfg.precision.name.value), preemption=preemption)
         code = run(job)
     finally:

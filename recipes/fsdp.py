@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from launcher import config as C
 from launcher import dcp
 from launcher.device import autocast_dtype
+from launcher.models import model_layout
 from launcher.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
                              optimizer_state_bytes, tensor_bytes)
 from launcher.parallel import allreduce_grads, build_mesh, clip_grad_norm, parallelize, match_grad_layouts
@@ -82,7 +83,7 @@ class ShardedEngine:
 
     # -------------------------------------------------------------------------- state
     def save(self, path: Path) -> None:
-        dcp.save(path, self.model, self.optimizer, self.scheduler, self.cfg.model.tie_embeddings, self.rank)
+        dcp.save(path, self.model, self.optimizer, self.scheduler, model_layout(self.model).tied_names(), self.rank)
 
     def load(self, path: Path) -> None:
         dcp.load(path, self.model, self.optimizer, self.scheduler, self.cfg)

@@ -31,6 +31,7 @@ from launcher import dcp
 from launcher.device import autocast_dtype
 from launcher.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
                              optimizer_state_bytes, tensor_bytes)
+from launcher.models import Layout, model_layout
 from launcher.models.gpt import lm_loss
 from launcher.models.parallel import Stage, stage_bounds
 from launcher.parallel import allreduce_grads, build_mesh, clip_grad_norm
@@ -46,15 +47,16 @@ class PipelineEngine:
         mesh = build_mesh(self.deg, ctx.device)
         pp_rank = mesh["pp"].get_local_rank()
         n_stages = C.pipeline_stages(p)
-        self.bounds = stage_bounds(cfg.model, n_stages, p.pp_split)
+        self.bounds = stage_bounds(C.model_shape(cfg), n_stages, p.pp_split)
         mine = list(range(pp_rank, n_stages, self.deg.pp))
         full = ctx.model.to(ctx.device)
+        self.layout = model_layout(full)
         layers = [i for s in mine for i in range(*self.bounds[s])]
         self.model = Stage(full, layers)  # all this rank holds, under the full model's names
         self.first, self.last = 0 in mine, n_stages - 1 in mine
         self.stages = [PipelineStage(Stage(full, range(*self.bounds[s])), s, n_stages, ctx.device,
                                      group=mesh["pp"].get_group()) for s in mine]
-        _drop_the_rest(full, layers, self.first, self.last)
+        _drop_the_rest(full, self.layout, layers, self.first, self.last)
 
         schedule = SCHEDULES[p.pp_schedule.value]
         target = self.stages if schedule is ScheduleInterleaved1F1B else self.stages[0]
@@ -72,7 +74,7 @@ class PipelineEngine:
     def _tie(self, cfg: C.Config):
         """The group joining the first and the last stage of each data-parallel replica
         (every rank creates every group, in the same order), and the head copy."""
-        if not cfg.model.tie_embeddings:
+        if not self.layout.tied:
             return None, None
         mine = None
         R = self.deg.dp_replicate
@@ -80,8 +82,13 @@ class PipelineEngine:
             group = dist.new_group([r, (self.deg.pp - 1) * R + r])
             if self.rank in (r, (self.deg.pp - 1) * R + r):
                 mine = group
-        tied = self.model.tok_embeddings.weight if self.first else self.model.output.weight if self.last else None
+        tied = self._tied_weight()
         return (mine if tied is not None else None), (tied if self.last else None)
+
+    def _tied_weight(self):
+        """This rank's copy of a tied embedding/head (the first stage's embedding, the last's head)."""
+        part = self.layout.embed if self.first else self.layout.head if self.last else None
+        return self.model.get_submodule(part).weight if part else None
 
     def train_step(self, micro_batches) -> StepResult:
         # One pass of the schedule over this data-parallel rank's whole batch.
@@ -93,7 +100,7 @@ class PipelineEngine:
         with autocast(self.device, self.dtype):
             self.schedule.step(*args, **kwargs)
         if self.tied_group is not None:  # embedding + head gradients: the tied weight's gradient
-            tied = self.model.tok_embeddings.weight if self.first else self.model.output.weight
+            tied = self._tied_weight()
             dist.all_reduce(tied.grad, group=self.tied_group)
         if self.dp_group is not None:
             allreduce_grads(self.params, self.dp_group, self.deg.dp)
@@ -117,7 +124,7 @@ class PipelineEngine:
 
     # -------------------------------------------------------------------------- state
     def save(self, path: Path) -> None:
-        dcp.save(path, self.model, self.optimizer, self.scheduler, self.cfg.model.tie_embeddings, self.rank)
+        dcp.save(path, self.model, self.optimizer, self.scheduler, self.layout.tied_names(), self.rank)
 
     def load(self, path: Path) -> None:
         dcp.load(path, self.model, self.optimizer, self.scheduler, self.cfg)
@@ -126,21 +133,24 @@ class PipelineEngine:
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()})
         full = {k: v for part in parts for k, v in part.items()}
-        if self.cfg.model.tie_embeddings:
-            full["output.weight"] = full["tok_embeddings.weight"]
+        if self.layout.tied:
+            head, embed = self.layout.tied_names()
+            full[head] = full[embed]
         return full
 
 
-def _drop_the_rest(model: nn.Module, layers: list[int], first: bool, last: bool) -> None:
+def _drop_the_rest(model: nn.Module, layout: Layout, layers: list[int], first: bool, last: bool) -> None:
     """Free what other stages hold (the full model was built only to start from ddp's weights)."""
     keep = set(layers)
-    for i in range(len(model.layers)):
+    blocks = model.get_submodule(layout.layers)
+    for i in range(len(blocks)):
         if i not in keep:
-            model.layers[i] = nn.Identity()
+            blocks[i] = nn.Identity()
     if not first:
-        model.tok_embeddings = nn.Identity()
+        model.set_submodule(layout.embed, nn.Identity())
     if not last:
-        model.norm, model.output = nn.Identity(), nn.Identity()
+        model.set_submodule(layout.norm, nn.Identity())
+        model.set_submodule(layout.head, nn.Identity())
 
 
 def build(ctx: BuildContext) -> PipelineEngine:

@@ -32,14 +32,16 @@ def launch(*overrides: str, run_dir: Path | None = None, command: str = "train",
     return proc
 
 
-def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    """`python -m launcher train ...` in the background (to signal it while it trains)."""
+def start(run_dir: Path, *overrides: str, env: dict | None = None, split_stderr: bool = False) -> subprocess.Popen:
+    """`python -m launcher train ...` in the background (to signal or kill it while it
+    trains). stderr joins stdout unless split_stderr (to check what went to which)."""
     argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}", *overrides]
-    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE if split_stderr else subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     """Until metrics.jsonl has `step` rows (the run logs every step)."""
     import time
 
@@ -48,8 +50,8 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
         path = run_dir / "metrics.jsonl"
         if path.exists() and len(path.read_text().splitlines()) >= step:
             return
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
     raise AssertionError(f"no step {step} within {timeout}s")
 
 

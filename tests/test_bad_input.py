@@ -9,8 +9,10 @@ import sys
 import pytest
 
 from conftest import REPO
+from hf_models import bad_hf_files
 from launcher import cli
 
+HF = bad_hf_files()  # small config folders for the model=hf rows
 CORPUS = REPO / "tests" / "data" / "hf" / "corpus.jsonl"  # fields: id, text
 
 # (overrides, words the one line must contain)
@@ -122,6 +124,23 @@ CASES = [
       "cluster.hosts=[a,b]", "cluster.node_rank=1"], ["cluster.node_rank=1", "node_rank=0"]),
     (["recipe=zero2", "cluster.runner=deepspeed", "cluster.nnodes=2", "cluster.master_port=29400",
       "cluster.hosts=['a b',c]"], ["cluster.hosts=a b", "hostname"]),
+    # model=hf: paths, weights, what transformers builds offline, what the recipe needs
+    (["model=hf"], ["model.config=None", "exactly one of model.config"]),
+    (["model=hf", f"model.config={HF['llama']}", "model.pretrained=/x"], ["model.pretrained=/x", "exactly one"]),
+    (["model=hf", "model.config=/no/such/config.json"], ["model.config=/no/such/config.json", "no such file"]),
+    (["model=hf", "model.pretrained=/no/such/dir"], ["model.pretrained=/no/such/dir", "no such folder"]),
+    (["model=hf", f"model.pretrained={HF['llama']}"], [f"model.pretrained={HF['llama']}", "no *.safetensors"]),
+    (["model=hf", f"model.config={HF['empty']}"], [f"model.config={HF['empty']}", "no config.json"]),
+    (["model=hf", f"model.config={HF['no_such_model']}"], ["'no_such_model'", "not a model transformers", "offline"]),
+    (["model=hf", f"model.config={HF['t5']}"], ["'t5'", "no causal-LM class"]),
+    (["model=hf", f"model.config={HF['llama']}", "train.seq_len=512"], ["train.seq_len=512", "max_position_embeddings=256"]),
+    (["model=hf", f"model.config={HF['llama']}", "data.vocab_size=400"], ["data.vocab_size=400", "model.vocab_size=300"]),
+    (["model=hf", f"model.config={HF['llama']}", "recipe=tp", "parallel.tp=4", "cluster.nproc_per_node=4"],
+     ["parallel.tp=4", "model.n_kv_heads=2"]),
+    (["model=hf", f"model.config={HF['llama']}", "recipe=tp", "parallel.sequence_parallel=true"],
+     ["parallel.sequence_parallel=true", "not with model=hf"]),
+    (["model=hf", f"model.config={HF['gpt2']}", "recipe=tp"], ["parallel.tp=2", "'gpt2'", "tensor-parallel plan"]),
+    (["model=hf", f"model.config={HF['gpt2']}", "recipe=pp"], ["parallel.pp=2", "'gpt2'", "pipeline plan"]),
     # data=hf_text, the profiler, more loggers
     (["data=hf_text"], ["data.files", "missing"]),
     (["data=hf_text", "data.files=/no/such/dir/*.jsonl"], ["data.files=/no/such/dir/*.jsonl", "matches no file"]),

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from hf_models import tiny_llama_config
 from launcher import cli
 from launcher import config as C
 from launcher.device import HostInfo
@@ -36,6 +37,8 @@ def test_combination_composes_and_validates(recipe, model, data, precision, tmp_
         tokens = tmp_path / "tokens.bin"
         tokens.write_bytes(b"\x01\x00" * 5000)
         overrides.append(f"data.path={tokens}")
+    if model == "hf":
+        overrides.append(f"model.config={tiny_llama_config(tmp_path / 'llama')}")
     if data == "hf_text":
         corpus = tmp_path / "corpus.jsonl"
         corpus.write_text('{"text": "a document"}\n')

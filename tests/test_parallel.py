@@ -15,6 +15,7 @@ from launcher import config as C
 from launcher.dcp import _canonical
 from launcher.device import HostInfo
 from launcher.models.gpt import GPT
+from launcher.models import Layout
 from launcher.models.parallel import Stage, stage_bounds, tp_plan
 
 HOST = HostInfo.detect()
@@ -106,7 +107,7 @@ def test_stages_chained_are_the_model(tied):
 def test_tensor_parallel_plan_covers_every_matmul_and_norm():
     for tied, sp in itertools.product([True, False], [True, False]):
         m = compose(f"model.tie_embeddings={str(tied).lower()}").model
-        root, block = tp_plan(m, sp)
+        root, block = tp_plan(Layout(tied=tied), sp)
         model = GPT(m)
         layer = model.layers[0]
         leaves = {n for n, mod in layer.named_modules() if isinstance(mod, nn.Linear) or "norm" in n}
@@ -116,14 +117,17 @@ def test_tensor_parallel_plan_covers_every_matmul_and_norm():
             layer.get_submodule(name)  # every plan entry names a real module
 
 
+TIED = Layout().tied_names()  # ("output.weight", "tok_embeddings.weight")
+
+
 def test_a_tied_head_is_stored_once_under_the_embedding_name():
     a, b = torch.zeros(2), torch.ones(2)
-    assert _canonical({"tok_embeddings.weight": a, "output.weight": a, "norm.weight": b}, tied=True) == {
+    assert _canonical({"tok_embeddings.weight": a, "output.weight": a, "norm.weight": b}, tied=TIED) == {
         "tok_embeddings.weight": a, "norm.weight": b}
     # the last pipeline stage holds the head only
-    got = _canonical({"output.weight": a}, tied=True)
+    got = _canonical({"output.weight": a}, tied=TIED)
     assert list(got) == ["tok_embeddings.weight"] and got["tok_embeddings.weight"] is a
-    got = _canonical({"state.output.weight.exp_avg": a, "state.norm.weight.step": b}, tied=True, prefix="state.")
+    got = _canonical({"state.output.weight.exp_avg": a, "state.norm.weight.step": b}, tied=TIED, prefix="state.")
     assert set(got) == {"state.tok_embeddings.weight.exp_avg", "state.norm.weight.step"}
-    assert _canonical({"output.weight": a, "tok_embeddings.weight": b}, tied=False) == {
+    assert _canonical({"output.weight": a, "tok_embeddings.weight": b}, tied=None) == {
         "output.weight": a, "tok_embeddings.weight": b}

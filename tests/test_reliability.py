@@ -16,7 +16,8 @@ import psutil
 import pytest
 import torch
 
-from conftest import REPO, launch, read_metrics
+import conftest
+from conftest import REPO, launch, read_metrics, wait_for_step
 from launcher.checkpoint import find_latest, verify
 from launcher.exits import EXIT_CHECKPOINT_FAILED, EXIT_HANG
 
@@ -27,20 +28,7 @@ COMMON = ["train.steps=16", "optim.warmup_steps=2", "logger=none", "logger.log_e
 
 
 def start(run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}", *overrides]
-    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
-
-
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        path = run_dir / "metrics.jsonl"
-        if path.exists() and len(path.read_text().splitlines()) >= step:
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
-    raise AssertionError(f"no step {step} within {timeout}s")
+    return conftest.start(run_dir, *overrides, env=env, split_stderr=True)
 
 
 def rank_process(run_dir: Path, rank: int) -> psutil.Process:
@@ -56,25 +44,42 @@ def rank_process(run_dir: Path, rank: int) -> psutil.Process:
 
 
 def final_weights(run_dir: Path, step: int = 16) -> dict:
-    return torch.load(run_dir / f"checkpoints/step_{step:08d}/engine/model.pt", weights_only=True)
+    """Full weights of a checkpoint, whatever recipe wrote it (the export path)."""
+    import recipes
+    from launcher.config import load_frozen
+
+    return recipes.consolidate(load_frozen(run_dir), run_dir / f"checkpoints/step_{step:08d}/engine")
 
 
-@pytest.fixture(scope="module")
+REFERENCES: dict[str, Path] = {}
+
+
+def reference_for(recipe: str, tmp_path_factory) -> Path:
+    """The uninterrupted run every kill of this recipe is compared with (made once)."""
+    if recipe not in REFERENCES:
+        run = tmp_path_factory.mktemp(f"reference-{recipe}") / "run"
+        launch(*COMMON, f"recipe={recipe}", run_dir=run)
+        REFERENCES[recipe] = run
+    return REFERENCES[recipe]
+
+
+@pytest.fixture
 def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run every kill is compared with."""
-    run = tmp_path_factory.mktemp("reference") / "run"
-    launch(*COMMON, run_dir=run)
-    return run
+    return reference_for("ddp", tmp_path_factory)
 
 
 # ----------------------------------------------------------------------------- 1. SIGKILL
-KILL_STEPS = sorted(random.Random(6).sample(range(2, 15), 3))  # seeded: the same "random" steps each run
+# Seeded: the same "random" steps every run, one set per recipe (DDP, FSDP's DCP shards,
+# DeepSpeed's ZeRO shards: three different checkpoint writers).
+KILLS = [(recipe, step) for recipe, n in (("ddp", 3), ("fsdp", 2), ("zero2", 2))
+         for step in sorted(random.Random(f"{recipe}-6").sample(range(2, 15), n))]
 
 
-@pytest.mark.parametrize("kill_after", KILL_STEPS)
-def test_a_killed_rank_restarts_resumes_and_ends_bit_identical(kill_after, reference, tmp_path):
+@pytest.mark.parametrize("recipe,kill_after", KILLS)
+def test_a_killed_rank_restarts_resumes_and_ends_bit_identical(recipe, kill_after, tmp_path_factory, tmp_path):
+    reference = reference_for(recipe, tmp_path_factory)
     run = tmp_path / "run"
-    proc = start(run, *COMMON, "cluster.max_restarts=2")
+    proc = start(run, *COMMON, f"recipe={recipe}", "cluster.max_restarts=2")
     wait_for_step(run, kill_after, proc)
     rank_process(run, 1).kill()  # SIGKILL, mid-run, the rank that does not log
     out, err = proc.communicate(timeout=600)

@@ -149,6 +149,10 @@ class GPT(nn.Module):
             return logits
         return lm_loss(logits, targets)
 
+    def run_blocks(self, layers, h: torch.Tensor) -> torch.Tensor:
+        """(index, block) pairs in order: a pipeline stage's middle (models.parallel.Stage)."""
+        return run_layers(layers, h, self.rope, self.checkpointed)
+
     # -------------------------------------------------------------------------- facts
     def num_params(self) -> int:
         """Unique parameters (a tied head counts once)."""

@@ -18,7 +18,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel, parallelize_module)
 
 from launcher.config import ModelConfig
-from launcher.models.gpt import GPT, block_matmul_params, run_layers
+from launcher.models import Layout, model_layout
+from launcher.models.gpt import block_matmul_params
 
 
 # ----------------------------------------------------------------------------- tensor parallel
@@ -52,7 +53,7 @@ class Replicated(ParallelStyle):
         return distribute_module(module, device_mesh, self._partition, self._input, self._output)
 
 
-def tp_plan(cfg: ModelConfig, sequence_parallel: bool) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
+def tp_plan(layout: Layout, sequence_parallel: bool) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
     """(plan for the root modules, plan for each block), Megatron-style: q/k/v and the
     SwiGLU up/gate projections split by output columns, so each rank holds whole heads
     (the forward's view(b, t, -1, head_dim) finds its local head count) and a slice of the
@@ -61,43 +62,37 @@ def tp_plan(cfg: ModelConfig, sequence_parallel: bool) -> tuple[dict[str, Parall
     slice of the sequence and the all-reduce becomes reduce-scatter + all-gather).
     A tied embedding is replicated whole: the same tensor is the vocabulary-parallel
     embedding's rows and the column-parallel head's columns only when both are sharded
-    identically, which the untied case does (vocab-parallel embedding, column head)."""
+    identically, which the untied case does (vocab-parallel embedding, column head).
+    Module names come from the model's `layout` (gpt.py's, or a Llama-family HF model's)."""
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
     norm: ParallelStyle = SequenceParallel() if sequence_parallel else Replicated()
-    if cfg.tie_embeddings:
-        root = {"tok_embeddings": Replicated(output_layout=stream), "output": Replicated(input_layout=stream)}
+    if layout.tied:
+        root = {layout.embed: Replicated(output_layout=stream), layout.head: Replicated(input_layout=stream)}
     else:
-        root = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-                "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate())}
-    root["norm"] = norm
-    block: dict[str, ParallelStyle] = {
-        "attention_norm": norm,
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=stream),
-        "ffn_norm": norm,
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=stream),
-    }
+        root = {layout.embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+                layout.head: ColwiseParallel(input_layouts=stream, output_layouts=Replicate())}
+    root[layout.norm] = norm
+    block: dict[str, ParallelStyle] = {name: norm for name in layout.norms}
+    block.update({name: ColwiseParallel() for name in layout.colwise})
+    block.update({name: RowwiseParallel(output_layouts=stream) for name in layout.rowwise})
     if sequence_parallel:  # gather the sequence before the matmuls that need all of it
         gather = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
                                     use_local_output=True)
-        block["attention"] = gather
-        block["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                   use_local_output=True)
+        block[layout.attention] = gather
+        block[layout.mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                               use_local_output=True)
     return root, block
 
 
-def apply_tp(model: GPT, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Shard `model` in place over the 1-D tensor-parallel mesh."""
-    root, block = tp_plan(model.cfg, sequence_parallel)
+    layout = model_layout(model)
+    root, block = tp_plan(layout, sequence_parallel)
     parallelize_module(model, mesh, root)
-    for layer in model.layers:
+    for layer in model.get_submodule(layout.layers):
         parallelize_module(layer, mesh, block)
-    if model.cfg.tie_embeddings:  # each style made its own Parameter: tie them again
-        model.output.weight = model.tok_embeddings.weight
+    if layout.tied:  # each style made its own Parameter: tie them again
+        model.get_submodule(layout.head).weight = model.get_submodule(layout.embed).weight
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -137,26 +132,43 @@ def stage_bounds(cfg: ModelConfig, n_stages: int, split: list[int] | None = None
 
 
 class Stage(nn.Module):
-    """Some layers of a GPT, with the embedding if it holds layer 0 and the final norm and
-    head if it holds the last layer. Modules are the full model's own (not copies), under
-    the full model's names, and the forward is the full model's (gpt.run_layers)."""
+    """Some layers of a decoder, with the embedding if it holds layer 0 and the final norm
+    and head if it holds the last layer. Modules are the full model's own (not copies),
+    under the full model's names (`layout`), and the middle is the full model's own
+    `run_blocks`."""
 
-    def __init__(self, model: GPT, layers: Iterable[int]):
+    def __init__(self, model: nn.Module, layers: Iterable[int]):
         super().__init__()
         layers = sorted(layers)
-        n = len(model.layers)
-        self.tok_embeddings = model.tok_embeddings if layers[0] == 0 else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
-        last = layers[-1] == n - 1
-        self.norm = model.norm if last else None
-        self.output = model.output if last else None
-        self.register_buffer("rope", model.rope, persistent=False)
-        self.checkpointed = model.checkpointed
+        layout = model_layout(model)
+        blocks = model.get_submodule(layout.layers)
+        last = layers[-1] == len(blocks) - 1
+        self.__dict__["parts"] = {  # the same modules, for forward (registered below under their names)
+            "embed": model.get_submodule(layout.embed) if layers[0] == 0 else None,
+            "norm": model.get_submodule(layout.norm) if last else None,
+            "head": model.get_submodule(layout.head) if last else None,
+            "run": model.run_blocks,
+        }
+        self.__dict__["blocks"] = nn.ModuleDict({str(i): blocks[i] for i in layers})
+        for name, part in ((layout.embed, "embed"), (layout.norm, "norm"), (layout.head, "head")):
+            if self.parts[part] is not None:
+                _place(self, name, self.parts[part])
+        _place(self, layout.layers, self.blocks)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.tok_embeddings is not None:
-            h = self.tok_embeddings(h)
-        h = run_layers(((int(i), layer) for i, layer in self.layers.items()), h, self.rope, self.checkpointed)
-        if self.output is not None:
-            h = self.output(self.norm(h))
+        if self.parts["embed"] is not None:
+            h = self.parts["embed"](h)
+        h = self.parts["run"](((int(i), layer) for i, layer in self.blocks.items()), h)
+        if self.parts["head"] is not None:
+            h = self.parts["head"](self.parts["norm"](h))
         return h
+
+
+def _place(root: nn.Module, name: str, module: nn.Module) -> None:
+    """Register `module` at dotted `name` under `root`, making empty containers on the way."""
+    *path, leaf = name.split(".")
+    for part in path:
+        if part not in root._modules:
+            root.add_module(part, nn.Module())
+        root = root._modules[part]
+    root.add_module(leaf, module)

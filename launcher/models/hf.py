@@ -1,0 +1,374 @@
+"""model=hf: a Hugging Face transformers causal LM, from local files only.
+
+    model.config=path/config.json (or its folder)  AutoModelForCausalLM.from_config: random
+                                                   init from train.seed, the same on every rank
+    model.pretrained=path/folder                   AutoModelForCausalLM.from_pretrained on
+                                                   the folder's config.json + *.safetensors
+
+Nothing is fetched from a hub: HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE are set before
+transformers is imported (the launch side imports this module to validate, the ranks to
+build; the ranks inherit the launch side's environment), and every load passes
+local_files_only. transformers is the optional extra `hf` (make setup installs it).
+
+`HFCausalLM` gives the rest of the launcher the project decoder's interface: logits, or
+the mean next-token loss given targets (the same fp32 cross-entropy as gpt.py), with the
+transformers model's own parameter names (`model.layers.3.self_attn.q_proj.weight`,
+`lm_head.weight`), so checkpoints of every recipe are keyed like save_pretrained's files.
+Where the recipes need the parts (FSDP units, tensor-parallel splits, pipeline cuts), a
+`Layout` names them, read from transformers' own metadata: the input and output
+embeddings, the ModuleList of `_no_split_modules` layers, the base model's pipeline plan
+(`base_model_pp_plan`: embedding, layers, final norm) and tensor-parallel plan
+(`base_model_tp_plan`: which projections are column- and row-wise; Llama, Mistral,
+Qwen2 and their kin). A model type without those plans still trains under ddp, fsdp and
+ZeRO; tp and pp refuse it before launch.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before transformers or huggingface_hub is imported anywhere in this process.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no "Loading weights" bars in every rank's log
+
+import copy  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from launcher.config import (ACMode, Config, ConfigError, HFAttention, ModelConfig, ModelKind,  # noqa: E402
+                             RECIPE_PARALLELISM)
+from launcher.models import Layout  # noqa: E402
+from launcher.models.gpt import lm_loss  # noqa: E402
+
+PP_PARTS = ("embed_tokens", "layers", "norm")  # base_model_pp_plan keys a pipeline can cut
+TP_STYLES = ("colwise", "rowwise")  # base_model_tp_plan styles applied here (the Llama family's)
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("model", "hf", "needs transformers, the optional extra: pip install -e '.[hf]' "
+                          "(make setup installs it)") from None
+    return transformers
+
+
+def source(m: ModelConfig) -> tuple[str, str]:
+    """(key, path) of the model's files: model.config or model.pretrained, exactly one."""
+    if m.config is None and m.pretrained is None:
+        raise ConfigError("model.config", None, "model=hf needs exactly one of model.config=<config.json or its "
+                          "folder> (random init) or model.pretrained=<folder with config.json and *.safetensors>")
+    if m.config is not None and m.pretrained is not None:
+        raise ConfigError("model.pretrained", m.pretrained, "model.config is set too: give exactly one of them "
+                          "(pretrained weights come with their own config.json)")
+    return ("model.config", m.config) if m.config is not None else ("model.pretrained", m.pretrained)
+
+
+@functools.lru_cache(maxsize=8)
+def _config(key: str, path: str):
+    p = Path(path)
+    if key == "model.pretrained":
+        if not p.is_dir():
+            raise ConfigError(key, path, "no such folder (a local folder with config.json and *.safetensors)")
+        if not any(p.glob("*.safetensors")):
+            raise ConfigError(key, path, "no *.safetensors weights in this folder (save_pretrained writes them; "
+                              "pickled .bin weights are not loaded)")
+    elif not p.exists():
+        raise ConfigError(key, path, "no such file or folder (a config.json, or the folder holding one)")
+    file = p / "config.json" if p.is_dir() else p
+    if not file.is_file():
+        raise ConfigError(key, path, "no config.json in this folder")
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(key, path, f"not a JSON model config ({e})") from None
+    tf = _transformers()
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(key, path, f"model_type {model_type!r} is not a model transformers {tf.__version__} "
+                          "builds offline (no remote code); causal LMs include llama, mistral, qwen2, gpt2")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(key, path, f"model_type {model_type!r} has no causal-LM class in transformers "
+                          "(AutoModelForCausalLM); pick a decoder such as llama")
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(raw)
+    except Exception as e:  # the config class refuses its own fields
+        raise ConfigError(key, path, f"transformers cannot read it: {str(e).strip().splitlines()[0]}") from None
+
+
+def hf_config(m: ModelConfig):
+    """The transformers config (a PretrainedConfig; cached, do not modify)."""
+    return _config(*source(m))
+
+
+def model_vocab_size(cfg: Config) -> int:
+    """Embedding rows of the configured model (either kind), read from its config without
+    building it. Token ids of the data must stay below it."""
+    if cfg.model.kind == ModelKind.hf:
+        return hf_config(cfg.model).vocab_size
+    return cfg.model.vocab_size
+
+
+# ----------------------------------------------------------------------------- building
+def build(m: ModelConfig, device: torch.device, weights: bool = True) -> "HFCausalLM":
+    """from_pretrained (model.pretrained, `weights`) or from_config (random init from the
+    caller's RNG state) on `device`, in fp32 (the master weights), in training mode."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(dtype=torch.float32, attn_implementation=m.attn_implementation.value)
+    if m.pretrained is not None and weights and device.type != "meta":
+        model = AutoModelForCausalLM.from_pretrained(m.pretrained, local_files_only=True, **kwargs).to(device)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config(m)), **kwargs)
+    model.train()  # from_pretrained returns eval mode: no dropout, and no gradient checkpointing
+    model.config.use_cache = False
+    return HFCausalLM(model)
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM with the project decoder's interface. The transformers
+    model's children are registered here under their own names (the model itself is held
+    unregistered), so parameter names, state dicts and checkpoints are the model's own;
+    its forward runs through the same module objects, after any recipe changed them."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        assert not list(model.named_parameters(recurse=False)), "parameters outside the model's children"
+        self.__dict__["hf"] = model
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        self.layout = _layout_of(model)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.hf(input_ids=tokens, use_cache=False).logits
+        return logits if targets is None else lm_loss(logits, targets)
+
+    def run_blocks(self, layers, h: torch.Tensor) -> torch.Tensor:
+        """(index, layer) pairs in order on hidden states `h`, as the base model's forward
+        calls them (a pipeline stage's middle): positions, rotary table and causal mask
+        for the whole sequence."""
+        from transformers.masking_utils import create_causal_mask
+
+        base = self.hf.get_submodule(self.hf.base_model_prefix)
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        rotary = getattr(base, "rotary_emb", None)
+        emb = rotary(h, position_ids=pos) if rotary is not None else None
+        mask = create_causal_mask(config=self.hf.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                                  position_ids=pos)
+        for _, layer in layers:
+            h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=emb)
+        return h
+
+    def train(self, mode: bool = True):
+        self.hf.training = mode
+        return super().train(mode)
+
+    def set_submodule(self, target: str, module: nn.Module, strict: bool = False) -> None:
+        super().set_submodule(target, module, strict)
+        if "." not in target:  # a child: the model's forward and references see the same
+            setattr(self.hf, target, module)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+# ----------------------------------------------------------------------------- layout
+def _layout_of(model: nn.Module) -> Layout:
+    """The parts by name, from transformers' own metadata (see the module docstring).
+    Without a pipeline plan `norm` is empty; without a colwise/rowwise plan `colwise` is."""
+    names = {mod: name for name, mod in model.named_modules()}
+    embed, head = names[model.get_input_embeddings()], names[model.get_output_embeddings()]
+    units = set(getattr(model, "_no_split_modules", None) or ())
+    layers = next((name for name, mod in model.named_modules()
+                   if isinstance(mod, nn.ModuleList) and len(mod) and type(mod[0]).__name__ in units), "")
+    prefix = model.base_model_prefix
+    pp = list(getattr(model.config, "base_model_pp_plan", None) or {})
+    norm = f"{prefix}.norm" if pp == list(PP_PARTS) and layers == f"{prefix}.layers" else ""
+    plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    split = {k.removeprefix("layers.*."): v for k, v in plan.items()}
+    usable = plan and all(k.startswith("layers.*.") for k in plan) and set(split.values()) <= set(TP_STYLES)
+    colwise = tuple(k for k, v in split.items() if v == "colwise") if usable else ()
+    rowwise = tuple(k for k, v in split.items() if v == "rowwise") if usable else ()
+    layer0 = model.get_submodule(layers)[0] if layers else nn.Module()
+    norms = tuple(n for n, mod in layer0.named_modules() if n and n not in split
+                  and list(mod.parameters(recurse=False)) and not any(n.startswith(s + ".") for s in split))
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return Layout(embed=embed, layers=layers, norm=norm, head=head, tied=tied, colwise=colwise, rowwise=rowwise,
+                  norms=norms, attention=colwise[0].split(".")[0] if colwise else "",
+                  mlp=rowwise[-1].split(".")[0] if rowwise else "")
+
+
+@functools.lru_cache(maxsize=8)
+def _meta(key: str, path: str, attn: str) -> HFCausalLM:
+    m = ModelConfig(kind=ModelKind.hf, **{key.split(".")[1]: path}, attn_implementation=HFAttention(attn))
+    return build(m, torch.device("meta"), weights=False)
+
+
+def structure(m: ModelConfig) -> HFCausalLM:
+    """The model on the meta device, cached: read it, never modify it (models.on_meta makes a fresh one)."""
+    return _meta(*source(m), m.attn_implementation.value)
+
+
+def layout(m: ModelConfig) -> Layout:
+    return structure(m).layout
+
+
+def gpt_shape(m: ModelConfig) -> ModelConfig:
+    """The project-decoder fields of the same sizes (heads, layers, hidden, SwiGLU width,
+    vocabulary, tying, longest sequence): what the degree checks, the pipeline's
+    balancing and the planner's formulas read. Exact for the Llama family."""
+    c = hf_config(m)
+    heads = c.num_attention_heads
+    return ModelConfig(name=f"hf:{c.model_type}", vocab_size=c.vocab_size, dim=c.hidden_size,
+                       n_layers=c.num_hidden_layers, n_heads=heads,
+                       n_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+                       ffn_dim=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size,
+                       max_seq_len=getattr(c, "max_position_embeddings", None) or 1 << 30,
+                       tie_embeddings=layout(m).tied)
+
+
+def is_llama_like(m: ModelConfig) -> bool:
+    """The project decoder's formulas hold: a Llama-layout model (pipeline and tensor-parallel
+    plans), no biases, head_dim = hidden / heads, a gated MLP (3 matrices)."""
+    c, lay = hf_config(m), layout(m)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return (bool(lay.norm and lay.colwise) and len(lay.colwise) == 5 and not getattr(c, "attention_bias", False)
+            and not getattr(c, "mlp_bias", False) and head_dim * c.num_attention_heads == c.hidden_size)
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """6 per matmul weight (the head included, tied or not) + attention 12 x layers x
+    hidden x seq, as gpt.flops_per_token. The matmul weights are the decoder layers'
+    matrices (every >= 2-D parameter of a layer, counted on the meta model) and the head:
+    for the Llama family exactly q, k, v, o, gate, up, down; for a mixture of experts this
+    counts every expert (an upper bound)."""
+    model, c = structure(m), hf_config(m)
+    layers = model.get_submodule(model.layout.layers)
+    matmul = sum(p.numel() for layer in layers for p in layer.parameters() if p.dim() >= 2)
+    head = model.hf.get_output_embeddings().weight.numel()
+    return 6.0 * (matmul + head) + 12.0 * c.num_hidden_layers * c.hidden_size * seq_len
+
+
+def set_activation_checkpointing(model: HFCausalLM, mode: ACMode, every: int) -> None:
+    """The model's own switch, non-reentrant: every decoder layer recomputes in backward
+    (full), or every `every`-th, layers 0, every, 2 x every... (selective)."""
+    if mode == ACMode.none:
+        return
+    n = every if mode == ACMode.selective else 1
+    kwargs = {"use_reentrant": False}
+    if hasattr(model.hf, "activation_checkpointing_enable"):  # transformers >= 5.23 (the old name is deprecated)
+        model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=n)
+        return
+    model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    for i, layer in enumerate(model.get_submodule(model.layout.layers)):
+        layer.gradient_checkpointing = i % n == 0
+
+
+# ----------------------------------------------------------------------------- validation
+def check(cfg: Config) -> None:
+    """Launch side: the files, the model type, the sequence length and what the recipe
+    needs of the layout. Raises ConfigError (one line, exit 2)."""
+    m, p = cfg.model, cfg.parallel
+    c = hf_config(m)
+    lay = layout(m)
+    shape = gpt_shape(m)
+    if not lay.layers:
+        raise ConfigError(*source(m), f"model_type {c.model_type!r}: transformers names no decoder-layer class "
+                          "(_no_split_modules) to shard and checkpoint layer by layer")
+    if cfg.train.seq_len > shape.max_seq_len:
+        raise ConfigError("train.seq_len", cfg.train.seq_len,
+                          f"must be <= the model's max_position_embeddings={shape.max_seq_len}")
+    can = RECIPE_PARALLELISM.get(cfg.recipe.strategy.value)
+    if can is not None and can.tp and p.tp > 1:
+        if not lay.colwise:
+            raise ConfigError("parallel.tp", p.tp, f"model_type {c.model_type!r} has no Llama-style tensor-parallel plan "
+                              f"(transformers' base_model_tp_plan with {'/'.join(TP_STYLES)} only); use fsdp or pp")
+        if p.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel", "true", "not with model=hf: the model computes positions "
+                              "from the sequence it is given, a slice under sequence parallel")
+    if can is not None and can.pp and p.pp > 1 and not lay.norm:
+        raise ConfigError("parallel.pp", p.pp, f"model_type {c.model_type!r} has no pipeline plan of embedding, "
+                          "layers and final norm (transformers' base_model_pp_plan); use fsdp or ZeRO")
+
+
+# ----------------------------------------------------------------------------- export
+def save_pretrained(cfg: Config, state: dict[str, torch.Tensor], out: Path, dtype: torch.dtype) -> Path:
+    """A folder AutoModelForCausalLM.from_pretrained loads: config.json, safetensors
+    shards, generation_config.json, and the tokenizer when the run's data named a local
+    tokenizer folder. `state`: consolidated full weights under this model's names."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if cfg.model.kind == ModelKind.hf:
+        config = hf_config(cfg.model)
+    else:
+        config, state = llama_from_gpt(cfg.model, state)
+    with torch.device("meta"):  # names and shapes only: the weights are `state`
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    if config.tie_word_embeddings:  # assign gave the head its own tensor: tie it again
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    model.config.dtype = dtype
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    if model.can_generate() and not (out / "generation_config.json").exists():
+        GenerationConfig.from_model_config(model.config).save_pretrained(out)
+    tokenizer = getattr(cfg.data, "tokenizer", None)  # data=hf_text's local tokenizer folder, when there is one
+    if tokenizer and Path(tokenizer).is_dir():
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).save_pretrained(out)
+    return out
+
+
+def llama_from_gpt(m: ModelConfig, state: dict[str, torch.Tensor]):
+    """The project's decoder as LlamaForCausalLM: the same architecture (RMSNorm, rotary,
+    SwiGLU, optional tying, no biases) under Llama's names. Only the rotary layout
+    differs: gpt.py rotates adjacent channel pairs (2i, 2i+1), Llama rotates halves
+    (i, i + head_dim/2); q and k rows are permuted per head to match (the same permutation
+    transformers' convert_llama_weights_to_hf applies)."""
+    from transformers import LlamaConfig
+
+    from launcher.config import ffn_dim
+
+    head_dim = m.dim // m.n_heads
+    kv = m.n_kv_heads or m.n_heads
+    config = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=ffn_dim(m),
+                         num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=kv,
+                         head_dim=head_dim, max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+                         tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False,
+                         hidden_act="silu", bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+    def halves(w: torch.Tensor, heads: int) -> torch.Tensor:
+        return w.view(heads, head_dim // 2, 2, m.dim).transpose(1, 2).reshape(heads * head_dim, m.dim)
+
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    per_layer = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+                 "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+                 "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+                 "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
+                 "ffn_norm": "post_attention_layernorm"}
+    out = {}
+    for key, value in state.items():
+        if key in names:
+            out[names[key]] = value
+            continue
+        _, i, rest = key.split(".", 2)
+        part = rest.removesuffix(".weight")
+        if part == "attention.wq":
+            value = halves(value, m.n_heads)
+        elif part == "attention.wk":
+            value = halves(value, kv)
+        out[f"model.layers.{i}.{per_layer[part]}.weight"] = value
+    return config, out

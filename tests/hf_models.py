@@ -1,0 +1,36 @@
+"""Tiny Hugging Face models made in the test, from a config (nothing downloaded)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+TINY_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
+                  initializer_range=0.02, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def tiny_llama_config(folder: Path, **changes) -> Path:
+    """config.json of a 4-layer Llama (hidden 64, 4 heads, 2 KV heads, vocabulary 300)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.json"
+    path.write_text(json.dumps({**TINY_LLAMA, **changes}, indent=1))
+    return path
+
+
+def bad_hf_files() -> dict[str, Path]:
+    """Config folders for the bad-input table: a good Llama config (but no weights), an
+    empty folder, a model type transformers does not have, one that is no causal LM, and
+    a GPT-2 (no tensor-parallel or pipeline plan). Made once per test session."""
+    root = Path(tempfile.mkdtemp(prefix="launcher-hf-bad-"))
+    tiny_llama_config(root / "llama")
+    (root / "empty").mkdir()
+    for name, fields in {"no_such_model": {"model_type": "no_such_model", "hidden_size": 64},
+                         "t5": {"model_type": "t5", "d_model": 64},
+                         "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300,
+                                  "n_positions": 256, "bos_token_id": 0, "eos_token_id": 0}}.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(fields))
+    return {p.name: p for p in root.iterdir()}

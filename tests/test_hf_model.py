@@ -1,0 +1,279 @@
+"""model=hf: a transformers causal LM (a tiny Llama built here) under the recipes, its
+exports, and the project's decoder exported as LlamaForCausalLM.
+
+The slow runs train 4 steps in fp32 with the same data and global batch. Those that
+start from the same saved model (model.pretrained) must give the saved model's own loss
+at step 1, computed here in-process, and the same losses as each other at every step
+(reduction order only); those that start from its config.json (model.config, random
+init from train.seed) must agree with each other, which holds only if every rank built
+the same weights. Runs are launched once, on first use, and shared by the tests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import launch, read_metrics
+from hf_models import TINY_LLAMA, tiny_llama_config
+from launcher import cli, models
+from launcher import config as C
+from launcher.data import build_dataset
+from launcher.models.gpt import GPT, lm_loss
+
+REL = 1e-4  # fp32: the order of reductions is all that differs between layouts
+COMMON = ["model=hf", "train.steps=4", "optim.warmup_steps=1", "train.seq_len=32", "train.micro_batch=2",
+          "train.global_batch=8", "precision=fp32", "logger=none", "logger.log_every=1", "checkpoint.every=2"]
+STEP2, STEP4 = "checkpoints/step_00000002", "checkpoints/step_00000004"
+
+# name: (overrides, where the weights come from: "config" or "pretrained")
+RUNS = {
+    "ddp": (["recipe=ddp", "train.activation_checkpointing=full"], "config"),
+    "fsdp": (["recipe=fsdp"], "config"),
+    "tp": (["recipe=tp", "train.activation_checkpointing=selective"], "pretrained"),
+    "pp": (["recipe=pp", "parallel.pp_schedule=1f1b"], "pretrained"),
+    "zero3": (["recipe=zero3"], "pretrained"),
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A tiny Llama made with transformers and saved as a user's local checkpoint; its
+    head is tied to the embedding (the config-only runs' is not)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    fields = {**TINY_LLAMA, "tie_word_embeddings": True}
+    del fields["model_type"]
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**fields))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(folder)
+    assert list(folder.glob("*.safetensors")) and (folder / "config.json").is_file()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, saved):
+    root = tmp_path_factory.mktemp("hf_runs")
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            overrides, source = RUNS[name]
+            untied = tiny_llama_config(root / "untied")
+            weights = f"model.config={untied}" if source == "config" else f"model.pretrained={saved}"
+            launch(*COMMON, weights, *overrides, run_dir=root / name)
+            done[name] = root / name
+        return done[name]
+
+    return get
+
+
+def losses(run: Path) -> list[float]:
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    return [r["loss"] for r in rows]
+
+
+def first_batch(run: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1's global batch, as the loop reads it (samples 0..global_batch-1)."""
+    cfg = C.load_frozen(run)
+    batch = build_dataset(cfg).__getitems__(list(range(C.global_batch(cfg, 2))))
+    return batch[:, :-1], batch[:, 1:]
+
+
+def trained(run: Path, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The run's model with the given full weights (the launcher's own wrapper)."""
+    cfg = C.load_frozen(run)
+    model = models.build(cfg, torch.device("cpu"))
+    model.load_state_dict(state)
+    return model.eval()
+
+
+@pytest.mark.slow
+def test_pretrained_weights_give_the_saved_models_own_loss_under_tp_pp_and_zero3(runs, saved):
+    from transformers import AutoModelForCausalLM
+
+    x, y = first_batch(runs("tp"))
+    own = AutoModelForCausalLM.from_pretrained(saved)
+    with torch.no_grad():
+        want = lm_loss(own(input_ids=x).logits, y).item()
+    tp, pp, zero3 = losses(runs("tp")), losses(runs("pp")), losses(runs("zero3"))
+    for name, got in (("tp", tp), ("pp", pp), ("zero3", zero3)):
+        assert got[0] == pytest.approx(want, rel=1e-5), (name, got[0], want)
+    assert tp == pytest.approx(pp, rel=REL) and tp == pytest.approx(zero3, rel=REL)  # and they train alike
+    assert tp[-1] < tp[0]
+    print(f"step-1 loss: saved model {want:.6f}, tp {tp[0]:.6f}, pp {pp[0]:.6f}, zero3 {zero3[0]:.6f}")
+
+
+@pytest.mark.slow
+def test_random_init_is_the_same_on_every_rank_ddp_and_fsdp_agree(runs):
+    """fsdp shards what each rank built itself (ddp would broadcast rank 0's weights): equal
+    losses mean every rank drew the same initial weights from train.seed."""
+    ddp, fsdp = losses(runs("ddp")), losses(runs("fsdp"))
+    assert ddp == pytest.approx(fsdp, rel=REL)
+    assert ddp[-1] < ddp[0]
+    rows = read_metrics(runs("ddp"))
+    assert rows[0]["mfu"] > 0 and rows[0]["mem/model_state_bytes"] > 0
+    summary = json.loads((runs("fsdp") / "summary.json").read_text())
+    assert summary["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_resume_from_step_2_is_bit_identical(runs, tmp_path):
+    straight = runs("ddp")
+    overrides, _ = RUNS["ddp"]
+    cfg = C.load_frozen(straight)
+    resumed = tmp_path / "resumed"
+    proc = launch(*COMMON, f"model.config={cfg.model.config}", *overrides,
+                  f"checkpoint.resume={straight / STEP2}", run_dir=resumed)
+    assert "resumed from" in proc.stdout
+    got = read_metrics(resumed)
+    want = read_metrics(straight)
+    assert [r["step"] for r in got] == [3, 4]
+    assert [r["loss"] for r in got] == [r["loss"] for r in want[2:]]  # exact
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want[2:]]
+    wa = torch.load(straight / STEP4 / "engine/model.pt", weights_only=True)
+    wb = torch.load(resumed / STEP4 / "engine/model.pt", weights_only=True)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert {"model.layers.0.self_attn.q_proj.weight", "lm_head.weight"} <= set(wa)  # transformers' own names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", "pp", "zero3"])
+def test_export_hf_loads_with_from_pretrained_and_gives_the_trained_logits(runs, name, tmp_path, capsys):
+    """ddp's whole-model file (untied), pp's stage-wise DCP shards (tied: the head copy on
+    the last stage) and ZeRO-3's partitions: the export is a folder that from_pretrained
+    loads, with the trained weights (read for pp by torch's own DCP converter, for zero3
+    by DeepSpeed's zero_to_fp32)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    run = runs(name)
+    assert cli.main(["export", str(run)]) == 2  # the project's single-file format is for its own decoder
+    assert "export.format=safetensors: model=hf exports as export.format=hf" in capsys.readouterr().err
+    assert cli.main(["export", str(run), "export.format=hf", f"export.out={tmp_path / 'hf'}"]) == 0
+    assert str(tmp_path / "hf") in capsys.readouterr().out
+    files = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json"} <= files, files
+    if name == "ddp":
+        state = torch.load(run / STEP4 / "engine/model.pt", weights_only=True)
+    elif name == "zero3":
+        from recipes.zero import consolidate
+
+        state = consolidate(C.load_frozen(run), run / STEP4 / "engine")
+    else:
+        dcp_to_torch_save(run / STEP4 / "engine", tmp_path / "pp.pt")
+        state = torch.load(tmp_path / "pp.pt", weights_only=True)["model"]
+        assert "lm_head.weight" not in state  # stored once, under the embedding's name
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    reference = trained(run, state)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    assert loaded.config.tie_word_embeddings == (name != "ddp")  # pp and zero3 trained the saved, tied model
+    x = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 32))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=x).logits, reference(x))
+    # bf16 exports halve the file and say so in the config
+    assert cli.main(["export", str(run), "export.format=hf", "export.dtype=bf16", f"export.out={tmp_path / 'bf16'}"]) == 0
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+# ----------------------------------------------------------------------------- in-process
+def saved_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward in one forward."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, x).backward()
+    return total
+
+
+def test_activation_checkpointing_is_the_models_own_switch(tmp_path):
+    """full: every decoder layer recomputes (transformers' gradient checkpointing);
+    selective: every ac_every-th; each keeps less for backward than the one before."""
+    config = tiny_llama_config(tmp_path)
+    x = torch.randint(0, 300, (2, 64))
+    held = {}
+    for mode in ("none", "selective", "full"):
+        cfg = compose("model=hf", f"model.config={config}", f"train.activation_checkpointing={mode}",
+                      "train.ac_every=2")
+        torch.manual_seed(0)
+        model = models.build(cfg, torch.device("cpu"))
+        models.set_activation_checkpointing(model, cfg)
+        flags = [layer.gradient_checkpointing for layer in models.decoder_layers(model)]
+        assert flags == {"none": [False] * 4, "selective": [True, False, True, False], "full": [True] * 4}[mode]
+        held[mode] = saved_bytes(model, x)
+    assert held["none"] > held["selective"] > held["full"], held
+
+
+
+def compose(*overrides: str) -> C.Config:
+    cfg, _, _ = cli.compose_config(list(overrides))
+    return cfg
+
+
+def test_layout_flops_and_shape_come_from_the_hf_config(tmp_path):
+    from launcher.models import hf
+    from launcher.models.gpt import flops_per_token, num_params
+
+    cfg = compose("model=hf", f"model.config={tiny_llama_config(tmp_path)}")
+    lay = models.layout(cfg)
+    assert (lay.embed, lay.layers, lay.norm, lay.head, lay.tied) == ("model.embed_tokens", "model.layers",
+                                                                     "model.norm", "lm_head", False)
+    assert set(lay.colwise) == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                                "mlp.up_proj"}
+    assert set(lay.rowwise) == {"self_attn.o_proj", "mlp.down_proj"}
+    assert set(lay.norms) == {"input_layernorm", "post_attention_layernorm"}
+    shape = hf.gpt_shape(cfg.model)
+    model = models.on_meta(cfg)
+    # The project decoder of the same shape is the same size: the planner's formulas hold.
+    assert num_params(shape) == model.num_params() == GPT(shape).num_params()
+    h, f, v, L, kv = 64, 128, 300, 4, 2 * 16
+    matmul = L * (2 * h * h + 2 * h * kv + 3 * h * f) + h * v
+    assert models.flops_per_token(cfg, 32) == 6 * matmul + 12 * L * h * 32 == flops_per_token(shape, 32)
+    assert C.model_vocab_size(cfg) == hf.model_vocab_size(cfg) == 300
+
+
+@pytest.mark.parametrize("tied,kv_heads", [(True, None), (False, 2)])
+def test_the_projects_decoder_exports_as_llama_with_the_same_logits(tied, kv_heads, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from launcher.models.hf import save_pretrained
+
+    cfg = compose(f"model.tie_embeddings={str(tied).lower()}", f"model.n_kv_heads={kv_heads or 'null'}")
+    torch.manual_seed(0)
+    gpt = GPT(cfg.model).eval()
+    state = {k: v.detach().clone() for k, v in gpt.state_dict().items()}
+    save_pretrained(cfg, state, tmp_path, torch.float32)
+    llama = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert llama.config.tie_word_embeddings == tied
+    x = torch.randint(0, cfg.model.vocab_size, (2, 64))
+    with torch.no_grad():
+        want, got = gpt(x), llama(input_ids=x).logits
+    # Same arithmetic up to the order of the rotary channels inside each head's dot product.
+    assert torch.allclose(got, want, rtol=0, atol=2e-5), (got - want).abs().max()
+    print(f"tied={tied}: max |logit difference| = {(got - want).abs().max():.2e}")
+
+
+def test_plan_with_model_hf(tmp_path, capsys):
+    llama = tiny_llama_config(tmp_path / "llama")
+    assert cli.main(["plan", "model=hf", f"model.config={llama}", "cluster.gpu_memory_gb=80", "cluster.gpus_per_node=8"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: make train" in out
+    gpt2 = tmp_path / "gpt2" / "config.json"
+    gpt2.parent.mkdir()
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300,
+                                "n_positions": 256, "bos_token_id": 0, "eos_token_id": 0}))
+    assert cli.main(["plan", "model=hf", f"model.config={gpt2}", "cluster.gpu_memory_gb=80", "cluster.gpus_per_node=8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a Llama-layout decoder" in err[0] and "do not apply" in err[0], err
