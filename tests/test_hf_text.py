@@ -111,7 +111,7 @@ def test_local_tokenizer_and_cache_key(tmp_path):
     assert [p.name for p in (run / "data").iterdir() if p.name.startswith("hf_text-")] == [cached_tokens(run)[1]["dir"]]
 
 
-@pytest.mark.parametrize("case", ["vocab", "no_eos", "not_a_tokenizer", "not_jsonl", "mixed", "too_small"])
+@pytest.mark.parametrize("case", ["vocab", "hf_model_vocab", "no_eos", "not_a_tokenizer", "not_jsonl", "mixed", "too_small"])
 def test_more_bad_input(case, tmp_path, capsys, monkeypatch):
     """One line, exit 2, no run directory (also when the files are only found too small
     once tokenized, after the run directory was made)."""
@@ -122,6 +122,11 @@ def test_more_bad_input(case, tmp_path, capsys, monkeypatch):
         big = make_tokenizer(tmp_path / "big", [f"w{i}" for i in range(300)])
         overrides += [f"data.tokenizer={big}"]
         words = ["data.tokenizer=", "302 tokens", "model.vocab_size=256"]
+    elif case == "hf_model_vocab":  # model=hf: the embedding's rows come from its config.json
+        from hf_models import tiny_llama_config
+
+        overrides += ["model=hf", f"model.config={tiny_llama_config(tmp_path / 'llama', vocab_size=200)}"]
+        words = ["data.tokenizer=byte", "256 tokens", "model.vocab_size=200"]
     elif case == "no_eos":
         tok = make_tokenizer(tmp_path / "tok", WORDS)
         config = json.loads((tok / "tokenizer_config.json").read_text())
