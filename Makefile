@@ -21,7 +21,7 @@ setup: $(STAMP) ## make .venv and install the project (torch pinned; CPU wheel h
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[dev,hf]'
+	$(VENV)/bin/pip install --quiet -e '.[dev,hf,tb]'
 	touch $(STAMP)
 
 train: setup ## train: RECIPE=<name> ARGS="<overrides>" (--dry-run in ARGS prints, starts nothing)

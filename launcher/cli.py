@@ -25,6 +25,7 @@ from launcher import slurm
 from launcher.commands import (HOSTFILE, SLURM_STEPS, LaunchPlan, command_script, hostfile_text, launch_argv, rank_env,
                                sbatch_script)
 from launcher.device import HostInfo
+from launcher.hf_text import offline
 from launcher.preempt import supervise
 
 REPO = Path(__file__).resolve().parent.parent
@@ -221,7 +222,24 @@ def write_run_dir(cfg: C.Config, run_dir: Path, scripts: dict[str, str], files: 
         if created:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise C.ConfigError("hydra.run.dir", str(run_dir), f"cannot write the run directory ({err.strerror})")
+    if cfg.data.name == C.DataKind.hf_text:
+        prepare_data(cfg, run_dir, created)
     return created
+
+
+def prepare_data(cfg: C.Config, run_dir: Path, created: bool) -> None:
+    """data=hf_text: tokenize once, here, before any rank starts (the ranks memory-map the
+    cache). A failure removes a run directory this launch created."""
+    from launcher.hf_text import prepare_cache
+
+    try:
+        print(prepare_cache(cfg, run_dir), flush=True)
+    except (C.ConfigError, OSError) as err:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise C.ConfigError("data.files", cfg.data.files, f"the token cache could not be written ({err})")
+        raise
 
 
 # ----------------------------------------------------------------------------- main
@@ -263,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
+    offline()  # nothing is fetched from a model or dataset hub; torchrun and the ranks inherit it
     try:
         command, overrides, _, multirun = parse_args(argv)
         if command == "export":

@@ -67,6 +67,16 @@ class ACMode(str, enum.Enum):
 class DataKind(str, enum.Enum):
     synthetic = "synthetic"
     memmap = "memmap"
+    hf_text = "hf_text"
+
+
+class TextFormat(str, enum.Enum):
+    """data=hf_text: how the files are read (`datasets` builder)."""
+
+    auto = "auto"
+    json = "json"
+    parquet = "parquet"
+    text = "text"
 
 
 class TokenDtype(str, enum.Enum):
@@ -77,6 +87,7 @@ class TokenDtype(str, enum.Enum):
 class LoggerKind(str, enum.Enum):
     wandb = "wandb"
     none = "none"
+    tensorboard = "tensorboard"
 
 
 class WandbMode(str, enum.Enum):
@@ -340,7 +351,8 @@ class DataConfig:
     scripts/prepare_data.py makes one from a local text file."""
     vocab_size: int = 256
     """synthetic: alphabet of the source. memmap: the largest token id + 1 in the file
-    (256 for scripts/prepare_data.py's byte-level encoding)."""
+    (256 for scripts/prepare_data.py's byte-level encoding). hf_text: unused (the
+    tokenizer's vocabulary is checked against the model's embedding)."""
     order: int = 2
     """synthetic: the next token depends on this many previous tokens. Higher orders are
     harder to learn in a short run."""
@@ -364,6 +376,22 @@ class DataConfig:
     """Batches each worker prepares ahead (only with workers)."""
     pin_memory: bool = True
     """Page-locked host buffers on CUDA for faster, asynchronous copies (ignored on CPU)."""
+    files: Any = None
+    """hf_text: a glob or a list of globs of local files (`'corpus/*.jsonl'`, `[a.parquet,
+    'b/*.parquet']`); relative to the directory the launcher runs in. All files must have
+    one format. Documents are tokenized once, on the launch side, before any rank starts."""
+    format: TextFormat = TextFormat.auto
+    """hf_text: json (JSON lines, one document per line), parquet, text (one document per
+    line) or auto: from the files' extension (.jsonl/.json, .parquet, .txt/.text)."""
+    text_field: str = "text"
+    """hf_text: the column holding each document's text (plain text files have only
+    `text`). A missing field is refused before launch, naming the fields there are."""
+    tokenizer: str = "byte"
+    """hf_text: `byte`: the project's byte-level encoding (UTF-8 bytes, vocabulary 256, as
+    scripts/prepare_data.py), end of document = 255, a byte UTF-8 text never contains, so
+    the vocabulary stays 256; or a local folder AutoTokenizer loads offline (tokenizer.json,
+    tokenizer_config.json...; a model folder with them works too); its EOS token ends each
+    document. Its vocabulary must fit the model's embedding."""
 
 
 @dataclass
@@ -420,7 +448,11 @@ class CheckpointConfig:
 class LoggerConfig:
     name: LoggerKind = LoggerKind.wandb
     """wandb: Weights & Biases run (offline files in RUN_DIR/wandb without an API key);
-    none: console and metrics.jsonl only."""
+    tensorboard: event files in RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`);
+    none: console and metrics.jsonl only. Every sink gets the same metric names."""
+    also: list[LoggerKind] = field(default_factory=list)
+    """More sinks beside `name`, e.g. `logger=wandb logger.also=[tensorboard]`: each costs
+    rank 0 a write per log step, nothing on the other ranks."""
     mode: WandbMode = WandbMode.auto
     """auto: online when an API key is configured, else offline."""
     project: str = "launcher"
@@ -596,6 +628,28 @@ class DebugConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """`profile.enabled=true profile.steps=[5,8]`: a torch.profiler trace of those steps,
+    per rank, in RUN_DIR/profile/ (Chrome trace JSON named as TensorBoard's profiler
+    plugin expects: open it in Perfetto (ui.perfetto.dev) or TensorBoard); on CUDA also
+    the allocator's memory snapshot (memory_snapshot_rank<r>.pickle, for
+    pytorch.org/memory_viz). Profiled steps run slower: leave it off for real training."""
+
+    enabled: bool = False
+    steps: list[int] = field(default_factory=lambda: [5, 8])
+    """[first, last] optimizer step to record, both included (steps count from 1). Skip
+    the first steps: they hold one-time work (allocator warm-up, compile, shape inference)."""
+    record_shapes: bool = True
+    """Record each operator's input shapes (group kernels by shape); a little overhead."""
+    profile_memory: bool = True
+    """Record tensor allocations and frees (the memory timeline); more overhead and a
+    larger trace."""
+    with_stack: bool = False
+    """Record the Python stack of every operator (find the source line); much larger
+    traces and slower steps."""
+
+
+@dataclass
 class ExportConfig:
     """`make export RUN=RUN_DIR` (launcher export RUN_DIR export.key=value ...)."""
 
@@ -656,6 +710,7 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     run_name: Optional[str] = None
     """Name shown in W&B and the console (null: the run directory's name)."""
     dry_run: bool = False
@@ -814,7 +869,7 @@ def validate(cfg: Config, host) -> None:
 
     # data
     _positive("data.vocab_size", d.vocab_size)
-    if d.vocab_size > model_vocab_size(cfg):
+    if d.vocab_size > model_vocab_size(cfg) and d.name != DataKind.hf_text:  # hf_text: the tokenizer's, checked below
         raise ConfigError("data.vocab_size", d.vocab_size, f"must be <= model.vocab_size={model_vocab_size(cfg)}")
     if d.name == DataKind.synthetic:
         _positive("data.order", d.order)
@@ -840,6 +895,10 @@ def validate(cfg: Config, host) -> None:
                               f"holds {n_tokens} tokens; train.seq_len={t.seq_len} needs at least {t.seq_len + 1}")
         if d.dtype == TokenDtype.uint16 and d.vocab_size > 65536:
             raise ConfigError("data.vocab_size", d.vocab_size, "uint16 tokens allow at most 65536")
+    elif d.name == DataKind.hf_text:
+        from launcher.hf_text import validate_hf_text  # loads the tokenizer: only when used
+
+        validate_hf_text(cfg)
     if d.num_workers is not None and d.num_workers < 0:
         raise ConfigError("data.num_workers", d.num_workers, "must be >= 0 (or null for auto)")
     _positive("data.prefetch_factor", d.prefetch_factor)
@@ -879,6 +938,12 @@ def validate(cfg: Config, host) -> None:
 
     # logger
     _positive("logger.log_every", cfg.logger.log_every)
+
+    # profiler
+    if cfg.profile.enabled:
+        steps = list(cfg.profile.steps)
+        if len(steps) != 2 or not 1 <= steps[0] <= steps[1] <= t.steps:
+            raise ConfigError("profile.steps", steps, f"[first, last] with 1 <= first <= last <= train.steps={t.steps}")
 
     # cluster
     c = cfg.cluster

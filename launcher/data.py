@@ -161,9 +161,13 @@ class DataState:
     samples_seen: int = 0
 
 
-def build_dataset(cfg: Config) -> Dataset:
+def build_dataset(cfg: Config, run_dir: Path | None = None) -> Dataset:
     if cfg.data.name == DataKind.synthetic:
         return MarkovSource(cfg.data, cfg.train.seq_len)
+    if cfg.data.name == DataKind.hf_text:  # the launch side tokenized into the run directory
+        from launcher.hf_text import token_file_config
+
+        return TokenFile(token_file_config(cfg, run_dir), cfg.train.seq_len, cfg.train.seed)
     return TokenFile(cfg.data, cfg.train.seq_len, cfg.train.seed)
 
 

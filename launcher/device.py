@@ -128,6 +128,30 @@ def current_rss() -> int:
         return 0
 
 
+# ----------------------------------------------------------------------------- profiler
+def profiler_activities(device: torch.device) -> list:
+    """What torch.profiler records: CPU operators always, CUDA kernels on a GPU."""
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
+def record_memory_history(device: torch.device) -> bool:
+    """Start recording every CUDA allocation with its stack (the allocator's own history);
+    False on CPU, where there is no caching allocator to record."""
+    if device.type != "cuda":
+        return False
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    return True
+
+
+def dump_memory_snapshot(device: torch.device, path: Path) -> None:
+    """Write the recorded history (pytorch.org/memory_viz opens it) and stop recording."""
+    if device.type == "cuda":
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
 # ----------------------------------------------------------------------------- peak FLOPs
 def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "launcher"

@@ -23,6 +23,7 @@ from launcher.metrics import RankZeroLogger, Throughput
 from launcher.exits import CHECKPOINT_FAILED_MARKER, EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED, OOM_MARKER
 from launcher.faults import strike
 from launcher.preempt import Preemption
+from launcher.profiler import StepProfiler
 from launcher.watchdog import Watchdog
 
 
@@ -79,10 +80,12 @@ def run(job: Job) -> int:
     # ------------------------------------------------------------------ loop
     last = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
     watchdog = Watchdog(cfg.dist.timeout_s, job.rank, job.world_size, job.run_dir).start(step)
+    profiler = StepProfiler(cfg.profile, job.run_dir, job.rank, device)
     saved_at, preempted = None, False
     measured: dict[str, int] = {}
     while step < last:
         strike(cfg.debug, FaultPoint.hang, step + 1, job.rank)
+        profiler.begin(step + 1)
         t0 = time.perf_counter()
         micro_batches = []
         for _ in range(job.grad_accum):
@@ -107,6 +110,7 @@ def run(job: Job) -> int:
                      "error": str(err).splitlines()[0][:300]}) + "\n")
             raise
         step += 1
+        profiler.end(step)
         samples_seen += global_batch
         meter.steps += 1
         watchdog.progress(step)
@@ -148,6 +152,7 @@ def run(job: Job) -> int:
 
     # ------------------------------------------------------------------ summary
     watchdog.stop()
+    profiler.finish()  # stopped inside the window (preempted, train.stop_at): keep what was recorded
     summary = summarize(job, log.history, step - first_step)
     summary["preempted"] = preempted
     log.finish(summary)

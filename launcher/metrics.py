@@ -1,8 +1,10 @@
 """Metrics: measured on every rank, written by global rank 0 only, through one helper.
 
 Sinks: the console (a progress bar on a terminal, one line per log step otherwise, a
-summary table at the end), RUN_DIR/metrics.jsonl and Weights & Biases (one run per
-job, offline files in RUN_DIR/wandb when there is no API key, the same run id on resume).
+summary table at the end), RUN_DIR/metrics.jsonl, and the sinks logger.name and
+logger.also choose: Weights & Biases (one run per job, offline files in RUN_DIR/wandb
+when there is no API key, the same run id on resume) and TensorBoard (event files in
+RUN_DIR/tensorboard, scalars in double precision under the same names).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class RankZeroLogger:
         self.cfg, self.run_dir = cfg, run_dir
         self.history: list[dict] = []
         self.wandb_run = None
+        self.tb = None
         self.progress = None
         if not self.enabled:
             return
@@ -77,8 +80,10 @@ class RankZeroLogger:
                                      TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console)
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
             self.progress.start()
-        if cfg.logger.name == LoggerKind.wandb:
+        if LoggerKind.wandb in sinks(cfg):
             self.wandb_run = _init_wandb(cfg, run_dir)
+        if LoggerKind.tensorboard in sinks(cfg):
+            self.tb = _init_tensorboard(run_dir, start_step)
 
     def print(self, message: str) -> None:
         if self.enabled:
@@ -91,6 +96,10 @@ class RankZeroLogger:
         self.jsonl.write(json.dumps(metrics) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if k != "step":
+                    self.tb.add_scalar(k, v, metrics["step"], new_style=True, double_precision=True)
         line = (f"step {metrics['step']:>6}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  "
                 f"gnorm {metrics['grad_norm']:.3f}  {metrics['tokens_per_s']:,.0f} tok/s  "
                 f"mfu {100 * metrics['mfu']:.1f}%  peak {metrics['mem/peak_bytes'] / 2**20:,.0f} MiB")
@@ -116,6 +125,8 @@ class RankZeroLogger:
                 if isinstance(v, (int, float, str)):
                     self.wandb_run.summary[k] = v
             self.wandb_run.finish()
+        if self.tb is not None:
+            self.tb.close()
 
 
 def _fmt(v) -> str:
@@ -130,6 +141,21 @@ def _fmt(v) -> str:
     if isinstance(v, int):
         return f"{v:,}"
     return str(v)
+
+
+def sinks(cfg: Config) -> set[LoggerKind]:
+    """The metric sinks beside the console and metrics.jsonl: logger.name and logger.also."""
+    return ({cfg.logger.name} | set(cfg.logger.also)) - {LoggerKind.none}
+
+
+def _init_tensorboard(run_dir: Path, start_step: int):
+    """RUN_DIR/tensorboard. A resumed launch purges events logged after its checkpoint by
+    the launch before (a crash after the last save), so each step appears once. Flushed
+    every 10 s (torch's default is 120): a crash loses little of what metrics.jsonl kept."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None,
+                         flush_secs=10)
 
 
 def wandb_mode(cfg: Config) -> str:

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = build_engine(cfg, device, rank, world_size, local_rank, run_dir)
         accum = C.grad_accum(cfg, world_size)
         dp_size = C.data_parallel_size(cfg, world_size)
-        job = Job(cfg=cfg, run_dir=run_dir, engine=engine, dataset=build_dataset(cfg), device=device, rank=rank,
+        job = Job(cfg=cfg, run_dir=run_dir, engine=engine, dataset=build_dataset(cfg, run_dir), device=device, rank=rank,
                   world_size=world_size, dp_rank=C.degrees(cfg, world_size).dp_rank(rank), dp_size=dp_size,
                   grad_accum=accum, flops_per_token=models.flops_per_token(cfg, cfg.train.seq_len),
                   compute_dtype=autocast_dtype(cfg.precision.name.value), preemption=preemption)

@@ -13,6 +13,7 @@ from hf_models import bad_hf_files
 from launcher import cli
 
 HF = bad_hf_files()  # small config folders for the model=hf rows
+CORPUS = REPO / "tests" / "data" / "hf" / "corpus.jsonl"  # fields: id, text
 
 # (overrides, words the one line must contain)
 CASES = [
@@ -140,6 +141,20 @@ CASES = [
      ["parallel.sequence_parallel=true", "not with model=hf"]),
     (["model=hf", f"model.config={HF['gpt2']}", "recipe=tp"], ["parallel.tp=2", "'gpt2'", "tensor-parallel plan"]),
     (["model=hf", f"model.config={HF['gpt2']}", "recipe=pp"], ["parallel.pp=2", "'gpt2'", "pipeline plan"]),
+    # data=hf_text, the profiler, more loggers
+    (["data=hf_text"], ["data.files", "missing"]),
+    (["data=hf_text", "data.files=/no/such/dir/*.jsonl"], ["data.files=/no/such/dir/*.jsonl", "matches no file"]),
+    (["data=hf_text", f"data.files={CORPUS}", "data.text_field=body"],
+     ["data.text_field=body", "corpus.jsonl", "its fields: id, text"]),
+    (["data=hf_text", f"data.files={CORPUS}", "data.tokenizer=/no/such/tokenizer"],
+     ["data.tokenizer=/no/such/tokenizer", "no such folder"]),
+    (["data=hf_text", f"data.files={CORPUS}", "model.vocab_size=200"],
+     ["data.tokenizer=byte", "256 tokens", "model.vocab_size=200"]),
+    (["data=hf_text", f"data.files={CORPUS}", "data.format=xml"], ["data.format=xml", "json, parquet, text"]),
+    (["profile.enabled=true", "profile.steps=[8,5]"], ["profile.steps=[8, 5]", "first <= last"]),
+    (["profile.enabled=true", "profile.steps=[5,500]"], ["profile.steps=[5, 500]", "train.steps=200"]),
+    (["profile.enabled=true", "profile.steps=[5]"], ["profile.steps=[5]", "[first, last]"]),
+    (["logger.also=[tensorboard,nope]"], ["logger.also", "nope", "tensorboard"]),
 ]
 
 

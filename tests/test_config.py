@@ -39,6 +39,10 @@ def test_combination_composes_and_validates(recipe, model, data, precision, tmp_
         overrides.append(f"data.path={tokens}")
     if model == "hf":
         overrides.append(f"model.config={tiny_llama_config(tmp_path / 'llama')}")
+    if data == "hf_text":
+        corpus = tmp_path / "corpus.jsonl"
+        corpus.write_text('{"text": "a document"}\n')
+        overrides.append(f"data.files={corpus}")
     cfg, run_dir, _ = cli.compose_config(overrides)
     assert cfg.recipe.name == recipe and cfg.model.name == model and cfg.precision.name.value == precision
     assert isinstance(cfg.train.activation_checkpointing, C.ACMode)
