@@ -71,7 +71,7 @@ def reference(tmp_path_factory) -> Path:
 # ----------------------------------------------------------------------------- 1. SIGKILL
 # Seeded: the same "random" steps every run, one set per recipe (DDP, FSDP's DCP shards,
 # DeepSpeed's ZeRO shards: three different checkpoint writers).
-KILLS = [(recipe, step) for recipe, n in (("ddp", 3), ("fsdp", 2), ("zero2", 2))
+KILLS = [(recipe, step) for recipe, n in (("ddp", 2), ("fsdp", 1), ("zero2", 1))
          for step in sorted(random.Random(f"{recipe}-6").sample(range(2, 15), n))]
 
 
