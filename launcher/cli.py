@@ -414,7 +414,10 @@ def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "planner
     if mem is None:
         raise C.ConfigError("cluster.gpu_memory_gb", None, "needed to plan on a machine without GPUs (e.g. 80)")
     tflops = cfg.plan.gpu_tflops or table_tflops(gpu_name()) or planner.DEFAULT_TFLOPS
-    return planner.Hardware(gpu_bytes=mem, gpus_per_node=gpn, nnodes=c.nnodes, tflops=tflops)
+    host_bytes = int(cfg.plan.host_memory_gb * 2**30) if cfg.plan.host_memory_gb else None
+    if host_bytes is None and world_from_launch:  # planning for this machine: its memory
+        host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return planner.Hardware(gpu_bytes=mem, gpus_per_node=gpn, nnodes=c.nnodes, tflops=tflops, host_bytes=host_bytes)
 
 
 def available_recipes() -> set[str]:

@@ -625,6 +625,10 @@ class DebugConfig:
     """The step at (or during whose checkpoint save) the fault strikes."""
     fault_rank: int = 0
     """The global rank it strikes."""
+    startup_digest: bool = False
+    """Add summary.json's startup.weights_digest: sha256 of the consolidated fp32 weights
+    when the engine is ready (step 0), equal at every layout for one train.seed. Gathers the
+    whole model on every rank: for tests and small models only."""
 
 
 @dataclass
@@ -692,6 +696,11 @@ class PlanConfig:
     a layout fits when its total plus this is within the GPU's memory."""
     max_micro_batch: int = 1024
     """The largest micro-batch the search tries."""
+    host_memory_gb: Optional[float] = None
+    """Host memory of one node, GiB: a layout whose start-up needs more host memory on a
+    node (offload's states, FSDP's CPU offload) is refused, like one that overflows the
+    GPU. null: this machine's memory when planning for this machine (recipe=auto), else
+    the column is shown and not checked."""
 
 
 @dataclass

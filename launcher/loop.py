@@ -44,6 +44,8 @@ class Job:
     flops_per_token: float
     compute_dtype: torch.dtype | None
     preemption: Preemption
+    startup: dict | None = None
+    """This rank's start-up figures (launcher.device.startup_peaks), taken when the engine was ready."""
 
 
 def run(job: Job) -> int:
@@ -197,9 +199,12 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 def summarize(job: Job, history: list[dict], steps_run: int) -> dict:
-    """Final figures (rank 0's view) plus a digest of each rank's weights."""
+    """Final figures (rank 0's view) plus a digest of each rank's weights and every rank's
+    start-up figures."""
     digests = [None] * job.world_size
     dist.all_gather_object(digests, weights_digest(job.engine))
+    startups = [None] * job.world_size
+    dist.all_gather_object(startups, job.startup)
     if job.rank != 0:
         return {"steps": job.cfg.train.steps}
     # Skip the first interval (start-up, allocator warm-up) when there are more.
@@ -219,6 +224,8 @@ def summarize(job: Job, history: list[dict], steps_run: int) -> dict:
         "world_size": job.world_size,
         "weights_digest_per_rank": digests,
     }
+    if all(startups):  # per rank, in rank order: launcher.device.startup_peaks
+        out["startup"] = {key: [s[key] for s in startups] for key in startups[0]}
     if history and "mem/activation_bytes" in history[-1]:
         out["activation_bytes"] = history[-1]["mem/activation_bytes"]
     return out

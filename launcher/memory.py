@@ -83,6 +83,11 @@ def _param_counts(key: tuple) -> ParamCounts:
                        block=count(model.layers[0]), final_norm=count(model.norm), n_blocks=len(model.layers))
 
 
+def largest_param(m: ModelConfig) -> int:
+    """Elements of the model's largest parameter (the embedding, or a SwiGLU matrix)."""
+    return max(m.vocab_size * m.dim, ffn_dim(m) * m.dim)
+
+
 # ----------------------------------------------------------------------------- activations
 @dataclass(frozen=True)
 class Numerics:

@@ -115,18 +115,31 @@ class RankZeroLogger:
         if self.progress is not None:
             self.progress.stop()
         table = Table(title=f"run {self.run_dir.name}", show_header=False)
-        for k, v in summary.items():
+        for k, v in flat_summary(summary).items():
             table.add_row(k, _fmt(v))
         self.console.print(table)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         self.jsonl.close()
         if self.wandb_run is not None:
-            for k, v in summary.items():
+            for k, v in flat_summary(summary).items():
+                if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+                    v = max(v)  # per-rank figures: the worst rank
                 if isinstance(v, (int, float, str)):
                     self.wandb_run.summary[k] = v
             self.wandb_run.finish()
         if self.tb is not None:
             self.tb.close()
+
+
+def flat_summary(summary: dict) -> dict:
+    """Nested groups as `group/key` (startup/host_peak_bytes: one value per rank)."""
+    out = {}
+    for k, v in summary.items():
+        if isinstance(v, dict) and k != "model_state_where":
+            out.update({f"{k}/{kk}": vv for kk, vv in v.items()})
+        else:
+            out[k] = v
+    return out
 
 
 def _fmt(v) -> str:

@@ -70,10 +70,19 @@ class Row:
     cost: float = math.nan
     """Time per token relative to the recommended row (1.0 = the cheapest)."""
     recommended: bool = False
+    startup: int = 0
+    """Device bytes one rank holds when its engine is ready, before step 1 (start_up())."""
+    startup_host_node: int = 0
+    """Host bytes the ranks of one node hold then, beyond their processes' baseline."""
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optim - sum(self.host.values()) + self.activations + self.temp
+
+    @property
+    def peak(self) -> int:
+        """What the device must hold: the training step's total, or start-up when it is larger."""
+        return max(self.total, self.startup)
 
 
 @dataclass
@@ -82,6 +91,8 @@ class Hardware:
     gpus_per_node: int
     nnodes: int
     tflops: float
+    host_bytes: int | None = None
+    """Host memory of one node (plan.host_memory_gb); None: start-up's host bytes are shown, not checked."""
 
     @property
     def world(self) -> int:
@@ -172,6 +183,50 @@ def model_states(cfg: Config, layout: Layout,
             host[k] = int(h)
             where[k] = "cpu" if not d else ("device+cpu" if h else "device")
     return params, grads, optim, where, host
+
+
+# ----------------------------------------------------------------------------- start-up
+def start_up(cfg: Config, layout: Layout) -> tuple[int, int]:
+    """(device bytes, host bytes) one rank holds when its engine is ready, before step 1:
+    the model is built on the meta device and each rank allocates only its part
+    (launcher/models/init.py); what the engine adds before the first step is the recipe's
+    own. P is what the rank holds before data-parallel sharding (param_share), Ψ the
+    whole model, w the bytes of DeepSpeed's weights (2 in bf16/fp16, 4 in fp32), n the
+    data-parallel size. docs/memory.md derives each line; tests/test_startup.py measures them.
+
+      ddp                4P weights + 4P DDP's gradient buckets (allocated at construction)
+      tp, pp             4P weights (Adam's moments appear in the first step)
+      fsdp, tp_fsdp      4P/n weight shards (cpu_offload: in host memory)
+      zero1, zero2       wΨ weights + 4Ψ/n fp32 master shard + 4Ψ/n fp32 gradient shard
+                         (DeepSpeed's optimizer set-up)
+      zero2_offload      device: wΨ weights + wΨ/n upload copy of the shard + wL copy buffer;
+                         host: 4Ψ/n master + 4Ψ/n fp32 gradient shard + wL copy buffer
+      zero3              wΨ/n weight partition + wΨ/n gradient partitions + 4Ψ/n master
+                         + 4Ψ/n the set-up's gradient buffer
+      zero3_offload      host: all of zero3's + 4Ψ/n the fp32 gradients of the CPU update
+    (L: the largest parameter's elements.) Reading model.pretrained adds at most one 16 MiB
+    chunk per rank (launcher/models/weights.py)."""
+    P = param_share(cfg, layout)
+    n = layout.dp
+    psi = M.ParamCounts.of(cfg.model).total
+    w = 4 if cfg.precision.name == Precision.fp32 else 2
+    if layout.shard == "none":
+        return (8 if layout.recipe == "ddp" else 4) * P, 0
+    if layout.fsdp:
+        shard = 4 * P // n
+        offload = getattr(getattr(cfg.recipe, "fsdp", None), "cpu_offload", False) and layout.recipe == cfg.recipe.name
+        return (0, shard) if offload else (shard, 0)
+    if layout.shard in ("zero1", "zero2"):
+        if layout.offload_optim:
+            largest = w * M.largest_param(cfg.model)
+            return w * psi + w * psi // n + largest, 8 * psi // n + largest
+        return w * psi + 8 * psi // n, 0
+    weights, grads, optimizer = w * psi // n, w * psi // n, 8 * psi // n
+    if layout.offload_optim:
+        optimizer += 4 * psi // n  # the CPU update's fp32 gradients
+    device = (0 if layout.offload_params else weights) + (0 if layout.offload_optim else grads + optimizer)
+    host = (weights if layout.offload_params else 0) + (grads + optimizer if layout.offload_optim else 0)
+    return device, host
 
 
 # ----------------------------------------------------------------------------- step memory
@@ -301,28 +356,37 @@ def layout_for(cfg: Config, world: int) -> Layout:
     raise ValueError(f"the planner has no layout for recipe {cfg.recipe.name} (tp={tp}, pp={pp}) on {world} ranks")
 
 
-def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int) -> Row:
+def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | None = None) -> Row:
     params, grads, optim, where, host = model_states(cfg, layout)
     act = activations(cfg, layout, ac, b)
     tmp = temporaries(cfg.model, cfg.precision.name, layout, ac, cfg.train.ac_every, b, cfg.train.seq_len)
+    device, host_rank = start_up(cfg, layout)
+    per_node = min(hw.gpus_per_node, hw.world) if hw is not None else 1
     return Row(layout=layout, ac=ac, micro_batch=b, fits=False, params=params, grads=grads, optim=optim,
-               activations=act, temp=tmp, where=where, host=host)
+               activations=act, temp=tmp, where=where, host=host, startup=device,
+               startup_host_node=host_rank * per_node)
+
+
+def fits(cfg: Config, hw: Hardware, row: Row) -> bool:
+    """The step and the start-up both fit the GPU (less plan.reserve_gb), and start-up fits
+    the node's host memory when it is known: a layout that cannot start never fits."""
+    budget = hw.gpu_bytes - int(cfg.plan.reserve_gb * GiB)
+    return row.peak <= budget and (hw.host_bytes is None or row.startup_host_node <= hw.host_bytes)
 
 
 def largest_fitting(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode) -> Row:
     """Binary search on the micro-batch: memory grows with it, monotonically."""
-    budget = hw.gpu_bytes - int(cfg.plan.reserve_gb * GiB)
-    fits = lambda b: memory_row(cfg, layout, ac, b).total <= budget  # noqa: E731
-    if not fits(1):
-        return memory_row(cfg, layout, ac, 1)
+    fits_at = lambda b: fits(cfg, hw, memory_row(cfg, layout, ac, b, hw))  # noqa: E731
+    if not fits_at(1):
+        return memory_row(cfg, layout, ac, 1, hw)
     lo, hi = 1, 2
-    while hi <= cfg.plan.max_micro_batch and fits(hi):
+    while hi <= cfg.plan.max_micro_batch and fits_at(hi):
         lo, hi = hi, hi * 2
     hi = min(hi, cfg.plan.max_micro_batch + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    row = memory_row(cfg, layout, ac, lo)
+        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
+    row = memory_row(cfg, layout, ac, lo, hw)
     row.fits = True
     return row
 
@@ -332,14 +396,13 @@ def plan(cfg: Config, hw: Hardware, available: set[str], micro_batch: int | None
     rows are for that micro-batch; otherwise each row has its largest fitting one."""
     cfg = planned_model(cfg)
     rows = []
-    budget = hw.gpu_bytes - int(cfg.plan.reserve_gb * GiB)
     for layout in candidates(cfg, hw, available):
         for ac in (ACMode.none, ACMode.selective, ACMode.full):
             if micro_batch is None:
                 row = largest_fitting(cfg, hw, layout, ac)
             else:
-                row = memory_row(cfg, layout, ac, micro_batch)
-                row.fits = row.total <= budget
+                row = memory_row(cfg, layout, ac, micro_batch, hw)
+                row.fits = fits(cfg, hw, row)
             row.step_time_s, row.tokens_per_step = step_time(cfg, hw, layout, ac, row.micro_batch)
             rows.append(row)
     fitting = [r for r in rows if r.fits]
@@ -374,11 +437,12 @@ def recommended(rows: list[Row]) -> Row | None:
 
 
 def no_fit_message(rows: list[Row], hw: Hardware, reserve_gb: float) -> str:
-    smallest = min(rows, key=lambda r: r.total)
-    need = smallest.total / GiB + reserve_gb
+    smallest = min(rows, key=lambda r: r.peak)
+    need = smallest.peak / GiB + reserve_gb
+    what = "at start-up" if smallest.startup > smallest.total else "at micro-batch 1"
     return (f"nothing fits in {hw.gpu_bytes / GiB:.0f} GiB per GPU on {hw.world} GPU(s): the smallest is "
-            f"{smallest.layout.label} with activation checkpointing {smallest.ac.value} at micro-batch 1, "
-            f"{smallest.total / GiB:.1f} GiB + {reserve_gb:g} GiB reserve; it needs GPUs with at least "
+            f"{smallest.layout.label} with activation checkpointing {smallest.ac.value} {what}, "
+            f"{smallest.peak / GiB:.1f} GiB + {reserve_gb:g} GiB reserve; it needs GPUs with at least "
             f"{math.ceil(need)} GiB, or more GPUs, or a shorter train.seq_len")
 
 
@@ -389,7 +453,8 @@ def to_json(rows: list[Row], hw: Hardware) -> str:
         d["layout"] = asdict(r.layout) | {"label": r.layout.label, "overrides": r.layout.overrides()}
         d["ac"] = r.ac.value
         d["total"] = r.total
-        d["headroom"] = hw.gpu_bytes - r.total
+        d["peak"] = r.peak
+        d["headroom"] = hw.gpu_bytes - r.peak
         return d
 
     return json.dumps({"gpu_bytes": hw.gpu_bytes, "world": hw.world, "rows": [row(r) for r in rows]}, indent=1)
@@ -400,7 +465,7 @@ def table(rows: list[Row], hw: Hardware, title: str):
 
     t = Table(title=title, show_lines=False)
     for col in ("", "layout", "AC", "micro-batch", "params", "grads", "optim", "activations", "temp", "total",
-                "headroom", "cost"):
+                "start-up", "host/node", "headroom", "cost"):
         t.add_column(col, justify="left" if col in ("layout", "AC", "") else "right")
     gb = lambda v: f"{v / GiB:,.2f}"  # noqa: E731
     for r in rows:
@@ -408,10 +473,13 @@ def table(rows: list[Row], hw: Hardware, title: str):
         place = lambda k, v: gb(v) + ("*" if r.host.get(k) else "")  # noqa: E731
         t.add_row(mark, r.layout.label, r.ac.value, str(r.micro_batch) if r.fits else "-",
                   place("params", r.params), place("grads", r.grads), place("optim", r.optim), gb(r.activations),
-                  gb(r.temp), gb(r.total), gb(hw.gpu_bytes - r.total), f"{r.cost:.2f}" if r.fits else "-",
+                  gb(r.temp), gb(r.total), gb(r.startup), gb(r.startup_host_node), gb(hw.gpu_bytes - r.peak),
+                  f"{r.cost:.2f}" if r.fits else "-",
                   style="bold green" if r.recommended else (None if r.fits else "dim"))
-    t.caption = ("GiB per GPU. * = (partly) in host memory (offload); the host part is not counted in total. cost = time per token relative "
-                 "to ★, the recommended row (the cheapest that fits). ✗ = does not fit even at micro-batch 1.")
+    t.caption = ("GiB per GPU. * = (partly) in host memory (offload); the host part is not counted in total. start-up = "
+                 "held when the engine is ready, before step 1; host/node = host memory of one node's ranks then; "
+                 "headroom = GPU memory less the larger of total and start-up. cost = time per token relative "
+                 "to ★, the recommended row (the cheapest that fits). ✗ = does not fit even at micro-batch 1, or cannot start.")
     return t
 
 

@@ -8,6 +8,7 @@ single process with no launcher at all.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import socket
@@ -23,8 +24,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import recipes
 from launcher import config as C
 from launcher import models
+from launcher.models import init
 from launcher.data import build_dataset
-from launcher.device import autocast_dtype, backend_for, local_device
+from launcher.device import (autocast_dtype, backend_for, current_rss, local_device, process_start_time,
+                             returned_to_the_os, startup_peaks)
 from launcher.engine import BuildContext
 from launcher.loop import Job, run
 from launcher.preempt import Preemption
@@ -62,23 +65,45 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_engine(cfg: C.Config, device: torch.device, rank: int, world_size: int, local_rank: int,
-                 run_dir: Path):
-    """The model, built the same on every rank, handed to the recipe's engine."""
-    seed_everything(cfg.train.seed)
-    # Same seed on every rank: identical initial weights without a broadcast.
-    model = models.build(cfg, device)
-    models.set_activation_checkpointing(model, cfg)
-    if cfg.train.compile:
-        for layer in models.decoder_layers(model):
-            layer.compile()
+def build_engine(cfg: C.Config, model: torch.nn.Module, device: torch.device, rank: int, world_size: int,
+                 local_rank: int, run_dir: Path):
+    """The model's structure on the meta device (no storage; models.on_meta, prepared),
+    handed to the recipe's engine: the recipe parallelizes it, then materializes only this
+    rank's part (launcher/models/init.py: the same initial weights at every layout, no
+    broadcast)."""
     return recipes.build(BuildContext(cfg=cfg, model=model, device=device, rank=rank, world_size=world_size,
                                       local_rank=local_rank, grad_accum=C.grad_accum(cfg, world_size),
                                       run_dir=run_dir))
 
 
+def start(cfg: C.Config, device: torch.device, rank: int, world_size: int, local_rank: int, run_dir: Path,
+          started: float):
+    """From a process group to a ready engine: (engine, this rank's start-up figures,
+    launcher.device.startup_peaks). scripts/bench_startup.py measures start-up through here."""
+    recipes.module(cfg)  # its imports (DeepSpeed) belong to the baseline, not to the model
+    seed_everything(cfg.train.seed)
+    model = models.prepare(models.on_meta(cfg), cfg)  # its imports too (transformers); no storage
+    base = current_rss()
+    with returned_to_the_os():
+        engine = build_engine(cfg, model, device, rank, world_size, local_rank, run_dir)
+        startup = startup_peaks(device, started, base, built=init.BUILT_PEAK_RSS)  # engine ready, before step 1
+    if cfg.debug.startup_digest:
+        startup["weights_digest"] = consolidated_digest(engine)
+    return engine, startup
+
+
+def consolidated_digest(engine) -> str:
+    """sha256 of the full fp32 weights (names in order, then bytes), the same on every rank."""
+    h = hashlib.sha256()
+    for name, t in sorted(engine.consolidated_state_dict().items()):
+        h.update(name.encode())
+        h.update(t.float().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
+    started = process_start_time()
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m launcher.train RUN_DIR | RUN_DIR/config.yaml", file=sys.stderr)
@@ -104,13 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     if backend != "gloo":  # stop-signal agreement runs on the CPU, never syncing the GPU
         preemption.group = dist.new_group(backend="gloo")
     try:
-        engine = build_engine(cfg, device, rank, world_size, local_rank, run_dir)
+        engine, startup = start(cfg, device, rank, world_size, local_rank, run_dir, started)
         accum = C.grad_accum(cfg, world_size)
         dp_size = C.data_parallel_size(cfg, world_size)
         job = Job(cfg=cfg, run_dir=run_dir, engine=engine, dataset=build_dataset(cfg, run_dir), device=device, rank=rank,
                   world_size=world_size, dp_rank=C.degrees(cfg, world_size).dp_rank(rank), dp_size=dp_size,
                   grad_accum=accum, flops_per_token=models.flops_per_token(cfg, cfg.train.seq_len),
-                  compute_dtype=autocast_dtype(cfg.precision.name.value), preemption=preemption)
+                  compute_dtype=autocast_dtype(cfg.precision.name.value), preemption=preemption, startup=startup)
         code = run(job)
     finally:
         # gloo aborts at exit without this, and schedulers then mark the job failed.

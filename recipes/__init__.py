@@ -15,15 +15,16 @@ RECIPES: dict[str, str] = {
 }
 
 
-def _module(cfg):
+def module(cfg):
+    """The recipe's module, imported on first use."""
     return importlib.import_module(RECIPES[cfg.recipe.strategy.value])
 
 
 def build(ctx):
     """The engine for `ctx.cfg.recipe.strategy` (see launcher.engine.Engine)."""
-    return _module(ctx.cfg).build(ctx)
+    return module(ctx.cfg).build(ctx)
 
 
 def consolidate(cfg, engine_dir):
     """Full fp32 weights from a checkpoint's engine/ folder, on one process (export)."""
-    return _module(cfg).consolidate(cfg, engine_dir)
+    return module(cfg).consolidate(cfg, engine_dir)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from launcher import models
 from launcher.device import autocast_dtype
 from launcher.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer,
                              build_scheduler, optimizer_state_bytes, tensor_bytes)
@@ -24,7 +25,7 @@ class DDPEngine:
     def __init__(self, ctx: BuildContext):
         cfg = ctx.cfg
         self.cfg, self.device, self.rank = cfg, ctx.device, ctx.rank
-        self.module = ctx.model.to(ctx.device)
+        self.module = models.materialize(ctx.model, cfg, ctx.device)  # replicated: built once, on the device
         opts = cfg.recipe.ddp
         self.model = DDP(
             self.module,

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from launcher import config as C
-from launcher import dcp
+from launcher import dcp, models
 from launcher.device import autocast_dtype
 from launcher.models import model_layout
 from launcher.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
@@ -34,8 +34,11 @@ class ShardedEngine:
         self.cfg, self.device, self.rank = cfg, ctx.device, ctx.rank
         self.deg = C.degrees(cfg, ctx.world_size)
         mesh = build_mesh(self.deg, ctx.device)
-        self.model = ctx.model.to(ctx.device)
+        # Parallelize the meta-device model, then allocate only this rank's shards.
+        self.model = ctx.model
         parallelize(self.model, mesh, self.deg, cfg)
+        offload = C.RECIPE_PARALLELISM[cfg.recipe.strategy.value].shards and cfg.recipe.fsdp.cpu_offload
+        models.materialize(self.model, cfg, ctx.device, storage=torch.device("cpu") if offload else None)
         self.sharded = C.RECIPE_PARALLELISM[cfg.recipe.strategy.value].shards
         # FSDP's mixed-precision policy casts the parameters; without FSDP, autocast does it.
         self.dtype = None if self.sharded else autocast_dtype(cfg.precision.name.value)

@@ -1,9 +1,10 @@
 """`pp`: pipeline parallel with torch.distributed.pipelining. The layers are cut into
 stages at block boundaries (launcher/models/parallel.py: balanced by parameter count, or
 parallel.pp_split); each rank holds its stage (interleaved_1f1b: pp_virtual_stages of
-them, rank r holding stages r, r+pp, ...). Every rank first builds the whole model from
-the same seed, so each stage starts from exactly the weights ddp starts from, then keeps
-its layers and drops the others.
+them, rank r holding stages r, r+pp, ...). Every rank cuts the model while it is still on
+the meta device, then allocates and fills only its layers; the values are those every
+other recipe draws for the same names (launcher/models/init.py), so each stage starts
+from exactly the weights ddp starts from.
 
 The data-parallel rank's batch (micro_batch x grad_accum sequences) goes through the
 schedule as parallel.pp_microbatches micro-batches; the schedule scales gradients by
@@ -27,7 +28,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from launcher import config as C
-from launcher import dcp
+from launcher import dcp, models
 from launcher.device import autocast_dtype
 from launcher.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
                              optimizer_state_bytes, tensor_bytes)
@@ -49,14 +50,15 @@ class PipelineEngine:
         n_stages = C.pipeline_stages(p)
         self.bounds = stage_bounds(C.model_shape(cfg), n_stages, p.pp_split)
         mine = list(range(pp_rank, n_stages, self.deg.pp))
-        full = ctx.model.to(ctx.device)
+        full = ctx.model  # on the meta device: cut first, then allocate only this rank's layers
         self.layout = model_layout(full)
         layers = [i for s in mine for i in range(*self.bounds[s])]
-        self.model = Stage(full, layers)  # all this rank holds, under the full model's names
         self.first, self.last = 0 in mine, n_stages - 1 in mine
+        _drop_the_rest(full, self.layout, layers, self.first, self.last)
+        models.materialize(full, cfg, ctx.device)
+        self.model = Stage(full, layers)  # all this rank holds, under the full model's names
         self.stages = [PipelineStage(Stage(full, range(*self.bounds[s])), s, n_stages, ctx.device,
                                      group=mesh["pp"].get_group()) for s in mine]
-        _drop_the_rest(full, self.layout, layers, self.first, self.last)
 
         schedule = SCHEDULES[p.pp_schedule.value]
         target = self.stages if schedule is ScheduleInterleaved1F1B else self.stages[0]
@@ -140,7 +142,8 @@ class PipelineEngine:
 
 
 def _drop_the_rest(model: nn.Module, layout: Layout, layers: list[int], first: bool, last: bool) -> None:
-    """Free what other stages hold (the full model was built only to start from ddp's weights)."""
+    """Replace what other stages hold by nothing, before anything is allocated (the full
+    model exists only on the meta device)."""
     keep = set(layers)
     blocks = model.get_submodule(layout.layers)
     for i in range(len(blocks)):

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher import ds_config
+from launcher import ds_config, models
 from launcher.device import deepspeed_env
 from launcher.engine import BuildContext, MemoryBreakdown, StepResult, build_scheduler, param_groups
 from launcher.memory import zero_states
@@ -80,9 +80,19 @@ class ZeroEngine:
         self.cfg, self.device, self.rank, self.world_size = cfg, ctx.device, ctx.rank, ctx.world_size
         self.config = ds_config.read(ctx.run_dir, ctx.world_size)
         self.stage = self.config["zero_optimization"]["stage"]
+        if self.stage == 3:  # partitioned as it is built: no rank ever holds the whole model
+            # zero.Init reads the world from deepspeed.comm: join the process group train.py made.
+            deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+            with deepspeed.zero.Init(config_dict_or_path=self.config):
+                model = models.prepare(models.skeleton(cfg, ctx.device), cfg)
+            models.materialize(model, cfg, ctx.device)
+        else:  # stages 0-2 replicate the weights by design: built once, directly on the device,
+            # in the dtype DeepSpeed keeps them in (it would cast an fp32 model: twice the bytes at start-up)
+            low = torch.bfloat16 if self.config["bf16"]["enabled"] else torch.float16 if self.config["fp16"]["enabled"] else None
+            model = models.materialize(models.cast_params(ctx.model, low) if low else ctx.model, cfg, ctx.device)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=ctx.model,
-            model_parameters=param_groups(ctx.model, cfg.optim.weight_decay),
+            model=model,
+            model_parameters=param_groups(model, cfg.optim.weight_decay),
             config=self.config,
             # The project's schedule on DeepSpeed's inner optimizer (see launcher/ds_config.py).
             lr_scheduler=lambda optimizer: build_scheduler(optimizer, cfg),

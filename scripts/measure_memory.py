@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher import ds_config
+from launcher import ds_config, models
 from launcher import plan as planner
 from launcher.cli import compose_config
 from launcher.config import Strategy, validate
@@ -59,7 +59,7 @@ def main() -> None:
         validate(cfg, HostInfo.detect())
         if cfg.recipe.strategy == Strategy.zero:  # what the launch side writes for DeepSpeed
             (tmp / ds_config.FILE).write_text(ds_config.text(ds_config.launch_config(cfg, world, device.type == "cuda")))
-        engine = build_engine(cfg, device, rank, world, rank, tmp)
+        engine = build_engine(cfg, models.prepare(models.on_meta(cfg), cfg), device, rank, world, rank, tmp)
         batch = build_dataset(cfg).__getitems__(list(range(rank * mb, rank * mb + mb))).to(device)
         # A warm-up step first: the pipeline's first step also holds its shape-inference
         # pass; the planner predicts the steady state every later step holds.

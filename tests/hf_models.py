@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -33,4 +34,33 @@ def bad_hf_files() -> dict[str, Path]:
                                   "n_positions": 256, "bos_token_id": 0, "eos_token_id": 0}}.items():
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(fields))
+    return {p.name: p for p in root.iterdir()}
+
+
+def bad_hf_weights() -> dict[str, Path]:
+    """Pretrained folders for the bad-input table, from one tiny Llama saved by
+    save_pretrained: `good`, and copies with a tensor missing, an extra tensor, a tensor
+    of the wrong shape, and the weights file cut short. Made once per test session."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    root = Path(tempfile.mkdtemp(prefix="launcher-hf-weights-"))
+    fields = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    AutoModelForCausalLM.from_config(LlamaConfig(**fields)).save_pretrained(root / "good")
+    good = load_file(root / "good" / "model.safetensors")
+    changed = {
+        "missing": {k: v for k, v in good.items() if k != "model.layers.1.mlp.up_proj.weight"},
+        "extra": {**good, "model.layers.0.mlp.extra.weight": torch.zeros(4, 4)},
+        "shape": {**good, "model.norm.weight": torch.ones(32)},
+    }
+    for name, state in changed.items():
+        (root / name).mkdir()
+        shutil.copy(root / "good" / "config.json", root / name / "config.json")
+        save_file(state, root / name / "model.safetensors", metadata={"format": "pt"})
+    shutil.copytree(root / "good", root / "truncated")
+    file = root / "truncated" / "model.safetensors"
+    os.truncate(file, file.stat().st_size - 100)
     return {p.name: p for p in root.iterdir()}

@@ -9,10 +9,11 @@ import sys
 import pytest
 
 from conftest import REPO
-from hf_models import bad_hf_files
+from hf_models import bad_hf_files, bad_hf_weights
 from launcher import cli
 
 HF = bad_hf_files()  # small config folders for the model=hf rows
+W = bad_hf_weights()  # save_pretrained folders, one good and four broken
 CORPUS = REPO / "tests" / "data" / "hf" / "corpus.jsonl"  # fields: id, text
 
 # (overrides, words the one line must contain)
@@ -131,6 +132,15 @@ CASES = [
     (["model=hf", "model.pretrained=/no/such/dir"], ["model.pretrained=/no/such/dir", "no such folder"]),
     (["model=hf", f"model.pretrained={HF['llama']}"], [f"model.pretrained={HF['llama']}", "no *.safetensors"]),
     (["model=hf", f"model.config={HF['empty']}"], [f"model.config={HF['empty']}", "no config.json"]),
+    # pretrained weights that do not match the config: the tensor and the file are named
+    (["model=hf", f"model.pretrained={W['missing']}", "recipe=fsdp"],
+     ["model.layers.1.mlp.up_proj.weight: missing from", str(W["missing"])]),
+    (["model=hf", f"model.pretrained={W['extra']}", "recipe=tp"],
+     ["model.layers.0.mlp.extra.weight in", f"{W['extra']}/model.safetensors", "not a parameter of the model"]),
+    (["model=hf", f"model.pretrained={W['shape']}", "recipe=zero3"],
+     ["model.norm.weight in", f"{W['shape']}/model.safetensors", "shape (32,)", "(64,)"]),
+    (["model=hf", f"model.pretrained={W['truncated']}", "recipe=pp"],
+     [f"{W['truncated']}/model.safetensors", "model."]),
     (["model=hf", f"model.config={HF['no_such_model']}"], ["'no_such_model'", "not a model transformers", "offline"]),
     (["model=hf", f"model.config={HF['t5']}"], ["'t5'", "no causal-LM class"]),
     (["model=hf", f"model.config={HF['llama']}", "train.seq_len=512"], ["train.seq_len=512", "max_position_embeddings=256"]),

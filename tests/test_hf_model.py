@@ -11,6 +11,7 @@ the same weights. Runs are launched once, on first use, and shared by the tests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -36,6 +37,11 @@ RUNS = {
     "tp": (["recipe=tp", "train.activation_checkpointing=selective"], "pretrained"),
     "pp": (["recipe=pp", "parallel.pp_schedule=1f1b"], "pretrained"),
     "zero3": (["recipe=zero3"], "pretrained"),
+    # step 1 only: the same pretrained folder under the other recipes, and random init of its config
+    "ddp_pretrained": (["recipe=ddp", "train.stop_at=1", "checkpoint.every=0"], "pretrained"),
+    "fsdp_pretrained": (["recipe=fsdp", "train.stop_at=1", "checkpoint.every=0"], "pretrained"),
+    "tp_fsdp_pretrained": (["recipe=tp_fsdp", "cluster.nproc_per_node=4", "train.stop_at=1", "checkpoint.every=0"],
+                           "pretrained"),
 }
 
 
@@ -75,7 +81,7 @@ def runs(tmp_path_factory, saved):
 
 def losses(run: Path) -> list[float]:
     rows = read_metrics(run)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4][:len(rows)] and rows, rows
     return [r["loss"] for r in rows]
 
 
@@ -95,7 +101,7 @@ def trained(run: Path, state: dict[str, torch.Tensor]) -> torch.nn.Module:
 
 
 @pytest.mark.slow
-def test_pretrained_weights_give_the_saved_models_own_loss_under_tp_pp_and_zero3(runs, saved):
+def test_pretrained_weights_give_the_saved_models_own_loss_under_every_recipe(runs, saved):
     from transformers import AutoModelForCausalLM
 
     x, y = first_batch(runs("tp"))
@@ -105,6 +111,19 @@ def test_pretrained_weights_give_the_saved_models_own_loss_under_tp_pp_and_zero3
     tp, pp, zero3 = losses(runs("tp")), losses(runs("pp")), losses(runs("zero3"))
     for name, got in (("tp", tp), ("pp", pp), ("zero3", zero3)):
         assert got[0] == pytest.approx(want, rel=1e-5), (name, got[0], want)
+    # Each rank read only the slices it owns (weights.py): ddp whole tensors, fsdp row
+    # shards, tp_fsdp 2-D shards, zero3 flat partitions; all give the saved model's loss.
+    for name in ("ddp_pretrained", "fsdp_pretrained", "tp_fsdp_pretrained"):
+        got = losses(runs(name))
+        assert len(got) == 1 and got[0] == pytest.approx(want, rel=1e-5), (name, got, want)
+    # The same config drawn from train.seed instead (the values every rank draws, at any
+    # layout: launcher/models/init.py) is another model.
+    cfg = C.load_frozen(runs("ddp_pretrained"))
+    drawn = models.build(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None,
+                                                                             config=str(saved))), torch.device("cpu"))
+    with torch.no_grad():
+        random = lm_loss(drawn(x), y).item()
+    assert abs(random - want) > 1e-2, (random, want)
     assert tp == pytest.approx(pp, rel=REL) and tp == pytest.approx(zero3, rel=REL)  # and they train alike
     assert tp[-1] < tp[0]
     print(f"step-1 loss: saved model {want:.6f}, tp {tp[0]:.6f}, pp {pp[0]:.6f}, zero3 {zero3[0]:.6f}")

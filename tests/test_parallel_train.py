@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 # Reduction order is all that differs (measured: 1e-7 relative over 20 steps, fp32).
 REL = 1e-4
 COMMON = ["train.steps=20", "optim.warmup_steps=4", "train.seq_len=64", "train.micro_batch=2",
-          "train.global_batch=8", "logger=none", "logger.log_every=1", "checkpoint.every=10"]
+          "train.global_batch=8", "logger=none", "logger.log_every=1", "checkpoint.every=10",
+          "debug.startup_digest=true"]
 STEP10 = "checkpoints/step_00000010"
 
 # name: (overrides, the run it resumes from at step 10 or None[, overrides of a second
@@ -50,6 +51,8 @@ RUNS = {
                     "parallel.sequence_parallel=true"], None),
     "hsdp4_from_tp4_untied": (["recipe=fsdp", "model.tie_embeddings=false", "cluster.nproc_per_node=4",
                                "parallel.dp_replicate=2"], "tp4_untied"),
+    # one process: the weights at step 0 must be those of every layout above
+    "fsdp1": (["recipe=fsdp", "cluster.nproc_per_node=1", "train.stop_at=1", "checkpoint.every=0"], None),
     # bf16: FSDP's mixed-precision policy; the first 8 of the 20 steps
     "fsdp_bf16": (["recipe=fsdp", "precision=bf16", "train.stop_at=8", "recipe.fsdp.cpu_offload=true",
                    "recipe.fsdp.reshard_after_forward=false"], None),
@@ -111,6 +114,26 @@ def test_resume_at_another_layout_continues_the_loss(runs, name):
     worst = assert_same_losses(run, runs("ddp"), range(11, 21))
     print(f"{name}: max relative loss difference to ddp {worst:.1e}")
     assert losses(run)[11] == pytest.approx(losses(source)[11], rel=REL)
+
+
+def test_initial_weights_do_not_depend_on_the_layout(runs):
+    """train.seed alone decides the weights at step 0: every rank of every layout fills its
+    own part (a shard, a stage, a tensor-parallel slice) with the values the whole model
+    has there (launcher/models/init.py), so the consolidated weights are the same bytes at
+    1, 2 and 4 ranks under ddp, fsdp, tp, pp and tp_fsdp."""
+    def digests(name):
+        startup = json.loads((runs(name) / "summary.json").read_text())["startup"]
+        assert startup["host_peak_bytes"] and all(s > 0 for s in startup["seconds"]), startup
+        assert startup["device_peak_bytes"] == [None] * len(startup["seconds"])  # CPU
+        return startup["weights_digest"]
+
+    tied = {name: digests(name) for name in ("ddp", "fsdp1", "fsdp_from_tp", "fsdp", "tp", "pp", "tp_fsdp4",
+                                              "pp_interleaved4_from_ddp", "one_from_pp")}
+    assert {len(d) for d in tied.values()} == {1, 2, 4}  # world sizes 1 (fsdp1, one_from_pp), 2 and 4
+    assert len({x for d in tied.values() for x in d}) == 1, tied
+    untied = {name: digests(name) for name in ("ddp_untied", "tp4_untied", "hsdp4_from_tp4_untied")}
+    assert len({x for d in untied.values() for x in d}) == 1, untied
+    assert untied["ddp_untied"] != tied["ddp"]
 
 
 def test_relaunch_of_the_run_directory_on_more_ranks_continues(runs):
@@ -199,6 +222,6 @@ def test_bf16_uses_fsdp_mixed_precision(runs):
     assert [r["step"] for r in bf16] == list(range(1, 9))
     diffs = [abs(r["loss"] - fp32[r["step"]]) / fp32[r["step"]] for r in bf16]
     assert 1e-6 < max(diffs) < 2e-2, diffs
-    assert bf16[-1]["loss"] < 0.9 * bf16[0]["loss"]
+    assert bf16[-1]["loss"] < 0.95 * bf16[0]["loss"]  # it learns (about 0.90 after 8 steps, as fp32 does)
     summary = json.loads((runs("fsdp_bf16") / "summary.json").read_text())
     assert summary["model_state_bytes"] == 16 * num_params(_model()) // 2 + 4 * 38

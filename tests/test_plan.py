@@ -78,13 +78,33 @@ def test_plan_table_json_and_chart(tmp_path):
             assert (r["host"][k] == 0) == (r["where"][k] == "device")
             assert (r["host"][k] == r[k]) == (r["where"][k] == "cpu")
         assert r["total"] == on_device + r["activations"] + r["temp"]
-        assert r["fits"] == (r["total"] <= budget)
+        assert r["peak"] == max(r["total"], r["startup"]) and r["startup"] > 0 or r["layout"]["offload_params"]
+        assert r["fits"] == (r["peak"] <= budget)
     if any(r["fits"] for r in rows):
         assert len(best) == 1 and best[0]["cost"] == 1.0
         assert all(r["cost"] >= 1.0 for r in rows if r["fits"])
     assert chart.stat().st_size > 10_000 and chart.read_bytes()[:4] == b"\x89PNG"
     table = run_plan(*args).stdout
-    assert "params" in table and "activations" in table and "headroom" in table
+    assert "params" in table and "activations" in table and "headroom" in table and "start-up" in table
+
+
+def test_start_up_column_for_a_7b_model_on_24_gib_gpus():
+    """Built on meta and sharded before anything is allocated, fsdp starts with 4Ψ/8 on
+    each of 8 GPUs (before: the whole fp32 model, 25 GiB, on every one), ddp with the
+    whole model and its buckets; the offload recipes' host memory per node is refused
+    when the node does not have it, and allowed when it does."""
+    args = ["model=gpt_7b", "cluster.gpus_per_node=8", "cluster.gpu_memory_gb=24", "--json"]
+    psi = ParamCounts.of(cli.compose_config(["model=gpt_7b"])[0].model).total
+    rows = json.loads(run_plan(*args).stdout)["rows"]
+    by = {r["layout"]["label"]: r for r in rows if r["ac"] == "full"}
+    assert by["fsdp (dp8)"]["startup"] == 4 * psi // 8 and by["fsdp (dp8)"]["fits"]
+    assert by["ddp (dp8)"]["startup"] == 8 * psi
+    assert by["zero3 (dp8)"]["startup"] == 12 * psi // 8  # bf16: 2 + 2 + 4 + 4 bytes per Ψ/N
+    offload = [r for r in rows if r["layout"]["recipe"] in ("zero2_offload", "zero3_offload")]
+    assert all(r["startup_host_node"] > 16 * 2**30 for r in offload) and any(r["fits"] for r in offload)
+    small_host = json.loads(run_plan(*args, "plan.host_memory_gb=16").stdout)["rows"]
+    assert not any(r["fits"] for r in small_host if r["layout"]["recipe"] in ("zero2_offload", "zero3_offload"))
+    assert any(r["recommended"] for r in small_host)  # something that can start is still recommended
 
 
 def test_activation_checkpointing_shrinks_the_plan():

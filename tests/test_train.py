@@ -66,6 +66,18 @@ def test_default_run_learns_logs_and_checkpoints(run_dir):
         for name in ("loss", "tokens_per_s", "mfu", "mem/peak_bytes", "mem/model_state_bytes"):
             assert logged[name] == pytest.approx(row[name], rel=1e-12), name
 
+    # Start-up per rank in summary.json; the worst rank in W&B's summary and on the console.
+    startup = summary["startup"]
+    assert len(startup["host_peak_bytes"]) == 2 and startup["device_peak_bytes"] == [None, None]
+    for peak, base, built in zip(startup["host_peak_bytes"], startup["host_base_bytes"],
+                                 startup["host_built_peak_bytes"]):
+        assert peak >= built >= base > 0
+    assert all(0 < s < 120 for s in startup["seconds"])
+    in_wandb = wandb_file.summary(runs[0])
+    assert in_wandb["startup/host_peak_bytes"] == max(startup["host_peak_bytes"])
+    assert in_wandb["startup/seconds"] == max(startup["seconds"])
+    assert "startup/host_peak_bytes" in proc.stdout
+
 
 def test_resume_continues_bit_identically(tmp_path):
     common = ["train.steps=20", "optim.warmup_steps=4", "logger=none", "logger.log_every=1", "checkpoint.every=10"]

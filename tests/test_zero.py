@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 # 20 steps, global batch 16 = micro-batch 4 x 2 accumulation x 2 ranks; the same global
 # batch at 1 and 4 ranks (accumulation 4 and 1), so runs at any world size see the same data.
 FP32 = ["precision=fp32", "train.steps=20", "optim.warmup_steps=5", "logger=none", "logger.log_every=1",
-        "train.micro_batch=4", "train.global_batch=16"]
+        "train.micro_batch=4", "train.global_batch=16", "debug.startup_digest=true"]
 FP32_REL = 1e-4  # the issue's bound; measured: about 1e-7
 BF16_REL = 2e-3  # bf16 weights (ZeRO) against bf16 autocast with fp32 weights (ddp); measured: < 5e-4
 
@@ -51,6 +51,20 @@ def fp32_runs(tmp_path_factory) -> dict[str, Path]:
         launch(f"recipe={recipe}", *FP32, *ckpt, run_dir=root / recipe)
         runs[recipe] = root / recipe
     return runs
+
+
+def startup(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())["startup"]
+
+
+def test_zero_stages_start_from_ddps_weights(fp32_runs):
+    """zero3's model is built inside deepspeed.zero.Init (each rank fills only its
+    partitions), zero1/2's directly on the device: the consolidated weights at step 0 are
+    ddp's, bit for bit (launcher/models/init.py)."""
+    want = startup(fp32_runs["ddp"])["weights_digest"]
+    assert len(set(want)) == 1
+    for recipe in ("zero1", "zero2", "zero3"):
+        assert startup(fp32_runs[recipe])["weights_digest"] == want, recipe
 
 
 def test_zero_stages_give_ddp_losses_in_fp32(fp32_runs):

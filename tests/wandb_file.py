@@ -74,3 +74,13 @@ def run_info(path: Path) -> dict:
                 config[key] = json.loads(item.value_json)
             return {"id": rec.run.run_id, "project": rec.run.project, "config": config}
     raise AssertionError(f"{path} holds no run record")
+
+
+def summary(path: Path) -> dict:
+    """The run's summary as its last summary records leave it: {key: value}."""
+    out = {}
+    for rec in records(path):
+        if rec.WhichOneof("record_type") == "summary":
+            for item in rec.summary.update:
+                out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return out

@@ -61,25 +61,91 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def build(cfg: Config, device: torch.device) -> nn.Module:
-    """The model on `device`, initialised from the RNG state the caller seeded (the same
-    on every rank), or from model.pretrained's weights."""
-    if cfg.model.kind == ModelKind.hf:
-        from launcher.models import hf
-
-        return hf.build(cfg.model, device)
-    from launcher.models.gpt import GPT
-
-    with torch.device(device):
-        return GPT(cfg.model)
+    """The whole model on `device`: built on meta, then materialized (drawn from
+    train.seed, or read from model.pretrained). Recipes that split the model do not call
+    this: they parallelize `on_meta(cfg)` first and `materialize` their part."""
+    return materialize(on_meta(cfg), cfg, device)
 
 
 def on_meta(cfg: Config) -> nn.Module:
     """The model's structure on the meta device: names and shapes, no storage."""
+    return skeleton(cfg, torch.device("meta"))
+
+
+def skeleton(cfg: Config, device: torch.device) -> nn.Module:
+    """The model's modules on `device` with their parameters allocated but not drawn
+    (torch's and transformers' own init skipped: materialize fills them). On meta
+    nothing is allocated; under deepspeed.zero.Init each module is partitioned as soon
+    as it is built."""
+    from launcher.models.init import skip_torch_init
+
+    with skip_torch_init(), torch.device(device):
+        if cfg.model.kind == ModelKind.hf:
+            from launcher.models import hf
+
+            return hf.build(cfg.model, device)
+        from launcher.models.gpt import GPT
+
+        return GPT(cfg.model)
+
+
+def materialize(model: nn.Module, cfg: Config, device: torch.device, storage: torch.device | None = None) -> nn.Module:
+    """Storage on `storage` (default `device`; the host for FSDP's CPU offload) for the
+    part of `model` this rank holds (all of it, an FSDP or tensor-parallel shard, a
+    pipeline stage, a ZeRO-3 partition), its buffers computed, its parameters drawn
+    layout-independently from train.seed on `device` or read from the owned slices of
+    model.pretrained (launcher/models/init.py). No collective."""
+    from launcher.models import init
+
+    return init.materialize(model, device, init_specs(cfg), cfg.train.seed, layout(cfg).tied_names(),
+                            init_buffers, cfg.model.pretrained if cfg.model.kind == ModelKind.hf else None,
+                            storage=storage)
+
+
+def cast_params(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The parameters (not the buffers: the rotary table stays fp32) in `dtype`, ties kept.
+    Meant for a model still on meta, where it costs nothing."""
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_floating_point():
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                module._parameters[name] = new[id(p)]
+    return model
+
+
+def prepare(model: nn.Module, cfg: Config) -> nn.Module:
+    """What every recipe wants before it parallelizes: activation checkpointing marked,
+    and each decoder layer compiled (lazily: traced at the first forward, after the
+    recipe sharded it)."""
+    set_activation_checkpointing(model, cfg)
+    if cfg.train.compile:
+        for layer in decoder_layers(model):
+            layer.compile()
+    return model
+
+
+def init_specs(cfg: Config) -> dict:
+    """Parameter name -> InitSpec: what each parameter is drawn from."""
     if cfg.model.kind == ModelKind.hf:
         from launcher.models import hf
 
-        return hf.build(cfg.model, torch.device("meta"), weights=False)
-    return build(cfg, torch.device("meta"))
+        return hf.init_specs(cfg.model)
+    from launcher.models.gpt import init_specs as gpt_specs
+
+    return gpt_specs(cfg.model)
+
+
+def init_buffers(model: nn.Module, device: torch.device) -> None:
+    """Computed buffers (rotary tables) of every model inside `model`, on `device`."""
+    from launcher.models.gpt import GPT
+
+    for module in list(model.modules()):
+        if isinstance(module, GPT):
+            module.init_buffers()
+        elif hasattr(module, "hf") and hasattr(module, "init_buffers"):
+            module.init_buffers()
 
 
 def set_activation_checkpointing(model: nn.Module, cfg: Config) -> None:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from launcher.config import ACMode, ModelConfig, ffn_dim
+from launcher.models.init import InitSpec, init_skipped
 
 
 class RMSNorm(nn.Module):
@@ -111,32 +112,36 @@ class GPT(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+            self.output = tied_head(self.tok_embeddings.weight)
+        else:
+            self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Not a parameter or persistent buffer: rebuilt on load, never checkpointed.
         self.register_buffer("rope", rotary_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta),
                              persistent=False)
         self.checkpointed: set[int] = set()  # block indices recomputed in backward
-        self.init_weights()
+        # A GPT built on its own (tests, the hand-written bench loops) draws its weights from
+        # torch's global RNG, as any nn.Module. The launcher builds it under skip_torch_init
+        # on the meta device instead, and each rank fills only its part with values that do
+        # not depend on the layout (launcher/models/init.py, with init_specs below).
+        if not init_skipped():
+            self.init_weights()
 
     # -------------------------------------------------------------------------- init
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2 style: normal(0, std), residual projections scaled by 1/sqrt(2 n_layers)."""
-        std = self.cfg.init_std
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
-        if not self.cfg.tie_embeddings:
-            nn.init.normal_(self.output.weight, std=std)
-        for layer in self.layers:
-            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv,
-                        layer.feed_forward.w1, layer.feed_forward.w3):
-                nn.init.normal_(lin.weight, std=std)
-            for lin in (layer.attention.wo, layer.feed_forward.w2):
-                nn.init.normal_(lin.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
-            layer.attention_norm.weight.fill_(1.0)
-            layer.ffn_norm.weight.fill_(1.0)
-        self.norm.weight.fill_(1.0)
+        """Standalone init from torch's RNG, by the rule init_specs() writes down."""
+        specs = init_specs(self.cfg)
+        for name, p in self.named_parameters():
+            spec = specs[name]
+            if spec.kind == "normal":
+                nn.init.normal_(p, std=spec.std)
+            else:
+                p.fill_(1.0 if spec.kind == "ones" else 0.0)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The rotary table (not a parameter: computed, never loaded)."""
         self.rope.copy_(rotary_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta))
 
     # -------------------------------------------------------------------------- forward
@@ -164,6 +169,37 @@ class GPT(nn.Module):
         12 * layers * dim * seq_len (PaLM appendix B). Recomputation is not counted:
         MFU measures useful work."""
         return flops_per_token(self.cfg, seq_len)
+
+
+def tied_head(weight: nn.Parameter) -> nn.Linear:
+    """An nn.Linear whose weight is `weight` (the embedding's), made without allocating a
+    weight of its own first: under deepspeed.zero.Init that weight would be built and
+    partitioned only to be dropped (vocab x dim bytes held through start-up)."""
+    head = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(head)  # not nn.Linear's __init__, which allocates (and zero.Init would partition)
+    head.out_features, head.in_features = tuple(getattr(weight, "ds_shape", weight.shape))  # ZeRO-3: the full shape
+    head.weight = weight
+    head.register_parameter("bias", None)
+    return head
+
+
+def init_specs(cfg: ModelConfig) -> dict[str, InitSpec]:
+    """GPT-2 style, by parameter name: normal(0, init_std); the residual projections (wo,
+    w2) scaled by 1/sqrt(2 n_layers), so the residual stream's variance does not grow with
+    depth; norms ones. A tied head shares the embedding's entry."""
+    std = cfg.init_std
+    resid = InitSpec(std=std / math.sqrt(2 * cfg.n_layers))
+    specs = {"tok_embeddings.weight": InitSpec(std=std), "norm.weight": InitSpec("ones")}
+    if not cfg.tie_embeddings:
+        specs["output.weight"] = InitSpec(std=std)
+    for i in range(cfg.n_layers):
+        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            specs[f"layers.{i}.{name}.weight"] = InitSpec(std=std)
+        for name in ("attention.wo", "feed_forward.w2"):
+            specs[f"layers.{i}.{name}.weight"] = resid
+        for name in ("attention_norm", "ffn_norm"):
+            specs[f"layers.{i}.{name}.weight"] = InitSpec("ones")
+    return specs
 
 
 def run_layers(layers, h: torch.Tensor, rope: torch.Tensor, checkpointed: set[int]) -> torch.Tensor:

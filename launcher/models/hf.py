@@ -33,6 +33,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no "Loading weights" bars in every rank's log
 
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
@@ -119,20 +120,83 @@ def model_vocab_size(cfg: Config) -> int:
 
 
 # ----------------------------------------------------------------------------- building
-def build(m: ModelConfig, device: torch.device, weights: bool = True) -> "HFCausalLM":
-    """from_pretrained (model.pretrained, `weights`) or from_config (random init from the
-    caller's RNG state) on `device`, in fp32 (the master weights), in training mode."""
+def build(m: ModelConfig, device: torch.device) -> "HFCausalLM":
+    """The model's structure from its config (model.config, or model.pretrained's
+    config.json) on `device` (the launcher builds on meta; launcher.models.materialize then
+    draws or reads the weights, each rank only its part), in fp32, in training mode."""
     from transformers import AutoModelForCausalLM
 
+    from transformers.initialization import no_init_weights
+
+    from launcher.models.init import init_skipped
+
     kwargs = dict(dtype=torch.float32, attn_implementation=m.attn_implementation.value)
-    if m.pretrained is not None and weights and device.type != "meta":
-        model = AutoModelForCausalLM.from_pretrained(m.pretrained, local_files_only=True, **kwargs).to(device)
-    else:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config(m)), **kwargs)
-    model.train()  # from_pretrained returns eval mode: no dropout, and no gradient checkpointing
+    skip = no_init_weights() if init_skipped() else contextlib.nullcontext()
+    with torch.device(device), skip:
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config(m)), **kwargs)
+        model.tie_weights()  # no_init_weights skips the tying post_init does
+    model.train()  # training mode: dropout as configured, gradient checkpointing allowed
     model.config.use_cache = False
     return HFCausalLM(model)
+
+
+def init_specs(m: ModelConfig) -> dict:
+    """Parameter name -> InitSpec, as transformers' own `_init_weights` initialises this
+    model type: its calls are recorded on the meta-device structure (normal_, ones_,
+    zeros_, constant_ of transformers.initialization; an embedding's padding row zeroed).
+    A parameter it leaves alone gets normal(0, initializer_range) when it is a matrix,
+    ones when it is a vector named weight, zeros otherwise."""
+    return dict(_init_specs(*source(m), m.attn_implementation.value))
+
+
+@functools.lru_cache(maxsize=8)
+def _init_specs(key: str, path: str, attn: str) -> tuple:
+    from transformers import initialization as hf_init
+
+    from launcher.models.init import InitSpec
+
+    model = _meta(key, path, attn)
+    names: dict[int, list[str]] = {}  # a tied weight has two names
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    params = {id(p): p for p in model.parameters()}
+    specs: dict[str, InitSpec] = {}
+
+    def record(kind: str):
+        def call(tensor, *args, **kwargs):
+            if id(tensor) in names:
+                std = kwargs.get("std", args[1] if len(args) > 1 else 1.0) if kind == "normal" else 0.0
+                for name in names[id(tensor)]:
+                    specs[name] = InitSpec(kind, float(std))
+            elif tensor._base is not None and id(tensor._base) in params and kind == "zeros":  # padding row
+                base = tensor._base
+                row = tensor.storage_offset() // base.stride(0)
+                for name in names[id(base)]:
+                    if name in specs:
+                        specs[name] = InitSpec(specs[name].kind, specs[name].std, zero_row=row)
+            return tensor
+        return call
+
+    def constant(tensor, val):
+        return record("ones" if val == 1 else "zeros")(tensor) if val in (0, 1) else tensor
+
+    patched = {"normal_": record("normal"), "ones_": record("ones"), "zeros_": record("zeros"), "constant_": constant}
+    saved = {k: getattr(hf_init, k) for k in patched}
+    try:
+        for k, f in patched.items():
+            setattr(hf_init, k, f)
+        for module in model.hf.modules():
+            if list(module.parameters(recurse=False)):
+                model.hf._init_weights(module)
+    finally:
+        for k, f in saved.items():
+            setattr(hf_init, k, f)
+    std = getattr(model.hf.config, "initializer_range", None) or 0.02
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name not in specs:
+            specs[name] = (InitSpec(std=std) if p.dim() >= 2 else
+                           InitSpec("ones" if name.endswith("weight") else "zeros"))
+    return tuple(specs.items())
 
 
 class HFCausalLM(nn.Module):
@@ -168,6 +232,22 @@ class HFCausalLM(nn.Module):
         for _, layer in layers:
             h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=emb)
         return h
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Computed buffers (the rotary tables), as transformers computes them; every other
+        buffer is refused, since nothing would fill it after materialize's to_empty."""
+        for name, module in self.hf.named_modules():
+            own = list(module.named_buffers(recurse=False))
+            if not own:
+                continue
+            if "RotaryEmbedding" in type(module).__name__:
+                for _, b in own:
+                    b._is_hf_initialized = False
+                self.hf._init_weights(module)
+            else:
+                raise RuntimeError(f"model=hf: {name} ({type(module).__name__}) has buffers "
+                                   f"{[n for n, _ in own]} that the launcher cannot compute after a meta-device build")
 
     def train(self, mode: bool = True):
         self.hf.training = mode
@@ -211,7 +291,7 @@ def _layout_of(model: nn.Module) -> Layout:
 @functools.lru_cache(maxsize=8)
 def _meta(key: str, path: str, attn: str) -> HFCausalLM:
     m = ModelConfig(kind=ModelKind.hf, **{key.split(".")[1]: path}, attn_implementation=HFAttention(attn))
-    return build(m, torch.device("meta"), weights=False)
+    return build(m, torch.device("meta"))
 
 
 def structure(m: ModelConfig) -> HFCausalLM:
@@ -299,6 +379,29 @@ def check(cfg: Config) -> None:
     if can is not None and can.pp and p.pp > 1 and not lay.norm:
         raise ConfigError("parallel.pp", p.pp, f"model_type {c.model_type!r} has no pipeline plan of embedding, "
                           "layers and final norm (transformers' base_model_pp_plan); use fsdp or ZeRO")
+    if m.pretrained is not None:
+        check_weights(m)
+
+
+def check_weights(m: ModelConfig) -> None:
+    """model.pretrained: every parameter of the model is in the folder's *.safetensors with
+    its shape, nothing else is, and no file is cut short (headers and file sizes only;
+    nothing is loaded). A tied head may be absent (save_pretrained stores it once), and
+    buffers a file may carry (an old rotary inv_freq) are ignored. One line naming the
+    tensor and the file, before any rank starts: otherwise each rank would stop at the
+    tensor it owns, some ranks never."""
+    from launcher.models import weights
+
+    model = structure(m)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    ignore = [name for name, _ in model.named_buffers()]
+    tied = model.layout.tied_names()
+    if tied is not None:
+        ignore.append(tied[0])
+    try:
+        weights.check(weights.index(m.pretrained), expected, ignore=ignore)
+    except weights.WeightsError as e:
+        raise ConfigError("model.pretrained", m.pretrained, str(e)) from None
 
 
 # ----------------------------------------------------------------------------- export
