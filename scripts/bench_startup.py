@@ -3,6 +3,7 @@ and models on 2 CPU ranks, in this tree and (optionally) in another commit's tre
 before/after table. Writes bench/startup.md.
 
     python scripts/bench_startup.py --models gpt_1b --recipes fsdp,zero3 --before <commit>
+    python scripts/bench_startup.py --models "" --hf path/to/save_pretrained_folder --recipes fsdp
 
 Each case is one `torchrun --nproc-per-node 2` of this file in --probe mode: a rank
 composes the config, joins a gloo process group and builds the engine exactly as a
@@ -97,14 +98,15 @@ def main() -> int:
     ap.add_argument("--models", default="gpt_1b")
     ap.add_argument("--recipes", default="fsdp,zero3")
     ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--hf", metavar="FOLDER", action="append", default=[],
+                    help="also a save_pretrained folder: model=hf model.pretrained=FOLDER (read shard-wise)")
     ap.add_argument("--before", metavar="REV", help="also measure this commit's tree (the code before a change)")
     ap.add_argument("--out", default=str(REPO / "bench" / "startup.md"))
     args, rest = ap.parse_known_args()
     if args.probe:
         probe(args.probe, rest)
         return 0
-    from launcher import cli
-    from launcher.memory import ParamCounts
+    from launcher import cli, models
 
     trees = {"after": REPO}
     if args.before:
@@ -124,10 +126,12 @@ def main() -> int:
         for recipe in args.recipes.split(","):
             base = run_case(tree, [f"recipe={recipe}", "model=gpt_tiny", f"precision={args.precision}"])
             base_peak = max(r["host_peak_bytes"] for r in base)
-            for model in args.models.split(","):
-                cfg, _, _ = cli.compose_config([f"model={model}"])
-                psi = ParamCounts.of(cfg.model).total
-                rows = run_case(tree, [f"recipe={recipe}", f"model={model}", f"precision={args.precision}"])
+            cases = [(m, [f"model={m}"]) for m in args.models.split(",") if m]
+            cases += [(f"hf:{Path(f).name}", ["model=hf", f"model.pretrained={Path(f).resolve()}"]) for f in args.hf]
+            for model, overrides in cases:
+                cfg, _, _ = cli.compose_config(overrides)
+                psi = sum(p.numel() for p in models.on_meta(cfg).parameters())
+                rows = run_case(tree, [f"recipe={recipe}", *overrides, f"precision={args.precision}"])
                 peak = max(r["host_peak_bytes"] for r in rows)
                 built = max((r["host_built_peak_bytes"] or 0) for r in rows) or None
                 secs = max(r["seconds"] for r in rows)
