@@ -492,7 +492,7 @@ def resolve_auto(overrides: list[str], host: HostInfo) -> tuple[list[str], str |
     if auto_mb:
         chosen.append(f"train.micro_batch={best.micro_batch}")
     print(f"planner chose: {best.layout.label}, activation checkpointing {best.ac.value}, micro-batch "
-          f"{best.micro_batch} ({best.total / 2**30:.2f} of {hw.gpu_bytes / 2**30:.2f} GiB per GPU)", flush=True)
+          f"{best.micro_batch} ({best.peak / 2**30:.2f} of {hw.gpu_bytes / 2**30:.2f} GiB per GPU)", flush=True)
     record = {"chosen": chosen[len(rest):], "plan": json.loads(planner.to_json(rows, hw))}
     return chosen, json.dumps(record, indent=1)
 

@@ -336,8 +336,10 @@ class ModelConfig:
     from nothing."""
     pretrained: Optional[str] = None
     """hf: a local folder with config.json and *.safetensors weights (save_pretrained's
-    layout): AutoModelForCausalLM.from_pretrained, weights loaded in fp32 (the master
-    copy; precision.name decides the compute dtype). Exactly one of config/pretrained."""
+    layout): the structure from its config.json, each rank reading only the tensor slices
+    it holds, in fp32 (the master copy; precision.name decides the compute dtype); names
+    must match the model's own (no key conversion: MoE folders that need transformers'
+    conversion mapping are refused). Exactly one of config/pretrained."""
     attn_implementation: HFAttention = HFAttention.sdpa
     """hf: sdpa (torch's fused attention; the causal mask is implicit, no mask tensor)
     or eager (transformers' matmul-softmax reference: slower, materialises seq^2 scores)."""

@@ -143,8 +143,13 @@ def returned_to_the_os():
     staying in glibc's heap, resident, for the whole run. Measured on CPU (gpt_125m, 2
     ranks, zero3 fp32): start-up peak 10.3 -> 9.0 bytes per parameter, held after it 8.5 ->
     6.5. Afterwards the threshold is glibc's own largest (32 MiB), where its dynamic
-    threshold would settle: steps reuse the heap as before. A no-op elsewhere."""
+    threshold would settle: steps reuse the heap as before (glibc's dynamic adjustment
+    stays off from then on). A no-op elsewhere, and when the user set
+    MALLOC_MMAP_THRESHOLD_ (their choice stands)."""
     libc = None
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        yield
+        return
     try:
         import ctypes
 

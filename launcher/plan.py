@@ -371,7 +371,12 @@ def fits(cfg: Config, hw: Hardware, row: Row) -> bool:
     """The step and the start-up both fit the GPU (less plan.reserve_gb), and start-up fits
     the node's host memory when it is known: a layout that cannot start never fits."""
     budget = hw.gpu_bytes - int(cfg.plan.reserve_gb * GiB)
-    return row.peak <= budget and (hw.host_bytes is None or row.startup_host_node <= hw.host_bytes)
+    return row.peak <= budget and (hw.host_bytes is None or host_per_node(row, hw) <= hw.host_bytes)
+
+
+def host_per_node(row: Row, hw: Hardware) -> int:
+    """Host bytes the ranks of a node need: start-up's, or the offloaded states of the step."""
+    return max(row.startup_host_node, sum(row.host.values()) * min(hw.gpus_per_node, hw.world))
 
 
 def largest_fitting(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode) -> Row:

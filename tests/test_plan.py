@@ -105,6 +105,10 @@ def test_start_up_column_for_a_7b_model_on_24_gib_gpus():
     small_host = json.loads(run_plan(*args, "plan.host_memory_gb=16").stdout)["rows"]
     assert not any(r["fits"] for r in small_host if r["layout"]["recipe"] in ("zero2_offload", "zero3_offload"))
     assert any(r["recommended"] for r in small_host)  # something that can start is still recommended
+    # The step's offloaded states count too: 96 GiB holds zero2_offload's start-up (52 GiB
+    # a node) but not its optimizer states in host memory during the step (115 GiB a node).
+    mid_host = json.loads(run_plan(*args, "plan.host_memory_gb=96").stdout)["rows"]
+    assert not any(r["fits"] for r in mid_host if r["layout"]["recipe"] == "zero2_offload")
 
 
 def test_activation_checkpointing_shrinks_the_plan():

@@ -141,8 +141,10 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """The rotary table (not a parameter: computed, never loaded)."""
-        self.rope.copy_(rotary_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta))
+        """The rotary table (not a parameter: computed, never loaded), in fp32 on the
+        table's device (re-registered: under zero.Init it was created in bf16)."""
+        table = rotary_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.register_buffer("rope", table.to(self.rope.device), persistent=False)
 
     # -------------------------------------------------------------------------- forward
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

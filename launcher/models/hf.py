@@ -2,8 +2,9 @@
 
     model.config=path/config.json (or its folder)  AutoModelForCausalLM.from_config: random
                                                    init from train.seed, the same on every rank
-    model.pretrained=path/folder                   AutoModelForCausalLM.from_pretrained on
-                                                   the folder's config.json + *.safetensors
+    model.pretrained=path/folder                   the folder's config.json, and its
+                                                   *.safetensors read shard-wise by each rank
+                                                   (launcher/models/weights.py)
 
 Nothing is fetched from a hub: HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE are set before
 transformers is imported (the launch side imports this module to validate, the ranks to
@@ -235,19 +236,25 @@ class HFCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """Computed buffers (the rotary tables), as transformers computes them; every other
-        buffer is refused, since nothing would fill it after materialize's to_empty."""
-        for name, module in self.hf.named_modules():
-            own = list(module.named_buffers(recurse=False))
+        """Computed buffers (rotary tables, Gemma's embedding scale...), as transformers'
+        own `_init_weights` computes them; the module's parameters are marked initialised
+        so that it leaves them (materialize fills them). Checked against from_config's own
+        buffers for Llama and Gemma (embed_scale); a model type whose _init_weights did not
+        set a buffer would keep what to_empty left there."""
+        for module in self.hf.modules():
+            own = [b for b in module.buffers(recurse=False) if b is not None]
             if not own:
                 continue
-            if "RotaryEmbedding" in type(module).__name__:
-                for _, b in own:
-                    b._is_hf_initialized = False
+            params = list(module.parameters(recurse=False))
+            for p in params:
+                p._is_hf_initialized = True
+            for b in own:
+                b._is_hf_initialized = False
+            try:
                 self.hf._init_weights(module)
-            else:
-                raise RuntimeError(f"model=hf: {name} ({type(module).__name__}) has buffers "
-                                   f"{[n for n, _ in own]} that the launcher cannot compute after a meta-device build")
+            finally:
+                for p in params:
+                    del p._is_hf_initialized
 
     def train(self, mode: bool = True):
         self.hf.training = mode

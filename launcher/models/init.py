@@ -37,7 +37,6 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 BLOCK = 1 << 18
 """Elements drawn per generator call (1 MiB in fp32): the memory init needs beyond the
@@ -61,8 +60,10 @@ def local_part(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[tu
     ZeRO-3 parameter owns a flat range of its padded partition; anything else is whole."""
     if isinstance(p, DTensor):
         shape = tuple(p.shape)
-        local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        return p._local_tensor, shape, tuple((o, o + n) for o, n in zip(offset, local_shape)), None
+        box = dtensor_box(shape, p.device_mesh, p.placements)
+        local = p._local_tensor
+        assert tuple(local.shape) == tuple(b - a for a, b in box), (shape, p.placements, tuple(local.shape), box)
+        return local, shape, box, None
     if hasattr(p, "ds_tensor"):  # DeepSpeed ZeRO-3: rank r holds flat [r * part, (r + 1) * part) of the padded param
         part = p.ds_tensor
         size = part.ds_numel
@@ -70,6 +71,27 @@ def local_part(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[tu
         stop = min(p.ds_numel, start + size)
         return part.view(-1)[: stop - start], tuple(p.ds_shape), None, (start, stop)
     return p.data, tuple(p.shape), tuple((0, n) for n in p.shape), None
+
+
+def dtensor_box(shape: tuple[int, ...], mesh, placements) -> tuple[tuple[int, int], ...]:
+    """This rank's [start, stop) per dimension of a DTensor, in the order the shardings were
+    applied: plain Shard placements first (tensor parallel), then _StridedShard ones (FSDP
+    over a tensor-parallel shard: it chunks the TP-local rows again). Each split is
+    torch.chunk's (ceil-sized pieces, the last ones shorter or empty), as DTensor and FSDP2
+    cut. (DTensor's compute_local_shape_and_global_offset disagrees with FSDP2 on uneven
+    2-D shards: a last data-parallel rank gets a shifted box.)"""
+    coord = mesh.get_coordinate()
+    box = [[0, n] for n in shape]
+    plain = [(k, pl) for k, pl in enumerate(placements) if pl.is_shard() and type(pl).__name__ != "_StridedShard"]
+    strided = [(k, pl) for k, pl in enumerate(placements) if type(pl).__name__ == "_StridedShard"]
+    for k, pl in plain + strided:
+        d = pl.dim
+        start, length = box[d][0], box[d][1] - box[d][0]
+        n = mesh.size(k)
+        chunk = -(-length // n) if length else 0
+        lo = min(length, coord[k] * chunk)
+        box[d] = [start + lo, start + min(length, lo + chunk)]
+    return tuple((a, b) for a, b in box)
 
 
 def _ds_rank(p) -> int:
@@ -178,6 +200,10 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
         for name, p in model.named_parameters(remove_duplicate=False):
             shared.setdefault(id(p), []).append(name)
         model.to_empty(device=storage or device)
+        for module in model.modules():  # buffers are computed on the device even when parameters live on the host
+            for name, b in list(module._buffers.items()):
+                if b is not None and b.device != device:
+                    module._buffers[name] = b.to(device)
         for names in shared.values():  # to_empty may give each name its own tensor: tie them again
             keep = model.get_parameter(names[0])
             for name in names[1:]:
