@@ -177,7 +177,7 @@ def model_states(cfg: Config, layout: Layout,
             where["params"], host["params"] = "cpu", params
     else:
         parts = M.zero_states(int(layout.shard[-1]), P, n, cfg.train.grad_accum, layout.offload_optim,
-                              layout.offload_params, largest_param=cfg.model.vocab_size * cfg.model.dim)
+                              layout.offload_params, largest_param=M.largest_param(cfg.model))
         params, grads, optim = (int(d + h) for d, h in parts.values())
         for k, (d, h) in parts.items():
             host[k] = int(h)

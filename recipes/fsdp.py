@@ -35,11 +35,11 @@ class ShardedEngine:
         self.deg = C.degrees(cfg, ctx.world_size)
         mesh = build_mesh(self.deg, ctx.device)
         # Parallelize the meta-device model, then allocate only this rank's shards.
+        self.sharded = C.RECIPE_PARALLELISM[cfg.recipe.strategy.value].shards
         self.model = ctx.model
         parallelize(self.model, mesh, self.deg, cfg)
-        offload = C.RECIPE_PARALLELISM[cfg.recipe.strategy.value].shards and cfg.recipe.fsdp.cpu_offload
+        offload = self.sharded and cfg.recipe.fsdp.cpu_offload
         models.materialize(self.model, cfg, ctx.device, storage=torch.device("cpu") if offload else None)
-        self.sharded = C.RECIPE_PARALLELISM[cfg.recipe.strategy.value].shards
         # FSDP's mixed-precision policy casts the parameters; without FSDP, autocast does it.
         self.dtype = None if self.sharded else autocast_dtype(cfg.precision.name.value)
         # Replicas that do not shard (tp with world > tp) average gradients themselves.
@@ -51,7 +51,7 @@ class ShardedEngine:
         # Tensor-parallel ranks compute the same loss: one of them reports it.
         self.loss_owner = mesh["tp"].get_local_rank() == 0
         self.grad_bytes = 0
-        where = "cpu" if self.sharded and cfg.recipe.fsdp.cpu_offload else "device"
+        where = "cpu" if offload else "device"
         self.where = {"params": where, "grads": where, "optim": where}
 
     def train_step(self, micro_batches) -> StepResult:

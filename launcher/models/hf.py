@@ -152,52 +152,10 @@ def init_specs(m: ModelConfig) -> dict:
 
 @functools.lru_cache(maxsize=8)
 def _init_specs(key: str, path: str, attn: str) -> tuple:
-    from transformers import initialization as hf_init
-
-    from launcher.models.init import InitSpec
+    from launcher.models.init import recorded_specs
 
     model = _meta(key, path, attn)
-    names: dict[int, list[str]] = {}  # a tied weight has two names
-    for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
-    params = {id(p): p for p in model.parameters()}
-    specs: dict[str, InitSpec] = {}
-
-    def record(kind: str):
-        def call(tensor, *args, **kwargs):
-            if id(tensor) in names:
-                std = kwargs.get("std", args[1] if len(args) > 1 else 1.0) if kind == "normal" else 0.0
-                for name in names[id(tensor)]:
-                    specs[name] = InitSpec(kind, float(std))
-            elif tensor._base is not None and id(tensor._base) in params and kind == "zeros":  # padding row
-                base = tensor._base
-                row = tensor.storage_offset() // base.stride(0)
-                for name in names[id(base)]:
-                    if name in specs:
-                        specs[name] = InitSpec(specs[name].kind, specs[name].std, zero_row=row)
-            return tensor
-        return call
-
-    def constant(tensor, val):
-        return record("ones" if val == 1 else "zeros")(tensor) if val in (0, 1) else tensor
-
-    patched = {"normal_": record("normal"), "ones_": record("ones"), "zeros_": record("zeros"), "constant_": constant}
-    saved = {k: getattr(hf_init, k) for k in patched}
-    try:
-        for k, f in patched.items():
-            setattr(hf_init, k, f)
-        for module in model.hf.modules():
-            if list(module.parameters(recurse=False)):
-                model.hf._init_weights(module)
-    finally:
-        for k, f in saved.items():
-            setattr(hf_init, k, f)
-    std = getattr(model.hf.config, "initializer_range", None) or 0.02
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if name not in specs:
-            specs[name] = (InitSpec(std=std) if p.dim() >= 2 else
-                           InitSpec("ones" if name.endswith("weight") else "zeros"))
-    return tuple(specs.items())
+    return tuple(recorded_specs(model, model.hf).items())
 
 
 class HFCausalLM(nn.Module):

@@ -182,6 +182,58 @@ def _no_init(self) -> None:
     return None
 
 
+def recorded_specs(model: nn.Module, hf: nn.Module) -> dict[str, InitSpec]:
+    """Parameter name (in `model`, which holds the transformers model `hf`'s children under
+    their own names) -> InitSpec, as transformers' `_init_weights` initialises this model
+    type: its normal_, ones_, zeros_ and constant_ calls (transformers.initialization) are
+    recorded on the meta-device structure, an embedding's zeroed padding row included. A
+    parameter it leaves alone gets normal(0, initializer_range) when it is a matrix, ones
+    when it is a vector named weight, zeros otherwise."""
+    from transformers import initialization as hf_init
+
+    names: dict[int, list[str]] = {}  # a tied weight has two names
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    params = {id(p): p for p in model.parameters()}
+    specs: dict[str, InitSpec] = {}
+
+    def record(kind: str):
+        def call(tensor, *args, **kwargs):
+            if id(tensor) in names:
+                std = kwargs.get("std", args[1] if len(args) > 1 else 1.0) if kind == "normal" else 0.0
+                for name in names[id(tensor)]:
+                    specs[name] = InitSpec(kind, float(std))
+            elif tensor._base is not None and id(tensor._base) in params and kind == "zeros":  # padding row
+                base = tensor._base
+                row = tensor.storage_offset() // base.stride(0)
+                for name in names[id(base)]:
+                    if name in specs:
+                        specs[name] = InitSpec(specs[name].kind, specs[name].std, zero_row=row)
+            return tensor
+        return call
+
+    def constant(tensor, val):
+        return record("ones" if val == 1 else "zeros")(tensor) if val in (0, 1) else tensor
+
+    patched = {"normal_": record("normal"), "ones_": record("ones"), "zeros_": record("zeros"), "constant_": constant}
+    saved = {k: getattr(hf_init, k) for k in patched}
+    try:
+        for k, f in patched.items():
+            setattr(hf_init, k, f)
+        for module in hf.modules():
+            if list(module.parameters(recurse=False)):
+                hf._init_weights(module)
+    finally:
+        for k, f in saved.items():
+            setattr(hf_init, k, f)
+    std = getattr(hf.config, "initializer_range", None) or 0.02
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name not in specs:
+            specs[name] = (InitSpec(std=std) if p.dim() >= 2 else
+                           InitSpec("ones" if name.endswith("weight") else "zeros"))
+    return specs
+
+
 # ----------------------------------------------------------------------------- the model
 def canonical(name: str, tied: tuple[str, str] | None) -> str:
     """A tied head's weight under the embedding's name (one set of values for both)."""
