@@ -83,6 +83,45 @@ def _param_counts(key: tuple) -> ParamCounts:
                        block=count(model.layers[0]), final_norm=count(model.norm), n_blocks=len(model.layers))
 
 
+@functools.lru_cache(maxsize=32)
+def _group_sizes(key: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    from launcher.models.gpt import GPT
+
+    m = ModelConfig(**dict(key))
+    with torch.device("meta"):
+        model = GPT(m)
+    params = list(model.parameters())  # unique: a tied head is the embedding
+    return tuple(p.numel() for p in params if p.ndim >= 2), tuple(p.numel() for p in params if p.ndim < 2)
+
+
+def straddling(m: ModelConfig, world: int) -> int:
+    """Elements DeepSpeed stage 1/2 hold beyond the rank's gradient partition, on the rank
+    holding the most: each optimizer group (launcher.engine.param_groups: matrices, then
+    vectors, in model order) is flattened, padded to a multiple of 2N and cut into N equal
+    partitions; a parameter crossing a partition's edge has its whole gradient kept for the
+    reduce (deepspeed/runtime/zero/stage_1_and_2.py, get_all_grad_tensors over
+    params_in_partition), not only its part inside. At most two such parameters per
+    group and rank: for Llama-3-8B on 8 ranks a crossing embedding alone is half a shard."""
+    worst = [0] * world
+    for sizes in _group_sizes(tuple(sorted(vars(m).items()))):
+        step = -(-sum(sizes) // (2 * world)) * 2
+        start = 0
+        for size in sizes:
+            end = start + size
+            for r in range(start // step, min(world, -(-end // step))):
+                inside = min(end, (r + 1) * step) - max(start, r * step)
+                worst[r] += size - inside if inside < size else 0
+            start = end
+    return max(worst)
+
+
+def persistent(m: ModelConfig, threshold: int) -> int:
+    """Elements of the parameters ZeRO-3 keeps whole on every rank (numel <= threshold,
+    stage3_param_persistence_threshold: deepspeed/runtime/zero/parameter_offload.py,
+    mark_persistent_parameters): the norms, under the launcher's default of 10 x dim."""
+    return sum(n for sizes in _group_sizes(tuple(sorted(vars(m).items()))) for n in sizes if n <= threshold)
+
+
 def largest_param(m: ModelConfig) -> int:
     """Elements of the model's largest parameter (the embedding, or a SwiGLU matrix)."""
     return max(m.vocab_size * m.dim, ffn_dim(m) * m.dim)
@@ -175,17 +214,20 @@ def weight_copies(x: Shape, n: Numerics, kept_blocks: int, head: bool, tp: int =
     return blocks + head_bytes
 
 
-def recomputed(L: int, ac: ACMode, every: int) -> int:
+def recomputed(L: int, ac: ACMode, every: int, first: int = 0) -> int:
+    """Blocks first .. first+L-1 that recompute: all under full; under selective those whose
+    index in the whole model is a multiple of `every` (a pipeline stage keeps the model's
+    numbering, so a one-layer stage holding block 1 recomputes nothing)."""
     if ac == ACMode.full:
         return L
     if ac == ACMode.selective:
-        return len(range(0, L, every))
+        return len(range(-(-first // every) * every, first + L, every))
     return 0
 
 
 def activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, n: Numerics, ac: ACMode,
                      ac_every: int = 2, layers: int | None = None, tp: int = 1, with_head: bool = True,
-                     with_embedding: bool = True, in_flight: int = 1) -> int:
+                     with_embedding: bool = True, in_flight: int = 1, first_layer: int = 0) -> int:
     """What autograd holds on one rank at the end of forward: `in_flight` micro-batches'
     activations (a pipeline stage holds several), plus what is held once per step (the
     rotary table, weight copies).
@@ -196,7 +238,7 @@ def activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, n: Numerics
     norm and logits (both, without a pipeline)."""
     x = Shape.of(m, micro_batch, seq_len)
     n_layers = x.L if layers is None else layers
-    r = recomputed(n_layers, ac, ac_every)
+    r = recomputed(n_layers, ac, ac_every, first_layer)
     per_micro_batch = (r * n.residual * x.b * x.s * x.h + (n_layers - r) * block_activations(x, n, tp)
                        + (head_activations(x, n) if with_head else 0) + (token_ids(x) if with_embedding else 0))
     once = (rope_table(x, n) if n_layers else 0) + weight_copies(x, n, n_layers - r, with_head, tp)
@@ -212,40 +254,58 @@ def zero_paper_bytes(stage: int, psi: float, world: int) -> float:
 
 
 def zero_states(stage: int, psi: float, world: int, grad_accum: int = 1, offload_optimizer: bool = False,
-                offload_param: bool = False, largest_param: int = 0) -> dict[str, tuple[float, float]]:
-    """What DeepSpeed 0.19 really holds per rank at the peak of a step, bf16 weights and Adam:
-    {"params" | "grads" | "optim": (device bytes, host bytes)}. Measured by tests/test_zero.py
-    (recipes/zero.py::model_state_bytes sums it); the planner uses it.
+                offload_param: bool = False, largest_param: int = 0,
+                weight_bytes: int = 2, straddle: int = 0, kept_whole: int = 0,
+                bucket: int = 0) -> dict[str, tuple[float, float]]:
+    """What DeepSpeed 0.19 really holds per rank at the peak of a step with Adam:
+    {"params" | "grads" | "optim": (device bytes, host bytes)}. w = weight_bytes: 2 for
+    bf16/fp16 weights, 4 in fp32. Measured in every cell by tests/test_plan.py (the
+    planner's matrix) and tests/test_zero.py (recipes/zero.py::model_state_bytes sums it).
 
-    The paper's terms, plus one it leaves out: for the update DeepSpeed makes an fp32 copy of
-    the rank's gradient shard (4Ψ/N) next to the bf16 one (2Ψ/N). So, per rank:
-        stage 0: 2Ψ bf16 weights + 2Ψ bf16 grads + 4Ψ fp32 grads + 4Ψ fp32 master + 8Ψ moments = 20Ψ
-        stage 1: 2Ψ + 12Ψ/N + max(2Ψ whole bf16 grads while accumulating, 6Ψ/N grad shards)
-        stage 2: 2Ψ + 12Ψ/N + 6Ψ/N = 2Ψ + 18Ψ/N
-        stage 3: 2Ψ/N + 12Ψ/N + 6Ψ/N = 20Ψ/N
-    Left out, each under 2% here: the reduce buckets (reduce_bucket_size elements, two with
-    overlap_comm), padding of the shards to the world size, stage 3's persistent small
-    parameters (whole on every rank), Adam's step counters.
-    Offload moves the fp32 master, the moments and the fp32 gradient shard to host memory,
-    with a bf16 gradient shard to accumulate into (2Ψ/N); stage 1/2 keep a bf16 copy of the
-    own shard on the device for the upload (2Ψ/N) and a bf16 copy buffer of the largest
-    parameter on each side (2 x largest_param bytes, device and host; counted as gradients).
-    Parameter offload (stage 3) moves the bf16 weight shard to host memory too.
+    The paper's terms, plus two it leaves out. For the update DeepSpeed makes an fp32 copy
+    of the rank's gradient shard (4Ψ/N) next to the shard it reduced into (wΨ/N); and it
+    keeps an fp32 master shard (4Ψ/N) even when the weights are fp32 themselves (fp32
+    runs hold 4Ψ weights + 4Ψ/N master: deepspeed/runtime/zero/stage_1_and_2.py,
+    `single_partition_of_fp32_groups` is a `.clone().float()` of the weights' shard;
+    stage3.py `_create_fp32_partitions` likewise). So, per rank:
+        stage 1: wΨ + 12Ψ/N + max(wΨ whole gradients while accumulating, (w+4)Ψ/N shards)
+        stage 2: wΨ + 12Ψ/N + (w+4)Ψ/N
+        stage 3: wΨ/N + 12Ψ/N + (w+4)Ψ/N
+        stage 0 (bf16, not a recipe): 2Ψ weights + 2Ψ + 4Ψ grads + 4Ψ master + 8Ψ moments
+    Left out, each under 2% here: stage 1/2's reduce buckets (reduce_bucket_size elements,
+    two with overlap_comm), padding of the shards to the world size, Adam's step counters.
+    Offload moves the fp32 master, the moments and the fp32 gradient shard to host memory.
+    Stage 1/2 keep on the device a copy of the own weight shard for the upload (wΨ/N,
+    counted with the weights) and one copy buffer of the largest parameter on each side
+    (w x largest_param bytes, device and host; counted as gradients); while accumulating
+    (grad_accum > 1) the reduced gradient shard is summed in host memory (wΨ/N). Stage 3
+    keeps its gradient shard (wΨ/N) in host memory; parameter offload moves the weight
+    shard there too. Stage 1/2 also keep the whole gradients of the parameters that cross
+    the edge of the rank's partition (`straddle` elements beyond it: `straddling`) in the
+    shard they reduce into, or accumulate in host memory. Stage 3 keeps its persistent
+    parameters (`kept_whole` elements: `persistent`) whole on the device beside the shard
+    (on more than one rank: on one, the shard is the whole parameter), and reduces
+    gradients through a device bucket of `bucket` elements (reduce_bucket_size), with
+    offload too.
     """
-    n, p = world, psi
-    optim, grad_shards = 12 * p / n, 6 * p / n
+    n, p, w = world, psi, weight_bytes
+    optim, grad_shards = 12 * p / n, (w + 4) * p / n
+    edges = w * straddle if stage in (1, 2) else 0
     if stage == 0:
         return {"params": (2 * p, 0.0), "grads": (6 * p, 0.0), "optim": (12 * p, 0.0)}
-    whole = 2 * p if stage == 1 and grad_accum > 1 else 0.0  # stage 1 accumulates into whole bf16 grads
-    params = 2 * p / n if stage == 3 else 2 * p
+    kept = w * kept_whole if stage == 3 and n > 1 else 0.0
+    buckets = w * bucket if stage == 3 else 0.0
+    whole = w * p if stage == 1 and grad_accum > 1 else 0.0  # stage 1 accumulates into whole gradients
+    params = w * p / n if stage == 3 else w * p
     if not offload_optimizer:
-        grads = max(whole, grad_shards) if stage == 1 else grad_shards
-        return {"params": (params, 0.0), "grads": (grads, 0.0), "optim": (optim, 0.0)}
+        grads = max(whole, grad_shards + edges) if stage == 1 else grad_shards + edges + buckets
+        return {"params": (params + kept, 0.0), "grads": (grads, 0.0), "optim": (optim, 0.0)}
     if stage in (1, 2):
-        copy = 2 * largest_param
-        return {"params": (params, 0.0), "grads": (2 * p / n + whole + copy, grad_shards + copy),
+        copy = w * largest_param
+        accumulated = w * p / n + edges if grad_accum > 1 else 0.0
+        return {"params": (params + w * p / n, 0.0), "grads": (whole + copy, 4 * p / n + accumulated + copy),
                 "optim": (0.0, optim)}
-    return {"params": (0.0, params) if offload_param else (params, 0.0), "grads": (0.0, grad_shards),
+    return {"params": (kept, params) if offload_param else (params + kept, 0.0), "grads": (buckets, grad_shards),
             "optim": (0.0, optim)}
 
 

@@ -152,9 +152,10 @@ def model_states(cfg: Config, layout: Layout,
 
     DDP, TP and PP under autocast keep fp32 parameters and gradients (4 + 4 + 8 bytes per
     parameter with Adam). FSDP2 with a bf16 MixedPrecisionPolicy shards fp32 parameters,
-    fp32 gradients and the moments (16 per parameter, all sharded). DeepSpeed (bf16/fp16)
-    holds what launcher.memory.zero_states says, measured: the ZeRO paper's 2 + 2 + 12 bytes
-    plus an fp32 copy of the gradient shard, with offload splitting parts to the host.
+    fp32 gradients and the moments (16 per parameter, all sharded). DeepSpeed holds what
+    launcher.memory.zero_states says, measured in every precision: the ZeRO paper's terms
+    with w-byte weights (w = 2, or 4 in fp32), plus an fp32 copy of the gradient shard and
+    an fp32 master shard even in fp32, with offload splitting parts to the host.
     """
     P = param_share(cfg, layout, pp_rank)
     precision = cfg.precision.name
@@ -165,24 +166,30 @@ def model_states(cfg: Config, layout: Layout,
         params, grads, optim = 4 * P, 4 * P, 8 * P
     elif layout.fsdp:
         params, grads, optim = 4 * P // n, 4 * P // n, 8 * P // n
-    elif precision == Precision.fp32:
-        # fp32 ZeRO (not measured): 4-byte parameters and gradients, no separate master copy.
-        stage = int(layout.shard[-1])
-        params = 4 * P // n if stage == 3 else 4 * P
-        grads = 4 * P // n if stage >= 2 else 4 * P
-        optim = 8 * P // n
-        if layout.offload_optim:
-            where["optim"], host["optim"] = "cpu", optim
-        if layout.offload_params:
-            where["params"], host["params"] = "cpu", params
     else:
         parts = M.zero_states(int(layout.shard[-1]), P, n, cfg.train.grad_accum, layout.offload_optim,
-                              layout.offload_params, largest_param=M.largest_param(cfg.model))
+                              layout.offload_params, largest_param=M.largest_param(cfg.model),
+                              weight_bytes=4 if precision == Precision.fp32 else 2,
+                              straddle=M.straddling(cfg.model, n),
+                              kept_whole=M.persistent(cfg.model, persistence(cfg)), bucket=reduce_bucket(cfg))
         params, grads, optim = (int(d + h) for d, h in parts.values())
         for k, (d, h) in parts.items():
             host[k] = int(h)
             where[k] = "cpu" if not d else ("device+cpu" if h else "device")
     return params, grads, optim, where, host
+
+
+def reduce_bucket(cfg: Config) -> int:
+    """DeepSpeed's reduce_bucket_size as launcher/ds_config.py writes it."""
+    size = getattr(getattr(cfg.recipe, "zero", None), "reduce_bucket_size", None)
+    return size or cfg.model.dim ** 2
+
+
+def persistence(cfg: Config) -> int:
+    """ZeRO-3's persistence threshold as launcher/ds_config.py writes it."""
+    z = getattr(cfg.recipe, "zero", None)
+    threshold = getattr(z, "param_persistence_threshold", None)
+    return threshold if threshold is not None else 10 * cfg.model.dim
 
 
 # ----------------------------------------------------------------------------- start-up
@@ -261,7 +268,7 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
                 stage = r + k * layout.pp
                 in_flight = n_mb if schedule == "gpipe" else min(n_mb, n_stages - stage)
                 total += M.activation_bytes(m, mb, s, n, ac, every, layers=end - first, with_head=last,
-                                            with_embedding=emb, in_flight=in_flight)
+                                            with_embedding=emb, in_flight=in_flight, first_layer=first)
             per_rank.append(total)
         return max(per_rank) if pp_rank is None else per_rank[pp_rank]
     return M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp)

@@ -1,23 +1,34 @@
 #!/usr/bin/env python
-"""Measure what each recipe's engine really holds and saves, next to the planner's
-prediction, for several configurations in one torchrun job.
+"""The planner's matrix against real ranks: for every layout the planner offers at this
+world size, every precision, accumulation and activation-checkpointing mode, what the
+engine really holds and autograd really saves, beside launcher.plan's prediction.
 
-    torchrun --nproc-per-node 2 scripts/measure_memory.py --recipes ddp --out mem.json
+    torchrun --nproc-per-node 2 scripts/measure_memory.py --out mem.json [--table]
 
-Per configuration: build the engine exactly as a rank does (launcher.train.build_engine),
-run one training step on real data with launcher.memory.ActivationCounter, and record
-engine.state_bytes() (model states) and the saved-activation bytes, beside
-launcher.plan's model_states() and activations() for the same layout. Rank 0 writes the
-JSON (tests/test_plan.py and `make bench` read it).
+One process group per world size, every cell on it. A layout's config is composed from
+conf/ as a user would (`recipe=... parallel.tp=... precision=...`), each cell adds
+`train.grad_accum` and `train.activation_checkpointing` and is validated as the launch side
+does; a refused cell (fp16 without CUDA) is recorded with its one-line reason. Engines
+(launcher.train.build_engine) are shared by the cells whose build reads nothing that
+differs between them (`run`): checkpointing is a forward-time choice of the model
+(`GPT.checkpointed`, set by models.set_activation_checkpointing from each cell's own
+config), and only DeepSpeed and a pipeline build differently for another accumulation.
+Per engine: one warm-up step (Adam creates its moments; a pipeline's first step also runs
+shape inference), then one step per cell under launcher.memory.ActivationCounter;
+engine.state_bytes() counts the model states from the engine's own tensors. Rank 0 writes
+the JSON (tests/test_plan.py reads it) and, with --table, prints plan against measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import itertools
 import json
+import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -25,63 +36,180 @@ import torch.distributed as dist
 
 from launcher import ds_config, models
 from launcher import plan as planner
-from launcher.cli import compose_config
-from launcher.config import Strategy, validate
+from launcher.cli import CONF_DIR, compose_config
+from launcher.config import ACMode, ConfigError, Strategy, validate
 from launcher.data import build_dataset
-from launcher.device import HostInfo, local_device
+from launcher.device import HostInfo, deepspeed_env, local_device
 from launcher.memory import ActivationCounter
 from launcher.train import build_engine
+
+PARTS = ("params", "grads", "optim")
+
+
+def offered(model: str, world: int, recipes: list[str]) -> list[planner.Layout]:
+    """The layouts `make plan` offers on `world` ranks of one node, for these recipes."""
+    cfg, _, _ = compose_config([f"model={model}"])
+    hw = planner.Hardware(gpu_bytes=0, gpus_per_node=world, nnodes=1, tflops=planner.DEFAULT_TFLOPS)
+    return planner.candidates(cfg, hw, set(recipes))
+
+
+def compose(layout: planner.Layout, model: str, mb: int, seq: int, precision: str, world: int):
+    """A layout's config as `make train` composes it. A pipeline cuts each step's batch into
+    parallel.pp_microbatches, at least one per stage under 1F1B: pp of them, and a
+    micro-batch of at least pp sequences."""
+    extra = [f"parallel.pp_microbatches={layout.pp}"] if layout.pp > 1 else []
+    cfg, _, _ = compose_config([*layout.overrides(), f"model={model}", f"train.micro_batch={max(mb, layout.pp)}",
+                                f"train.seq_len={seq}", f"precision={precision}", "logger=none",
+                                f"cluster.nproc_per_node={world}", *extra])
+    return cfg
+
+
+def cell(cfg, accum: int, ac: str):
+    """`train.grad_accum=... train.activation_checkpointing=...` on a composed config (plain
+    values: nothing in conf/ interpolates them), validated as the launch side does. Hydra
+    composes a config in about 0.15 s; the matrix has hundreds of cells per world size."""
+    out = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=accum,
+                                                               activation_checkpointing=ACMode(ac)))
+    validate(out, HostInfo.detect())
+    return out
+
+
+def predicted(cfg, layout: planner.Layout, rank: int, world: int) -> dict:
+    pp_rank = rank // (world // layout.pp)  # the mesh puts pipeline stages outermost
+    p, g, o, where, host = planner.model_states(cfg, layout, pp_rank)
+    act = planner.activations(cfg, layout, cfg.train.activation_checkpointing, cfg.train.micro_batch, pp_rank)
+    return {"params": p, "grads": g, "optim": o, "model_state": p + g + o, "host": sum(host.values()),
+            "where": where, "activations": act}
+
+
+def measure_engine(cells: list, layout: planner.Layout, rank: int, world: int, device, scratch: Path) -> list[dict]:
+    """One engine for cells that differ only in what its build does not read; a row per cell."""
+    cfg, started = cells[0], time.perf_counter()
+    if cfg.recipe.strategy == Strategy.zero:  # what the launch side writes for DeepSpeed
+        (scratch / ds_config.FILE).write_text(ds_config.text(ds_config.launch_config(cfg, world, device.type == "cuda")))
+    net = models.prepare(models.on_meta(cfg), cfg)
+    engine = build_engine(cfg, net, device, rank, world, rank, scratch)
+    built = time.perf_counter()
+    data = build_dataset(cfg)
+
+    def step(c) -> list:
+        mb, accum = c.train.micro_batch, c.train.grad_accum
+        batches = data.__getitems__(list(range(rank * mb * accum, (rank + 1) * mb * accum))).to(device)
+        return [(b[:, :-1], b[:, 1:]) for b in batches.split(mb)]
+
+    engine.train_step(step(cfg))
+    # The model the engine runs: zero3 builds its own inside zero.Init; a pipeline's
+    # stages run the blocks of `net` itself.
+    runs = [net] + [m for m in engine.model.modules() if hasattr(m, "checkpointed") and m is not net]
+    rows = []
+    for c in cells:
+        for m in runs:
+            models.set_activation_checkpointing(m, c)
+        with ActivationCounter(engine.model) as counter:
+            engine.train_step(step(c))
+        held = engine.state_bytes()
+        rows.append({"measured": {"params": held.params, "grads": held.grads, "optim": held.optim,
+                                  "model_state": held.total, "host": held.host, "where": held.where,
+                                  "activations": counter.bytes},
+                     "predicted": predicted(c, layout, rank, world)})
+    if rank == 0:
+        print(f"{layout.label} {cfg.precision.name.value}: {len(cells)} cells, built in {built - started:.1f} s, "
+              f"measured in {time.perf_counter() - built:.1f} s", flush=True)
+    del engine, net, runs
+    gc.collect()
+    if cfg.recipe.strategy == Strategy.zero:
+        unpatch_linear()
+    return rows
+
+
+def unpatch_linear() -> None:
+    """zero.Init replaces torch.nn.functional.linear with DeepSpeed's own for the rest of the
+    process ("This will persist unless manually reset"); it changes what autograd saves.
+    A rank runs one engine, so every later cell here gets torch's own back."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
+
+    if hasattr(patcher, "linear_bk"):
+        torch.nn.functional.linear = patcher.linear_bk
+
+
+def run(args, rank: int, world: int) -> list[dict]:
+    """Every cell. Cells share an engine where its build reads nothing that differs between
+    them: checkpointing always (a forward-time choice), and the accumulation except under
+    DeepSpeed (ds_config.json's gradient_accumulation_steps) and a pipeline (its stages fix
+    the micro-batch shape at the first step); the other recipes take the micro-batches of
+    a step as a list (Engine.train_step) and build the same engine."""
+    device = local_device(int(os.environ.get("LOCAL_RANK", 0)))
+    scratch = Path(tempfile.mkdtemp(prefix="measure-"))
+    recipes = args.recipes.split(",") if args.recipes else sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
+    precisions = args.precisions.split(",") if args.precisions else ["fp32", "bf16", "fp16"]
+    rows = []
+    for model in args.models.split(","):
+        for layout in offered(model, world, recipes):
+            for mb, precision in itertools.product([int(b) for b in args.micro_batches.split(",")], precisions):
+                key = {"recipe": layout.recipe, "layout": layout.label, "model": model, "micro_batch": mb,
+                       "precision": precision, "world": world, "rank": rank}
+                base = compose(layout, model, mb, args.seq_len, precision, world)
+                engines: dict = {}
+                for accum, ac in itertools.product([int(g) for g in args.grad_accums.split(",")], args.ac.split(",")):
+                    try:
+                        cfg = cell(base, accum, ac)
+                    except ConfigError as e:
+                        rows.append({**key, "grad_accum": accum, "ac": ac, "refused": str(e)})
+                        continue
+                    shared = cfg.recipe.strategy not in (Strategy.zero, Strategy.pp)
+                    engines.setdefault(None if shared else accum, []).append(cfg)
+                for cells in engines.values():
+                    measured = measure_engine(cells, layout, rank, world, device, scratch)
+                    rows += [{**key, "grad_accum": c.train.grad_accum, "ac": c.train.activation_checkpointing.value, **r}
+                             for c, r in zip(cells, measured)]
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """Plan against measured, the rank with the most model state of each cell."""
+    lines = ["| world | layout | precision | accum | AC | model states plan / measured (MiB) | ratio "
+             "| activations plan / measured (MiB) | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    cells: dict[tuple, dict] = {}
+    for r in rows:
+        k = (r["world"], r["layout"], r["model"], r["micro_batch"], r["precision"], r["grad_accum"], r["ac"])
+        if "refused" in r or k not in cells or r["measured"]["model_state"] > cells[k]["measured"]["model_state"]:
+            cells[k] = r
+    mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    for (world, layout, _, _, precision, accum, ac), r in cells.items():
+        if "refused" in r:
+            lines.append(f"| {world} | {layout} | {precision} | {accum} | {ac} | refused: {r['refused']} | | | |")
+            continue
+        m, p = r["measured"], r["predicted"]
+        lines.append(f"| {world} | {layout} | {precision} | {accum} | {ac} "
+                     f"| {mib(p['model_state'])} / {mib(m['model_state'])} | {m['model_state'] / p['model_state']:.3f} "
+                     f"| {mib(p['activations'])} / {mib(m['activations'])} | {m['activations'] / p['activations']:.3f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--recipes", default="ddp")
-    ap.add_argument("--models", default="gpt_tiny,gpt_small")
-    ap.add_argument("--micro-batches", default="2,4")
-    ap.add_argument("--ac", default="none,full")
-    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--recipes", default="", help="comma-separated; default: every recipe in conf/recipe")
+    ap.add_argument("--models", default="gpt_tiny")
+    ap.add_argument("--micro-batches", default="2")
+    ap.add_argument("--precisions", default="", help="default fp32,bf16,fp16 (fp16 is refused without CUDA)")
+    ap.add_argument("--grad-accums", default="1,2")
+    ap.add_argument("--ac", default="none,full,selective")
+    ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--table", action="store_true", help="print plan against measured (rank 0)")
     args = ap.parse_args()
 
+    deepspeed_env()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = local_device(int(__import__("os").environ.get("LOCAL_RANK", 0)))
-    results = []
-    tmp = Path(tempfile.mkdtemp(prefix="measure-"))
-    for recipe, model, mb, ac in itertools.product(args.recipes.split(","), args.models.split(","),
-                                                   [int(b) for b in args.micro_batches.split(",")],
-                                                   args.ac.split(",")):
-        # A pipeline cuts each batch into parallel.pp_microbatches: 2 fits every micro-batch here.
-        extra = ["parallel.pp_microbatches=2"] if recipe == "pp" else []
-        cfg, _, _ = compose_config([f"recipe={recipe}", f"model={model}", f"train.micro_batch={mb}",
-                                    f"train.activation_checkpointing={ac}", f"train.seq_len={args.seq_len}",
-                                    "logger=none", f"cluster.nproc_per_node={world}", *extra])
-        validate(cfg, HostInfo.detect())
-        if cfg.recipe.strategy == Strategy.zero:  # what the launch side writes for DeepSpeed
-            (tmp / ds_config.FILE).write_text(ds_config.text(ds_config.launch_config(cfg, world, device.type == "cuda")))
-        engine = build_engine(cfg, models.prepare(models.on_meta(cfg), cfg), device, rank, world, rank, tmp)
-        batch = build_dataset(cfg).__getitems__(list(range(rank * mb, rank * mb + mb))).to(device)
-        # A warm-up step first: the pipeline's first step also holds its shape-inference
-        # pass; the planner predicts the steady state every later step holds.
-        engine.train_step([(batch[:, :-1], batch[:, 1:])])
-        with ActivationCounter(engine.model) as counter:
-            engine.train_step([(batch[:, :-1], batch[:, 1:])])
-        held = engine.state_bytes()
-        layout = planner.layout_for(cfg, world)
-        pp_rank = rank // (world // layout.pp)  # the mesh puts pipeline stages outermost
-        p, g, o, _, _ = planner.model_states(cfg, layout, pp_rank)
-        predicted_act = planner.activations(cfg, layout, cfg.train.activation_checkpointing, mb, pp_rank)
-        results.append({"recipe": recipe, "model": model, "micro_batch": mb, "ac": ac, "rank": rank,
-                        "measured": {"params": held.params, "grads": held.grads, "optim": held.optim,
-                                     "model_state": held.total, "activations": counter.bytes},
-                        "predicted": {"params": p, "grads": g, "optim": o, "model_state": p + g + o,
-                                      "activations": predicted_act}})
-        del engine, batch
-        gc.collect()
+    rows = run(args, rank, world)
     gathered = [None] * world
-    dist.all_gather_object(gathered, results)
+    dist.all_gather_object(gathered, rows)
     if rank == 0:
-        Path(args.out).write_text(json.dumps([r for per_rank in gathered for r in per_rank], indent=1) + "\n")
+        everyone = [r for per_rank in gathered for r in per_rank]
+        Path(args.out).write_text(json.dumps(everyone, indent=1) + "\n")
+        if args.table:
+            print(table(everyone), flush=True)
     dist.destroy_process_group()
 
 

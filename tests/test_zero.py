@@ -190,9 +190,7 @@ def test_offload_bf16_under_the_deepspeed_launcher_stops_and_resumes(tmp_path):
 PINNED = {
     ("zero1", "gpt_tiny", 2): 9_808_136,  # gpt_small: 10.999Ψ against 10Ψ, just inside 10%
     ("zero2", "gpt_tiny", 2): 9_808_136, ("zero2", "gpt_small", 2): 134_131_976,
-    ("zero2", "gpt_tiny", 4): 5_839_240, ("zero2", "gpt_small", 4): 79_850_888,
     ("zero3", "gpt_tiny", 2): 8_889_352, ("zero3", "gpt_small", 2): 122_231_816,
-    ("zero3", "gpt_tiny", 4): 4_461_064, ("zero3", "gpt_small", 4): 61_263_368,
 }
 EXTRA = {  # (bytes per rank as a function of Ψ and N, name)
     1: (lambda p, n: 2 * p + 18 * p / n - (4 * p + 12 * p / n),
@@ -212,9 +210,12 @@ def _probe(tmp_path: Path, nproc: int, cases: list[str]) -> list[dict]:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_model_state_bytes_per_rank_against_the_zero_paper(nproc, tmp_path):
-    offload = ["zero2_offload:gpt_tiny", "zero3_offload:gpt_tiny"] if nproc == 2 else []
+def test_model_state_bytes_per_rank_against_the_zero_paper(tmp_path):
+    """Two ranks, bf16, tiny and small: the paper's figure, what DeepSpeed holds beyond it
+    (pinned, the term named), the losses and weights of ddp. Every other world size,
+    precision and accumulation is in tests/test_plan.py's matrix."""
+    nproc = 2
+    offload = ["zero2_offload:gpt_tiny", "zero3_offload:gpt_tiny"]
     results = _probe(tmp_path, nproc, CASES + offload)
     losses = {r["model"]: r["losses"] for r in results if r["recipe"] == "ddp"}
     for r in results:
