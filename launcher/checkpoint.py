@@ -88,6 +88,16 @@ def verify(folder: Path, checksums: bool = True) -> str | None:
     return None
 
 
+def latest_step(root: Path, one: bool = False) -> int | None:
+    """The step of the newest complete checkpoint under `root` (or of the checkpoint folder
+    `root` itself, one=True) whose files match its manifest in name and size; None if none.
+    Cheap: no digests (the ranks verify them when they load)."""
+    for folder in [root] if one else complete_checkpoints(root)[::-1]:
+        if folder.is_dir() and verify(folder, checksums=False) is None:
+            return int(json.loads((folder / MANIFEST).read_text())["step"])
+    return None
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """Renamed (hence finished) checkpoint folders, oldest first."""
     if not root.is_dir():

@@ -7,6 +7,7 @@ with one line on stderr and exit code 2, before any rank starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from launcher import config as C
-from launcher import slurm
+from launcher import runlock, slurm
 from launcher.commands import (HOSTFILE, SLURM_STEPS, LaunchPlan, command_script, hostfile_text, launch_argv, rank_env,
                                sbatch_script)
 from launcher.device import HostInfo
@@ -181,6 +182,25 @@ def check_checkpoint_space(cfg: C.Config, run_dir: Path) -> None:
                             f"or choose another checkpoint.dir")
 
 
+def check_resume_is_data(cfg: C.Config, run_dir: Path) -> None:
+    """Every checkpoint the ranks may resume from can be read without running code
+    (launcher/untrusted.py): a crafted file is refused here, in one line, before any rank
+    starts. Only pickles' small parts are read (no digests, no tensor data)."""
+    from launcher.checkpoint import complete_checkpoints, verify
+    from launcher.untrusted import check_checkpoint
+
+    resume = cfg.checkpoint.resume
+    if resume == "never":
+        return
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    for folder in complete_checkpoints(root) if resume == "auto" else [Path(resume)]:
+        # A folder whose files do not match its manifest is never loaded (find_latest skips it).
+        whole = folder.is_dir() and verify(folder, checksums=False) is None
+        problem = check_checkpoint(folder) if whole else None
+        if problem:
+            raise C.ConfigError("checkpoint.resume", resume, problem)
+
+
 def run_files(cfg: C.Config, plan: LaunchPlan, ds: dict | None) -> dict[str, str]:
     """Files besides config.yaml the ranks or the runner read: ds_config.json (ZeRO), the
     hostfile (runner=deepspeed on several nodes)."""
@@ -291,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         if command == "submit":
             return cmd_submit(overrides, multirun)
         return cmd_train(overrides, multirun)
-    except UsageError as e:
+    except (UsageError, runlock.Held) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (C.ConfigError, HydraException, OmegaConfBaseException, ValueError) as e:
@@ -320,6 +340,7 @@ def compose_jobs(command: str, overrides: list[str],
         check_run_dir_name(run_dir)
         check_writable(run_dir)
         check_checkpoint_space(cfg, run_dir)
+        check_resume_is_data(cfg, run_dir)
         jobs.append((cfg, run_dir, host, choice, zero_config(cfg, host)))
     if command == "submit" and not jobs[0][0].dry_run:
         slurm.check_client()
@@ -377,24 +398,79 @@ def cmd_train(overrides: list[str], multirun: bool) -> int:
             print(command_script(launch_argv(cfg, str(run_dir), plan), rank_env(plan, cfg.cluster.env),
                                  plan.workdir, str(run_dir)), end="")
             continue
-        argv_run, env = prepare_run(cfg, run_dir, plan, files)
-        print(f"run directory: {run_dir}", flush=True)
-        if choice is not None:
-            (run_dir / "plan.json").write_text(choice)
-        # The launcher stays as torchrun's parent: it forwards stop signals and turns a
-        # preemption into EXIT_PREEMPTED (torchrun itself would exit 1). DeepSpeed's
-        # launcher dies on a signal before its ranks have saved: it runs in its own process
-        # group, which gets the signals and is waited for as a whole; it starts the other
-        # nodes itself (over ssh, from the hostfile).
-        own_group = cfg.cluster.runner == C.Runner.deepspeed
-        if cfg.cluster.nnodes > 1 and not own_group:  # several nodes by hand: meet the others first
-            rc = max(rc, run_node(cfg, run_dir, argv_run, {**os.environ, **env}))
-        elif "train.micro_batch=auto" in overrides:
-            rc = max(rc, supervise_with_backoff(cfg, argv_run, {**os.environ, **env}, run_dir))
-        else:
-            rc = max(rc, supervise(argv_run, {**os.environ, **env}, run_dir, own_group=own_group,
-                                   drain_s=cfg.cluster.shutdown_timeout_s))
+        if nothing_to_train(cfg, run_dir):
+            continue
+        created = not run_dir.exists()
+        with contextlib.ExitStack() as held:
+            owner = cfg.cluster.node_rank == 0  # the other nodes of a launch by hand share node 0's directory
+            if owner:
+                held.enter_context(runlock.hold(run_dir))
+            try:
+                rc = max(rc, launch_job(cfg, run_dir, plan, files, choice, overrides))
+            except C.ConfigError:  # refused while preparing, before any rank started: leave no trace
+                if created and owner:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                raise
     return rc
+
+
+def launch_job(cfg: C.Config, run_dir: Path, plan: LaunchPlan, files: dict[str, str], choice: str | None,
+               overrides: list[str]) -> int:
+    """Write the run directory and run the ranks under supervision; the exit code."""
+    cfg = wandb_reachable_or_offline(cfg, run_dir)
+    argv_run, env = prepare_run(cfg, run_dir, plan, files)
+    print(f"run directory: {run_dir}", flush=True)
+    if choice is not None:
+        (run_dir / "plan.json").write_text(choice)
+    # The launcher stays as torchrun's parent: it forwards stop signals and turns a
+    # preemption into EXIT_PREEMPTED (torchrun itself would exit 1). DeepSpeed's
+    # launcher dies on a signal before its ranks have saved: it runs in its own process
+    # group, which gets the signals and is waited for as a whole; it starts the other
+    # nodes itself (over ssh, from the hostfile).
+    own_group = cfg.cluster.runner == C.Runner.deepspeed
+    if cfg.cluster.nnodes > 1 and not own_group:  # several nodes by hand: meet the others first
+        return run_node(cfg, run_dir, argv_run, {**os.environ, **env})
+    if "train.micro_batch=auto" in overrides:
+        return supervise_with_backoff(cfg, argv_run, {**os.environ, **env}, run_dir)
+    return supervise(argv_run, {**os.environ, **env}, run_dir, own_group=own_group,
+                     drain_s=cfg.cluster.shutdown_timeout_s)
+
+
+def wandb_reachable_or_offline(cfg: C.Config, run_dir: Path) -> C.Config:
+    """A run that would log to W&B online checks first, for a few seconds, that the server
+    answers. logger.mode=auto: if not, the run logs offline (one line; config.yaml says
+    offline); logger.mode=online: refused. The ranks fall back to offline on their own too
+    (a key the server rejects, a network that drops; launcher/metrics.py)."""
+    import dataclasses
+
+    from launcher.metrics import sinks, wandb_mode, wandb_unreachable
+
+    if C.LoggerKind.wandb not in sinks(cfg) or wandb_mode(cfg) != "online":
+        return cfg
+    problem = wandb_unreachable()
+    if problem is None:
+        return cfg
+    if cfg.logger.mode == C.WandbMode.online:
+        raise C.ConfigError("logger.mode", "online", f"{problem}; use logger.mode=auto or offline "
+                                                     f"(wandb sync RUN_DIR/wandb later)")
+    print(f"W&B: {problem}; this run logs offline to {run_dir / 'wandb'} (wandb sync it later)", flush=True)
+    return dataclasses.replace(cfg, logger=dataclasses.replace(cfg.logger, mode=C.WandbMode.offline))
+
+
+def nothing_to_train(cfg: C.Config, run_dir: Path) -> bool:
+    """A launch that would resume a checkpoint already at train.steps says so in one line
+    and leaves the run directory as it is (its summary.json is the run's own)."""
+    from launcher.checkpoint import latest_step
+
+    if cfg.checkpoint.resume == "never":
+        return False
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    step = latest_step(root) if cfg.checkpoint.resume == "auto" else latest_step(Path(cfg.checkpoint.resume), one=True)
+    if step is None or step < cfg.train.steps:
+        return False
+    print(f"nothing to train: {run_dir} has a checkpoint at step {step} of train.steps={cfg.train.steps}; "
+          f"raise train.steps to train on", flush=True)
+    return True
 
 
 # ----------------------------------------------------------------------------- planning

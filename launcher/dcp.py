@@ -11,12 +11,15 @@ DCP records every tensor's global shape and where each shard lies, so a load at 
 layout (other world size, FSDP <-> TP <-> pipeline stages, one process) reads the pieces
 each rank now needs: that is the resharding. A ddp checkpoint (whole tensors in
 model.pt/optim.pt) loads too, and ddp loads these. Only tensors go into DCP (DCP would load
-other objects with pickle); DCP's own .metadata file is its pickle format. A tied head
-is stored once, as `tok_embeddings.weight`, whichever rank holds it under which name.
+other objects with pickle); DCP's own .metadata file is its pickle format, which torch's
+FileSystemReader reads with plain pickle.load: every load here goes through SafeReader,
+which admits only DCP's metadata classes and tensor entries. A tied head is stored once,
+as `tok_embeddings.weight`, whichever rank holds it under which name.
 """
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from pathlib import Path
 
@@ -24,6 +27,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -77,7 +83,7 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config) -> Non
         _load_ddp_files(path, cfg, wanted)
         schedule = torch.load(path / DDP_OPTIM, map_location="cpu", weights_only=True)["scheduler"]
     else:
-        dcp.load(wanted, checkpoint_id=str(path))
+        dcp.load(wanted, storage_reader=SafeReader(path))
         schedule = torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True)["scheduler"]
     set_model_state_dict(model, model_sd)
     set_optimizer_state_dict(model, optimizer, optim_sd, options=OPTIM)
@@ -118,5 +124,77 @@ def consolidate(cfg: Config, engine_dir: Path) -> dict[str, torch.Tensor]:
     state = model.state_dict()
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": no_dist=True says so
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": _canonical(state, layout.tied_names())}, checkpoint_id=str(engine_dir), no_dist=True)
+        dcp.load({"model": _canonical(state, layout.tied_names())}, storage_reader=SafeReader(engine_dir),
+                 no_dist=True)
     return {k: v.float() for k, v in state.items()}
+
+
+# ----------------------------------------------------------------------------- reading safely
+class CheckpointRefused(ValueError):
+    """A checkpoint file that reading could make run code, or that points outside its folder."""
+
+
+# What DCP (torch 2.13) pickles into .metadata; nothing else may be constructed.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata",
+                                              "StorageMeta", "MetadataIndex", "TensorProperties",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if name in _METADATA_GLOBALS.get(module, ()) or dtype:
+            return super().find_class(module, name)
+        raise CheckpointRefused(f"{module}.{name}")
+
+
+def read_metadata(folder: Path) -> Metadata:
+    """`folder`/.metadata parsed without running code: only DCP's metadata classes may
+    appear, every entry must be a tensor (DCP unpickles a bytes entry with
+    weights_only=False), and every data file must lie in the folder itself."""
+    path = Path(folder) / ".metadata"
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except CheckpointRefused as e:
+        raise CheckpointRefused(f"{path} would construct {e}, which DCP metadata never contains: refusing to load "
+                                f"it (a checkpoint must never run code)") from None
+    except Exception as e:  # truncated or not a pickle at all
+        raise CheckpointRefused(f"{path} is not readable DCP metadata ({e.__class__.__name__}: {e})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
+            or not isinstance(metadata.storage_data or {}, dict):
+        raise CheckpointRefused(f"{path} holds a {type(metadata).__name__} that is not DCP metadata")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointRefused(f"{path}: entry {key!r} is not a tensor ({type(entry).__name__}); DCP would "
+                                    f"unpickle it with weights_only=False: refusing to load it")
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(name, str) or Path(name).name != name \
+                or name in ("", ".", ".."):
+            raise CheckpointRefused(f"{path} points at data outside its folder ({name!r}): refusing to load it")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """torch's FileSystemReader, with the metadata read by read_metadata (tensor data are
+    read by torch.load(weights_only=True) already)."""
+
+    def __init__(self, folder: Path):
+        super().__init__(str(folder))
+        self.folder = Path(folder)
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = read_metadata(self.folder)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

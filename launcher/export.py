@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 import recipes
 from launcher import config as C
 from launcher.checkpoint import find_latest, step_name, verify
+from launcher.untrusted import check_checkpoint
 from launcher.models.gpt import GPT
 
 DTYPES = {C.ExportDtype.fp32: torch.float32, C.ExportDtype.bf16: torch.bfloat16}
@@ -43,6 +44,9 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
         problem = verify(folder) if folder.is_dir() else "no such checkpoint"
         if problem:
             raise C.ConfigError("export.step", cfg.export.step, f"{folder}: {problem}")
+    problem = check_checkpoint(folder)
+    if problem:
+        raise C.ConfigError("RUN", str(run_dir), problem)
     state = recipes.consolidate(cfg, folder / "engine")
     dtype = DTYPES[cfg.export.dtype]
     if cfg.export.format == C.ExportFormat.hf:  # a from_pretrained folder (launcher/models/hf.py)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import secrets
+import socket
 import string
 import sys
 import time
@@ -171,6 +172,9 @@ def _init_tensorboard(run_dir: Path, start_step: int):
                          flush_secs=10)
 
 
+WANDB_INIT_TIMEOUT_S = 30  # wandb's default is 90 s of retries before it gives up
+
+
 def wandb_mode(cfg: Config) -> str:
     mode = cfg.logger.mode
     if mode == WandbMode.auto:
@@ -188,7 +192,31 @@ def _has_wandb_credentials() -> bool:
         return False
 
 
+def wandb_unreachable(timeout_s: float = 5.0) -> str | None:
+    """None when the W&B server (WANDB_BASE_URL, else api.wandb.ai) accepts a connection
+    within timeout_s; else why not, in a few words. Compute nodes often have no route out."""
+    import configparser
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return None  # through a proxy: a direct connection proves nothing; the ranks fall back if need be
+    settings = configparser.ConfigParser()  # where `wandb login --host` records a server
+    settings.read(Path(os.environ.get("WANDB_CONFIG_DIR", Path.home() / ".config" / "wandb")) / "settings")
+    base = os.environ.get("WANDB_BASE_URL") or settings.get("default", "base_url", fallback="https://api.wandb.ai")
+    url = urlsplit(base)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname or "", port), timeout=timeout_s).close()
+    except OSError as e:
+        return f"cannot reach the W&B server {base} ({e.__class__.__name__}: {e})"
+    return None
+
+
 def _init_wandb(cfg: Config, run_dir: Path):
+    """The W&B run, resumed by the id in RUN_DIR/wandb_id. Logging never ends a run: an
+    online start that fails (no route, a rejected key) falls back to offline files in
+    RUN_DIR/wandb (`wandb sync` them later), and if even that fails the run goes on
+    without W&B; each case says so in one line."""
     import wandb
 
     id_file = run_dir / "wandb_id"
@@ -197,17 +225,37 @@ def _init_wandb(cfg: Config, run_dir: Path):
     else:
         run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         id_file.write_text(run_id + "\n")
-    return wandb.init(
-        project=cfg.logger.project,
-        entity=cfg.logger.entity,
-        group=cfg.logger.group,
-        tags=list(cfg.logger.tags) or None,
-        name=cfg.run_name or run_dir.name,
-        id=run_id,
-        resume="allow",
-        dir=str(run_dir),
-        config=to_dict(cfg),
-        mode=wandb_mode(cfg),
-        settings=wandb.Settings(console="off", x_disable_stats=True, silent=True, disable_git=True,
-                                save_code=False, x_save_requirements=False),
-    )
+
+    def start(mode: str):
+        return wandb.init(
+            project=cfg.logger.project,
+            entity=cfg.logger.entity,
+            group=cfg.logger.group,
+            tags=list(cfg.logger.tags) or None,
+            name=cfg.run_name or run_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=to_dict(cfg),
+            mode=mode,
+            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True, disable_git=True,
+                                    save_code=False, x_save_requirements=False, init_timeout=WANDB_INIT_TIMEOUT_S),
+        )
+
+    mode = wandb_mode(cfg)
+    try:
+        return start(mode)
+    except Exception as e:  # noqa: BLE001 -- anything W&B raises: logging is optional
+        why = f"{e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if mode != "online":
+            print(f"W&B could not start ({why}); this run goes on without W&B", file=sys.stderr, flush=True)
+            return None
+        print(f"W&B could not start online ({why}); logging offline to {run_dir / 'wandb'} "
+              f"(wandb sync it later)", file=sys.stderr, flush=True)
+    try:
+        wandb.teardown()  # the failed start still holds the run id in W&B's service process
+        return start("offline")
+    except Exception as e:  # noqa: BLE001
+        print(f"W&B could not start offline either ({e.__class__.__name__}); this run goes on without W&B",
+              file=sys.stderr, flush=True)
+        return None

@@ -13,6 +13,8 @@ markers in launcher/exits.py).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import os
 import signal
@@ -70,7 +72,8 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
     (at most drain_s). For a launcher that dies on a signal instead of waiting for its
     ranks (DeepSpeed's)."""
     clear_markers(run_dir)
-    proc = subprocess.Popen(argv, env=env, start_new_session=own_group)
+    proc = subprocess.Popen(argv, env=env, start_new_session=own_group,
+                            preexec_fn=functools.partial(stop_with_parent, os.getpid()))
 
     def send(sig, _frame):
         if own_group:
@@ -101,6 +104,23 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
                 print(info["message"], file=sys.stderr, flush=True)
             return code
     return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # looked up before any fork
+PR_SET_PDEATHSIG = 1
+
+
+def stop_with_parent(parent: int) -> None:
+    """In the child, before exec: the kernel sends it SIGTERM when the launcher (`parent`)
+    dies, by any signal, SIGKILL included (prctl PR_SET_PDEATHSIG). torchrun passes SIGTERM
+    to its ranks, which take it as a preemption: finish the step, save, write
+    preempted.json and exit. So no rank trains on unsupervised after its launcher is gone.
+    Linux only; with cluster.runner=deepspeed the signal reaches DeepSpeed's launcher,
+    which exits without waiting for its ranks (as on any signal)."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _wait_for_group(pgid: int, timeout_s: float) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -33,6 +34,7 @@ from launcher import ds_config, models
 from launcher.device import deepspeed_env
 from launcher.engine import BuildContext, MemoryBreakdown, StepResult, build_scheduler, param_groups
 from launcher.memory import zero_states
+from launcher.untrusted import DEEPSPEED_GLOBALS
 
 # DeepSpeed 0.19 calls torch collectives torch 2.13 deprecates; one warning per rank per call
 # site, on every launch. Nothing the user can act on.
@@ -45,12 +47,14 @@ UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 
 
 # ----------------------------------------------------------------------------- safe loading
 def _safe_globals() -> list:
-    """The non-tensor types DeepSpeed pickles into its checkpoint files; nothing else may load."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+    """The non-tensor types DeepSpeed pickles into its checkpoint files
+    (launcher.untrusted.DEEPSPEED_GLOBALS, which the launch side's check allows too);
+    nothing else may load."""
+    out = []
+    for name in DEEPSPEED_GLOBALS:
+        module, attr = name.rsplit(".", 1)
+        out.append(getattr(importlib.import_module(module), attr))
+    return out
 
 
 @contextlib.contextmanager
@@ -306,8 +310,8 @@ def terms_held(opt, model) -> list[tuple[str, str, str, list]]:
         home = "cpu" if opt.cpu_offload else "device"
         params = [p for group in opt.bit16_groups for p in group]
         return [
-            ("params", "device", "bf16 weights, whole model", opt.bit16_groups_flat),
-            ("params", "device", "bf16 copy of the own shard for the upload (offload)",
+            ("params", "device", "weights, whole model (bf16, or fp32 in fp32 runs)", opt.bit16_groups_flat),
+            ("params", "device", "copy of the own weight shard for the upload (offload)",
              getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None)),
             ("optim", home, "fp32 master shard", opt.single_partition_of_fp32_groups),
             ("optim", home, "Adam moments of the shard", state),
@@ -326,7 +330,7 @@ def terms_held(opt, model) -> list[tuple[str, str, str, list]]:
     home = "cpu" if opt.offload_optimizer else "device"
     param_home = "cpu" if opt.offload_param else "device"
     return [
-        ("params", param_home, "bf16 weight shard", opt.fp16_partitioned_groups_flat),
+        ("params", param_home, "weight shard", opt.fp16_partitioned_groups_flat),
         ("params", "device", "whole weights: persistent small parameters and any gathered now",
          [p.data for p in model.parameters() if p.data.numel()]),
         ("optim", home, "fp32 master shard", opt.fp32_partitioned_groups_flat),

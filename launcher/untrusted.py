@@ -1,0 +1,65 @@
+"""Checkpoint files are data, never code: what resume and export read is checked here,
+on the launch side, before any rank starts, and read by the ranks with loaders that cannot
+run code (launcher/dcp.py's SafeReader, `torch.load(weights_only=True)`).
+
+A pickle runs code through the callables it names. For a `torch.save` archive, torch's
+own static reader (`torch.serialization.get_unsafe_globals_in_checkpoint`: the same zip
+reader and record torch.load uses, no unpickling) lists the names that weights_only
+loading would not allow; DeepSpeed's four types are allowed besides (recipes/zero.py
+admits exactly these). DCP's `.metadata` is a plain pickle, read by
+launcher/dcp.py::read_metadata's restricted unpickler. The manifest's digests do not help
+here: whoever crafts a file can rewrite them.
+
+    problem = check_checkpoint(folder)   # None, or one line naming the file and the name
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The types DeepSpeed pickles into its checkpoint files beside tensors (recipes/zero.py
+# allows exactly these under weights_only loading).
+DEEPSPEED_GLOBALS = (
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+REFUSE = "refusing to load it (a checkpoint must never run code)"
+
+
+def check_file(path: Path) -> str | None:
+    """None when `path` can be read without running code; else one line why not."""
+    if path.name == ".metadata":
+        from launcher import dcp
+
+        try:
+            dcp.read_metadata(path.parent)
+        except dcp.CheckpointRefused as e:
+            return str(e)
+        return None
+    import torch
+
+    try:
+        unsafe = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(str(path))) - set(DEEPSPEED_GLOBALS))
+    except Exception as e:  # noqa: BLE001 -- not a torch.save archive, torn, encrypted, ...
+        return f"{path} cannot be checked ({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); {REFUSE}"
+    if unsafe:
+        return f"{path} would call {unsafe[0]}, which a checkpoint never contains: {REFUSE}"
+    return None
+
+
+# torch.save archives and DCP metadata; DCP's *.distcp tensor data are read with
+# weights_only=True by torch's own reader, safetensors and JSON are not pickle.
+_PICKLED = {".pt", ".pth", ".bin", ".ckpt"}
+
+
+def check_checkpoint(folder: Path) -> str | None:
+    """The first file in a checkpoint folder that reading could make run code, as one line."""
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        if path.suffix in _PICKLED or path.name == ".metadata":
+            problem = check_file(path)
+            if problem:
+                return problem
+    return None

@@ -1,0 +1,159 @@
+"""A checkpoint is data, never code: crafted files are refused by export and resume in one
+line, before anything in them runs (launcher/untrusted.py, launcher/dcp.py's SafeReader,
+DeepSpeed under forced weights_only). Each crafted file would run a command (touch a
+marker) if unpickled; the manifest's digests are rewritten to match, as an attacker would."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp_api
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from conftest import FAST, launch
+from launcher import dcp, untrusted
+from launcher.checkpoint import write_manifest
+
+
+class Payload:
+    """Runs `touch marker` when unpickled by anything that honours __reduce__."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def dcp_folder(folder: Path) -> Path:
+    sd = {"model": {"w": torch.randn(4, 3), "b": torch.zeros(3, dtype=torch.bfloat16)}}
+    dcp_api.save(sd, checkpoint_id=str(folder), no_dist=True)
+    return folder
+
+
+def craft_metadata(folder: Path, marker: Path, **change) -> None:
+    """Rewrite folder/.metadata: DCP's own metadata, with `change` applied and a payload in
+    a field torch never looks at."""
+    with open(folder / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # our own file, just written
+    metadata = dataclasses.replace(metadata, **change)
+    metadata.planner_data = Payload(marker)
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
+# ----------------------------------------------------------------------------- files
+def test_crafted_dcp_metadata_runs_code_in_torch_and_not_here(tmp_path):
+    folder, marker = dcp_folder(tmp_path / "ckpt"), tmp_path / "ran"
+    assert dcp.read_metadata(folder).state_dict_metadata  # the genuine file passes
+    assert untrusted.check_checkpoint(folder) is None
+    craft_metadata(folder, marker)
+    FileSystemReader(str(folder)).read_metadata()  # what torch's reader does with it
+    assert marker.exists()  # the attack is real
+    marker.unlink()
+    with pytest.raises(dcp.CheckpointRefused, match="posix.system"):
+        dcp.read_metadata(folder)
+    with pytest.raises(BaseException) as refused:  # DCP wraps it in a CheckpointException (a BaseException)
+        dcp_api.load({"model": {"w": torch.empty(4, 3), "b": torch.empty(3, dtype=torch.bfloat16)}},
+                     storage_reader=dcp.SafeReader(folder), no_dist=True)
+    assert "must never run code" in str(getattr(refused.value, "failures", refused.value))
+    problem = untrusted.check_checkpoint(folder)
+    assert "posix.system" in problem and "\n" not in problem and not marker.exists()
+
+
+def test_dcp_entries_that_are_not_tensors_or_point_outside_are_refused(tmp_path):
+    folder = dcp_folder(tmp_path / "bytes")
+    with open(folder / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    metadata.state_dict_metadata["model.w"] = BytesStorageMetadata()  # DCP would torch.load(weights_only=False) it
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(dcp.CheckpointRefused, match="not a tensor"):
+        dcp.read_metadata(folder)
+
+    folder = dcp_folder(tmp_path / "outside")
+    with open(folder / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(dcp.CheckpointRefused, match="outside its folder"):
+        dcp.read_metadata(folder)
+
+    (folder / ".metadata").write_bytes(b"\x80\x04not a pickle")
+    with pytest.raises(dcp.CheckpointRefused, match="not readable"):
+        dcp.read_metadata(folder)
+
+
+def test_torch_save_archives_are_checked_without_unpickling(tmp_path):
+    marker = tmp_path / "ran"
+    torch.save({"step": 3, "rng": torch.get_rng_state(), "nested": [1.5, {"a": torch.ones(2)}]}, tmp_path / "ok.pt")
+    assert untrusted.check_file(tmp_path / "ok.pt") is None
+    torch.save({"step": 3, "x": Payload(marker)}, tmp_path / "bad.pt")
+    problem = untrusted.check_file(tmp_path / "bad.pt")
+    assert "posix.system" in problem and "\n" not in problem and not marker.exists()
+    raw = pickle.dumps(Payload(marker))  # a legacy, non-zip pickle, and one with a zip appended
+    (tmp_path / "raw.pt").write_bytes(raw)
+    (tmp_path / "disguised.pt").write_bytes(raw + (tmp_path / "ok.pt").read_bytes())
+    for name in ("raw.pt", "disguised.pt"):
+        assert "cannot be checked" in untrusted.check_file(tmp_path / name)
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- real runs
+def crafted(run: Path, tmp: Path, recipe: str) -> tuple[Path, Path]:
+    """A copy of `run` whose checkpoint holds a payload in the file each recipe's loader reads
+    first (DCP: .metadata; DeepSpeed: its model states file), digests rewritten."""
+    bad, marker = tmp / f"{recipe}-crafted", tmp / f"{recipe}-ran"
+    shutil.copytree(run, bad)
+    step = sorted((bad / "checkpoints").glob("step_*"))[-1]
+    engine = step / "engine"
+    if recipe == "zero2":
+        target = sorted((engine / "ds").glob("*model_states.pt"))[0]
+        state = torch.load(target, map_location="cpu", weights_only=False)  # our own file, just written
+        state["payload"] = Payload(marker)
+        torch.save(state, target)
+    else:
+        craft_metadata(engine, marker)
+    write_manifest(step, int(step.name.split("_")[1]))
+    return bad, marker
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["fsdp", "zero2"])
+def test_export_and_resume_refuse_a_crafted_checkpoint(recipe, tmp_path):
+    run = tmp_path / "run"
+    launch(f"recipe={recipe}", "cluster.nproc_per_node=2", *FAST, "train.steps=2", "optim.warmup_steps=1", "logger=none",
+           run_dir=run)
+    assert launch(str(run), command="export", check=False).returncode == 0  # the genuine run exports
+    bad, marker = crafted(run, tmp_path, recipe)
+
+    export = launch(str(bad), command="export", check=False)
+    resume = launch(f"recipe={recipe}", "cluster.nproc_per_node=2", *FAST, "train.steps=4", "logger=none",
+                    run_dir=bad, check=False)
+    for proc in (export, resume):
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "must never run code" in lines[0], proc.stderr[-3000:]
+    assert not marker.exists()
+    assert len((bad / "metrics.jsonl").read_text().splitlines()) == len((run / "metrics.jsonl").read_text().splitlines())
+
+    # The ranks' own loaders refuse it too, without the launch side's check.
+    import recipes
+    from launcher.config import load_frozen
+
+    cfg = load_frozen(bad / "config.yaml")
+    engine = sorted((bad / "checkpoints").glob("step_*"))[-1] / "engine"
+    with pytest.raises(BaseException) as refused:
+        recipes.consolidate(cfg, engine)
+    why = str(getattr(refused.value, "failures", refused.value))
+    assert "must never run code" in why or "Weights only load failed" in why, why
+    assert not marker.exists()
