@@ -88,14 +88,25 @@ def verify(folder: Path, checksums: bool = True) -> str | None:
     return None
 
 
-def latest_step(root: Path, one: bool = False) -> int | None:
-    """The step of the newest complete checkpoint under `root` (or of the checkpoint folder
-    `root` itself, one=True) whose files match its manifest in name and size; None if none.
-    Cheap: no digests (the ranks verify them when they load)."""
-    for folder in [root] if one else complete_checkpoints(root)[::-1]:
-        if folder.is_dir() and verify(folder, checksums=False) is None:
-            return int(json.loads((folder / MANIFEST).read_text())["step"])
-    return None
+def root_of(cfg, run_dir: Path) -> Path:
+    """Where a run's checkpoints live: checkpoint.dir, else RUN_DIR/checkpoints."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+
+
+def resumable(cfg, run_dir: Path) -> list[Path]:
+    """The checkpoint folders a launch may resume from, oldest first: under resume=auto the
+    complete ones whose files match their manifest in name and size, the folder named by
+    resume=PATH if it does, none under never. Cheap (no digests: the ranks verify those);
+    the launch side checks these before any rank starts."""
+    resume = cfg.checkpoint.resume
+    if resume == "never":
+        return []
+    folders = complete_checkpoints(root_of(cfg, run_dir)) if resume == "auto" else [Path(resume)]
+    return [f for f in folders if f.is_dir() and verify(f, checksums=False) is None]
+
+
+def manifest_step(folder: Path) -> int:
+    return int(json.loads((folder / MANIFEST).read_text())["step"])
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

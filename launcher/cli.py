@@ -165,10 +165,10 @@ def check_writable(run_dir: Path) -> None:
 def check_checkpoint_space(cfg: C.Config, run_dir: Path) -> None:
     """The checkpoint folder is writable and its disk has room for keep + 1 checkpoints
     (the newest is written before the oldest is deleted), found here, not mid-run."""
-    from launcher.checkpoint import complete_checkpoints
+    from launcher.checkpoint import complete_checkpoints, root_of
     from launcher.memory import ParamCounts
 
-    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    root = root_of(cfg, run_dir)
     probe = writable_parent(root, "checkpoint.dir")
     # Upper bound per checkpoint: fp32 weights + Adam's two moments + a low-precision copy.
     each = 16 * ParamCounts.of(cfg.model).total
@@ -186,19 +186,13 @@ def check_resume_is_data(cfg: C.Config, run_dir: Path) -> None:
     """Every checkpoint the ranks may resume from can be read without running code
     (launcher/untrusted.py): a crafted file is refused here, in one line, before any rank
     starts. Only pickles' small parts are read (no digests, no tensor data)."""
-    from launcher.checkpoint import complete_checkpoints, verify
+    from launcher.checkpoint import resumable
     from launcher.untrusted import check_checkpoint
 
-    resume = cfg.checkpoint.resume
-    if resume == "never":
-        return
-    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    for folder in complete_checkpoints(root) if resume == "auto" else [Path(resume)]:
-        # A folder whose files do not match its manifest is never loaded (find_latest skips it).
-        whole = folder.is_dir() and verify(folder, checksums=False) is None
-        problem = check_checkpoint(folder) if whole else None
+    for folder in resumable(cfg, run_dir):
+        problem = check_checkpoint(folder)
         if problem:
-            raise C.ConfigError("checkpoint.resume", resume, problem)
+            raise C.ConfigError("checkpoint.resume", cfg.checkpoint.resume, problem)
 
 
 def run_files(cfg: C.Config, plan: LaunchPlan, ds: dict | None) -> dict[str, str]:
@@ -460,12 +454,10 @@ def wandb_reachable_or_offline(cfg: C.Config, run_dir: Path) -> C.Config:
 def nothing_to_train(cfg: C.Config, run_dir: Path) -> bool:
     """A launch that would resume a checkpoint already at train.steps says so in one line
     and leaves the run directory as it is (its summary.json is the run's own)."""
-    from launcher.checkpoint import latest_step
+    from launcher.checkpoint import manifest_step, resumable
 
-    if cfg.checkpoint.resume == "never":
-        return False
-    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    step = latest_step(root) if cfg.checkpoint.resume == "auto" else latest_step(Path(cfg.checkpoint.resume), one=True)
+    folders = resumable(cfg, run_dir)
+    step = manifest_step(folders[-1]) if folders else None
     if step is None or step < cfg.train.steps:
         return False
     print(f"nothing to train: {run_dir} has a checkpoint at step {step} of train.steps={cfg.train.steps}; "

@@ -63,6 +63,17 @@ QUIET = 2**31 - 1  # steps_per_print: DeepSpeed's own progress lines would repea
 
 
 # ----------------------------------------------------------------------------- generate
+def reduce_bucket(cfg: C.Config) -> int:
+    """reduce_bucket_size: recipe.zero's, or model.dim^2."""
+    return cfg.recipe.zero.reduce_bucket_size or C.model_shape(cfg).dim ** 2
+
+
+def persistence_threshold(cfg: C.Config) -> int:
+    """stage3_param_persistence_threshold: recipe.zero's, or 10 x model.dim (the norms)."""
+    z = cfg.recipe.zero
+    return z.param_persistence_threshold if z.param_persistence_threshold is not None else 10 * C.model_shape(cfg).dim
+
+
 def deepspeed_config(cfg: C.Config, world_size: int, cuda: bool) -> dict[str, Any]:
     """The DeepSpeed config of `cfg` at `world_size` ranks (pure)."""
     t, o, p, z = cfg.train, cfg.optim, cfg.precision, cfg.recipe.zero
@@ -75,15 +86,13 @@ def deepspeed_config(cfg: C.Config, world_size: int, cuda: bool) -> dict[str, An
         "overlap_comm": z.overlap_comm if z.overlap_comm is not None else z.stage == 3,
         "contiguous_gradients": z.contiguous_gradients,
         "reduce_scatter": z.reduce_scatter,
-        "reduce_bucket_size": z.reduce_bucket_size or dim2,
+        "reduce_bucket_size": reduce_bucket(cfg),
         "allgather_bucket_size": z.allgather_bucket_size or dim2,
     }
     if z.stage == 3:
         zero.update({
             "stage3_prefetch_bucket_size": z.prefetch_bucket_size or int(0.9 * dim2),
-            "stage3_param_persistence_threshold": (z.param_persistence_threshold
-                                                   if z.param_persistence_threshold is not None
-                                                   else 10 * m.dim),
+            "stage3_param_persistence_threshold": persistence_threshold(cfg),
             "stage3_max_live_parameters": z.max_live_parameters,
             "stage3_max_reuse_distance": z.max_reuse_distance,
         })

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 import recipes
 from launcher import config as C
-from launcher.checkpoint import find_latest, step_name, verify
+from launcher.checkpoint import find_latest, root_of, step_name, verify
 from launcher.untrusted import check_checkpoint
 from launcher.models.gpt import GPT
 
@@ -34,7 +34,7 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
     if cfg.model.kind == C.ModelKind.hf and cfg.export.format != C.ExportFormat.hf:
         raise C.ConfigError("export.format", cfg.export.format.value,
                             "model=hf exports as export.format=hf (a from_pretrained folder)")
-    root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+    root = root_of(cfg, run_dir)
     if cfg.export.step is None:
         folder = find_latest(root)
         if folder is None:

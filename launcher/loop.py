@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from launcher.checkpoint import Checkpointer, find_latest, step_name
+from launcher.checkpoint import Checkpointer, find_latest, root_of, step_name
 from launcher.config import RECIPE_PARALLELISM, Config, FaultPoint, degrees
 from launcher.data import build_loader, loss_floor
 from launcher.device import memory_stats, peak_flops, reset_peak_memory, synchronize
@@ -55,7 +55,7 @@ def run(job: Job) -> int:
     tokens_per_step = global_batch * cfg.train.seq_len
 
     # ------------------------------------------------------------------ resume
-    ckpt = Checkpointer(Path(cfg.checkpoint.dir or job.run_dir / "checkpoints"), cfg.checkpoint.keep,
+    ckpt = Checkpointer(root_of(cfg, job.run_dir), cfg.checkpoint.keep,
                         job.rank, job.world_size, debug=cfg.debug)
     step, samples_seen = 0, 0
     start_from = ckpt.resolve(cfg.checkpoint.resume)

@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from launcher import ds_config
 from launcher import memory as M
 from launcher.config import ACMode, Config, ConfigError, ModelConfig, ModelKind, Precision
 from launcher.models.gpt import flops_per_token
@@ -171,25 +172,13 @@ def model_states(cfg: Config, layout: Layout,
                               layout.offload_params, largest_param=M.largest_param(cfg.model),
                               weight_bytes=4 if precision == Precision.fp32 else 2,
                               straddle=M.straddling(cfg.model, n),
-                              kept_whole=M.persistent(cfg.model, persistence(cfg)), bucket=reduce_bucket(cfg))
+                              kept_whole=M.persistent(cfg.model, ds_config.persistence_threshold(cfg)),
+                              bucket=ds_config.reduce_bucket(cfg))
         params, grads, optim = (int(d + h) for d, h in parts.values())
         for k, (d, h) in parts.items():
             host[k] = int(h)
             where[k] = "cpu" if not d else ("device+cpu" if h else "device")
     return params, grads, optim, where, host
-
-
-def reduce_bucket(cfg: Config) -> int:
-    """DeepSpeed's reduce_bucket_size as launcher/ds_config.py writes it."""
-    size = getattr(getattr(cfg.recipe, "zero", None), "reduce_bucket_size", None)
-    return size or cfg.model.dim ** 2
-
-
-def persistence(cfg: Config) -> int:
-    """ZeRO-3's persistence threshold as launcher/ds_config.py writes it."""
-    z = getattr(cfg.recipe, "zero", None)
-    threshold = getattr(z, "param_persistence_threshold", None)
-    return threshold if threshold is not None else 10 * cfg.model.dim
 
 
 # ----------------------------------------------------------------------------- start-up
