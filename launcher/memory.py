@@ -71,13 +71,20 @@ class ParamCounts:
         return _param_counts(tuple(sorted(vars(m).items())))
 
 
+def _meta_gpt(m: ModelConfig) -> nn.Module:
+    """The decoder's structure on the meta device, its init skipped: the first init call on
+    meta costs about a second of torch's own set-up, on every launch."""
+    from launcher.models.gpt import GPT
+    from launcher.models.init import skip_torch_init
+
+    with torch.device("meta"), skip_torch_init():
+        return GPT(m)
+
+
 @functools.lru_cache(maxsize=32)
 def _param_counts(key: tuple) -> ParamCounts:
-    from launcher.models.gpt import GPT
-
     m = ModelConfig(**dict(key))
-    with torch.device("meta"):
-        model = GPT(m)
+    model = _meta_gpt(m)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
     return ParamCounts(embed=count(model.tok_embeddings), head=0 if m.tie_embeddings else count(model.output),
                        block=count(model.layers[0]), final_norm=count(model.norm), n_blocks=len(model.layers))
@@ -85,11 +92,7 @@ def _param_counts(key: tuple) -> ParamCounts:
 
 @functools.lru_cache(maxsize=32)
 def _group_sizes(key: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    from launcher.models.gpt import GPT
-
-    m = ModelConfig(**dict(key))
-    with torch.device("meta"):
-        model = GPT(m)
+    model = _meta_gpt(ModelConfig(**dict(key)))
     params = list(model.parameters())  # unique: a tied head is the embedding
     return tuple(p.numel() for p in params if p.ndim >= 2), tuple(p.numel() for p in params if p.ndim < 2)
 

@@ -59,6 +59,9 @@ def job_store(rank: int | None, world_size: int, timeout_s: float) -> dist.Store
     return dist.PrefixStore(f"launcher/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", base)
 
 
+SHARDED_ON_META = (C.Strategy.fsdp, C.Strategy.tp, C.Strategy.tp_fsdp, C.Strategy.pp)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -83,6 +86,10 @@ def start(cfg: C.Config, device: torch.device, rank: int, world_size: int, local
     recipes.module(cfg)  # its imports (DeepSpeed) belong to the baseline, not to the model
     seed_everything(cfg.train.seed)
     model = models.prepare(models.on_meta(cfg), cfg)  # its imports too (transformers); no storage
+    if cfg.recipe.strategy in SHARDED_ON_META:
+        # Sharding on meta runs some ops through torch's Python meta kernels, which load once
+        # per process (about 35 MB, a second): torch's start-up, not this model's memory.
+        torch.ones(1, device="meta").pow(2)
     base = current_rss()
     with returned_to_the_os():
         engine = build_engine(cfg, model, device, rank, world_size, local_rank, run_dir)

@@ -33,10 +33,14 @@ class RMSNorm(nn.Module):
 
 
 def rotary_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
-    """(max_seq_len, head_dim/2, 2): cos and sin for each position and frequency."""
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    """(max_seq_len, head_dim/2, 2): cos and sin for each position and frequency, on the
+    current default device. Computed on the CPU: the same values wherever it lands, and on
+    the meta device torch would first spend about a second setting up its reference kernels
+    (on every launch and every rank)."""
+    cpu = torch.device("cpu")
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=cpu) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=cpu), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).to(torch.get_default_device())
 
 
 def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
