@@ -1,4 +1,7 @@
 # launcher: `make help` lists the targets. Every target sets up .venv first if needed.
+# Recipes are silent (@): make prints only what the program prints, so `make plan ARGS="--json"`
+# is JSON on stdout. make turns every failure into exit 2: scripts that need the launcher's own
+# exit codes (74, 75, 124, 130) call .venv/bin/launcher directly.
 #   make train RECIPE=ddp ARGS="model=gpt_small optim.lr=1e-3 train.steps=300"
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -19,32 +22,33 @@ help: ## list the targets
 setup: $(STAMP) ## make .venv and install the project (torch pinned; CPU wheel here, CUDA on GPU hosts)
 
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[dev,hf,tb]'
-	touch $(STAMP)
+	@echo 'setting up $(VENV) (once): python -m venv, pip install -e .[dev,hf,tb]' >&2
+	@$(PYTHON) -m venv $(VENV)
+	@$(VENV)/bin/pip install --quiet --upgrade pip >&2
+	@$(VENV)/bin/pip install --quiet -e '.[dev,hf,tb]' >&2
+	@touch $(STAMP)
 
 train: setup ## train: RECIPE=<name> ARGS="<overrides>" (--dry-run in ARGS prints, starts nothing)
-	$(PY) -m launcher train $(if $(RECIPE),recipe=$(RECIPE)) $(ARGS)
+	@$(PY) -m launcher train $(if $(RECIPE),recipe=$(RECIPE)) $(ARGS)
 
 plan: setup ## memory per GPU of every recipe, the largest micro-batch that fits, the recommendation (ARGS="... --json")
-	$(PY) -m launcher plan $(ARGS)
+	@$(PY) -m launcher plan $(ARGS)
 
 submit: setup ## Slurm batch job: RECIPE=<name> ARGS="cluster.nnodes=2 cluster.partition=gpu ..." (--dry-run prints the script)
-	$(PY) -m launcher submit $(if $(RECIPE),recipe=$(RECIPE)) $(ARGS)
+	@$(PY) -m launcher submit $(if $(RECIPE),recipe=$(RECIPE)) $(ARGS)
 
 export: setup ## consolidated weights: RUN=<run dir> [export.dtype=bf16] [export.step=N] [export.format=...]
 	@test -n "$(RUN)" || { echo 'error: RUN=<run directory> is required, e.g. make export RUN=outputs/2026-11-22/07-00-14-ddp' >&2; exit 2; }
-	$(PY) -m launcher export "$(RUN)" $(foreach k,format dtype step out,$(if $(export.$(k)),export.$(k)=$(export.$(k)))) $(ARGS)
+	@$(PY) -m launcher export "$(RUN)" $(foreach k,format dtype step out,$(if $(export.$(k)),export.$(k)=$(export.$(k)))) $(ARGS)
 
 test: setup ## the full test suite (real processes; about 40 minutes on 2 cores)
-	$(PY) -m pytest -q tests
+	@$(PY) -m pytest -q tests
 
 test-quick: setup ## the suite without the slow multi-process tests
-	$(PY) -m pytest -q -m "not slow" tests
+	@$(PY) -m pytest -q -m "not slow" tests
 
 bench: setup ## throughput benchmarks; writes bench/results.md
-	$(PY) scripts/bench.py
+	@$(PY) scripts/bench.py
 
 clean: ## remove outputs/ and multirun/ (runs and checkpoints!)
 	rm -rf outputs multirun

@@ -1,1 +1,22 @@
 """launcher: a distributed training launcher for PyTorch (see README.md)."""
+import os as _os
+
+USER_ENV: dict[str, str] = dict(_os.environ)
+"""The environment this process started with, before any module of ours set a variable."""
+
+SET_HERE = ("DS_ACCELERATOR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE",
+            "HF_HUB_DISABLE_TELEMETRY", "HF_HUB_DISABLE_PROGRESS_BARS")
+"""What the launch side sets for this machine (DeepSpeed's accelerator, found here; the
+hubs off): never handed on to a Slurm job, which runs on other machines."""
+
+
+def user_env() -> dict[str, str]:
+    """This process's environment less what the launcher set for itself: each of SET_HERE
+    as the process started with it, or absent."""
+    env = dict(_os.environ)
+    for key in SET_HERE:
+        if key in USER_ENV:
+            env[key] = USER_ENV[key]
+        else:
+            env.pop(key, None)
+    return env

@@ -3,14 +3,18 @@
     CKPT_DIR/step_00000100/        a complete checkpoint (never written in place)
         engine/                    the recipe's files (engine.save), every rank writes
         trainer/rank_00000.pt      step, data position, RNG states of each rank
-        manifest.json              every file's size and sha256, written last
-    CKPT_DIR/latest                the name of the newest complete checkpoint
+        manifest.json              the run id, every file's size and sha256, written last
+    CKPT_DIR/latest                the newest complete checkpoint's name (line 1), `run <id>` (line 2)
 
 A save writes into `step_X.tmp/`, waits for every rank, then rank 0 writes the manifest,
 renames the folder to `step_X` and replaces `latest` (both atomic renames), and deletes
 all but the newest `keep`. A crash at any point leaves the previous checkpoint and a
 `latest` that names it; a leftover `.tmp` folder is never read and is cleaned up on the
 next save. Loading uses `weights_only=True` everywhere.
+
+Every checkpoint names the run it belongs to (checkpoint.run_id, set by the launcher):
+resume=auto takes the newest whole checkpoint of this run, keep-K deletes only this run's.
+The launch side sees to it that a folder holds one run's checkpoints (launcher/identity.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 import random
 import re
 import shutil
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,13 +64,14 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(folder: Path, step: int) -> None:
+def write_manifest(folder: Path, step: int, run_id: str | None = None, about: dict | None = None) -> None:
+    """folder/manifest.json: the step, the run, `about` (what wrote it: launcher/fit.py), each file's size and sha256."""
     files = {}
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
             files[str(p.relative_to(folder))] = {"size": p.stat().st_size, "sha256": _sha256(p)}
     tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
+    tmp.write_text(json.dumps({"step": step, "run_id": run_id, **(about or {}), "files": files}, indent=1))
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, folder / MANIFEST)
@@ -109,19 +115,51 @@ def manifest_step(folder: Path) -> int:
     return int(json.loads((folder / MANIFEST).read_text())["step"])
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Renamed (hence finished) checkpoint folders, oldest first."""
+UNREADABLE = object()
+"""run_of() of a folder whose manifest cannot be read: no run's (never resumed, never deleted)."""
+
+
+def run_of(folder: Path):
+    """The run id in a checkpoint's manifest: a string, None for a checkpoint written before
+    runs had ids (it counts as the run that continues it), UNREADABLE without a manifest."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return UNREADABLE
+    return manifest.get("run_id") if isinstance(manifest, dict) else UNREADABLE
+
+
+def belongs(folder: Path, run_id: str | None) -> bool:
+    """Whether the checkpoint is run `run_id`'s (run_id None: any readable one is)."""
+    owner = run_of(folder)
+    return owner is not UNREADABLE and (run_id is None or owner in (None, run_id))
+
+
+def read_latest(root: Path) -> tuple[str, str | None] | None:
+    """`latest`: the folder name and the run id it records (None in an older pointer)."""
+    try:
+        lines = (root / "latest").read_text().splitlines()
+    except OSError:
+        return None
+    run = next((line.split(" ", 1)[1].strip() for line in lines[1:] if line.startswith("run ")), None)
+    return (lines[0].strip(), run) if lines else None
+
+
+def complete_checkpoints(root: Path, run_id: str | None = None) -> list[Path]:
+    """Renamed (hence finished) checkpoint folders, oldest first; with run_id, only that run's."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+    return folders if run_id is None else [f for f in folders if belongs(f, run_id)]
 
 
-def find_latest(root: Path) -> Path | None:
-    """The newest checkpoint that passes its manifest check. Only renamed folders count
-    (a save killed before its rename left a .tmp folder, never read); one that fails its
-    check is skipped with a warning and the one before it is used. The newest complete
-    folder wins even when a kill came between its rename and the `latest` update."""
-    for folder in complete_checkpoints(root)[::-1]:
+def find_latest(root: Path, run_id: str | None = None) -> Path | None:
+    """The newest checkpoint (of run `run_id`, if given) that passes its manifest check.
+    Only renamed folders count (a save killed before its rename left a .tmp folder, never
+    read); one that fails its check is skipped with a warning and the one before it is
+    used. The newest complete folder wins even when a kill came between its rename and the
+    `latest` update."""
+    for folder in complete_checkpoints(root, run_id)[::-1]:
         problem = verify(folder)
         if problem is None:
             return folder
@@ -146,8 +184,11 @@ def set_rng_state(state: dict) -> None:
 class Checkpointer:
     """Owns CKPT_DIR for one job. Every method is called on every rank."""
 
-    def __init__(self, root: Path, keep: int, rank: int, world_size: int, debug=None):
+    def __init__(self, root: Path, keep: int, rank: int, world_size: int, debug=None, run_id: str | None = None,
+                 about: dict | None = None):
         self.root, self.keep, self.rank, self.world_size = root, keep, rank, world_size
+        self.run_id = run_id
+        self.about = about  # rank 0: the model that writes (launcher/fit.py::describe), into every manifest
         self.debug = debug  # fault injection points (launcher/faults.py); None in real runs
 
     def _fault(self, point: str, step: int) -> None:
@@ -172,19 +213,22 @@ class Checkpointer:
         dist.barrier()
         self._fault("save_engine_written", step)
         if self.rank == 0:
-            write_manifest(tmp, step)
+            write_manifest(tmp, step, self.run_id, self.about)
             self._fault("save_manifest_written", step)
-            if final.exists():  # a save of the same step from an earlier attempt
-                shutil.rmtree(final)
+            if final.exists():  # a save of the same step from an earlier attempt of this run
+                if belongs(final, self.run_id or ""):
+                    shutil.rmtree(final)
+                else:  # not this run's (or no readable manifest): kept, under another name
+                    os.replace(final, final.with_name(f"{final.name}.aside.{int(time.time())}"))
             os.replace(tmp, final)
             _fsync_dir(self.root)
             self._fault("save_renamed", step)
             pointer = self.root / "latest.tmp"
-            pointer.write_text(final.name + "\n")
+            pointer.write_text(final.name + "\n" + (f"run {self.run_id}\n" if self.run_id else ""))
             os.replace(pointer, self.root / "latest")
             _fsync_dir(self.root)
             self._fault("save_latest_written", step)
-            for old in complete_checkpoints(self.root)[:-self.keep]:
+            for old in complete_checkpoints(self.root, self.run_id or "")[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
         return final
@@ -195,11 +239,14 @@ class Checkpointer:
             shutil.rmtree(self.root / (step_name(step) + ".tmp"), ignore_errors=True)
 
     def resolve(self, resume: str) -> Path | None:
-        """Which checkpoint to start from, decided on rank 0 and shared with all ranks."""
+        """Which checkpoint to start from, decided on rank 0 and shared with all ranks: this
+        run's newest whole checkpoint when it has one (a relaunch, a requeue, command.sh run
+        again: whatever `resume` said at the run's first start), else what `resume` says."""
         choice: list[str | None] = [None]
         if self.rank == 0:
-            if resume == "auto":
-                found = find_latest(self.root)
+            own = find_latest(self.root, self.run_id) if self.run_id else None
+            if own is not None or resume == "auto":
+                found = own if self.run_id else find_latest(self.root)
             elif resume == "never":
                 found = None
             else:

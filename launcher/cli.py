@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import socket
 import sys
@@ -22,10 +23,12 @@ from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from launcher import config as C
-from launcher import runlock, slurm
+from launcher import fit, identity, plaintext, runlock, slurm
+from launcher.checkpoint import root_of
 from launcher.commands import (HOSTFILE, SLURM_STEPS, LaunchPlan, command_script, hostfile_text, launch_argv, rank_env,
                                sbatch_script)
 from launcher.device import HostInfo
+from launcher.exits import EXIT_INTERRUPTED
 from launcher.hf_text import offline
 from launcher.preempt import supervise
 
@@ -80,7 +83,8 @@ def describe(e: BaseException) -> str:
         for group in C.GROUPS:
             if f"'{group}/" in text:
                 name = text.split(f"'{group}/", 1)[1].split("'", 1)[0]
-                return f"{group}={name}: no such {group}; allowed: {', '.join(_options(group))}"
+                allowed = _options(group) + (["auto (the planner chooses)"] if group == "recipe" else [])
+                return f"{group}={name}: no such {group}; allowed: {', '.join(allowed)}"
         return text.splitlines()[0]
     # The OmegaConf error in the chain that names a key carries the reason.
     chain, inner = [], e
@@ -165,7 +169,7 @@ def check_writable(run_dir: Path) -> None:
 def check_checkpoint_space(cfg: C.Config, run_dir: Path) -> None:
     """The checkpoint folder is writable and its disk has room for keep + 1 checkpoints
     (the newest is written before the oldest is deleted), found here, not mid-run."""
-    from launcher.checkpoint import complete_checkpoints, root_of
+    from launcher.checkpoint import complete_checkpoints
     from launcher.memory import ParamCounts
 
     root = root_of(cfg, run_dir)
@@ -226,9 +230,10 @@ def write_run_dir(cfg: C.Config, run_dir: Path, scripts: dict[str, str], files: 
     created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
-        for name, text in (files or {}).items():
-            (run_dir / name).write_text(text)
+        if cfg.cluster.node_rank == 0:  # every rank of every node reads node 0's (its run id among the rest)
+            (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
+            for name, text in (files or {}).items():
+                (run_dir / name).write_text(text)
         for name, text in scripts.items():
             (run_dir / name).write_text(text)
             (run_dir / name).chmod(0o755)
@@ -311,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     except (C.ConfigError, HydraException, OmegaConfBaseException, ValueError) as e:
         print(f"error: {describe(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the ranks started (after, supervise handles it)
+        print("interrupted (Ctrl-C) before training started", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def compose_jobs(command: str, overrides: list[str],
@@ -320,21 +328,26 @@ def compose_jobs(command: str, overrides: list[str],
     here = HostInfo.detect()
     if command == "submit" and not any(o.split("=", 1)[0].lstrip("+~") == "cluster" for o in overrides):
         overrides = ["cluster=slurm", *overrides]
-    jobs = []
+    jobs, sweep_dir = [], None
     for i, point in enumerate(expand_sweep(overrides) if multirun else [overrides]):
         point, choice = resolve_auto(point, planned_host(command, point, here))
         cfg, run_dir, hydra_node = compose_config(point)
-        if multirun:
-            run_dir = Path(str(hydra_node.sweep.dir)) / str(i)
+        if multirun:  # one sweep folder, resolved once (its ${now:} would move on between points)
+            sweep_dir = sweep_dir or Path(str(hydra_node.sweep.dir))
+            run_dir = sweep_dir / str(i)
         run_dir = run_dir.resolve()
         check_command(command, cfg, point, multirun)
         # A Slurm job is validated against the nodes it asks for, not this login machine.
         host = slurm.node_host(cfg, here) if command == "submit" else here
         C.validate(cfg, host)
+        plaintext.check(cfg)
+        plaintext.check_remote_shell(cfg, run_dir, os.getcwd())
         check_run_dir_name(run_dir)
         check_writable(run_dir)
         check_checkpoint_space(cfg, run_dir)
         check_resume_is_data(cfg, run_dir)
+        identity.decide(cfg, run_dir)  # a fresh start into another run's checkpoints: refused here
+        fit.check(cfg, run_dir)  # a checkpoint of another shape or format: refused here
         jobs.append((cfg, run_dir, host, choice, zero_config(cfg, host)))
     if command == "submit" and not jobs[0][0].dry_run:
         slurm.check_client()
@@ -369,6 +382,9 @@ def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool)
             raise C.ConfigError(key, "(default: a timestamp)",
                                 f"a run over cluster.nnodes={c.nnodes} nodes needs the same {key}=... on every node "
                                 "(a folder they share)")
+        from launcher.rendezvous import check_master_addr
+
+        check_master_addr(cfg)
 
 
 def check_run_dir_name(run_dir: Path) -> None:
@@ -399,6 +415,9 @@ def cmd_train(overrides: list[str], multirun: bool) -> int:
             owner = cfg.cluster.node_rank == 0  # the other nodes of a launch by hand share node 0's directory
             if owner:
                 held.enter_context(runlock.hold(run_dir))
+                root = root_of(cfg, run_dir)
+                if not root.resolve().is_relative_to(run_dir):  # a checkpoint.dir elsewhere: one writer there too
+                    held.enter_context(runlock.hold(root))
             try:
                 rc = max(rc, launch_job(cfg, run_dir, plan, files, choice, overrides))
             except C.ConfigError:  # refused while preparing, before any rank started: leave no trace
@@ -411,6 +430,8 @@ def cmd_train(overrides: list[str], multirun: bool) -> int:
 def launch_job(cfg: C.Config, run_dir: Path, plan: LaunchPlan, files: dict[str, str], choice: str | None,
                overrides: list[str]) -> int:
     """Write the run directory and run the ranks under supervision; the exit code."""
+    if cfg.cluster.node_rank == 0:  # the other nodes of a launch by hand run what node 0 settles
+        cfg = identity.settle(cfg, run_dir)
     cfg = wandb_reachable_or_offline(cfg, run_dir)
     argv_run, env = prepare_run(cfg, run_dir, plan, files)
     print(f"run directory: {run_dir}", flush=True)
@@ -427,7 +448,7 @@ def launch_job(cfg: C.Config, run_dir: Path, plan: LaunchPlan, files: dict[str, 
     if "train.micro_batch=auto" in overrides:
         return supervise_with_backoff(cfg, argv_run, {**os.environ, **env}, run_dir)
     return supervise(argv_run, {**os.environ, **env}, run_dir, own_group=own_group,
-                     drain_s=cfg.cluster.shutdown_timeout_s)
+                     drain_s=cfg.cluster.shutdown_timeout_s, ckpt_root=root_of(cfg, run_dir))
 
 
 def wandb_reachable_or_offline(cfg: C.Config, run_dir: Path) -> C.Config:
@@ -479,6 +500,8 @@ def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "planner
         if gpn is None:
             raise C.ConfigError("cluster.gpus_per_node", None, "needed to plan on a machine without GPUs (e.g. 8)")
     mem = int(c.gpu_memory_gb * 2**30) if c.gpu_memory_gb else gpu_memory_bytes()
+    if mem is None and world_from_launch and not host.cuda:  # ranks on this CPU: each gets its share of memory
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // gpn
     if mem is None:
         raise C.ConfigError("cluster.gpu_memory_gb", None, "needed to plan on a machine without GPUs (e.g. 80)")
     tflops = cfg.plan.gpu_tflops or table_tflops(gpu_name()) or planner.DEFAULT_TFLOPS
@@ -490,6 +513,19 @@ def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "planner
 
 def available_recipes() -> set[str]:
     return set(_options("recipe"))
+
+
+def recommended_command(overrides: list[str], best) -> str:
+    """`make train RECIPE=.. ARGS=".."` that trains exactly the planned row: every override
+    the user gave (the model, the sequence length, the cluster planned for), less the ones
+    the plan chose anew and the plan's own options, then the plan's choices."""
+    chosen = best.layout.overrides()[1:] + [f"train.activation_checkpointing={best.ac.value}",
+                                            f"train.micro_batch={best.micro_batch}"]
+    replaced = {o.split("=", 1)[0] for o in chosen} | {"recipe", "parallel.tp", "parallel.pp"}
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in replaced
+            and not o.lstrip("+~").startswith("plan.") and not o.startswith("--")]
+    args = " ".join(shlex.quote(o) for o in kept + chosen)
+    return f'make train RECIPE={best.layout.recipe} ARGS="{args}"'
 
 
 def cmd_plan(overrides: list[str]) -> int:
@@ -523,9 +559,7 @@ def cmd_plan(overrides: list[str]) -> int:
         if best is None:
             console.print(planner.no_fit_message(rows, hw, cfg.plan.reserve_gb), markup=False)
         else:
-            args = " ".join(best.layout.overrides()[1:] + [f"train.activation_checkpointing={best.ac.value}",
-                                                          f"train.micro_batch={best.micro_batch}"])
-            console.print(f"recommended: make train RECIPE={best.layout.recipe} ARGS=\"{args}\"", markup=False)
+            console.print(f"recommended: {recommended_command(overrides, best)}", markup=False)
     if cfg.plan.chart:
         planner.chart(rows, hw, Path(cfg.plan.chart))
         if not as_json:
@@ -545,7 +579,9 @@ def resolve_auto(overrides: list[str], host: HostInfo) -> tuple[list[str], str |
     rest = [o for o in overrides if o not in ("recipe=auto", "train.micro_batch=auto")]
     cfg, _, _ = compose_config(rest)
     hw = hardware(cfg, host, world_from_launch=True)
-    rows = planner.plan(cfg, hw, available_recipes(), micro_batch=None if auto_mb else cfg.train.micro_batch)
+    # On a CPU the ranks' memory is the host's: offloading to it saves nothing.
+    recipes = available_recipes() - (set() if host.cuda else {"zero2_offload", "zero3_offload"})
+    rows = planner.plan(cfg, hw, recipes, micro_batch=None if auto_mb else cfg.train.micro_batch)
     if not auto_recipe:  # keep the user's recipe and checkpointing; choose the micro-batch
         mine = planner.layout_for(cfg, hw.world)
         rows = [r for r in rows if r.layout == mine and r.ac == cfg.train.activation_checkpointing]
@@ -559,8 +595,9 @@ def resolve_auto(overrides: list[str], host: HostInfo) -> tuple[list[str], str |
         chosen += best.layout.overrides() + [f"train.activation_checkpointing={best.ac.value}"]
     if auto_mb:
         chosen.append(f"train.micro_batch={best.micro_batch}")
+    per = "per GPU" if host.cuda or cfg.cluster.gpu_memory_gb else "per rank: this machine's memory, shared"
     print(f"planner chose: {best.layout.label}, activation checkpointing {best.ac.value}, micro-batch "
-          f"{best.micro_batch} ({best.peak / 2**30:.2f} of {hw.gpu_bytes / 2**30:.2f} GiB per GPU)", flush=True)
+          f"{best.micro_batch} ({best.peak / 2**30:.2f} of {hw.gpu_bytes / 2**30:.2f} GiB {per})", flush=True)
     record = {"chosen": chosen[len(rest):], "plan": json.loads(planner.to_json(rows, hw))}
     return chosen, json.dumps(record, indent=1)
 
@@ -586,7 +623,7 @@ def supervise_with_backoff(cfg: C.Config, argv: list[str], env: dict[str, str], 
             (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
             print(f"out of memory: retrying with train.micro_batch={batch_size}", flush=True)
         (run_dir / OOM_MARKER).unlink(missing_ok=True)
-        rc = supervise(argv, env, run_dir)
+        rc = supervise(argv, env, run_dir, ckpt_root=root_of(cfg, run_dir))
         if rc != 0 and (run_dir / OOM_MARKER).exists():
             raise RuntimeError(f"CUDA out of memory. {(run_dir / OOM_MARKER).read_text().strip()}")
         return rc
@@ -605,7 +642,7 @@ def run_node(cfg: C.Config, run_dir: Path, argv: list[str], env: dict[str, str])
         with NodeRendezvous(cfg, run_dir) as meeting:
             print(f"node {cfg.cluster.node_rank}: all {cfg.cluster.nnodes} nodes joined "
                   f"({meeting.describe()})", flush=True)
-            return supervise(argv, env, run_dir)
+            return supervise(argv, env, run_dir, ckpt_root=root_of(cfg, run_dir))
     except RendezvousFailed as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
@@ -629,6 +666,7 @@ def cmd_submit(overrides: list[str], multirun: bool) -> int:
         if cfg.dry_run:
             print(script, end="")
             continue
+        cfg = identity.settle(cfg, run_dir)  # the job's frozen config names its run
         created = write_run_dir(cfg, run_dir, {slurm.SCRIPT: script}, run_files(cfg, slurm_plan(cfg, host), ds))
         if choice is not None:  # recipe=auto / micro_batch=auto: what the planner chose, and why
             (run_dir / "plan.json").write_text(choice)
@@ -670,7 +708,8 @@ def cmd_export(args: list[str]) -> int:
         if not o.startswith("export."):
             raise C.ConfigError(o.split("=", 1)[0], o.split("=", 1)[-1], "export takes only export.* options")
     out = export(run_dir, args[1:])
-    print(f"exported {out}")
+    dtype = next((o.split("=", 1)[1] for o in args[1:] if o.startswith("export.dtype=")), "fp32")
+    print(f"exported {out} ({dtype})")
     return 0
 
 

@@ -90,6 +90,13 @@ class LoggerKind(str, enum.Enum):
     tensorboard = "tensorboard"
 
 
+class OnExisting(str, enum.Enum):
+    """What a fresh start does in a checkpoint folder that holds another run's checkpoints."""
+
+    refuse = "refuse"
+    archive = "archive"
+
+
 class WandbMode(str, enum.Enum):
     auto = "auto"
     online = "online"
@@ -444,6 +451,16 @@ class CheckpointConfig:
     """Where checkpoints go (null = RUN_DIR/checkpoints)."""
     save_final: bool = True
     """Save at the last step even when it is not a multiple of `every`."""
+    on_existing: OnExisting = OnExisting.refuse
+    """A fresh start (resume=never, or resume= a checkpoint other than the folder's newest)
+    where the checkpoint folder already holds a run's checkpoints. refuse (exit 2): two runs
+    never share a folder. archive: first move that run aside, its checkpoints and the run
+    directory's record of it (config.yaml, metrics.jsonl, summary.json, W&B id) to
+    RUN_DIR/archive/<its run id>/; nothing is deleted (launcher/identity.py)."""
+    run_id: Optional[str] = None
+    """The run the checkpoints belong to, written into every manifest and `latest`; keep-K
+    and resume=auto only touch this run's. Set by the launcher: a launch that continues a run
+    keeps its id, a fresh start gets a new one (name one by hand only for a fresh start)."""
 
 
 @dataclass
@@ -577,7 +594,9 @@ class TrainConfig:
     stop_at: Optional[int] = None
     """End this launch after this step, with a checkpoint; the schedule still spans
     train.steps, so a later launch of the same run directory carries on (time-sliced
-    jobs, tests of resume). null = run to train.steps."""
+    jobs, tests of resume). A launch that starts at or past it (RUN_DIR/command.sh run
+    again, a requeue, whose config.yaml still says it) trains on to train.steps.
+    null = run to train.steps."""
     seed: int = 1234
     """Seeds model init and every RNG; the same seed gives the same run on CPU."""
     activation_checkpointing: ACMode = ACMode.none
@@ -669,7 +688,8 @@ class ExportConfig:
     step: Optional[int] = None
     """Which checkpoint (null = the latest complete one)."""
     out: Optional[str] = None
-    """Output folder (null = RUN_DIR/export/step_XXXXXXXX)."""
+    """Output folder (null = RUN_DIR/export/step_XXXXXXXX, with -hf for format=hf and -bf16
+    for dtype=bf16: each export has its own folder)."""
 
 
 @dataclass

@@ -10,6 +10,7 @@ EXIT_BAD_INPUT = 2  # refused on the launch side, nothing started
 EXIT_CHECKPOINT_FAILED = 74  # sysexits EX_IOERR: a checkpoint could not be written; the last good one stays
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: stopped on a signal after saving; launch again to resume
 EXIT_HANG = 124  # a rank stopped answering for dist.timeout_s (as timeout(1) exits)
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), the shell's 128 + 2: saved after the current step (or, twice, at once)
 
 PREEMPTED_MARKER = "preempted.json"
 HANG_MARKER = "hang.json"

@@ -12,6 +12,7 @@ metadata, so `load_exported(path)` rebuilds the project's model from the file al
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -49,19 +50,31 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
         raise C.ConfigError("RUN", str(run_dir), problem)
     state = recipes.consolidate(cfg, folder / "engine")
     dtype = DTYPES[cfg.export.dtype]
+    # Each dtype has its own default folder: a bf16 export never replaces the fp32 one.
+    suffix = "" if cfg.export.dtype == C.ExportDtype.fp32 else f"-{cfg.export.dtype.value}"
     if cfg.export.format == C.ExportFormat.hf:  # a from_pretrained folder (launcher/models/hf.py)
         from launcher.models.hf import save_pretrained
 
-        out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / f"{folder.name}-hf"
-        return save_pretrained(cfg, state, out, dtype)
+        out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / f"{folder.name}-hf{suffix}"
+        return readable(save_pretrained(cfg, state, out, dtype))
     # Tied weights share storage; safetensors stores each name as its own tensor.
     tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in state.items()}
-    out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / folder.name
+    out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / f"{folder.name}{suffix}"
     out.mkdir(parents=True, exist_ok=True)
     path = out / "model.safetensors"
     meta = {"format": "launcher", "step": folder.name, "recipe": cfg.recipe.name,
             "model": json.dumps(OmegaConf.to_container(OmegaConf.structured(cfg.model), enum_to_str=True))}
     save_file(tensors, str(path), metadata=meta)
+    return readable(path)
+
+
+def readable(path: Path) -> Path:
+    """Exported files get the mode of any file this user creates (safetensors writes 0600):
+    weights are meant to be shared, the umask decides with whom."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+        f.chmod(0o666 & ~mask)
     return path
 
 

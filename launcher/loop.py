@@ -3,6 +3,7 @@ how micro-batches become an optimizer step, the loop decides when to log and sav
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import sys
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from launcher.checkpoint import Checkpointer, find_latest, root_of, step_name
+from launcher.checkpoint import Checkpointer, complete_checkpoints, root_of, step_name, verify
 from launcher.config import RECIPE_PARALLELISM, Config, FaultPoint, degrees
 from launcher.data import build_loader, loss_floor
 from launcher.device import memory_stats, peak_flops, reset_peak_memory, synchronize
@@ -22,6 +23,7 @@ from launcher.memory import ActivationCounter
 from launcher.metrics import RankZeroLogger, Throughput
 from launcher.exits import CHECKPOINT_FAILED_MARKER, EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED, OOM_MARKER
 from launcher.faults import strike
+from launcher.fit import describe
 from launcher.preempt import Preemption
 from launcher.profiler import StepProfiler
 from launcher.watchdog import Watchdog
@@ -55,8 +57,8 @@ def run(job: Job) -> int:
     tokens_per_step = global_batch * cfg.train.seq_len
 
     # ------------------------------------------------------------------ resume
-    ckpt = Checkpointer(root_of(cfg, job.run_dir), cfg.checkpoint.keep,
-                        job.rank, job.world_size, debug=cfg.debug)
+    ckpt = Checkpointer(root_of(cfg, job.run_dir), cfg.checkpoint.keep, job.rank, job.world_size, debug=cfg.debug,
+                        run_id=cfg.checkpoint.run_id, about=describe(cfg) if job.rank == 0 else None)
     step, samples_seen = 0, 0
     start_from = ckpt.resolve(cfg.checkpoint.resume)
     if start_from is not None:
@@ -80,7 +82,12 @@ def run(job: Job) -> int:
     first_step = step
 
     # ------------------------------------------------------------------ loop
-    last = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
+    last = cfg.train.steps
+    if cfg.train.stop_at is not None and step < cfg.train.stop_at:
+        last = min(last, cfg.train.stop_at)
+    elif cfg.train.stop_at is not None:  # command.sh run again, a requeue: the stop is behind
+        log.print(f"train.stop_at={cfg.train.stop_at} is behind the checkpoint (step {step}): "
+                  f"training on to train.steps={cfg.train.steps}")
     watchdog = Watchdog(cfg.dist.timeout_s, job.rank, job.world_size, job.run_dir).start(step)
     profiler = StepProfiler(cfg.profile, job.run_dir, job.rank, device)
     saved_at, preempted = None, False
@@ -148,7 +155,8 @@ def run(job: Job) -> int:
             # No rank leaves before the marker exists: under Slurm the first node to exit
             # starts the end of the whole step, and the job reads the marker to requeue.
             dist.barrier()
-            log.print(f"stop signal: saved {saved_at} after step {step}; exiting as preempted")
+            log.print(f"{'Ctrl-C' if job.preemption.interrupted else 'stop signal'}: saved {saved_at} after step {step}; "
+                      f"exiting as {'interrupted' if job.preemption.interrupted else 'preempted'}")
             preempted = True
             break
 
@@ -158,7 +166,9 @@ def run(job: Job) -> int:
     summary = summarize(job, log.history, step - first_step)
     summary["preempted"] = preempted
     log.finish(summary)
-    return EXIT_PREEMPTED if preempted else 0
+    # After Ctrl-C the ranks end as if done (exit 0): torchrun neither restarts them nor
+    # reports a failure; the launcher reads preempted.json and exits 130.
+    return EXIT_PREEMPTED if preempted and not job.preemption.interrupted else 0
 
 
 def save(ckpt: Checkpointer, step: int, samples_seen: int, engine, watchdog: Watchdog, job: Job) -> Path | None:
@@ -171,17 +181,35 @@ def save(ckpt: Checkpointer, step: int, samples_seen: int, engine, watchdog: Wat
     except (OSError, RuntimeError) as err:
         if not is_write_failure(err):
             raise
-        last = find_latest(ckpt.root)
-        message = (f"checkpoint at step {step} could not be written on rank {job.rank}: {err}; stopping. "
-                   f"The last complete checkpoint, {last or 'none'}, is untouched.")
+        cause = write_failure_cause(err, ckpt.root)
+        message = (f"checkpoint at step {step} could not be written on rank {job.rank}: {cause}; stopping. "
+                   f"The last complete checkpoint, {last_whole(ckpt) or 'none'}, is untouched.")
         print(message, file=sys.stderr, flush=True)
         ckpt.discard_partial(step)
-        try:
-            (job.run_dir / CHECKPOINT_FAILED_MARKER).write_text(json.dumps({"message": message}) + "\n")
+        try:  # the launcher reads it; on a full disk it may stay empty, and the launcher copes
+            (job.run_dir / CHECKPOINT_FAILED_MARKER).write_text(json.dumps({"message": message, "cause": cause}) + "\n")
         except OSError:
             pass  # the run directory may be on the same full disk: the message above stands
         watchdog.stop()
         return None
+
+
+def last_whole(ckpt: Checkpointer) -> Path | None:
+    """This run's newest checkpoint whose files match its manifest in name and size (no
+    digests: read on the way out, it must be quick and need no free space)."""
+    whole = [f for f in complete_checkpoints(ckpt.root, ckpt.run_id or "") if verify(f, checksums=False) is None]
+    return whole[-1] if whole else None
+
+
+def write_failure_cause(err: BaseException, root: Path) -> str:
+    """Why a write failed, in words: a full disk says so (torch's zip writer reports it as
+    "unexpected pos 64 vs 0"), anything else is the error's first line."""
+    from launcher.preempt import LOW_DISK, free_bytes
+
+    free = free_bytes(root)
+    if getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err) or free < LOW_DISK:
+        return f"no space left on device ({free / 2**20:,.1f} MiB free on the filesystem of {root})"
+    return str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
 
 
 def is_write_failure(err: BaseException) -> bool:

@@ -9,6 +9,7 @@ RUN_DIR/tensorboard, scalars in double precision under the same names).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from launcher import jsonout
 from launcher.config import Config, LoggerKind, WandbMode, to_dict
 
 # The names users, dashboards and tests rely on. Keep them stable.
@@ -62,6 +64,30 @@ class Throughput:
         return out
 
 
+def keep_rows_up_to(path: Path, step: int) -> None:
+    """metrics.jsonl as the run resumes at `step`: the rows of steps after it (logged by a
+    launch that died before its next checkpoint, to be logged again) and a row cut short
+    (a full disk, a kill mid-write) go, so every step appears once, whole. Rewritten
+    atomically, only when something goes."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return
+    kept = []
+    for line in text.splitlines(keepends=True):
+        try:
+            row = json.loads(line) if line.endswith("\n") else None
+        except ValueError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line)
+    if len(kept) == len(text.splitlines()) and text.endswith("\n") or not text:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 class RankZeroLogger:
     """Every rank holds one; only global rank 0's writes anything."""
 
@@ -75,6 +101,7 @@ class RankZeroLogger:
         if not self.enabled:
             return
         self.console = Console(file=sys.stdout, highlight=False)
+        keep_rows_up_to(run_dir / "metrics.jsonl", start_step)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if self.console.is_terminal:
             self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -94,7 +121,7 @@ class RankZeroLogger:
         if not self.enabled:
             return
         self.history.append(metrics)
-        self.jsonl.write(json.dumps(metrics) + "\n")
+        self._write_row(metrics)
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
         if self.tb is not None:
@@ -110,6 +137,19 @@ class RankZeroLogger:
         else:
             self.console.print(line, markup=False, soft_wrap=True)
 
+    def _write_row(self, metrics: dict) -> None:
+        """metrics.jsonl; a failed write (a full disk) is said once and training goes on: the
+        checkpoint that follows stops the run if the disk stays full."""
+        if self.jsonl is None:
+            return
+        try:
+            self.jsonl.write(json.dumps(metrics) + "\n")
+        except OSError as err:
+            print(f"metrics.jsonl: {err.strerror or err}; later rows go to the console only", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):
+                self.jsonl.close()
+            self.jsonl = None
+
     def finish(self, summary: dict) -> None:
         if not self.enabled:
             return
@@ -119,8 +159,13 @@ class RankZeroLogger:
         for k, v in flat_summary(summary).items():
             table.add_row(k, _fmt(v))
         self.console.print(table)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        self.jsonl.close()
+        try:
+            (self.run_dir / "summary.json").write_text(jsonout.dumps(summary, indent=1) + "\n")
+        except OSError as err:
+            print(f"summary.json: {err.strerror or err}; the summary above is the run's record", file=sys.stderr, flush=True)
+        if self.jsonl is not None:
+            with contextlib.suppress(OSError):
+                self.jsonl.close()
         if self.wandb_run is not None:
             for k, v in flat_summary(summary).items():
                 if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):

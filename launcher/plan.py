@@ -9,12 +9,11 @@ fit. The formulas are launcher/memory.py's; docs/memory.md derives them.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from launcher import ds_config
+from launcher import ds_config, jsonout
 from launcher import memory as M
 from launcher.config import ACMode, Config, ConfigError, ModelConfig, ModelKind, Precision
 from launcher.models.gpt import flops_per_token
@@ -458,7 +457,7 @@ def to_json(rows: list[Row], hw: Hardware) -> str:
         d["headroom"] = hw.gpu_bytes - r.peak
         return d
 
-    return json.dumps({"gpu_bytes": hw.gpu_bytes, "world": hw.world, "rows": [row(r) for r in rows]}, indent=1)
+    return jsonout.dumps({"gpu_bytes": hw.gpu_bytes, "world": hw.world, "rows": [row(r) for r in rows]}, indent=1)
 
 
 def table(rows: list[Row], hw: Hardware, title: str):

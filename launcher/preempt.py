@@ -17,6 +17,7 @@ import ctypes
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,14 +27,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher.exits import EXIT_PREEMPTED, MARKERS, PREEMPTED_MARKER as MARKER
+from launcher.exits import (EXIT_CHECKPOINT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED, MARKERS,
+                            PREEMPTED_MARKER as MARKER)
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+AGAIN_S = 1.0
+"""A second SIGINT this long after the first stop signal stops the rank at once (a repeat
+within it is the same Ctrl-C delivered twice)."""
 
 
 class Preemption:
     def __init__(self, group=None):
         self.signal: int | None = None
+        self.since: float | None = None  # when this rank learnt of the stop (time.monotonic)
         self.group = group  # a gloo group; None = the default group
 
     def install(self) -> "Preemption":
@@ -42,14 +48,22 @@ class Preemption:
         return self
 
     def _handler(self, signum, _frame) -> None:
-        self.signal = signum
+        if self.signal is None:
+            self.signal, self.since = signum, time.monotonic()
+        elif signum == signal.SIGINT and time.monotonic() - self.since > AGAIN_S:
+            os._exit(EXIT_INTERRUPTED)  # Ctrl-C again: stop now, no save (the last checkpoint stays as it is)
+
+    @property
+    def interrupted(self) -> bool:
+        """Stopped by Ctrl-C (SIGINT), not by a scheduler's signal."""
+        return self.signal == signal.SIGINT
 
     def requested(self) -> bool:
         """True on every rank when any rank has received a stop signal."""
         flag = torch.tensor([0 if self.signal is None else int(self.signal)], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if flag.item() and self.signal is None:
-            self.signal = int(flag.item())
+            self.signal, self.since = int(flag.item()), time.monotonic()
         return bool(flag.item())
 
     def write_marker(self, run_dir: Path, step: int, checkpoint: Path | None) -> None:
@@ -64,22 +78,35 @@ def clear_markers(run_dir: Path) -> None:
 
 
 def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bool = False,
-              drain_s: float = 300) -> int:
+              drain_s: float = 300, ckpt_root: Path | None = None) -> int:
     """Run torchrun as a child, forward stop signals to it, map the exit code.
 
-    own_group: the child leads its own process group; signals go to the whole group (the
-    ranks included) and, once the child has exited, the ranks still saving are waited for
-    (at most drain_s). For a launcher that dies on a signal instead of waiting for its
-    ranks (DeepSpeed's)."""
+    torchrun leads its own session, so a Ctrl-C in the terminal reaches the launcher alone:
+    it says so in one line and hands SIGINT to the ranks themselves (each leads a session of
+    its own under torchrun), which finish the step, save and exit 0, so torchrun ends
+    quietly; a second Ctrl-C stops them at once. Other stop signals go to torchrun, which
+    passes them on. own_group: the child's whole process group gets every signal and, once
+    the child has exited, the ranks still saving are waited for (at most drain_s). For a
+    launcher that dies on a signal instead of waiting for its ranks (DeepSpeed's)."""
     clear_markers(run_dir)
-    proc = subprocess.Popen(argv, env=env, start_new_session=own_group,
+    proc = subprocess.Popen(argv, env=env, start_new_session=True,
                             preexec_fn=functools.partial(stop_with_parent, os.getpid()))
+    interrupts: list[float] = []
 
     def send(sig, _frame):
+        if sig == signal.SIGINT:
+            interrupts.append(time.monotonic())
+            print("Ctrl-C: the ranks finish this step, save and stop (Ctrl-C again to stop at once)"
+                  if len(interrupts) == 1 else "Ctrl-C again: stopping now", file=sys.stderr, flush=True)
         if own_group:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, sig)
-        else:
+            return
+        ranks = children(proc.pid) if sig == signal.SIGINT else []
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        if not ranks:  # no rank yet (rendezvous, start-up) or another signal: torchrun passes it on
             proc.send_signal(sig)
 
     forward = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
@@ -91,19 +118,88 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if rc == 0:
-        return 0
+    return explain(rc, run_dir, ckpt_root or run_dir / "checkpoints", interrupted=bool(interrupts))
+
+
+def children(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+LOW_DISK = 16 * 2**20
+"""Less free space than this on the checkpoints' filesystem: a failed run is a full disk."""
+
+
+def explain(rc: int, run_dir: Path, ckpt_root: Path, interrupted: bool = False) -> int:
+    """The exit code that says why the ranks stopped, after one line saying it: from the
+    marker a rank left (read whatever state it is in: on a full disk it may be empty), or,
+    with no marker but a full disk under the checkpoints, EXIT_CHECKPOINT_FAILED."""
     for name, code in MARKERS.items():
         marker = run_dir / name
-        if marker.exists():
+        if not marker.exists():
+            continue
+        try:
             info = json.loads(marker.read_text())
-            if code == EXIT_PREEMPTED:
-                print(f"preempted by {info['signal']} after step {info['step']}; checkpoint {info['checkpoint']}. "
-                      f"Launch the same run directory again to resume.", flush=True)
-            else:
-                print(info["message"], file=sys.stderr, flush=True)
-            return code
+        except (OSError, ValueError):
+            info = {}
+        if code == EXIT_PREEMPTED:
+            by = info.get("signal", "a signal")
+            what = "interrupted (Ctrl-C)" if by == "SIGINT" else f"preempted by {by}"
+            print(f"{what} after step {info.get('step', '?')}; checkpoint {info.get('checkpoint', '(see the log)')}. "
+                  f"Launch the same run directory again to resume.", flush=True)
+            return EXIT_INTERRUPTED if by == "SIGINT" else code
+        if code == EXIT_CHECKPOINT_FAILED:
+            print(disk_report(ckpt_root, info.get("cause")), file=sys.stderr, flush=True)
+        else:
+            print(info.get("message", f"{marker} (unreadable)"), file=sys.stderr, flush=True)
+        return code
+    if rc == 0:
+        return 0
+    if interrupted:
+        print(f"stopped by a second Ctrl-C before saving; {last_checkpoint(ckpt_root)}. Launch the same run "
+              f"directory again to resume from it.", flush=True)
+        return EXIT_INTERRUPTED
+    if free_bytes(ckpt_root) < LOW_DISK or free_bytes(run_dir) < LOW_DISK:
+        print(disk_report(ckpt_root, None), file=sys.stderr, flush=True)
+        return EXIT_CHECKPOINT_FAILED
     return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
+
+
+def free_bytes(path: Path) -> int:
+    """Free space on the filesystem that holds `path` (or its nearest existing parent)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
+def last_checkpoint(ckpt_root: Path) -> str:
+    """'the last complete checkpoint, PATH, is untouched' (or that there is none): from
+    directory entries and manifests only, nothing that needs free space or reads weights."""
+    from launcher.checkpoint import complete_checkpoints, verify
+
+    whole = [f for f in complete_checkpoints(ckpt_root) if verify(f, checksums=False) is None]
+    return f"the last complete checkpoint, {whole[-1]}, is untouched" if whole else "no complete checkpoint yet"
+
+
+def disk_report(ckpt_root: Path, cause: str | None) -> str:
+    """One line: what failed, the folder, its free space, the last complete checkpoint."""
+    free = free_bytes(ckpt_root)
+    cause = cause or ("no space left on device" if free < LOW_DISK else "the ranks stopped")
+    return (f"error: a checkpoint could not be written in {ckpt_root} ({cause}; "
+            f"{free / 2**20:,.1f} MiB free there); {last_checkpoint(ckpt_root)}. Free space (or "
+            f"choose another checkpoint.dir), then launch the same run directory again to resume.")
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # looked up before any fork

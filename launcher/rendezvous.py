@@ -28,14 +28,42 @@ POLL_S = 0.2
 DONE_WAIT_S = 60  # node 0 keeps the store this long at most for the others to finish
 
 
+def check_master_addr(cfg: C.Config) -> None:
+    """Before anything starts, on the launch side: cluster.master_addr must resolve, and on
+    node 0, which hosts the rendezvous there, be one of this machine's own addresses
+    (checked by binding a socket to it: nothing is sent). A wrong address otherwise costs
+    the whole join timeout and a page of c10d retries. ConfigError, one line."""
+    c = cfg.cluster
+    key = "cluster.master_addr"
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(c.master_addr, c.master_port, type=socket.SOCK_STREAM)}
+    except (socket.gaierror, UnicodeError) as e:
+        raise C.ConfigError(key, c.master_addr, f"does not resolve ({e.strerror if hasattr(e, 'strerror') else e}); "
+                                                f"give node 0's address or hostname, the same on every node") from None
+    if c.node_rank != 0:
+        return
+    for addr in sorted(found):
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((addr, 0))
+                return
+            except OSError:
+                continue
+    raise C.ConfigError(key, c.master_addr, f"resolves to {', '.join(sorted(found))}, none of which is this "
+                                            f"machine's; node 0 (cluster.node_rank=0) hosts the rendezvous at "
+                                            f"cluster.master_addr:{c.master_port}, so it must be node 0's own address")
+
+
 class RendezvousFailed(Exception):
     """A node is missing or does not match; the message names it."""
 
 
 def config_digest(cfg: C.Config) -> str:
     """The settings every node must share: all but the node's own rank, address and
-    environment (interface names differ between machines)."""
-    same = replace(cfg, cluster=replace(cfg.cluster, node_rank=0, local_addr=None, env={}))
+    environment (interface names differ between machines), and the run id node 0 settles."""
+    same = replace(cfg, cluster=replace(cfg.cluster, node_rank=0, local_addr=None, env={}),
+                   checkpoint=replace(cfg.checkpoint, run_id=None))
     return hashlib.sha256(C.to_yaml(same).encode()).hexdigest()[:16]
 
 

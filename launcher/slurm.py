@@ -2,7 +2,7 @@
 that has no GPUs), and handing RUN_DIR/job.sbatch to sbatch. The script itself is rendered
 by the pure `launcher.commands.sbatch_script`.
 
-sbatch runs with the user's environment, so SLURM_CONF, SBATCH_* defaults and the user's
+sbatch runs with the user's environment (less what the launcher set for itself), so SLURM_CONF, SBATCH_* defaults and the user's
 Slurm configuration apply as they would by hand. It runs inside the run directory: the
 script's log path (slurm-%j.out) is relative, so no path has to survive sbatch's own
 parsing of #SBATCH lines.
@@ -10,7 +10,6 @@ parsing of #SBATCH lines.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -42,9 +41,13 @@ class SubmitError(Exception):
 
 
 def submit(run_dir: Path) -> str:
-    """`sbatch --parsable job.sbatch` in RUN_DIR; writes and returns the job id."""
+    """`sbatch --parsable job.sbatch` in RUN_DIR; writes and returns the job id. sbatch gets
+    the user's environment, less what the launch side set for this machine
+    (launcher.user_env: DS_ACCELERATOR=cpu on a login node without GPUs stays there)."""
+    from launcher import user_env
+
     proc = subprocess.run(["sbatch", "--parsable", SCRIPT], cwd=run_dir, capture_output=True, text=True,
-                          env=os.environ.copy())
+                          env=user_env())
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
         raise SubmitError(" | ".join(lines) or f"sbatch exited {proc.returncode}")

@@ -19,12 +19,13 @@ FAST = ["train.steps=12", "optim.warmup_steps=2", "logger.log_every=1", "logger.
 
 def launch(*overrides: str, run_dir: Path | None = None, command: str = "train", timeout: int = 300,
            env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    """`python -m launcher train [hydra.run.dir=RUN] overrides...`, as a user types it."""
+    """`python -m launcher train [hydra.run.dir=RUN] overrides...`, as a user types it
+    (`env` adds to this process's environment; a None value removes the variable)."""
     argv = [sys.executable, "-m", "launcher", command]
     if run_dir is not None:
         argv.append(f"hydra.run.dir={run_dir}")
     argv += list(overrides)
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if v is not None}
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(argv)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"

@@ -50,6 +50,8 @@ CASES = [
     (["optim.beta2=1.5"], ["optim.beta2=1.5", "[0, 1)"]),
     (["checkpoint.keep=0"], ["checkpoint.keep=0"]),
     (["checkpoint.resume=/no/such/ckpt"], ["checkpoint.resume=/no/such/ckpt", "auto, never"]),
+    (["checkpoint.on_existing=delete"], ["checkpoint.on_existing=delete", "refuse, archive"]),
+    (["checkpoint.run_id=../other"], ["checkpoint.run_id=../other", "letters, digits"]),
     (["model.n_heads=3"], ["model.n_heads=3", "divide model.dim=128"]),
     (["data.vocab_size=1000"], ["data.vocab_size=1000", "model.vocab_size=256"]),
     (["logger.log_every=0"], ["logger.log_every=0"]),
@@ -74,6 +76,8 @@ CASES = [
     (["+cluster.env.BAD-NAME=x"], ["cluster.env.BAD-NAME=x", "environment variable"]),
     (["cluster.join_timeout_s=0"], ["cluster.join_timeout_s=0", ">= 1"]),
     (["cluster.nnodes=2"], ["cluster.master_port", "same explicit port"]),
+    (["cluster.nnodes=2", "cluster.master_port=29400", "cluster.master_addr=no-such-node.invalid"],
+     ["cluster.master_addr=no-such-node.invalid", "does not resolve"]),
     (["frobnicate"], ["frobnicate", "allowed: train"]),
     # parallel degrees: the numbers are in the message
     (["recipe=tp", "parallel.tp=4"], ["parallel.tp=4", "world size 2", "tp(4)", "= 4"]),
@@ -125,6 +129,15 @@ CASES = [
       "cluster.hosts=[a,b]", "cluster.node_rank=1"], ["cluster.node_rank=1", "node_rank=0"]),
     (["recipe=zero2", "cluster.runner=deepspeed", "cluster.nnodes=2", "cluster.master_port=29400",
       "cluster.hosts=['a b',c]"], ["cluster.hosts=a b", "hostname"]),
+    # A value that reaches a script: one line (a newline would start an #SBATCH line of its own)
+    (["submit", "run_name='x\n#SBATCH --uid=0'"], ["run_name='x\\n#SBATCH --uid=0'", "control characters"]),
+    (["+cluster.env.NCCL_DEBUG='INFO\n#SBATCH --uid=0'"], ["cluster.env.NCCL_DEBUG=", "control characters"]),
+    (["submit", "cluster.setup=['module load x\rtouch y']"], ["cluster.setup[0]=", "control characters"]),
+    (["model.name='gpt\ttiny'"], ["model.name='gpt\\ttiny'", "control characters"]),
+    # DeepSpeed's multi-node runner sends its command to a remote shell without quoting it
+    (["recipe=zero2", "cluster.runner=deepspeed", "cluster.nnodes=2", "cluster.master_port=29400",
+      "cluster.hosts=[a,b]", "+cluster.env.NCCL_SOCKET_IFNAME='eth0;touch x'"],
+     ["cluster.env.NCCL_SOCKET_IFNAME=eth0;touch x", "remote shell unquoted"]),
     # model=hf: paths, weights, what transformers builds offline, what the recipe needs
     (["model=hf"], ["model.config=None", "exactly one of model.config"]),
     (["model=hf", f"model.config={HF['llama']}", "model.pretrained=/x"], ["model.pretrained=/x", "exactly one"]),
@@ -199,3 +212,26 @@ def test_bad_input_from_a_real_process(overrides, tmp_path):
 
 def test_at_least_thirty_cases():
     assert len(CASES) >= 30
+
+
+def test_node_0_with_an_address_that_is_not_its_own_is_refused_at_once(tmp_path, capsys, monkeypatch):
+    """Node 0 hosts the rendezvous at cluster.master_addr: a name that resolves to another
+    machine (here made so by the resolver, for a name under .invalid; the check only binds,
+    it sends nothing) is refused before anything starts, not after the join timeout."""
+    import socket
+
+    real = socket.getaddrinfo
+
+    def resolve(host, *args, **kwargs):
+        if host == "node0.invalid":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.0.2.10", 29400))]
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["train", "cluster.nnodes=2", "cluster.master_port=29400", "cluster.master_addr=node0.invalid",
+                     f"hydra.run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "cluster.master_addr=node0.invalid: resolves to 192.0.2.10, none of which is this machine's" in err[0]
+    assert not (tmp_path / "run").exists()

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher.checkpoint import Checkpointer, find_latest, verify
+from launcher.checkpoint import Checkpointer, find_latest, read_latest, run_of, verify
 
 
 class TinyEngine:
@@ -43,7 +43,7 @@ def test_save_keeps_the_newest_k_and_points_latest(tmp_path):
         ck.save(step, step * 8, TinyEngine(step))
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["latest", "step_00000020", "step_00000030"]
-    assert (tmp_path / "latest").read_text().strip() == "step_00000030"
+    assert (tmp_path / "latest").read_text().strip() == "step_00000030"  # no run id: a hand-made Checkpointer
     engine = TinyEngine(0)
     state = ck.load(ck.resolve("auto"), engine)
     assert state.step == 30 and state.samples_seen == 240 and engine.w[0] == 30
@@ -77,6 +77,30 @@ def test_resume_never_and_explicit_path(tmp_path):
     ck.save(20, 160, TinyEngine(20))
     assert ck.resolve("never") is None
     assert ck.resolve(str(tmp_path / "step_00000010")).name == "step_00000010"
+
+
+def test_a_run_only_resumes_and_deletes_its_own_checkpoints(tmp_path):
+    """Two runs' checkpoints in one folder (a folder the launch side would have refused):
+    keep-K of run b never deletes run a's, resume takes b's newest although a's is newer,
+    a save at a step where a's checkpoint is keeps a's under another name."""
+    a = Checkpointer(tmp_path, keep=2, rank=0, world_size=1, run_id="a")
+    for step in (10, 20, 50):
+        a.save(step, step, TinyEngine(step))
+    b = Checkpointer(tmp_path, keep=2, rank=0, world_size=1, run_id="b")
+    for step in (5, 15, 25):
+        b.save(step, step, TinyEngine(100 + step))
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_"))
+    assert names == ["step_00000015", "step_00000020", "step_00000025", "step_00000050"]
+    assert [run_of(tmp_path / n) for n in names] == ["b", "a", "b", "a"]
+    assert read_latest(tmp_path) == ("step_00000025", "b")
+    engine = TinyEngine(0)
+    assert b.load(b.resolve("auto"), engine).step == 25 and engine.w[0] == 125
+    assert b.resolve("never").name == "step_00000025"  # its own lineage first: a relaunch of b
+    b.save(50, 50, TinyEngine(150))
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("step_00000050.aside.")]
+    assert len(aside) == 1 and run_of(aside[0]) == "a" and verify(aside[0]) is None
+    assert run_of(tmp_path / "step_00000050") == "b"
+    assert Checkpointer(tmp_path, keep=2, rank=0, world_size=1, run_id="c").resolve("never") is None
 
 
 def test_a_pickle_that_runs_code_is_refused(tmp_path):

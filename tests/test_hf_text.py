@@ -219,6 +219,9 @@ def test_ddp_hf_text_resumes_bit_identically_with_tensorboard_and_profile(tmp_pa
     again = launch(*common, run_dir=split)
     assert "reused" in again.stdout and "resumed from" in again.stdout and "at step 4" in again.stdout
     assert_same_training(straight, split, steps=8)
+    # Strict JSON (jq reads it): text has no known entropy floor, so the floor is null, not NaN.
+    summary = json.loads((straight / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert summary["loss_floor"] is None and summary["final_loss"] > 0
 
     # The ranks read the cache: its tokens are the documents' bytes, each followed by EOS.
     tokens, meta = cached_tokens(straight)

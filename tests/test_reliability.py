@@ -101,7 +101,7 @@ def test_a_kill_inside_a_save_keeps_the_last_complete_checkpoint(point, resumes_
                   check=False)
     assert proc.returncode != 0 and f"injected fault {point} at step 10" in proc.stderr
     ckpts = run / "checkpoints"
-    latest = (ckpts / "latest").read_text().strip()
+    latest = (ckpts / "latest").read_text().splitlines()[0]
     assert verify(ckpts / latest) is None, "latest names a partial checkpoint"
     assert verify(ckpts / "step_00000005") is None, "the previous checkpoint was damaged"
     assert find_latest(ckpts).name == f"step_{resumes_from:08d}"
@@ -158,10 +158,14 @@ def test_too_little_disk_is_refused_before_the_run(small_disk, tmp_path, capsys,
 
 
 def test_a_disk_that_fills_mid_run_stops_cleanly_and_keeps_the_last_checkpoint(small_disk, tmp_path):
+    """The whole run directory on a small disk that another file fills after step 10's
+    checkpoint: the ranks stop at step 20's save, the launcher's last word is one line
+    (exit 74) naming the folder, its free space and the last complete checkpoint, although
+    the ranks' report could not be written; free space, launch again, it resumes."""
     disk = small_disk(40)
-    run = tmp_path / "run"
+    run = disk / "run"
     args = ["train.steps=30", "optim.warmup_steps=2", "logger=none", "logger.log_every=1", "checkpoint.every=10",
-            "checkpoint.keep=1", f"checkpoint.dir={disk / 'ckpt'}"]
+            "checkpoint.keep=1"]
     proc = start(run, *args)
     wait_for_step(run, 12, proc)
     filler = disk / "filler"
@@ -173,12 +177,18 @@ def test_a_disk_that_fills_mid_run_stops_cleanly_and_keeps_the_last_checkpoint(s
             pass
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == EXIT_CHECKPOINT_FAILED, err[-3000:]
-    assert "checkpoint at step 20 could not be written" in err and "step_00000010" in err
-    assert verify(disk / "ckpt" / "step_00000010") is None
-    assert not list((disk / "ckpt").glob("*.tmp")), "the partial save was left behind"
+    assert "checkpoint at step 20 could not be written" in err and "no space left on device" in err
+    last = err.strip().splitlines()[-1]
+    ckpts = run / "checkpoints"
+    assert last.startswith(f"error: a checkpoint could not be written in {ckpts} (no space left on device"), last
+    assert "MiB free there" in last and f"the last complete checkpoint, {ckpts / 'step_00000010'}, is untouched" in last
+    assert "Expecting value" not in err
+    assert verify(ckpts / "step_00000010") is None
+    assert not list(ckpts.glob("*.tmp")), "the partial save was left behind"
     filler.unlink()
     proc = launch(*args, run_dir=run)
-    assert "at step 10 " in proc.stdout and read_metrics(run)[-1]["step"] == 30
+    assert "at step 10 " in proc.stdout
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 31))  # whole rows, each step once
 
 
 # ----------------------------------------------------------------------------- security

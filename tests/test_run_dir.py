@@ -1,6 +1,8 @@
 """One launch owns a run directory: a second is refused while the first runs, the ranks of
 a launcher killed with SIGKILL stop (saving) instead of training on unsupervised, the next
-launch takes the stale lock over, and a relaunch of a finished run changes nothing."""
+launch takes the stale lock over, and a relaunch of a finished run changes nothing. One run
+per checkpoint folder: a fresh start where another run's checkpoints are is refused, or
+moves that run aside whole (checkpoint.on_existing=archive)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 
 from conftest import FAST, launch, start, wait_for_step
 from launcher import runlock
+from launcher.checkpoint import read_latest, run_of, verify
 
 
 def processes_of(run_dir: Path) -> list[int]:
@@ -89,3 +92,63 @@ def test_one_launch_per_run_dir_and_no_orphans_after_sigkill(tmp_path):
     assert lines == [f"nothing to train: {run} has a checkpoint at step {step + 2} of train.steps={step + 2}; "
                      f"raise train.steps to train on"], again.stdout
     assert (run / "summary.json").read_bytes() == summary and sorted(str(p) for p in run.rglob("*")) == files
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_fresh_start_never_mixes_two_runs(tmp_path):
+    """Also: a relaunch with another model shape or a recipe that cannot read the format is
+    refused on the launch side (issue: five rank tracebacks of `size mismatch`)."""
+    run = tmp_path / "r"
+    ckpts = run / "checkpoints"
+    base = ["train.steps=4", "checkpoint.every=2", "optim.warmup_steps=1", "logger.log_every=1", "logger.name=none",
+            "cluster.nproc_per_node=1"]
+    launch(*base, run_dir=run)
+    first = (run / "config.yaml").read_text().split("run_id: ", 1)[1].split()[0]
+    assert [run_of(f) for f in sorted(ckpts.glob("step_*"))] == [first, first]
+    assert read_latest(ckpts) == ("step_00000004", first)
+    before = snapshot(run)
+
+    # A fresh start, or a start from the run's older checkpoint: refused, nothing touched.
+    for resume in ("never", str(ckpts / "step_00000002")):
+        proc = launch(*base, f"checkpoint.resume={resume}", run_dir=run, check=False)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"holds run {first}'s checkpoints (step_00000002..step_00000004)" in lines[0]
+        assert "checkpoint.on_existing=archive" in lines[0] and "rank" not in proc.stdout
+        assert snapshot(run) == before
+
+    # A relaunch whose model or recipe cannot load the checkpoint: refused, naming what differs.
+    for change, words in ((["model.dim=96"], ["holds another model (model.dim=128 there, 96 here;", "tensors differ"]),
+                          (["recipe=zero2"], ["is a ddp checkpoint", "recipe=zero2 cannot load",
+                                              "recipe.strategy ddp/fsdp/pp/tp/tp_fsdp"])):
+        proc = launch(*base, *change, run_dir=run, check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+        assert lines[0].startswith(f"error: checkpoint.resume=auto: {ckpts / 'step_00000004'}")
+        assert all(w in lines[0] for w in words) and "hydra.run.dir" in lines[0], lines[0]
+        assert snapshot(run) == before
+
+    # Roll back to step 2 as a new run: the old one moves aside whole, nothing is deleted.
+    proc = launch(*base, "train.steps=6", f"checkpoint.resume={ckpts / 'step_00000002'}",
+                  "checkpoint.on_existing=archive", run_dir=run)
+    home = run / "archive" / first
+    assert f"resumed from {home / 'checkpoints' / 'step_00000002'} at step 2" in proc.stdout
+    moved = snapshot(home)
+    assert moved == {k: v for k, v in before.items()
+                     if k.startswith("checkpoints/") or k in ("config.yaml", "command.sh", "metrics.jsonl", "summary.json")}
+    assert all(verify(f) is None for f in (home / "checkpoints").glob("step_*"))
+    second = read_latest(ckpts)[1]
+    assert second not in (None, first)
+    assert sorted(f.name for f in ckpts.glob("step_*")) == ["step_00000004", "step_00000006"]
+    assert {run_of(f) for f in ckpts.glob("step_*")} == {second}
+    rows = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [3, 4, 5, 6]  # the new run's own record, not appended to the old one's
+
+    # resume=auto continues the new run.
+    proc = launch(*base, "train.steps=7", run_dir=run)
+    assert f"resumed from {ckpts / 'step_00000006'} at step 6" in proc.stdout
+    assert read_latest(ckpts) == ("step_00000007", second)

@@ -36,7 +36,9 @@ def hydra_quote(value: str) -> str:
 def submit(cluster, *overrides: str, run_dir: Path | None = None) -> subprocess.CompletedProcess:
     """`python -m launcher submit ...` with the cluster's SLURM_CONF, as a user runs it."""
     args = ([f"hydra.run.dir={hydra_quote(str(run_dir))}"] if run_dir else []) + list(overrides)
-    return launch(*args, command="submit", env={"SLURM_CONF": cluster.env["SLURM_CONF"]}, timeout=120)
+    # As from a login shell: no DS_ACCELERATOR (this test process may have set one for itself).
+    return launch(*args, command="submit", env={"SLURM_CONF": cluster.env["SLURM_CONF"], "DS_ACCELERATOR": None},
+                  timeout=120)
 
 
 def job_id_of(run_dir: Path, proc: subprocess.CompletedProcess) -> str:
@@ -100,10 +102,11 @@ def test_submit_without_sbatch_is_refused_before_anything_is_written(tmp_path, c
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", SUBMITTED_RECIPES)
 def test_submitted_job_runs_to_completion(recipe, slurm_cluster, tmp_path):
-    """A run directory full of shell metacharacters: the job still runs, nothing is executed."""
+    """A run directory full of shell metacharacters: the job still runs, nothing is executed.
+    The job's environment is the user's, not what the launch side set for the login node."""
     token = f"pwned-{uuid.uuid4().hex[:8]}"
     run_dir = tmp_path / f"run $(touch {token}); `touch {token}` 'q' \"dq\" & x"
-    proc = submit(slurm_cluster, f"recipe={recipe}", *JOB, run_dir=run_dir)
+    proc = submit(slurm_cluster, f"recipe={recipe}", *JOB, "cluster.setup=['env > job.env']", run_dir=run_dir)
     job_id = job_id_of(run_dir, proc)
     info = slurm_cluster.wait_for_end(job_id)
     log = _log(run_dir, job_id)
@@ -116,10 +119,12 @@ def test_submitted_job_runs_to_completion(recipe, slurm_cluster, tmp_path):
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert rows[-1]["loss"] < rows[0]["loss"]
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000012"
+    assert (run_dir / "checkpoints" / "latest").read_text().splitlines()[0] == "step_00000012"
     assert verify(run_dir / "checkpoints" / "step_00000012") is None
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["preempted"] == 0
+    job_env = dict(line.split("=", 1) for line in (run_dir / "job.env").read_text().splitlines() if "=" in line)
+    assert job_env["SLURM_JOB_ID"] == job_id and "DS_ACCELERATOR" not in job_env  # the login node's guess stays there
     if recipe.startswith("zero"):  # the generated DeepSpeed config travelled with the job
         assert json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["stage"] == int(recipe[4])
     runs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -159,7 +164,7 @@ def test_warned_job_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     loss = {r["step"]: r["loss"] for r in rows}
     assert abs(loss[k + 1] - loss[k]) < 0.1 * loss[k] and loss[k + 1] < loss[1] - 0.3, (loss[1], loss[k], loss[k + 1])
     assert loss[24] < loss[k]
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000024"
+    assert (run_dir / "checkpoints" / "latest").read_text().splitlines()[0] == "step_00000024"
     # One W&B run across the requeue.
     runs = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 2 and len({wandb_file.run_info(r)["id"] for r in runs}) == 1, "the requeue started a new W&B run"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ def test_default_run_learns_logs_and_checkpoints(run_dir):
     assert frozen.train.steps == 100 and frozen.recipe.name == "ddp"
     assert str(run_dir) in (run_dir / "command.sh").read_text()
     ckpts = run_dir / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == "step_00000100"
+    assert (ckpts / "latest").read_text().splitlines()[0] == "step_00000100"
     for step in (50, 100):
         assert verify(ckpts / f"step_{step:08d}") is None
     state = torch.load(ckpts / "step_00000100" / "engine" / "model.pt", weights_only=True)
@@ -86,10 +87,13 @@ def test_resume_continues_bit_identically(tmp_path):
     # The split run also logs to W&B (offline): the resumed launch must continue that run.
     wandb_on = ["logger=wandb", "logger.mode=offline"]
     launch(*common, *wandb_on, "train.stop_at=10", run_dir=split)
-    assert (split / "checkpoints" / "latest").read_text().strip() == "step_00000010"
+    assert (split / "checkpoints" / "latest").read_text().splitlines()[0] == "step_00000010"
     assert not (split / "checkpoints" / "step_00000020").exists()
-    proc = launch(*common, *wandb_on, run_dir=split)  # checkpoint.resume=auto finds step 10
+    # RUN_DIR/command.sh, run again, resumes (its config.yaml still says stop_at=10).
+    proc = subprocess.run(["bash", str(split / "command.sh")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "at step 10" in proc.stdout
+    assert "train.stop_at=10 is behind the checkpoint (step 10): training on to train.steps=20" in proc.stdout
 
     runs = sorted((split / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 2 and len({wandb_file.run_info(r)["id"] for r in runs}) == 1, "resume started a new W&B run"
@@ -133,6 +137,26 @@ def test_multirun_makes_one_run_dir_per_point(tmp_path):
     assert f"{tmp_path / 'sweep'}/0" in proc.stdout and f"{tmp_path / 'sweep'}/1" in proc.stdout
 
 
+def test_a_sweep_keeps_its_points_in_one_folder(tmp_path, capsys, monkeypatch):
+    """The default sweep folder names the time: resolved once, not per point (a clock that
+    moves on between points used to scatter them over several folders)."""
+    from omegaconf import OmegaConf
+
+    ticks = iter(range(100))
+    OmegaConf.register_new_resolver("now", lambda pattern: f"t{next(ticks)}", replace=True)
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert cli.main(["train", "-m", "optim.lr=1e-3,2e-3,3e-3", "--dry-run"]) == 0
+    finally:
+        from datetime import datetime
+
+        OmegaConf.register_new_resolver("now", lambda pattern: datetime.now().strftime(pattern), replace=True)
+    lead = "# The exact command that trains "
+    dirs = {line[len(lead):].rstrip(".") for line in capsys.readouterr().out.splitlines() if line.startswith(lead)}
+    parents = {str(Path(d).parent) for d in dirs}
+    assert len(dirs) == 3 and len(parents) == 1, dirs
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
 def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
     import signal
@@ -149,7 +173,7 @@ def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
     assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
     marker = json.loads((run / "preempted.json").read_text())
     assert marker["signal"] == sig and 3 <= marker["step"] < 60
-    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{marker['step']:08d}"
+    assert (run / "checkpoints" / "latest").read_text().splitlines()[0] == f"step_{marker['step']:08d}"
     assert read_metrics(run)[-1]["step"] == marker["step"]  # the step it was in finished
     assert f"preempted by {sig}" in out
     if sig == "SIGTERM":  # the next launch of the same run directory resumes and finishes
@@ -157,6 +181,44 @@ def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
         assert f"at step {marker['step']}" in proc2.stdout
         assert [r["step"] for r in read_metrics(run)] == list(range(1, 61))
         assert not (run / "preempted.json").exists()
+
+
+def test_ctrl_c_saves_the_step_writes_the_summary_and_exits_130(tmp_path):
+    """Ctrl-C as a terminal sends it: SIGINT to the launcher's whole process group. One line
+    says what happens, the step in flight finishes and is saved, the summary is written,
+    no traceback, exit 130."""
+    import os
+    import signal
+
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}", "train.steps=200",
+            "optim.warmup_steps=5", "logger=none", "logger.log_every=1", "checkpoint.every=1000"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    _wait_for_step(run, 3, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # the terminal's foreground group: the launcher (torchrun has its own)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    marker = json.loads((run / "preempted.json").read_text())
+    step = marker["step"]
+    assert marker["signal"] == "SIGINT" and 3 <= step < 200
+    assert verify(run / "checkpoints" / f"step_{step:08d}") is None
+    assert read_metrics(run)[-1]["step"] == step
+    assert json.loads((run / "summary.json").read_text())["preempted"] == 1
+    assert "Ctrl-C: the ranks finish this step, save and stop (Ctrl-C again to stop at once)" in out
+    assert out.strip().splitlines()[-1] == (f"interrupted (Ctrl-C) after step {step}; checkpoint "
+                                            f"{run / 'checkpoints' / f'step_{step:08d}'}. Launch the same run "
+                                            f"directory again to resume.")
+    for noise in ("Traceback", "KeyboardInterrupt", "SignalException", "ChildFailedError"):
+        assert noise not in out, out[-3000:]
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_export_loads_into_the_model_with_the_same_logits(tmp_path):
@@ -174,7 +236,11 @@ def test_export_loads_into_the_model_with_the_same_logits(tmp_path):
     x = torch.randint(0, 256, (2, 64))
     with torch.no_grad():
         assert torch.equal(exported(x), trained(x))
-    launch(str(run), "export.dtype=bf16", f"export.out={tmp_path / 'bf16'}", command="export")
-    half = load_exported(tmp_path / "bf16" / "model.safetensors")
+    fp32_bytes = path.read_bytes()
+    proc = launch(str(run), "export.dtype=bf16", command="export")  # beside the fp32 export, not over it
+    half_path = run / "export" / "step_00000008-bf16" / "model.safetensors"
+    assert f"exported {half_path} (bf16)" in proc.stdout and path.read_bytes() == fp32_bytes
+    assert {oct(p.stat().st_mode & 0o777) for p in (path, half_path)} == {oct(0o666 & ~_umask())}
+    half = load_exported(half_path)
     with torch.no_grad():
         assert torch.allclose(half(x), trained(x), atol=0.05)

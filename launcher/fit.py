@@ -1,0 +1,85 @@
+"""Does the checkpoint a launch would resume load into the model and recipe it builds?
+
+Answered on the launch side, before any rank starts, from what every checkpoint's
+manifest records (`model`: the model section of the config that wrote it; `params`: the
+full model's parameter names and shapes, from its meta-device build) and from the engine
+files on disk. A launch into a run directory whose checkpoints hold another shape, another
+vocabulary or a format the recipe cannot read is refused in one line naming what differs,
+instead of five rank tracebacks (`size mismatch for tok_embeddings.weight`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from launcher import config as C
+from launcher.checkpoint import MANIFEST, resumable
+
+DCP_READERS = {C.Strategy.ddp, C.Strategy.fsdp, C.Strategy.tp, C.Strategy.tp_fsdp, C.Strategy.pp}
+FORMATS = [  # (file that marks it, name, the strategies whose engine loads it: DCP's loader reads ddp's files)
+    ("engine/model.pt", "a ddp checkpoint (engine/model.pt)", DCP_READERS),
+    ("engine/.metadata", "a distributed checkpoint (DCP: fsdp, tp, tp_fsdp, pp)", DCP_READERS),
+    ("engine/zero.json", "a DeepSpeed checkpoint (zero1/2/3)", {C.Strategy.zero}),
+]
+
+
+def shapes(cfg: C.Config) -> dict[str, list[int]]:
+    """The full model's parameters, name -> shape, from its meta-device build (no storage)."""
+    from launcher import models
+
+    return {name: list(p.shape) for name, p in models.on_meta(cfg).named_parameters()}
+
+
+def describe(cfg: C.Config) -> dict:
+    """What a checkpoint's manifest records about the model that wrote it."""
+    return {"model": C.to_dict(cfg)["model"], "params": shapes(cfg)}
+
+
+def check(cfg: C.Config, run_dir: Path) -> None:
+    """ConfigError (one line) when the checkpoint this launch resumes cannot load here."""
+    folders = resumable(cfg, run_dir)
+    if not folders:
+        return
+    folder = folders[-1]
+    key, value = "checkpoint.resume", cfg.checkpoint.resume
+    out = (f"use another hydra.run.dir for a new run, or checkpoint.resume=never checkpoint.on_existing=archive "
+           f"to start over here (the old run is kept)")
+    for marker, name, readers in FORMATS:
+        if (folder / marker).exists() and cfg.recipe.strategy not in readers:
+            raise C.ConfigError(key, value, f"{folder} is {name}, which recipe={cfg.recipe.name} cannot load; "
+                                            f"resume it with recipe.strategy {'/'.join(sorted(r.value for r in readers))}, "
+                                            f"or {out}")
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return  # the ranks' own check names it
+    old = manifest.get("params") if isinstance(manifest, dict) else None
+    if not isinstance(old, dict):
+        return  # written before manifests recorded the model: nothing to compare
+    new = shapes(cfg)
+    if old == new:
+        return
+    differ = [n for n in sorted(old.keys() | new.keys()) if old.get(n) != new.get(n)]
+    first = differ[0]
+    example = f"{first} {_shape(old.get(first))} there, {_shape(new.get(first))} here"
+    keys = _changed(manifest.get("model") or {}, C.to_dict(cfg)["model"], "model")
+    what = ", ".join(f"{k}={a} there, {b} here" for k, a, b in keys) or "the same model.* keys, other model files"
+    raise C.ConfigError(key, value, f"{folder} holds another model ({what}; {len(differ)} of "
+                                    f"{len(old.keys() | new.keys())} tensors differ, e.g. {example}); "
+                                    f"set the keys back to continue it, or {out}")
+
+
+def _shape(s) -> str:
+    return "absent" if s is None else "[" + ", ".join(map(str, s)) + "]"
+
+
+def _changed(old: dict, new: dict, prefix: str) -> list[tuple[str, object, object]]:
+    out = []
+    for k in sorted(old.keys() | new.keys()):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changed(a, b, f"{prefix}.{k}")
+        elif a != b:
+            out.append((f"{prefix}.{k}", a, b))
+    return out
