@@ -107,8 +107,17 @@ def resumable(cfg, run_dir: Path) -> list[Path]:
     resume = cfg.checkpoint.resume
     if resume == "never":
         return []
-    folders = complete_checkpoints(root_of(cfg, run_dir)) if resume == "auto" else [Path(resume)]
-    return [f for f in folders if f.is_dir() and verify(f, checksums=False) is None]
+    if resume == "auto":
+        return whole(root_of(cfg, run_dir))
+    folder = Path(resume)
+    return [folder] if folder.is_dir() and verify(folder, checksums=False) is None else []
+
+
+def whole(root: Path, run_id: str | None = None) -> list[Path]:
+    """Complete checkpoints (of run `run_id`, if given) whose files match their manifest in
+    name and size, oldest first. No digests: quick, and it reads no weights (the launch side
+    before a launch, the way out of a run on a full disk)."""
+    return [f for f in complete_checkpoints(root, run_id) if verify(f, checksums=False) is None]
 
 
 def manifest_step(folder: Path) -> int:

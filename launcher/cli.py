@@ -499,15 +499,16 @@ def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "planner
         gpn = c.gpus_per_node or (host.gpus if host.cuda else None)
         if gpn is None:
             raise C.ConfigError("cluster.gpus_per_node", None, "needed to plan on a machine without GPUs (e.g. 8)")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's memory
     mem = int(c.gpu_memory_gb * 2**30) if c.gpu_memory_gb else gpu_memory_bytes()
     if mem is None and world_from_launch and not host.cuda:  # ranks on this CPU: each gets its share of memory
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // gpn
+        mem = ram // gpn
     if mem is None:
         raise C.ConfigError("cluster.gpu_memory_gb", None, "needed to plan on a machine without GPUs (e.g. 80)")
     tflops = cfg.plan.gpu_tflops or table_tflops(gpu_name()) or planner.DEFAULT_TFLOPS
     host_bytes = int(cfg.plan.host_memory_gb * 2**30) if cfg.plan.host_memory_gb else None
     if host_bytes is None and world_from_launch:  # planning for this machine: its memory
-        host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host_bytes = ram
     return planner.Hardware(gpu_bytes=mem, gpus_per_node=gpn, nnodes=c.nnodes, tflops=tflops, host_bytes=host_bytes)
 
 

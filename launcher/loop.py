@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from launcher.checkpoint import Checkpointer, complete_checkpoints, root_of, step_name, verify
+from launcher.checkpoint import Checkpointer, root_of, step_name, whole
 from launcher.config import RECIPE_PARALLELISM, Config, FaultPoint, degrees
 from launcher.data import build_loader, loss_floor
 from launcher.device import memory_stats, peak_flops, reset_peak_memory, synchronize
@@ -182,8 +182,9 @@ def save(ckpt: Checkpointer, step: int, samples_seen: int, engine, watchdog: Wat
         if not is_write_failure(err):
             raise
         cause = write_failure_cause(err, ckpt.root)
+        last = (whole(ckpt.root, ckpt.run_id) or [None])[-1]
         message = (f"checkpoint at step {step} could not be written on rank {job.rank}: {cause}; stopping. "
-                   f"The last complete checkpoint, {last_whole(ckpt) or 'none'}, is untouched.")
+                   f"The last complete checkpoint, {last or 'none'}, is untouched.")
         print(message, file=sys.stderr, flush=True)
         ckpt.discard_partial(step)
         try:  # the launcher reads it; on a full disk it may stay empty, and the launcher copes
@@ -192,13 +193,6 @@ def save(ckpt: Checkpointer, step: int, samples_seen: int, engine, watchdog: Wat
             pass  # the run directory may be on the same full disk: the message above stands
         watchdog.stop()
         return None
-
-
-def last_whole(ckpt: Checkpointer) -> Path | None:
-    """This run's newest checkpoint whose files match its manifest in name and size (no
-    digests: read on the way out, it must be quick and need no free space)."""
-    whole = [f for f in complete_checkpoints(ckpt.root, ckpt.run_id or "") if verify(f, checksums=False) is None]
-    return whole[-1] if whole else None
 
 
 def write_failure_cause(err: BaseException, root: Path) -> str:

@@ -187,10 +187,10 @@ def free_bytes(path: Path) -> int:
 def last_checkpoint(ckpt_root: Path) -> str:
     """'the last complete checkpoint, PATH, is untouched' (or that there is none): from
     directory entries and manifests only, nothing that needs free space or reads weights."""
-    from launcher.checkpoint import complete_checkpoints, verify
+    from launcher.checkpoint import whole
 
-    whole = [f for f in complete_checkpoints(ckpt_root) if verify(f, checksums=False) is None]
-    return f"the last complete checkpoint, {whole[-1]}, is untouched" if whole else "no complete checkpoint yet"
+    done = whole(ckpt_root)
+    return f"the last complete checkpoint, {done[-1]}, is untouched" if done else "no complete checkpoint yet"
 
 
 def disk_report(ckpt_root: Path, cause: str | None) -> str:
