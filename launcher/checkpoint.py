@@ -6,9 +6,11 @@
         manifest.json              the run id, every file's size and sha256, written last
     CKPT_DIR/latest                the newest complete checkpoint's name (line 1), `run <id>` (line 2)
 
-A save writes into `step_X.tmp/`, waits for every rank, then rank 0 writes the manifest,
-renames the folder to `step_X` and replaces `latest` (both atomic renames), and deletes
-all but the newest `keep`. A crash at any point leaves the previous checkpoint and a
+A save writes into `step_X.tmp/`, waits for every rank; each rank then hashes and fsyncs
+the files it wrote (all ranks at once: `writer_of`), rank 0 gathers the digests into the
+manifest, fsyncs the folder's directories, renames the folder to `step_X` and replaces
+`latest` (both atomic renames), and deletes all but the newest `keep`. A resume checks the
+digests the same way, each rank its share. A crash at any point leaves the previous checkpoint and a
 `latest` that names it; a leftover `.tmp` folder is never read and is cleaned up on the
 next save. Loading uses `weights_only=True` everywhere.
 
@@ -64,12 +66,45 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(folder: Path, step: int, run_id: str | None = None, about: dict | None = None) -> None:
-    """folder/manifest.json: the step, the run, `about` (what wrote it: launcher/fit.py), each file's size and sha256."""
-    files = {}
-    for p in sorted(folder.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
-            files[str(p.relative_to(folder))] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+WRITERS = (re.compile(r"(?:^|/)rank_(\d+)\.pt$"),  # trainer/rank_R.pt
+           re.compile(r"(?:^|/)__(\d+)_\d+\.distcp$"),  # DCP: each rank's data file
+           re.compile(r"zero_pp_rank_(\d+)_"))  # DeepSpeed: each rank's ZeRO partition
+"""The rank that writes a checkpoint file, from its name; rank 0 writes the rest (ddp's
+model.pt and optim.pt, DCP's .metadata, DeepSpeed's mp_rank_00_model_states.pt)."""
+
+
+def writer_of(rel: str, world: int) -> int:
+    """Which rank hashes (and fsyncs) `rel`: the rank that wrote it, at a smaller world size
+    (a resume) that rank modulo the world."""
+    for pattern in WRITERS:
+        found = pattern.search(rel)
+        if found:
+            return int(found.group(1)) % world
+    return 0
+
+
+def files_of(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def digests(folder: Path, rank: int, world: int) -> dict[str, dict]:
+    """Size and sha256 of the files of `folder` this rank wrote, each fsynced."""
+    return {rel: {"size": (folder / rel).stat().st_size, "sha256": _sha256(folder / rel)}
+            for rel in files_of(folder) if writer_of(rel, world) == rank}
+
+
+def write_manifest(folder: Path, step: int, run_id: str | None = None, about: dict | None = None,
+                   known: dict[str, dict] | None = None) -> None:
+    """folder/manifest.json: the step, the run, `about` (what wrote it: launcher/fit.py), each
+    file's size and sha256: from `known` (the ranks' own digests), the rest hashed here. The
+    folder's directories are fsynced (their entries are what a rename publishes)."""
+    files = dict(known or {})
+    for rel in files_of(folder):
+        if rel not in files:
+            files[rel] = {"size": (folder / rel).stat().st_size, "sha256": _sha256(folder / rel)}
+    files = dict(sorted(files.items()))
+    for d in sorted({p for p in folder.rglob("*") if p.is_dir()}, key=lambda p: -len(p.parts)):
+        _fsync_dir(d)
     tmp = folder / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps({"step": step, "run_id": run_id, **(about or {}), "files": files}, indent=1))
     with open(tmp, "rb") as f:
@@ -77,21 +112,31 @@ def write_manifest(folder: Path, step: int, run_id: str | None = None, about: di
     os.replace(tmp, folder / MANIFEST)
 
 
-def verify(folder: Path, checksums: bool = True) -> str | None:
-    """None when the checkpoint is whole, else what is wrong with it."""
+def verify(folder: Path, checksums: bool = True, rank: int = 0, world: int = 1) -> str | None:
+    """None when the checkpoint is whole, else what is wrong with it. With rank and world:
+    only the digests of this rank's share (`writer_of`); every name and size is checked."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         return f"no readable manifest ({e.__class__.__name__})"
     for rel, meta in manifest["files"].items():
+        checksums_here = checksums and writer_of(rel, world) == rank
         p = folder / rel
         if not p.is_file():
             return f"{rel} is missing"
         if p.stat().st_size != meta["size"]:
             return f"{rel} has {p.stat().st_size} bytes, manifest says {meta['size']}"
-        if checksums and _sha256(p) != meta["sha256"]:
+        if checksums_here and _sha256(p) != meta["sha256"]:
             return f"{rel} fails its sha256"
     return None
+
+
+def verify_together(folder: Path, rank: int, world: int) -> str | None:
+    """verify() by every rank at once, each hashing its share; the same answer on every rank
+    (the first problem in rank order). Called on every rank."""
+    problems: list[str | None] = [None] * world
+    dist.all_gather_object(problems, verify(folder, rank=rank, world=world))
+    return next((p for p in problems if p is not None), None)
 
 
 def root_of(cfg, run_dir: Path) -> Path:
@@ -199,6 +244,7 @@ class Checkpointer:
         self.run_id = run_id
         self.about = about  # rank 0: the model that writes (launcher/fit.py::describe), into every manifest
         self.debug = debug  # fault injection points (launcher/faults.py); None in real runs
+        self.timing: dict[str, float] = {}  # the last save's phases, seconds (rank 0's view)
 
     def _fault(self, point: str, step: int) -> None:
         from launcher.config import FaultPoint
@@ -216,13 +262,19 @@ class Checkpointer:
             tmp.mkdir()
             (tmp / "trainer").mkdir()
         dist.barrier()
+        t0 = time.perf_counter()
         engine.save(tmp / "engine")
         torch.save({"step": step, "samples_seen": samples_seen, "world_size": self.world_size, "rng": rng_state()},
                    tmp / "trainer" / f"rank_{self.rank:05d}.pt")
         dist.barrier()
+        t1 = time.perf_counter()
+        mine = digests(tmp, self.rank, self.world_size)  # every rank its own files, at once
+        known: list[dict] | None = [{}] * self.world_size if self.rank == 0 else None
+        dist.gather_object(mine, known, dst=0)
+        t2 = time.perf_counter()
         self._fault("save_engine_written", step)
         if self.rank == 0:
-            write_manifest(tmp, step, self.run_id, self.about)
+            write_manifest(tmp, step, self.run_id, self.about, {k: v for part in known for k, v in part.items()})
             self._fault("save_manifest_written", step)
             if final.exists():  # a save of the same step from an earlier attempt of this run
                 if belongs(final, self.run_id or ""):
@@ -240,6 +292,7 @@ class Checkpointer:
             for old in complete_checkpoints(self.root, self.run_id or "")[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
+        self.timing = {"write_s": t1 - t0, "digests_s": t2 - t1, "publish_s": time.perf_counter() - t2}
         return final
 
     def discard_partial(self, step: int) -> None:
@@ -248,24 +301,33 @@ class Checkpointer:
             shutil.rmtree(self.root / (step_name(step) + ".tmp"), ignore_errors=True)
 
     def resolve(self, resume: str) -> Path | None:
-        """Which checkpoint to start from, decided on rank 0 and shared with all ranks: this
-        run's newest whole checkpoint when it has one (a relaunch, a requeue, command.sh run
+        """Which checkpoint to start from, decided by all ranks together (each checks its share
+        of the digests; the same answer everywhere): this run's newest whole checkpoint when it has one (a relaunch, a requeue, command.sh run
         again: whatever `resume` said at the run's first start), else what `resume` says."""
-        choice: list[str | None] = [None]
-        if self.rank == 0:
-            own = find_latest(self.root, self.run_id) if self.run_id else None
-            if own is not None or resume == "auto":
-                found = own if self.run_id else find_latest(self.root)
-            elif resume == "never":
-                found = None
-            else:
-                found = Path(resume)
-                problem = verify(found)
-                if problem is not None:
-                    raise RuntimeError(f"checkpoint.resume={resume}: {problem}")
-            choice[0] = str(found) if found else None
-        dist.broadcast_object_list(choice, src=0)
-        return Path(choice[0]) if choice[0] else None
+        own = self.newest_whole(self.run_id) if self.run_id else None
+        if own is not None:
+            return own
+        if resume == "auto":
+            return self.newest_whole(None) if not self.run_id else None
+        if resume == "never":
+            return None
+        problem = verify_together(Path(resume), self.rank, self.world_size)
+        if problem is not None:
+            raise RuntimeError(f"checkpoint.resume={resume}: {problem}")
+        return Path(resume)
+
+    def newest_whole(self, run_id: str | None) -> Path | None:
+        """find_latest with every rank checking its share of the digests (the same folders
+        on every rank: rank 0 lists them)."""
+        folders: list[list[str]] = [[str(f) for f in complete_checkpoints(self.root, run_id)] if self.rank == 0 else []]
+        dist.broadcast_object_list(folders, src=0)
+        for folder in map(Path, folders[0][::-1]):
+            problem = verify_together(folder, self.rank, self.world_size)
+            if problem is None:
+                return folder
+            if self.rank == 0:
+                warnings.warn(f"checkpoint {folder} skipped: {problem}", stacklevel=2)
+        return None
 
     def load(self, folder: Path, engine) -> TrainerState:
         engine.load(folder / "engine")

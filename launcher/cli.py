@@ -415,6 +415,7 @@ def cmd_train(overrides: list[str], multirun: bool) -> int:
             owner = cfg.cluster.node_rank == 0  # the other nodes of a launch by hand share node 0's directory
             if owner:
                 held.enter_context(runlock.hold(run_dir))
+                runlock.check_free(run_dir)  # a Slurm job queued for it would start into this run
                 root = root_of(cfg, run_dir)
                 if not root.resolve().is_relative_to(run_dir):  # a checkpoint.dir elsewhere: one writer there too
                     held.enter_context(runlock.hold(root))
@@ -434,6 +435,7 @@ def launch_job(cfg: C.Config, run_dir: Path, plan: LaunchPlan, files: dict[str, 
         cfg = identity.settle(cfg, run_dir)
     cfg = wandb_reachable_or_offline(cfg, run_dir)
     argv_run, env = prepare_run(cfg, run_dir, plan, files)
+    env = {**env, **runlock.for_ranks()}  # rank 0 finds the lock held by its own launch (not in command.sh)
     print(f"run directory: {run_dir}", flush=True)
     if choice is not None:
         (run_dir / "plan.json").write_text(choice)
@@ -667,17 +669,26 @@ def cmd_submit(overrides: list[str], multirun: bool) -> int:
         if cfg.dry_run:
             print(script, end="")
             continue
-        cfg = identity.settle(cfg, run_dir)  # the job's frozen config names its run
-        created = write_run_dir(cfg, run_dir, {slurm.SCRIPT: script}, run_files(cfg, slurm_plan(cfg, host), ds))
-        if choice is not None:  # recipe=auto / micro_batch=auto: what the planner chose, and why
-            (run_dir / "plan.json").write_text(choice)
+        created = not run_dir.exists()
+        # Nobody trains there while the job's files are written and the job id recorded (the
+        # job's rank 0 takes the lock when it starts, seconds later). A job queued for it: refused.
         try:
-            job_id = slurm.submit(run_dir)
+            with runlock.hold(run_dir):
+                runlock.check_free(run_dir)
+                cfg = identity.settle(cfg, run_dir)  # the job's frozen config names its run
+                write_run_dir(cfg, run_dir, {slurm.SCRIPT: script}, run_files(cfg, slurm_plan(cfg, host), ds))
+                if choice is not None:  # recipe=auto / micro_batch=auto: what the planner chose, and why
+                    (run_dir / "plan.json").write_text(choice)
+                job_id = slurm.submit(run_dir)
         except slurm.SubmitError as e:
             if created:  # nothing ran: leave nothing behind
                 shutil.rmtree(run_dir, ignore_errors=True)
             print(f"error: sbatch refused the job for {run_dir}: {e}", file=sys.stderr)
             return 2
+        except BaseException:
+            if created:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
         print(f"submitted job {job_id}: run directory {run_dir}, log {slurm.log_path(run_dir, job_id)}", flush=True)
     return 0
 

@@ -148,7 +148,9 @@ def command_script(argv: list[str], env: dict[str, str], workdir: str, run_dir: 
         f"cd {shlex.quote(workdir)}",
     ]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
-    lines.append("exec " + " ".join(shell_word(a) for a in argv))
+    lines += ["# A launch still running there: say so now (its rendezvous would keep this one waiting).",
+              f"{shell_word(argv[0])} -m launcher.runlock {shlex.quote(run_dir)}",
+              "exec " + " ".join(shell_word(a) for a in argv)]
     return "\n".join(lines) + "\n"
 
 

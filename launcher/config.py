@@ -522,6 +522,11 @@ class ClusterConfig:
     """Seconds the nodes wait for each other at the rendezvous (null: dist.timeout_s). A
     node that has not joined by then ends the job with a message naming it. Long enough
     for the slowest node to start (image pulls, module loads); short to notice a dead one."""
+    rdzv_timeout_s: int = 30
+    """Seconds a node other than 0 waits for node 0's rendezvous to answer at
+    master_addr:master_port (node 0 opens it as its launcher starts). Short, so that a wrong
+    address or port is said within seconds; raise it when node 0 may start well after the
+    others. Once node 0 answers, cluster.join_timeout_s applies."""
     local_addr: Optional[str] = None
     """This node's address as the other nodes reach it (torchrun --local-addr; rank 0's
     node hosts the ranks' store there). null: the host's name, right unless that name
@@ -991,6 +996,7 @@ def validate(cfg: Config, host) -> None:
         _positive("cluster.cpu_threads", c.cpu_threads)
     if c.join_timeout_s is not None:
         _positive("cluster.join_timeout_s", c.join_timeout_s)
+    _positive("cluster.rdzv_timeout_s", c.rdzv_timeout_s)
     for name in c.env:
         if not _ENV_NAME.fullmatch(name):
             raise ConfigError(f"cluster.env.{name}", c.env[name], "environment variable names are letters, digits, _")

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from launcher.checkpoint import Checkpointer, root_of, step_name, whole
+from launcher.checkpoint import Checkpointer, step_name, whole
 from launcher.config import RECIPE_PARALLELISM, Config, FaultPoint, degrees
 from launcher.data import build_loader, loss_floor
 from launcher.device import memory_stats, peak_flops, reset_peak_memory, synchronize
@@ -23,7 +23,6 @@ from launcher.memory import ActivationCounter
 from launcher.metrics import RankZeroLogger, Throughput
 from launcher.exits import CHECKPOINT_FAILED_MARKER, EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED, OOM_MARKER
 from launcher.faults import strike
-from launcher.fit import describe
 from launcher.preempt import Preemption
 from launcher.profiler import StepProfiler
 from launcher.watchdog import Watchdog
@@ -46,6 +45,9 @@ class Job:
     flops_per_token: float
     compute_dtype: torch.dtype | None
     preemption: Preemption
+    checkpointer: Checkpointer
+    start_from: Path | None
+    """The checkpoint to resume (Checkpointer.resolve, before the engine was built), or None."""
     startup: dict | None = None
     """This rank's start-up figures (launcher.device.startup_peaks), taken when the engine was ready."""
 
@@ -57,10 +59,8 @@ def run(job: Job) -> int:
     tokens_per_step = global_batch * cfg.train.seq_len
 
     # ------------------------------------------------------------------ resume
-    ckpt = Checkpointer(root_of(cfg, job.run_dir), cfg.checkpoint.keep, job.rank, job.world_size, debug=cfg.debug,
-                        run_id=cfg.checkpoint.run_id, about=describe(cfg) if job.rank == 0 else None)
+    ckpt, start_from = job.checkpointer, job.start_from
     step, samples_seen = 0, 0
-    start_from = ckpt.resolve(cfg.checkpoint.resume)
     if start_from is not None:
         state = ckpt.load(start_from, engine)
         step, samples_seen = state.step, state.samples_seen
@@ -142,7 +142,9 @@ def run(job: Job) -> int:
             saved_at = save(ckpt, step, samples_seen, engine, watchdog, job)
             if saved_at is None:
                 return EXIT_CHECKPOINT_FAILED
-            log.print(f"checkpoint {saved_at}")
+            t = ckpt.timing
+            log.print(f"checkpoint {saved_at} (write {t['write_s']:.1f} s, digests {t['digests_s']:.1f} s, "
+                      f"publish {t['publish_s']:.1f} s)")
             meter.start = time.perf_counter()  # keep save time out of the step time
 
         if job.preemption.requested():  # every rank agrees, so all stop after this step
@@ -163,7 +165,7 @@ def run(job: Job) -> int:
     # ------------------------------------------------------------------ summary
     watchdog.stop()
     profiler.finish()  # stopped inside the window (preempted, train.stop_at): keep what was recorded
-    summary = summarize(job, log.history, step - first_step)
+    summary = summarize(job, log.history, step - first_step, digest=not preempted)
     summary["preempted"] = preempted
     log.finish(summary)
     # After Ctrl-C the ranks end as if done (exit 0): torchrun neither restarts them nor
@@ -220,11 +222,12 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or " out of memory" in text or "can't allocate memory" in text
 
 
-def summarize(job: Job, history: list[dict], steps_run: int) -> dict:
-    """Final figures (rank 0's view) plus a digest of each rank's weights and every rank's
-    start-up figures."""
+def summarize(job: Job, history: list[dict], steps_run: int, digest: bool = True) -> dict:
+    """Final figures (rank 0's view) plus a digest of each rank's weights (not when the job
+    is being stopped: reading every weight would eat the grace period; the checkpoint's
+    manifest holds digests) and every rank's start-up figures."""
     digests = [None] * job.world_size
-    dist.all_gather_object(digests, weights_digest(job.engine))
+    dist.all_gather_object(digests, weights_digest(job.engine) if digest else None)
     startups = [None] * job.world_size
     dist.all_gather_object(startups, job.startup)
     if job.rank != 0:
@@ -244,7 +247,7 @@ def summarize(job: Job, history: list[dict], steps_run: int) -> dict:
         "model_state_bytes": history[-1]["mem/model_state_bytes"] if history else 0,
         "model_state_where": job.engine.state_bytes().where,  # params/grads/optim: device or cpu (offload)
         "world_size": job.world_size,
-        "weights_digest_per_rank": digests,
+        "weights_digest_per_rank": digests if digest else None,
     }
     if all(startups):  # per rank, in rank order: launcher.device.startup_peaks
         out["startup"] = {key: [s[key] for s in startups] for key in startups[0]}

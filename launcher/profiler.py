@@ -11,6 +11,7 @@ memory_snapshot_rank<r>.pickle (device.py holds that CUDA-only part).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -47,6 +48,9 @@ class StepProfiler:
             self.finish()
 
     def _start(self) -> None:
+        # Kineto (the profiler's engine) prints a start and a stop line per rank at its highest
+        # level ("USDT"); read when it starts. A user's own KINETO_LOG_LEVEL stands.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self.folder.mkdir(parents=True, exist_ok=True)
         self.memory = record_memory_history(self.device)
         self.prof = profile(activities=profiler_activities(self.device), record_shapes=self.cfg.record_shapes,

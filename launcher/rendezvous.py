@@ -61,8 +61,9 @@ class RendezvousFailed(Exception):
 
 def config_digest(cfg: C.Config) -> str:
     """The settings every node must share: all but the node's own rank, address and
-    environment (interface names differ between machines), and the run id node 0 settles."""
-    same = replace(cfg, cluster=replace(cfg.cluster, node_rank=0, local_addr=None, env={}),
+    environment (interface names differ between machines), how long it waits for node 0,
+    and the run id node 0 settles."""
+    same = replace(cfg, cluster=replace(cfg.cluster, node_rank=0, local_addr=None, env={}, rdzv_timeout_s=0),
                    checkpoint=replace(cfg.checkpoint, run_id=None))
     return hashlib.sha256(C.to_yaml(same).encode()).hexdigest()[:16]
 
@@ -73,6 +74,7 @@ class NodeRendezvous:
         self.nnodes, self.rank = c.nnodes, c.node_rank
         self.addr, self.port = c.master_addr, c.master_port
         self.timeout = join_timeout(cfg)
+        self.reach_timeout = c.rdzv_timeout_s
         self.me = {"host": socket.gethostname(), "run_dir": str(run_dir), "config": config_digest(cfg)}
         self.where = f"the rendezvous at {self.addr}:{self.port}"
         self.store = None
@@ -91,7 +93,7 @@ class NodeRendezvous:
                 raise RendezvousFailed(f"node 0 cannot host {self.where} (is the port in use, or the address "
                                        f"not this machine's?): {str(e).splitlines()[0]}") from None
         else:
-            self._wait_reachable(deadline)
+            self._wait_reachable(min(deadline, time.monotonic() + self.reach_timeout))
             self.store = dist.TCPStore(self.addr, self.port, is_master=False,
                                        timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
         self._register()
@@ -128,10 +130,11 @@ class NodeRendezvous:
                     return
             except OSError:
                 if time.monotonic() >= deadline:
+                    waited = min(self.timeout, self.reach_timeout)
                     raise RendezvousFailed(
                         f"node {self.rank} of {self.nnodes}: node 0 never opened {self.where} within "
-                        f"{self.timeout} s (cluster.join_timeout_s); is node 0 started, and "
-                        f"cluster.master_addr/master_port right?") from None
+                        f"{waited} s (cluster.rdzv_timeout_s): start node 0 first (it hosts the rendezvous), "
+                        f"check cluster.master_addr and cluster.master_port, or raise cluster.rdzv_timeout_s") from None
                 time.sleep(POLL_S)
 
     def _register(self) -> None:

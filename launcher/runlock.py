@@ -15,6 +15,15 @@ renaming it to a name only this process uses, checking that what moved is the re
 judged gone (else it is put back), then publishing a fresh one.
 Released when the launch ends (`with hold(run_dir):`); a launcher killed with SIGKILL
 leaves it behind, stale, for the next launch on this host to take over.
+
+Rank 0 holds it too (`rank_hold`, launcher/train.py) when no launcher does: a Slurm job
+(job.sbatch starts torchrun on every node), `RUN_DIR/command.sh` run again, torchrun typed
+by hand. Ranks a launcher started carry LAUNCHER_RUN_LOCK (never written to command.sh or
+a job): their launch holds the lock (node 0's launcher, when several nodes were started by
+hand and rank 0 landed on another node), and rank 0 leaves it be. So a
+second launch of any kind into a running run directory is refused, and a Slurm job
+requeued or restarted takes its own lock over (a new SLURM_RESTART_COUNT; a job Slurm
+reports ended, through squeue, is gone too).
 """
 
 from __future__ import annotations
@@ -22,11 +31,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 LOCK = ".launch.lock"
+ENV = "LAUNCHER_RUN_LOCK"  # set by a launcher for the ranks it starts: their launch holds the lock
+ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+         "TIMEOUT"}
 
 
 class Held(Exception):
@@ -42,8 +57,16 @@ def _start_time(pid: int) -> str | None:
     return stat[stat.rindex(")") + 2:].split()[19]
 
 
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def me() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _start_time(os.getpid()),
+            "pid_ns": _pid_namespace(),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
             "started": time.time()}
 
@@ -51,12 +74,51 @@ def me() -> dict:
 def gone(holder: dict) -> bool:
     """The holder provably no longer runs."""
     mine = me()
-    if holder.get("slurm_job_id") and holder.get("slurm_job_id") == mine["slurm_job_id"] \
-            and holder.get("slurm_restart") != mine["slurm_restart"]:
+    job = holder.get("slurm_job_id")
+    if job and job == mine["slurm_job_id"] and holder.get("slurm_restart") != mine["slurm_restart"]:
         return True  # a requeue of the job that held it: Slurm ended the earlier run first
-    if holder.get("host") != mine["host"]:
-        return False
-    return _start_time(int(holder["pid"])) != holder.get("pid_start")
+    same_pids = holder.get("host") == mine["host"] and holder.get("pid_ns") == mine["pid_ns"]  # (a container: other pids)
+    if same_pids and _start_time(int(holder["pid"])) != holder.get("pid_start"):
+        return True
+    return bool(job) and job != mine["slurm_job_id"] and slurm_job_ended(str(job))
+
+
+def slurm_job_states(job_id: str) -> list[str] | None:
+    """What squeue says of the job: its states ([] once Slurm no longer knows it), or None
+    when it cannot be asked (no squeue here, no controller)."""
+    if shutil.which("squeue") is None:
+        return None
+    try:
+        proc = subprocess.run(["squeue", "--noheader", f"--jobs={job_id}", "--format=%T"], capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return [] if "Invalid job id" in proc.stderr else None  # purged: it ended long enough ago
+    return proc.stdout.split()
+
+
+def slurm_job_ended(job_id: str) -> bool:
+    """Slurm says the job has ended (or no longer knows it); not when it cannot be asked."""
+    states = slurm_job_states(job_id)
+    return states is not None and all(state in ENDED for state in states)
+
+
+def check_free(run_dir: Path) -> None:
+    """Held (one line) if a live launch holds run_dir, or a Slurm job submitted for it has
+    not ended (pending jobs hold no lock yet)."""
+    path = run_dir / LOCK
+    holder = _read(path)
+    mine = holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+    if holder and not mine and not gone(holder):
+        raise Held(describe(holder, path))
+    job_file = run_dir / "slurm_job_id"  # launcher/slurm.py::JOB_ID_FILE
+    job = job_file.read_text().strip() if job_file.is_file() else ""
+    states = slurm_job_states(job) if job.isdigit() else None
+    live = [state for state in states or [] if state not in ENDED]
+    if live:
+        raise Held(f"{run_dir} belongs to Slurm job {job} ({live[0]}); wait for it, `scancel {job}`, or choose "
+                   f"another hydra.run.dir")
 
 
 def describe(holder: dict, path: Path) -> str:
@@ -65,6 +127,11 @@ def describe(holder: dict, path: Path) -> str:
     return (f"{path.parent} is in use by the launch started {when} on {holder.get('host')} (pid {holder.get('pid')}"
             f"{job}); wait for it, stop it, or choose another hydra.run.dir. If that launch is gone for good "
             f"(its host is down), remove {path}")
+
+
+def inside_a_launch() -> bool:
+    """This process is a rank its launcher started: the launch holds the run directory."""
+    return bool(os.environ.get(ENV))
 
 
 def _read(path: Path) -> dict | None:
@@ -137,3 +204,44 @@ def hold(run_dir: Path):
         yield path
     finally:
         release(path)
+
+
+def for_ranks() -> dict[str, str]:
+    """The environment that tells a launcher's ranks their launch holds the lock."""
+    return {ENV: "1"}
+
+
+RANK_WAIT_S = 10.0  # a `launcher submit` holds the lock until sbatch has answered
+
+
+@contextlib.contextmanager
+def rank_hold(folders: list[Path]):
+    """Rank 0 started without a launcher: each folder's lock, for the life of the rank. A
+    holder that lets go within RANK_WAIT_S (the submit of this very job) is waited for."""
+    with contextlib.ExitStack() as stack:
+        if not inside_a_launch():
+            for folder in folders:
+                deadline = time.monotonic() + RANK_WAIT_S
+                while True:
+                    try:
+                        stack.enter_context(hold(folder))
+                        break
+                    except Held:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.5)
+        yield
+
+
+def main(argv: list[str]) -> int:
+    """`python -m launcher.runlock RUN_DIR`: exit 2 with one line if a live launch holds it."""
+    try:
+        check_free(Path(argv[0]))
+    except Held as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

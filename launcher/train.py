@@ -8,6 +8,7 @@ single process with no launcher at all.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -23,12 +24,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import recipes
 from launcher import config as C
-from launcher import models
+from launcher import models, runlock
+from launcher.checkpoint import Checkpointer, manifest_step, root_of
 from launcher.models import init
 from launcher.data import build_dataset
 from launcher.device import (autocast_dtype, backend_for, current_rss, local_device, process_start_time,
                              returned_to_the_os, startup_peaks)
 from launcher.engine import BuildContext
+from launcher.fit import describe
 from launcher.loop import Job, run
 from launcher.preempt import Preemption
 
@@ -122,6 +125,28 @@ def main(argv: list[str] | None = None) -> int:
 
     _single_process_env()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    with contextlib.ExitStack() as held:
+        # pdsh starts DeepSpeed's ranks on several nodes: not the launcher's descendants, nor
+        # its environment; its launcher holds the lock (docs/reliability.md, 7)
+        by_pdsh = cfg.cluster.runner == C.Runner.deepspeed and cfg.cluster.nnodes > 1
+        if rank == 0 and not by_pdsh:  # one launch per run directory, also without the launcher
+            try:
+                held.enter_context(runlock.rank_hold(lock_folders(cfg, run_dir)))
+            except runlock.Held as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                return 2
+            except OSError as e:  # a full or read-only disk: one line, not a traceback
+                print(f"error: cannot lock {e.filename or run_dir}: {e.strerror or e}", file=sys.stderr, flush=True)
+                return 2
+        return train(cfg, run_dir, rank, world_size, preemption, started)
+
+
+def lock_folders(cfg: C.Config, run_dir: Path) -> list[Path]:
+    root = root_of(cfg, run_dir)
+    return [run_dir] + ([root] if not root.resolve().is_relative_to(run_dir.resolve()) else [])
+
+
+def train(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemption: Preemption, started: float) -> int:
     local_rank = int(os.environ["LOCAL_RANK"])
     device = local_device(local_rank)
     backend = backend_for(device) if cfg.dist.backend == C.Backend.auto else cfg.dist.backend.value
@@ -136,19 +161,28 @@ def main(argv: list[str] | None = None) -> int:
     if backend != "gloo":  # stop-signal agreement runs on the CPU, never syncing the GPU
         preemption.group = dist.new_group(backend="gloo")
     try:
+        ckpt = Checkpointer(root_of(cfg, run_dir), cfg.checkpoint.keep, rank, world_size, debug=cfg.debug,
+                            run_id=cfg.checkpoint.run_id, about=describe(cfg) if rank == 0 else None)
+        start_from = ckpt.resolve(cfg.checkpoint.resume)
+        if start_from is not None and manifest_step(start_from) >= cfg.train.steps:
+            # command.sh run again, a requeued job of a finished run: nothing is built or written
+            if rank == 0:
+                print(f"nothing to train: {start_from} is at step {manifest_step(start_from)} of "
+                      f"train.steps={cfg.train.steps}; raise train.steps to train on", flush=True)
+            return 0
         engine, startup = start(cfg, device, rank, world_size, local_rank, run_dir, started)
         accum = C.grad_accum(cfg, world_size)
         dp_size = C.data_parallel_size(cfg, world_size)
         job = Job(cfg=cfg, run_dir=run_dir, engine=engine, dataset=build_dataset(cfg, run_dir), device=device, rank=rank,
                   world_size=world_size, dp_rank=C.degrees(cfg, world_size).dp_rank(rank), dp_size=dp_size,
                   grad_accum=accum, flops_per_token=models.flops_per_token(cfg, cfg.train.seq_len),
-                  compute_dtype=autocast_dtype(cfg.precision.name.value), preemption=preemption, startup=startup)
+                  compute_dtype=autocast_dtype(cfg.precision.name.value), preemption=preemption, startup=startup,
+                  checkpointer=ckpt, start_from=start_from)
         code = run(job)
     finally:
         # gloo aborts at exit without this, and schedulers then mark the job failed.
         dist.destroy_process_group()
     return code
-
 
 if __name__ == "__main__":
     code = main()

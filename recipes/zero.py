@@ -84,9 +84,11 @@ class ZeroEngine:
         self.cfg, self.device, self.rank, self.world_size = cfg, ctx.device, ctx.rank, ctx.world_size
         self.config = ds_config.read(ctx.run_dir, ctx.world_size)
         self.stage = self.config["zero_optimization"]["stage"]
-        if self.stage == 3:  # partitioned as it is built: no rank ever holds the whole model
-            # zero.Init reads the world from deepspeed.comm: join the process group train.py made.
+        # deepspeed.comm joins the process group train.py made (zero.Init reads the world from
+        # it). On a CPU it builds a shared-memory op and prints so on stdout, once per rank.
+        with contextlib.redirect_stdout(io.StringIO()):
             deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        if self.stage == 3:  # partitioned as it is built: no rank ever holds the whole model
             with deepspeed.zero.Init(config_dict_or_path=self.config):
                 model = models.prepare(models.skeleton(cfg, ctx.device), cfg)
             models.materialize(model, cfg, ctx.device)

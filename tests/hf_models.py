@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
+
+def session_folder(prefix: str) -> Path:
+    """A folder made at collection (the bad-input table names its paths), removed when the
+    test process ends."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
 
 TINY_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=64,
                   intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -25,7 +35,7 @@ def bad_hf_files() -> dict[str, Path]:
     """Config folders for the bad-input table: a good Llama config (but no weights), an
     empty folder, a model type transformers does not have, one that is no causal LM, and
     a GPT-2 (no tensor-parallel or pipeline plan). Made once per test session."""
-    root = Path(tempfile.mkdtemp(prefix="launcher-hf-bad-"))
+    root = session_folder("launcher-hf-bad-")
     tiny_llama_config(root / "llama")
     (root / "empty").mkdir()
     for name, fields in {"no_such_model": {"model_type": "no_such_model", "hidden_size": 64},
@@ -41,13 +51,11 @@ def bad_hf_weights() -> dict[str, Path]:
     """Pretrained folders for the bad-input table, from one tiny Llama saved by
     save_pretrained: `good`, and copies with a tensor missing, an extra tensor, a tensor
     of the wrong shape, and the weights file cut short. Made once per test session."""
-    import shutil
-
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    root = Path(tempfile.mkdtemp(prefix="launcher-hf-weights-"))
+    root = session_folder("launcher-hf-weights-")
     fields = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
     AutoModelForCausalLM.from_config(LlamaConfig(**fields)).save_pretrained(root / "good")
     good = load_file(root / "good" / "model.safetensors")

@@ -181,7 +181,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("overrides,words", CASES, ids=[" ".join(c[0]) for c in CASES])
+def case_id(overrides: list[str]) -> str:
+    """The same on every collection (pytest-xdist's workers compare them): the session's
+    temporary folders by name."""
+    text = " ".join(overrides)
+    for name, folder in {"<hf>": next(iter(HF.values())).parent, "<weights>": next(iter(W.values())).parent}.items():
+        text = text.replace(str(folder), name)
+    return text
+
+
+@pytest.mark.parametrize("overrides,words", CASES, ids=[case_id(c[0]) for c in CASES])
 def test_bad_input_is_one_line_and_exit_2(overrides, words, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     argv = list(overrides)

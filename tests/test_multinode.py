@@ -121,12 +121,15 @@ def test_nodes_that_cannot_train_together_are_named(tmp_path):
     settings (here: steps) are told so. No rank starts in any of them."""
     short = ["cluster.join_timeout_s=4"]
     port = free_port()
-    procs = [start_node(tmp_path / "a", 0, free_port(), *short), start_node(tmp_path / "b", 1, free_port(), *short),
+    procs = [start_node(tmp_path / "a", 0, free_port(), *short), start_node(tmp_path / "b", 1, free_port(),
+                                                                            "cluster.rdzv_timeout_s=3"),
              start_node(tmp_path / "c", 1, port, "train.steps=11"), start_node(tmp_path / "c", 0, port)]
     (rc0, _, err0), (rc1, _, err1), (rc2, _, err2), (rc3, _, err3) = [finish(p, 120) for p in procs]
     assert rc0 == 1 and "error: node 1 of 2 never joined the rendezvous at 127.0.0.1:" in err0, err0
     assert "within 4 s (cluster.join_timeout_s); joined: node 0 on" in err0
+    # (node 1 alone: dist.timeout_s=600 would be the join timeout; the rendezvous answers or not within 3 s)
     assert rc1 == 1 and "error: node 1 of 2: node 0 never opened the rendezvous" in err1, err1
+    assert "within 3 s (cluster.rdzv_timeout_s): start node 0 first" in err1, err1
     assert rc2 == rc3 == 1
     for err in (err2, err3):
         assert "node 1 (" in err and "has other settings than node 0" in err, err

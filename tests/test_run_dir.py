@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import FAST, launch, start, wait_for_step
+from conftest import FAST, REPO, launch, start, wait_for_step
 from launcher import runlock
 from launcher.checkpoint import read_latest, run_of, verify
 
@@ -69,6 +71,16 @@ def test_one_launch_per_run_dir_and_no_orphans_after_sigkill(tmp_path):
     lines = [line for line in second.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "is in use by the launch" in lines[0] and f"pid {first.pid}" in lines[0], lines
     assert (run / "config.yaml").read_bytes() == config  # the second launch wrote nothing
+
+    # Without the launcher: the run's command.sh says so at once (its rendezvous would wait);
+    # torchrun typed by hand gets as far as rank 0, which refuses before writing anything.
+    script = subprocess.run([str(run / "command.sh")], capture_output=True, text=True, timeout=60)
+    assert script.returncode == 2 and script.stderr.startswith("error: ") and "is in use by the launch" in script.stderr
+    metrics = (run / "metrics.jsonl").read_bytes()
+    by_hand = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                              "-m", "launcher.train", str(run)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert by_hand.returncode != 0 and f"error: {run} is in use by the launch" in by_hand.stderr, by_hand.stderr[-3000:]
+    assert (run / "metrics.jsonl").read_bytes()[:len(metrics)] == metrics and (run / "config.yaml").read_bytes() == config
 
     os.kill(first.pid, signal.SIGKILL)  # the launcher only: torchrun and the ranks are its children
     first.wait()

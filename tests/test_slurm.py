@@ -20,6 +20,7 @@ from launcher import cli
 from launcher.checkpoint import verify
 from slurm_cluster import slurm_cluster  # noqa: F401 - the fixture
 from test_commands import check_golden
+from test_readme import readme_line
 
 # The jobs: 2 gloo ranks on the one node (2 CPUs), W&B offline.
 JOB = ["cluster.nproc_per_node=2", "cluster.cpus_per_task=2", *FAST]
@@ -33,12 +34,12 @@ def hydra_quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def submit(cluster, *overrides: str, run_dir: Path | None = None) -> subprocess.CompletedProcess:
+def submit(cluster, *overrides: str, run_dir: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """`python -m launcher submit ...` with the cluster's SLURM_CONF, as a user runs it."""
     args = ([f"hydra.run.dir={hydra_quote(str(run_dir))}"] if run_dir else []) + list(overrides)
     # As from a login shell: no DS_ACCELERATOR (this test process may have set one for itself).
     return launch(*args, command="submit", env={"SLURM_CONF": cluster.env["SLURM_CONF"], "DS_ACCELERATOR": None},
-                  timeout=120)
+                  timeout=120, check=check)
 
 
 def job_id_of(run_dir: Path, proc: subprocess.CompletedProcess) -> str:
@@ -132,6 +133,30 @@ def test_submitted_job_runs_to_completion(recipe, slurm_cluster, tmp_path):
     assert wandb_file.run_info(runs[0])["id"] == (run_dir / "wandb_id").read_text().strip()
     assert [h["_step"] for h in wandb_file.history(runs[0])] == list(range(1, 13))
     assert created_by_injection(token, tmp_path, slurm_cluster.folder) == [], "a metacharacter was executed"
+    if recipe == "ddp":
+        resubmit_a_finished_run_by_hand(slurm_cluster, run_dir)
+
+
+SETUP_WRITES = ("job.env",)  # cluster.setup's `env > job.env` runs in every job
+
+
+def resubmit_a_finished_run_by_hand(cluster, run_dir: Path) -> None:
+    """The README's line for resuming by hand, on a finished run: a new job that says there
+    is nothing to train and rewrites nothing (its summary, metrics and checkpoints stay)."""
+    line = readme_line("cd RUN_DIR && sbatch job.sbatch").replace("RUN_DIR", shlex.quote(str(run_dir)))
+    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name not in SETUP_WRITES
+              and not p.name.startswith("slurm-")}
+    proc = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in cluster.env.items() if k != "DS_ACCELERATOR"})
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.split()[-1]
+    info = cluster.wait_for_end(job_id)
+    log = _log(run_dir, job_id)
+    assert info["JobState"] == "COMPLETED", (info, log)
+    assert "nothing to train: " in log and "raise train.steps" in log, log[-3000:]
+    after = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name not in SETUP_WRITES
+              and not p.name.startswith("slurm-")}
+    assert after == before
 
 
 @pytest.mark.slow
@@ -142,6 +167,12 @@ def test_warned_job_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     proc = submit(slurm_cluster, *JOB, "train.steps=24", "checkpoint.every=1000", run_dir=run_dir)
     job_id = job_id_of(run_dir, proc)
     wait_for_step(run_dir, 4, slurm_cluster, job_id)
+    # While it trains, its rank 0 holds the run directory's lock (no launcher runs in a job):
+    # read the lock, then the metrics; a step still to come means rank 0 held it at the read.
+    lock = run_dir / ".launch.lock"
+    holder = json.loads(lock.read_text()) if lock.exists() else None
+    if len(read_metrics(run_dir)) < 24:
+        assert holder is not None and holder["slurm_job_id"] == job_id and holder["slurm_restart"] == "0", holder
     slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)
     info = slurm_cluster.wait_for_end(job_id)
     log = _log(run_dir, job_id)
@@ -205,6 +236,18 @@ def test_sweep_submits_one_job_per_point(slurm_cluster, tmp_path):
         assert f"lr: {lr}" in (run_dir / "config.yaml").read_text()
         assert shlex.quote(str(run_dir)) in (run_dir / "job.sbatch").read_text()
     assert len(set(ids)) == 2
+
+    # A queued job owns its run directory before it starts: another job, or a launch here,
+    # into it is refused in one line, and nothing there changes.
+    first = sweep / "0"
+    files = {p: p.read_bytes() for p in first.rglob("*") if p.is_file()}
+    env = {"SLURM_CONF": slurm_cluster.env["SLURM_CONF"]}
+    for command, extra in (("submit", ["cluster.sbatch_extra=['--hold']"]), ("train", [])):
+        again = launch(f"hydra.run.dir={first}", *extra, *JOB, command=command, env=env, check=False)
+        lines = again.stderr.strip().splitlines()
+        assert again.returncode == 2 and len(lines) == 1, again.stdout[-2000:] + again.stderr[-2000:]
+        assert f"belongs to Slurm job {ids[0]} (PENDING)" in lines[0], lines
+    assert {p: p.read_bytes() for p in first.rglob("*") if p.is_file()} == files
     slurm_cluster.run("scancel", *ids)
 
 

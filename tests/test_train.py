@@ -176,6 +176,8 @@ def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
     assert (run / "checkpoints" / "latest").read_text().splitlines()[0] == f"step_{marker['step']:08d}"
     assert read_metrics(run)[-1]["step"] == marker["step"]  # the step it was in finished
     assert f"preempted by {sig}" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["preempted"] and summary["weights_digest_per_rank"] is None  # no full read of the weights now
     if sig == "SIGTERM":  # the next launch of the same run directory resumes and finishes
         proc2 = launch(*args, run_dir=run)
         assert f"at step {marker['step']}" in proc2.stdout

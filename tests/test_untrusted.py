@@ -6,6 +6,7 @@ marker) if unpickled; the manifest's digests are rewritten to match, as an attac
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
 import shutil
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from conftest import FAST, launch
 from launcher import dcp, untrusted
-from launcher.checkpoint import write_manifest
+from launcher.checkpoint import files_of, verify, write_manifest, writer_of
 
 
 class Payload:
@@ -134,6 +135,13 @@ def test_export_and_resume_refuse_a_crafted_checkpoint(recipe, tmp_path):
     launch(f"recipe={recipe}", "cluster.nproc_per_node=2", *FAST, "train.steps=2", "optim.warmup_steps=1", "logger=none",
            run_dir=run)
     assert launch(str(run), command="export", check=False).returncode == 0  # the genuine run exports
+    # Its manifest was gathered from both ranks' digests, each rank hashing the files it
+    # wrote: every file listed and right, and each rank's share a good part of the bytes.
+    genuine = sorted((run / "checkpoints").glob("step_*"))[-1]
+    files = json.loads((genuine / "manifest.json").read_text())["files"]
+    assert sorted(files) == files_of(genuine) and verify(genuine) is None
+    shares = [sum(m["size"] for rel, m in files.items() if writer_of(rel, 2) == r) for r in (0, 1)]
+    assert min(shares) > 0.3 * sum(shares), shares
     bad, marker = crafted(run, tmp_path, recipe)
 
     export = launch(str(bad), command="export", check=False)

@@ -25,6 +25,7 @@ from launcher import config as C
 from launcher.checkpoint import verify
 from launcher.preempt import EXIT_PREEMPTED
 from launcher.memory import zero_paper_bytes as paper_bytes
+from launcher.memory import zero_states
 from recipes.zero import model_state_bytes
 
 pytestmark = pytest.mark.slow
@@ -33,8 +34,11 @@ pytestmark = pytest.mark.slow
 # batch at 1 and 4 ranks (accumulation 4 and 1), so runs at any world size see the same data.
 FP32 = ["precision=fp32", "train.steps=20", "optim.warmup_steps=5", "logger=none", "logger.log_every=1",
         "train.micro_batch=4", "train.global_batch=16", "debug.startup_digest=true"]
-FP32_REL = 1e-4  # the issue's bound; measured: about 1e-7
-BF16_REL = 2e-3  # bf16 weights (ZeRO) against bf16 autocast with fp32 weights (ddp); measured: < 5e-4
+FP32_REL = 1e-5  # the issue asked for 1e-4; measured: about 1e-7 (summation order only)
+BF16_REL = 1e-3  # bf16 weights (ZeRO) against bf16 autocast with fp32 weights (ddp); measured: < 5e-4
+
+
+PSI_TINY = 885_888  # gpt_tiny's parameters
 
 
 def rel(a: float, b: float) -> float:
@@ -84,7 +88,10 @@ def test_zero_stages_give_ddp_losses_in_fp32(fp32_runs):
         assert ds["zero_optimization"]["stage"] == stage
         assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 4, 2)
         assert ds["bf16"]["enabled"] is False and "scheduler" not in ds
-        assert rows[-1]["mem/model_state_bytes"] > 0 and rows[-1]["mem/host_bytes"] == 0
+        # fp32 weights, 2 micro-batches, 2 ranks: DeepSpeed's own terms (launcher/memory.py::zero_states)
+        want = sum(d + h for d, h in zero_states(stage, PSI_TINY, 2, grad_accum=2, weight_bytes=4).values())
+        assert rows[-1]["mem/model_state_bytes"] == pytest.approx(want, rel=0.02), (recipe, rows[-1], want)
+        assert rows[-1]["mem/host_bytes"] == 0
     # DeepSpeed's shards inside the Checkpointer's folders: manifest, latest, keep-K.
     ckpts = fp32_runs["zero2"] / "checkpoints"
     assert (ckpts / "latest").read_text().splitlines()[0] == "step_00000020"
@@ -175,10 +182,10 @@ def test_offload_bf16_under_the_deepspeed_launcher_stops_and_resumes(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 21))
     worst = max(rel(z["loss"], d["loss"]) for z, d in zip(rows, ddp))
     assert worst < BF16_REL, f"bf16 zero3_offload differs from ddp by {worst:.2e}"
-    psi = 885_888
-    for r in rows:  # optimizer and parameter shards live in host memory
-        assert r["mem/host_bytes"] > 0.9 * r["mem/model_state_bytes"] > 0
-        assert r["mem/model_state_bytes"] < 0.7 * 16 * psi  # sharded: well under ddp's 16Ψ
+    want = model_state_bytes(3, PSI_TINY, 2, offload_optimizer=True, offload_param=True)
+    for r in rows:  # optimizer and parameter shards live in host memory: all but the norms kept whole on the device
+        assert r["mem/host_bytes"] == pytest.approx(want["cpu"], rel=0.02), (r, want)
+        assert r["mem/model_state_bytes"] == pytest.approx(want["cpu"] + want["device"], rel=0.03), (r, want)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -247,4 +254,5 @@ def test_model_state_bytes_per_rank_against_the_zero_paper(tmp_path):
             continue
         assert measured == PINNED[(recipe, model, n)], (recipe, model, n, measured)
         extra, _name = EXTRA[stage]
-        assert measured - paper == pytest.approx(extra(psi, n), abs=0.02 * measured), (recipe, model, n, _name)
+        # what is left after the named term: buckets, padding, persistent parameters (< 0.7% pinned)
+        assert measured - paper == pytest.approx(extra(psi, n), abs=0.008 * measured), (recipe, model, n, _name)
