@@ -77,7 +77,9 @@ def gone(holder: dict) -> bool:
     job = holder.get("slurm_job_id")
     if job and job == mine["slurm_job_id"] and holder.get("slurm_restart") != mine["slurm_restart"]:
         return True  # a requeue of the job that held it: Slurm ended the earlier run first
-    same_pids = holder.get("host") == mine["host"] and holder.get("pid_ns") == mine["pid_ns"]  # (a container: other pids)
+    # pids compare within one pid namespace (a container has its own); a record from before
+    # the namespace was written counts as this host's
+    same_pids = holder.get("host") == mine["host"] and holder.get("pid_ns", mine["pid_ns"]) == mine["pid_ns"]
     if same_pids and _start_time(int(holder["pid"])) != holder.get("pid_start"):
         return True
     return bool(job) and job != mine["slurm_job_id"] and slurm_job_ended(str(job))

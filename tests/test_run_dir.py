@@ -43,6 +43,10 @@ def test_a_lock_is_taken_over_only_from_a_launch_that_is_gone(tmp_path, monkeypa
     # A dead pid on this host, or a live pid that now runs another process: gone.
     assert runlock.gone({**holder, "pid": 2**22 + 7})
     assert runlock.gone({**holder, "pid_start": "1"})
+    old = {k: v for k, v in holder.items() if k != "pid_ns"}  # a record written before pid namespaces were
+    assert runlock.gone({**old, "pid": 2**22 + 7}) and not runlock.gone(old)
+    # The same pid in another pid namespace (a container) proves nothing.
+    assert not runlock.gone({**holder, "pid": 2**22 + 7, "pid_ns": "pid:[1]"})
     # Another host cannot be checked: held, unless it is a requeue of the same Slurm job.
     assert not runlock.gone({**holder, "host": "other-node.invalid"})
     monkeypatch.setenv("SLURM_JOB_ID", "77")
