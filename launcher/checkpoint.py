@@ -213,12 +213,26 @@ def find_latest(root: Path, run_id: str | None = None) -> Path | None:
     read); one that fails its check is skipped with a warning and the one before it is
     used. The newest complete folder wins even when a kill came between its rename and the
     `latest` update."""
-    for folder in complete_checkpoints(root, run_id)[::-1]:
-        problem = verify(folder)
+    return first_whole(complete_checkpoints(root, run_id), verify)
+
+
+def first_whole(folders: list[Path], check, say: bool = True) -> Path | None:
+    """The newest of `folders` (oldest first) that `check` passes; each one that fails is
+    skipped with a warning (`say`) for the one before it."""
+    for folder in folders[::-1]:
+        problem = check(folder)
         if problem is None:
             return folder
-        warnings.warn(f"checkpoint {folder} skipped: {problem}", stacklevel=2)
+        if say:
+            warnings.warn(f"checkpoint {folder} skipped: {problem}", stacklevel=3)
     return None
+
+
+def lock_folders(cfg, run_dir: Path) -> list[Path]:
+    """What one launch locks (launcher/runlock.py): the run directory, and checkpoint.dir
+    when it lies elsewhere."""
+    root = root_of(cfg, run_dir)
+    return [run_dir] + ([root] if not root.resolve().is_relative_to(Path(run_dir).resolve()) else [])
 
 
 def rng_state() -> dict:
@@ -321,13 +335,8 @@ class Checkpointer:
         on every rank: rank 0 lists them)."""
         folders: list[list[str]] = [[str(f) for f in complete_checkpoints(self.root, run_id)] if self.rank == 0 else []]
         dist.broadcast_object_list(folders, src=0)
-        for folder in map(Path, folders[0][::-1]):
-            problem = verify_together(folder, self.rank, self.world_size)
-            if problem is None:
-                return folder
-            if self.rank == 0:
-                warnings.warn(f"checkpoint {folder} skipped: {problem}", stacklevel=2)
-        return None
+        return first_whole([Path(f) for f in folders[0]], lambda f: verify_together(f, self.rank, self.world_size),
+                           say=self.rank == 0)
 
     def load(self, folder: Path, engine) -> TrainerState:
         engine.load(folder / "engine")

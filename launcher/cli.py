@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from launcher import config as C
 from launcher import fit, identity, plaintext, runlock, slurm
-from launcher.checkpoint import root_of
+from launcher.checkpoint import lock_folders, root_of
 from launcher.commands import (HOSTFILE, SLURM_STEPS, LaunchPlan, command_script, hostfile_text, launch_argv, rank_env,
                                sbatch_script)
 from launcher.device import HostInfo
@@ -413,12 +413,10 @@ def cmd_train(overrides: list[str], multirun: bool) -> int:
         created = not run_dir.exists()
         with contextlib.ExitStack() as held:
             owner = cfg.cluster.node_rank == 0  # the other nodes of a launch by hand share node 0's directory
-            if owner:
-                held.enter_context(runlock.hold(run_dir))
+            if owner:  # the run directory, and a checkpoint.dir elsewhere: one writer there too
+                for folder in lock_folders(cfg, run_dir):
+                    held.enter_context(runlock.hold(folder))
                 runlock.check_free(run_dir)  # a Slurm job queued for it would start into this run
-                root = root_of(cfg, run_dir)
-                if not root.resolve().is_relative_to(run_dir):  # a checkpoint.dir elsewhere: one writer there too
-                    held.enter_context(runlock.hold(root))
             try:
                 rc = max(rc, launch_job(cfg, run_dir, plan, files, choice, overrides))
             except C.ConfigError:  # refused while preparing, before any rank started: leave no trace

@@ -111,8 +111,7 @@ def check_free(run_dir: Path) -> None:
     not ended (pending jobs hold no lock yet)."""
     path = run_dir / LOCK
     holder = _read(path)
-    mine = holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
-    if holder and not mine and not gone(holder):
+    if holder and not _mine(holder) and not gone(holder):
         raise Held(describe(holder, path))
     job_file = run_dir / "slurm_job_id"  # launcher/slurm.py::JOB_ID_FILE
     job = job_file.read_text().strip() if job_file.is_file() else ""
@@ -129,6 +128,10 @@ def describe(holder: dict, path: Path) -> str:
     return (f"{path.parent} is in use by the launch started {when} on {holder.get('host')} (pid {holder.get('pid')}"
             f"{job}); wait for it, stop it, or choose another hydra.run.dir. If that launch is gone for good "
             f"(its host is down), remove {path}")
+
+
+def _mine(holder: dict | None) -> bool:
+    return bool(holder) and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
 
 
 def inside_a_launch() -> bool:
@@ -193,8 +196,7 @@ def acquire(run_dir: Path) -> Path:
 
 def release(path: Path) -> None:
     """Remove the lock if it is still this process's."""
-    holder = _read(path)
-    if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+    if _mine(_read(path)):
         with contextlib.suppress(OSError):
             path.unlink()
 

@@ -25,7 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import recipes
 from launcher import config as C
 from launcher import models, runlock
-from launcher.checkpoint import Checkpointer, manifest_step, root_of
+from launcher.checkpoint import Checkpointer, lock_folders, manifest_step, root_of
 from launcher.models import init
 from launcher.data import build_dataset
 from launcher.device import (autocast_dtype, backend_for, current_rss, local_device, process_start_time,
@@ -139,11 +139,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: cannot lock {e.filename or run_dir}: {e.strerror or e}", file=sys.stderr, flush=True)
                 return 2
         return train(cfg, run_dir, rank, world_size, preemption, started)
-
-
-def lock_folders(cfg: C.Config, run_dir: Path) -> list[Path]:
-    root = root_of(cfg, run_dir)
-    return [run_dir] + ([root] if not root.resolve().is_relative_to(run_dir.resolve()) else [])
 
 
 def train(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemption: Preemption, started: float) -> int:
