@@ -1,5 +1,23 @@
+"""`python -m launcher ...` and the `launcher` console script."""
+
+import signal
 import sys
 
-from launcher.cli import main
 
-sys.exit(main())
+def entry() -> int:
+    # A Ctrl-C while torch and Hydra import (a second or two) is recorded, not raised: a
+    # KeyboardInterrupt inside an import can be swallowed by a library's bare `except:`, and
+    # the run would then start as if nothing had been pressed.
+    pressed: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
+    from launcher.cli import main
+
+    if pressed:
+        print("interrupted (Ctrl-C) before training started", file=sys.stderr)
+        return 130  # launcher.exits.EXIT_INTERRUPTED
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # main() turns it into one line
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(entry())

@@ -16,9 +16,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from launcher.config import Config, OptimConfig
+from launcher.models.init import is_dtensor
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each (micro_batch, seq_len)
@@ -140,10 +140,14 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard, a plain tensor itself."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
 def tensor_bytes(tensors) -> int:
     """Bytes these tensors occupy on this rank (a DTensor: its local shard only)."""
-    local = (t._local_tensor if isinstance(t, DTensor) else t for t in tensors if t is not None)
-    return sum(t.numel() * t.element_size() for t in local)
+    return sum(local_shard(t).numel() * t.element_size() for t in tensors if t is not None)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from launcher.checkpoint import Checkpointer, step_name, whole
 from launcher.config import RECIPE_PARALLELISM, Config, FaultPoint, degrees
 from launcher.data import build_loader, loss_floor
 from launcher.device import memory_stats, peak_flops, reset_peak_memory, synchronize
+from launcher.engine import local_shard
 from launcher.memory import ActivationCounter
 from launcher.metrics import RankZeroLogger, Throughput
 from launcher.exits import CHECKPOINT_FAILED_MARKER, EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED, OOM_MARKER
@@ -92,6 +92,7 @@ def run(job: Job) -> int:
     profiler = StepProfiler(cfg.profile, job.run_dir, job.rank, device)
     saved_at, preempted = None, False
     measured: dict[str, int] = {}
+    job.preemption.started()
     while step < last:
         strike(cfg.debug, FaultPoint.hang, step + 1, job.rank)
         profiler.begin(step + 1)
@@ -265,6 +266,6 @@ def weights_digest(engine) -> str:
     h = hashlib.sha256()
     for name, p in sorted(engine.model.named_parameters()):
         h.update(name.encode())
-        t = p.detach().to_local() if isinstance(p, DTensor) else p.detach()  # a shard: this rank's part
+        t = local_shard(p.detach())  # a shard: this rank's part
         h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from launcher import config as C
 from launcher.device import autocast_dtype
+from launcher.engine import local_shard
 from launcher.models import decoder_layers
 from launcher.models.parallel import apply_tp
 
@@ -69,16 +70,13 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, cfg: C.Config, device_t
 
 
 # ----------------------------------------------------------------------------- gradients
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor (a DTensor's local shard; a plain tensor itself)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def allreduce_grads(params, group: dist.ProcessGroup, size: int, bucket_bytes: int = 25 << 20) -> None:
     """Average gradients over data-parallel replicas (recipes that replicate rather than
     shard: tp and pp across their groups), in flat buckets after backward. Unlike DDP it
     does not overlap with backward: simple, and the same result."""
-    grads = [local(p.grad) for p in params if p.grad is not None]
+    grads = [local_shard(p.grad) for p in params if p.grad is not None]
     bucket, used = [], 0
     for i, g in enumerate(grads):
         bucket.append(g)
@@ -123,7 +121,7 @@ def clip_grad_norm(params, max_norm: float, copies=lambda p: 1) -> torch.Tensor:
             n = world // mesh.size() * math.prod(mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
         else:
             n = copies(p)
-        grads.append(local(g))
+        grads.append(local_shard(g))
         weights.append(1.0 / n if n else 0.0)
     device = grads[0].device if grads else torch.device("cpu")
     if grads:

@@ -17,16 +17,19 @@ import ctypes
 import functools
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from launcher import runlock
 from launcher.exits import (EXIT_CHECKPOINT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED, MARKERS,
                             PREEMPTED_MARKER as MARKER)
 
@@ -37,17 +40,85 @@ within it is the same Ctrl-C delivered twice)."""
 
 
 class Preemption:
-    def __init__(self, group=None):
+    def __init__(self, run_dir: Path | None = None, group=None):
         self.signal: int | None = None
         self.since: float | None = None  # when this rank learnt of the stop (time.monotonic)
         self.group = group  # a gloo group; None = the default group
+        self.run_dir = run_dir
+        self.training = False  # set by the loop before its first step (`started`)
 
-    def install(self) -> "Preemption":
+    def install(self, early: list[int] = ()) -> "Preemption":
+        """The handlers; `early`: stop signals recorded before this (train.EARLY_STOPS).
+
+        Before the first step a stop signal ends the rank at once (`_stop_before_training`):
+        nothing has been trained since the last checkpoint, and a rank blocked in C++
+        (joining the process group, loading a checkpoint) would not run a Python handler
+        until that call returns, which for a peer that never comes is its timeout. The
+        signal module writes each signal's number to a wakeup fd from its C handler; a
+        thread reading it acts while the main thread is blocked."""
         for sig in SIGNALS:
             signal.signal(sig, self._handler)
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+        def woken() -> None:
+            while data := os.read(read, 64):
+                if not self.training:
+                    self._stop_before_training(data[0])
+
+        threading.Thread(target=woken, name="stop-signals", daemon=True).start()
+        for sig in early:
+            self._handler(sig, None)
+        self.watch_launcher()
         return self
 
+    def started(self) -> None:
+        """The loop is about to run its first step: from now on a stop signal saves."""
+        self.training = True
+
+    def _stop_before_training(self, signum: int) -> None:
+        """Exit now, as the loop would after a stop (0 after Ctrl-C, EXIT_PREEMPTED after
+        a scheduler's signal); rank 0 leaves preempted.json without a step, so the launcher
+        explains it and a warned Slurm job requeues."""
+        if os.environ.get("RANK", "0") == "0" and self.run_dir is not None:
+            with contextlib.suppress(OSError):
+                (self.run_dir / MARKER).write_text(json.dumps(
+                    {"step": None, "signal": signal.Signals(signum).name, "checkpoint": None,
+                     "time": time.time()}) + "\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0 if signum == signal.SIGINT else EXIT_PREEMPTED)
+
+    def watch_launcher(self) -> None:
+        """A rank stops as on SIGTERM (finish the step, save, preempted.json) when the
+        launcher that started it dies, by any signal, SIGKILL included. torchrun's ranks
+        learn it through torchrun (stop_with_parent) too; DeepSpeed's launcher dies without
+        passing anything on, and its per-node launch.py would keep the ranks training
+        unsupervised. A pidfd becomes readable when its process ends: a thread waits on it,
+        nothing polls. Only where the launcher is visible: this host, this pid namespace."""
+        pid = runlock.launcher_of_this_rank()
+        if pid is None:
+            return
+        try:
+            fd = os.pidfd_open(pid) if pid else None
+        except ProcessLookupError:
+            fd = None
+        except OSError:  # a kernel without pidfds (before Linux 5.3): torchrun's path still holds
+            return
+        if fd is None:  # gone before this rank started
+            self._handler(signal.SIGTERM, None)
+            return
+
+        def wait() -> None:
+            select.select([fd], [], [])
+            self._handler(signal.SIGTERM, None)
+
+        threading.Thread(target=wait, name="launcher-watch", daemon=True).start()
+
     def _handler(self, signum, _frame) -> None:
+        if not self.training:
+            self._stop_before_training(signum)
         if self.signal is None:
             self.signal, self.since = signum, time.monotonic()
         elif signum == signal.SIGINT and time.monotonic() - self.since > AGAIN_S:
@@ -83,42 +154,89 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
 
     torchrun leads its own session, so a Ctrl-C in the terminal reaches the launcher alone:
     it says so in one line and hands SIGINT to the ranks themselves (each leads a session of
-    its own under torchrun), which finish the step, save and exit 0, so torchrun ends
-    quietly; a second Ctrl-C stops them at once. Other stop signals go to torchrun, which
-    passes them on. own_group: the child's whole process group gets every signal and, once
+    its own under torchrun), each as soon as it takes signals (`listening`: also a Ctrl-C
+    before the ranks started), which finish the step, save and exit 0, so torchrun ends
+    quietly; a second Ctrl-C kills them at once (stop_now). Other stop signals go to
+    torchrun, which passes them on. own_group: the child's whole process group gets every signal and, once
     the child has exited, the ranks still saving are waited for (at most drain_s). For a
     launcher that dies on a signal instead of waiting for its ranks (DeepSpeed's)."""
     clear_markers(run_dir)
     proc = subprocess.Popen(argv, env=env, start_new_session=True,
                             preexec_fn=functools.partial(stop_with_parent, os.getpid()))
     interrupts: list[float] = []
+    handed: set[int] = set()  # the ranks that have the Ctrl-C
+
+    def hand_over() -> None:
+        """The Ctrl-C to every rank that takes signals by now; the wait below hands it to
+        the others (still starting, or started later) as they come to take it."""
+        for pid in children(proc.pid):
+            if pid not in handed and listening(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGINT)
+                handed.add(pid)
 
     def send(sig, _frame):
         if sig == signal.SIGINT:
             interrupts.append(time.monotonic())
             print("Ctrl-C: the ranks finish this step, save and stop (Ctrl-C again to stop at once)"
                   if len(interrupts) == 1 else "Ctrl-C again: stopping now", file=sys.stderr, flush=True)
-        if own_group:
+        if sig == signal.SIGINT and len(interrupts) > 1:
+            stop_now(proc, own_group)
+        elif own_group:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, sig)
-            return
-        ranks = children(proc.pid) if sig == signal.SIGINT else []
-        for pid in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        if not ranks:  # no rank yet (rendezvous, start-up) or another signal: torchrun passes it on
-            proc.send_signal(sig)
+        elif sig == signal.SIGINT:  # never to torchrun: it would stop the ranks with tracebacks
+            hand_over()
+        else:
+            proc.send_signal(sig)  # torchrun passes it on
 
     forward = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
     previous = {sig: signal.signal(sig, send) for sig in forward}
     try:
-        rc = proc.wait()
+        while True:
+            try:
+                rc = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if len(interrupts) == 1 and not own_group:
+                    hand_over()
         if own_group:
             _wait_for_group(proc.pid, drain_s)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return explain(rc, run_dir, ckpt_root or run_dir / "checkpoints", interrupted=bool(interrupts))
+
+
+def stop_now(proc: subprocess.Popen, own_group: bool) -> None:
+    """Ctrl-C again: SIGKILL for torchrun, then its ranks (or DeepSpeed's whole group). A rank
+    stuck inside its step or a collective cannot run a signal handler, and a rank that
+    ended first would make its peers and torchrun print pages of tracebacks. A save cut
+    short leaves the last complete checkpoint as it is (checkpoint.py writes aside and
+    renames)."""
+    if own_group:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return
+    ranks = children(proc.pid)
+    proc.kill()
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def listening(pid: int) -> bool:
+    """The rank `pid` takes stop signals: it runs launcher.train and has a SIGUSR1 handler
+    of its own (train.EARLY_STOPS's, then Preemption's; Python installs none by itself).
+    Earlier, a SIGINT would end it mid-import with a KeyboardInterrupt traceback, or kill it
+    before Python starts (SIGINT's default action)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(status.split("SigCgt:", 1)[1].split()[0], 16) if "SigCgt:" in status else 0
+    return b"launcher.train" in cmdline and bool(caught >> (signal.SIGUSR1 - 1) & 1)
 
 
 def children(pid: int) -> list[int]:
@@ -154,8 +272,9 @@ def explain(rc: int, run_dir: Path, ckpt_root: Path, interrupted: bool = False) 
         if code == EXIT_PREEMPTED:
             by = info.get("signal", "a signal")
             what = "interrupted (Ctrl-C)" if by == "SIGINT" else f"preempted by {by}"
-            print(f"{what} after step {info.get('step', '?')}; checkpoint {info.get('checkpoint', '(see the log)')}. "
-                  f"Launch the same run directory again to resume.", flush=True)
+            where = (f"after step {info.get('step', '?')}; checkpoint {info.get('checkpoint', '(see the log)')}"
+                     if info.get("step", "?") is not None else f"before the first step; {last_checkpoint(ckpt_root)}")
+            print(f"{what} {where}. Launch the same run directory again to resume.", flush=True)
             return EXIT_INTERRUPTED if by == "SIGINT" else code
         if code == EXIT_CHECKPOINT_FAILED:
             print(disk_report(ckpt_root, info.get("cause")), file=sys.stderr, flush=True)
@@ -212,7 +331,8 @@ def stop_with_parent(parent: int) -> None:
     to its ranks, which take it as a preemption: finish the step, save, write
     preempted.json and exit. So no rank trains on unsupervised after its launcher is gone.
     Linux only; with cluster.runner=deepspeed the signal reaches DeepSpeed's launcher,
-    which exits without waiting for its ranks (as on any signal)."""
+    which exits without waiting for its ranks: they watch the launcher themselves
+    (Preemption.watch_launcher)."""
     if _LIBC is not None:
         _LIBC.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
         if os.getppid() != parent:  # the launcher died before prctl took effect

@@ -11,7 +11,9 @@ memory_snapshot_rank<r>.pickle (device.py holds that CUDA-only part).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -55,7 +57,11 @@ class StepProfiler:
         self.memory = record_memory_history(self.device)
         self.prof = profile(activities=profiler_activities(self.device), record_shapes=self.cfg.record_shapes,
                             profile_memory=self.cfg.profile_memory, with_stack=self.cfg.with_stack)
+        before = torch.empty(16) if self.cfg.profile_memory else None  # a block the profiler did not see allocated
         self.prof.start()
+        if before is not None:
+            with stderr_to_devnull():
+                del before
 
     def finish(self) -> None:
         """Write what was recorded (also when the run stops inside the window)."""
@@ -66,3 +72,24 @@ class StepProfiler:
         if self.memory:
             dump_memory_snapshot(self.device, self.folder / f"memory_snapshot_rank{self.rank}.pickle")
         self.prof, self.memory = None, False
+
+
+@contextlib.contextmanager
+def stderr_to_devnull():
+    """With profile_memory, c10's CPU allocator logs "Memory block of unknown size was
+    allocated before the profiling started, ..." (CPUAllocator.cpp) at the first free of a
+    block allocated before the profiler started, then once per 1,000 such frees (a counter
+    in ProfiledCPUMemoryReporter::Delete): every rank printed it at every profiled run,
+    although it is expected and says nothing about the run. `StepProfiler._start` spends
+    the first on a block of its own while file descriptor 2 points at /dev/null (the
+    message comes from C++, below Python's sys.stderr); a few steps free far fewer than
+    1,000 blocks from before their window. Only that one `del` runs muted."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

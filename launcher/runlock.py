@@ -211,8 +211,27 @@ def hold(run_dir: Path):
 
 
 def for_ranks() -> dict[str, str]:
-    """The environment that tells a launcher's ranks their launch holds the lock."""
-    return {ENV: "1"}
+    """The environment that tells a launcher's ranks their launch holds the lock, and which
+    process the launcher is (host, pid, pid namespace: preempt.watch_launcher)."""
+    mine = me()
+    return {ENV: json.dumps({k: mine[k] for k in ("host", "pid", "pid_start", "pid_ns")})}
+
+
+def launcher_of_this_rank() -> int | None:
+    """The pid of the launcher that started this rank, when it runs on this host in this pid
+    namespace (pdsh's ranks on other nodes cannot see it); 0 when it is gone already (its
+    pid free or taken by another process); None where it cannot be seen."""
+    try:
+        record = json.loads(os.environ.get(ENV, ""))
+    except ValueError:
+        return None
+    mine = me()
+    if not isinstance(record, dict) or any(record.get(k) != mine[k] for k in ("host", "pid_ns")):
+        return None
+    pid = record.get("pid")
+    if not isinstance(pid, int) or _start_time(pid) != record.get("pid_start"):
+        return 0  # already gone (or its pid reused)
+    return pid
 
 
 RANK_WAIT_S = 10.0  # a `launcher submit` holds the lock until sbatch has answered

@@ -8,7 +8,19 @@ single process with no launcher at all.
 
 from __future__ import annotations
 
-import contextlib
+import signal
+
+EARLY_STOPS: list[int] = []
+"""Stop signals (Ctrl-C, a scheduler's SIGTERM) that came while this rank still imported
+torch (a second or two): Preemption.install takes them over, so a rank stopped at start-up
+ends cleanly too, not with a KeyboardInterrupt traceback. Its SIGUSR1 handler also tells
+the launcher that the rank now takes signals (preempt.listening). Only in a rank's own
+process: the watchdog imports this module again under its name."""
+if __name__ == "__main__":
+    for _sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(_sig, lambda signum, _frame: EARLY_STOPS.append(signum))
+
+import contextlib  # noqa: E402 (the handlers above first: these imports take the time)
 import hashlib
 import os
 import random
@@ -121,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     target = Path(argv[0]).resolve()
     run_dir = target if target.is_dir() else target.parent
     cfg = C.load_frozen(target)
-    preemption = Preemption().install()  # before anything slow: a signal now still stops cleanly
+    preemption = Preemption(run_dir).install(EARLY_STOPS)  # before anything slow: a signal now still stops cleanly
 
     _single_process_env()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import io
 import json
@@ -39,6 +40,13 @@ from launcher.untrusted import DEEPSPEED_GLOBALS
 # DeepSpeed 0.19 calls torch collectives torch 2.13 deprecates; one warning per rank per call
 # site, on every launch. Nothing the user can act on.
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+# Imported here, not in the engine: train.start imports this module before it takes its
+# memory baseline, and the modules DeepSpeed loads (its own; torch.distributed.tensor, which
+# it imports while it builds an engine: about 100 MB) are the process's, not the model's.
+deepspeed_env()  # DeepSpeed reads its accelerator when it is imported
+import deepspeed  # noqa: E402
+import torch.distributed.tensor  # noqa: E402,F401
 
 TAG = "ds"  # DeepSpeed's checkpoint tag: files go to engine/ds/
 META = "zero.json"  # world size and stage of a checkpoint, read before DeepSpeed loads it
@@ -75,11 +83,20 @@ def weights_only_loads():
 
 
 # ----------------------------------------------------------------------------- engine
+def cpu_info_once() -> None:
+    """DeepSpeedCPUAdam asks py-cpuinfo for the CPU's vendor each time one is built, and
+    each call runs a Python subprocess (1.2 s here). The answer cannot change within a
+    process: cached, so engines built after the first (scripts/measure_memory.py builds
+    dozens per process) do not pay it again."""
+    import cpuinfo
+
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+
+
 class ZeroEngine:
     def __init__(self, ctx: BuildContext):
-        deepspeed_env()
-        import deepspeed
-
+        cpu_info_once()
         cfg = ctx.cfg
         self.cfg, self.device, self.rank, self.world_size = cfg, ctx.device, ctx.rank, ctx.world_size
         self.config = ds_config.read(ctx.run_dir, ctx.world_size)
@@ -218,7 +235,6 @@ def consolidate(cfg, engine_dir: Path) -> dict[str, torch.Tensor]:
     """Full fp32 weights from the shards of every rank (DeepSpeed's zero_to_fp32), on one
     process without a process group. Stage 0 shards nothing: its model file holds the whole
     module (in bf16 runs, the bf16 weights)."""
-    deepspeed_env()
     if json.loads((engine_dir / META).read_text())["stage"] == 0:
         with weights_only_loads():
             state = torch.load(engine_dir / TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)

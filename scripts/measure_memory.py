@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import itertools
 import json
 import os
@@ -116,7 +115,6 @@ def measure_engine(cells: list, layout: planner.Layout, rank: int, world: int, d
         print(f"{layout.label} {cfg.precision.name.value}: {len(cells)} cells, built in {built - started:.1f} s, "
               f"measured in {time.perf_counter() - built:.1f} s", flush=True)
     del engine, net, runs
-    gc.collect()
     if cfg.recipe.strategy == Strategy.zero:
         unpatch_linear()
     return rows
@@ -139,7 +137,11 @@ def run(args, rank: int, world: int) -> list[dict]:
     the micro-batch shape at the first step); the other recipes take the micro-batches of
     a step as a list (Engine.train_step) and build the same engine."""
     device = local_device(int(os.environ.get("LOCAL_RANK", 0)))
-    scratch = Path(tempfile.mkdtemp(prefix="measure-"))
+    with tempfile.TemporaryDirectory(prefix="measure-") as scratch:  # each rank's ds_config.json
+        return _run(args, rank, world, device, Path(scratch))
+
+
+def _run(args, rank: int, world: int, device, scratch: Path) -> list[dict]:
     recipes = args.recipes.split(",") if args.recipes else sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
     precisions = args.precisions.split(",") if args.precisions else ["fp32", "bf16", "fp16"]
     rows = []

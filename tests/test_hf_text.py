@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -219,6 +220,8 @@ def test_ddp_hf_text_resumes_bit_identically_with_tensorboard_and_profile(tmp_pa
     again = launch(*common, run_dir=split)
     assert "reused" in again.stdout and "resumed from" in again.stdout and "at step 4" in again.stdout
     assert_same_training(straight, split, steps=8)
+    for proc in (first, again):  # no C++ warning (c10's "[W<date> ...]"): the profiler used to log one per rank
+        assert not re.search(r"\[W\d{4} ", proc.stdout + proc.stderr), proc.stdout + proc.stderr
     # Strict JSON (jq reads it): text has no known entropy floor, so the floor is null, not NaN.
     summary = json.loads((straight / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert summary["loss_floor"] is None and summary["final_loss"] > 0

@@ -14,6 +14,7 @@ line that needs a Slurm cluster is run by tests/test_slurm.py (ELSEWHERE)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -29,6 +30,12 @@ from launcher import cli
 README = REPO / "README.md"
 BIN = Path(sys.executable).parent  # the environment running the suite: `make test`'s .venv/bin
 STARTS = ("make ", ".venv/bin/", "cd RUN_DIR ", "RUN_DIR/")
+
+
+def shell_env() -> dict[str, str]:
+    """A user's shell, not the parent make of CI's `make test`: under MAKELEVEL a sub-make
+    prints "make[1]: Entering directory" on stdout, which the user never sees."""
+    return {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
 
 
 def readme_commands() -> list[str]:
@@ -101,7 +108,7 @@ def home(tmp_path_factory) -> Path:
     fields = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
     AutoModelForCausalLM.from_config(LlamaConfig(**fields)).save_pretrained(home / "tiny_llama")
     argv = launcher_argv(FIXTURE_LINE)
-    proc = subprocess.run([sys.executable, "-m", "launcher", *argv, *SHORT], cwd=home, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "launcher", *argv, *SHORT], cwd=home, env=shell_env(), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (home / CKPT / "manifest.json").is_file()
@@ -119,7 +126,7 @@ def launcher_argv(line: str, *more: str) -> list[str]:
         else:
             words[args] += " " + " ".join(more)
     proc = subprocess.run(["make", "-s", "-n", "-o", ".venv/.installed", *words[1:]], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+                          env=shell_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     command = proc.stdout.strip().splitlines()[-1]
     argv = shlex.split(command)
@@ -129,7 +136,7 @@ def launcher_argv(line: str, *more: str) -> list[str]:
 
 def shell(command: str, cwd: Path) -> subprocess.CompletedProcess:
     command = command.replace(".venv/bin/", f"{BIN}/").replace(" scripts/", f" {REPO}/scripts/")
-    return subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=300)
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=shell_env(), capture_output=True, text=True, timeout=300)
 
 
 # ----------------------------------------------------------------------------- the list
@@ -165,14 +172,14 @@ def run(command: str, home: Path, capsys) -> str:
         return in_process(launcher_argv(command), command, capsys)
     if "| jq" in command:  # make itself, to show it prints only what the program prints
         proc = subprocess.run(shlex.split(command.split(" | ")[0]) + [f"PY={sys.executable}", "-o", ".venv/.installed"],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
+                              cwd=REPO, env=shell_env(), capture_output=True, text=True, timeout=300)
     elif head == ["make", "test"]:  # this suite: make runs pytest over tests/, which holds this file
-        proc = subprocess.run(["make", "-s", "-n", "-o", ".venv/.installed", "test"], cwd=REPO, capture_output=True,
+        proc = subprocess.run(["make", "-s", "-n", "-o", ".venv/.installed", "test"], cwd=REPO, env=shell_env(), capture_output=True,
                               text=True, timeout=60)
         assert proc.stdout.split() == [".venv/bin/python", "-m", "pytest", "-q", "tests"], proc.stdout
         assert Path(__file__).parent == REPO / "tests"
     elif head[0] == "make":
-        proc = subprocess.run(shlex.split(command), cwd=REPO, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(shlex.split(command), cwd=REPO, env=shell_env(), capture_output=True, text=True, timeout=60)
     elif "/launcher train" in command:  # the console script, for its own exit code
         proc = shell(command.replace("; echo", " --dry-run; echo"), home)
     elif "wandb sync" in command:  # uploading needs the network: say what would be synced

@@ -16,22 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, REPO, launch, start, wait_for_step
+from conftest import FAST, REPO, launch, processes_of, start, wait_for_step
 from launcher import runlock
 from launcher.checkpoint import read_latest, run_of, verify
-
-
-def processes_of(run_dir: Path) -> list[int]:
-    """Pids whose command line names the run directory (the launcher, torchrun, the ranks)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
-            try:
-                if str(run_dir).encode() in (proc / "cmdline").read_bytes():
-                    pids.append(int(proc.name))
-            except OSError:
-                continue
-    return pids
 
 
 def test_a_lock_is_taken_over_only_from_a_launch_that_is_gone(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import wandb_file
-from conftest import REPO, assert_same_training, launch, read_metrics, token_file
+from conftest import REPO, assert_same_training, launch, processes_of, read_metrics, token_file
 from conftest import start as _start
 from conftest import wait_for_step as _wait_for_step
 from launcher import cli
@@ -213,6 +213,82 @@ def test_ctrl_c_saves_the_step_writes_the_summary_and_exits_130(tmp_path):
                                             f"directory again to resume.")
     for noise in ("Traceback", "KeyboardInterrupt", "SignalException", "ChildFailedError"):
         assert noise not in out, out[-3000:]
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
+def test_ctrl_c_before_the_ranks_start(tmp_path):
+    """Ctrl-C while the launcher imports: one line, nothing started, exit 130. Ctrl-C once
+    the run directory is written, while torchrun and the ranks start: the launcher hands it
+    to each rank as soon as it takes signals; they stop at once (nothing trained, nothing to
+    save), with no KeyboardInterrupt traceback from torchrun or a rank."""
+    import os
+    import signal
+    import time
+
+    def popen(run):
+        argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}", "optim.warmup_steps=5",
+                "logger=none", "checkpoint.every=1000"]
+        return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    proc = popen(tmp_path / "a")
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and out == "interrupted (Ctrl-C) before training started\n", out
+    assert not (tmp_path / "a").exists()
+
+    run = tmp_path / "b"
+    proc = popen(run)
+    deadline = time.monotonic() + 60
+    while not [pid for pid in processes_of(run) if b"launcher.train" in cmdline(pid)]:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # a rank has started: torch is still importing
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert json.loads((run / "preempted.json").read_text())["step"] is None
+    assert not (run / "checkpoints").exists() and not processes_of(run)
+    assert out.strip().splitlines()[-1] == ("interrupted (Ctrl-C) before the first step; no complete checkpoint yet. "
+                                            "Launch the same run directory again to resume."), out
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    """Ctrl-C, then Ctrl-C again while a rank is still inside its step (here stuck:
+    debug.fault=hang): the launcher says so, torchrun and every rank end within seconds
+    without saving and without tracebacks, the last checkpoint stays the newest and whole,
+    exit 130."""
+    import os
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}", "train.steps=200",
+            "optim.warmup_steps=5", "logger=none", "logger.log_every=1", "checkpoint.every=2",
+            "debug.fault=hang", "debug.fault_step=4", "debug.fault_rank=0"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    _wait_for_step(run, 3, proc)
+    time.sleep(1)  # rank 0 sleeps in step 4 for good
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(1.5)  # a repeat within a second is one Ctrl-C delivered twice (preempt.AGAIN_S)
+    os.killpg(proc.pid, signal.SIGINT)
+    t0 = time.monotonic()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.monotonic() - t0 < 30, out[-3000:]
+    assert "Ctrl-C again: stopping now" in out and "Traceback" not in out, out[-3000:]
+    assert not processes_of(run)
+    assert not (run / "preempted.json").exists()  # nothing saved on the way out
+    assert (run / "checkpoints" / "latest").read_text().splitlines()[0] == "step_00000002"
+    assert verify(run / "checkpoints" / "step_00000002") is None
+    assert not list((run / "checkpoints").glob("step_00000004*"))
 
 
 def _umask() -> int:

@@ -15,12 +15,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, launch, read_metrics, start, wait_for_step
+from conftest import REPO, launch, processes_of, read_metrics, start, wait_for_step
 from launcher import config as C
 from launcher.checkpoint import verify
 from launcher.preempt import EXIT_PREEMPTED
@@ -159,7 +160,8 @@ def test_export_of_zero_shards_gives_the_trained_model(fp32_runs, tmp_path):
 
 def test_offload_bf16_under_the_deepspeed_launcher_stops_and_resumes(tmp_path):
     """zero3_offload (optimizer and parameters in host memory, DeepSpeedCPUAdam), started by
-    `deepspeed`, SIGTERM: every rank saves, exit 75; the next launch (torchrun) finishes.
+    `deepspeed`, SIGTERM: every rank saves, exit 75; again, and SIGKILL of the launcher:
+    every rank saves and stops; the next launch (torchrun) finishes.
     The bf16 losses stay within BF16_REL of ddp's."""
     common = ["train.steps=20", "optim.warmup_steps=5", "logger=none", "logger.log_every=1", "checkpoint.every=0"]
     launch("recipe=ddp", *common, run_dir=tmp_path / "ddp")
@@ -176,8 +178,22 @@ def test_offload_bf16_under_the_deepspeed_launcher_stops_and_resumes(tmp_path):
     ds = json.loads((run / "ds_config.json").read_text())["zero_optimization"]
     assert ds["offload_optimizer"]["device"] == ds["offload_param"]["device"] == "cpu"
 
+    # SIGKILL of the launcher: DeepSpeed's launch.py would keep the ranks training; they
+    # watch the launcher themselves and stop as on SIGTERM (save, preempted.json).
+    proc = start(run, "recipe=zero3_offload", "cluster.runner=deepspeed", *common)
+    wait_for_step(run, marker["step"] + 1, proc, timeout=300)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while processes_of(run) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not processes_of(run), "ranks still running after their launcher was killed"
+    killed = json.loads((run / "preempted.json").read_text())
+    assert marker["step"] < killed["step"] < 20 and killed["signal"] == "SIGTERM", killed
+    assert (run / "checkpoints" / "latest").read_text().splitlines()[0] == f"step_{killed['step']:08d}"
+
     proc2 = launch("recipe=zero3_offload", *common, run_dir=run)  # runner=torchrun this time
-    assert f"at step {marker['step']}" in proc2.stdout
+    assert f"at step {killed['step']}" in proc2.stdout
     rows, ddp = read_metrics(run), read_metrics(tmp_path / "ddp")
     assert [r["step"] for r in rows] == list(range(1, 21))
     worst = max(rel(z["loss"], d["loss"]) for z, d in zip(rows, ddp))

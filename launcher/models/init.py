@@ -31,12 +31,12 @@ import contextlib
 import hashlib
 import math
 import resource
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 BLOCK = 1 << 18
 """Elements drawn per generator call (1 MiB in fp32): the memory init needs beyond the
@@ -53,12 +53,19 @@ class InitSpec:
 
 
 # ----------------------------------------------------------------------------- where a rank's part lies
+def is_dtensor(t: torch.Tensor) -> bool:
+    """No tensor is a DTensor unless torch.distributed.tensor was imported (by FSDP, TP,
+    DCP): the launch side and a ddp or ZeRO rank never import it (0.7 s of start-up each)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
 def local_part(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[tuple[int, int], ...] | None,
                                          tuple[int, int] | None]:
     """(the tensor this rank writes, the full shape, its box in the full tensor or None,
     its flat range in the full tensor or None). A DTensor (FSDP, TP, both) owns a box; a
     ZeRO-3 parameter owns a flat range of its padded partition; anything else is whole."""
-    if isinstance(p, DTensor):
+    if is_dtensor(p):
         shape = tuple(p.shape)
         box = dtensor_box(shape, p.device_mesh, p.placements)
         local = p._local_tensor
