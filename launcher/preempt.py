@@ -161,8 +161,8 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
     the child has exited, the ranks still saving are waited for (at most drain_s). For a
     launcher that dies on a signal instead of waiting for its ranks (DeepSpeed's)."""
     clear_markers(run_dir)
-    proc = subprocess.Popen(argv, env=env, start_new_session=True,
-                            preexec_fn=functools.partial(stop_with_parent, os.getpid()))
+    proc: subprocess.Popen | None = None
+    early: list[int] = []  # signals that came before torchrun was started: handed on once it is
     interrupts: list[float] = []
     handed: set[int] = set()  # the ranks that have the Ctrl-C
 
@@ -176,6 +176,9 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
                 handed.add(pid)
 
     def send(sig, _frame):
+        if proc is None:
+            early.append(sig)
+            return
         if sig == signal.SIGINT:
             interrupts.append(time.monotonic())
             print("Ctrl-C: the ranks finish this step, save and stop (Ctrl-C again to stop at once)"
@@ -193,6 +196,10 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
     forward = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
     previous = {sig: signal.signal(sig, send) for sig in forward}
     try:
+        proc = subprocess.Popen(argv, env=env, start_new_session=True,
+                                preexec_fn=functools.partial(stop_with_parent, os.getpid()))
+        for sig in early:
+            send(sig, None)
         while True:
             try:
                 rc = proc.wait(timeout=0.5)
@@ -236,7 +243,8 @@ def listening(pid: int) -> bool:
     except OSError:
         return False
     caught = int(status.split("SigCgt:", 1)[1].split()[0], 16) if "SigCgt:" in status else 0
-    return b"launcher.train" in cmdline and bool(caught >> (signal.SIGUSR1 - 1) & 1)
+    rank = b"launcher.train" in cmdline and b"torch.distributed.run" not in cmdline  # torchrun names the module too
+    return rank and bool(caught >> (signal.SIGUSR1 - 1) & 1)
 
 
 def children(pid: int) -> list[int]:

@@ -57,6 +57,7 @@ CASES = [
     (["logger.log_every=0"], ["logger.log_every=0"]),
     (["train.stop_at=500"], ["train.stop_at=500", "train.steps=200"]),
     (["hydra.run.dir=/proc/launcher-test"], ["hydra.run.dir=/proc/launcher-test", "cannot write"]),
+    (["checkpoint.dir=/proc/launcher-ckpt"], ["checkpoint.dir=/proc/launcher-ckpt", "cannot write"]),
     (["train.steps=[1"], ["train.steps=[1"]),
     (["--bogus"], ["--bogus", "--dry-run"]),
     # Slurm submission and multi-node

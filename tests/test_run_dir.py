@@ -67,10 +67,13 @@ def test_one_launch_per_run_dir_and_no_orphans_after_sigkill(tmp_path):
     # torchrun typed by hand gets as far as rank 0, which refuses before writing anything.
     script = subprocess.run([str(run / "command.sh")], capture_output=True, text=True, timeout=60)
     assert script.returncode == 2 and script.stderr.startswith("error: ") and "is in use by the launch" in script.stderr
+    assert len(script.stderr.strip().splitlines()) == 1, script.stderr
     metrics = (run / "metrics.jsonl").read_bytes()
+    t0 = time.monotonic()  # rank 0 refuses after waiting RANK_WAIT_S; rank 1, blocked joining it, stops at once
     by_hand = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                               "-m", "launcher.train", str(run)], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert by_hand.returncode != 0 and f"error: {run} is in use by the launch" in by_hand.stderr, by_hand.stderr[-3000:]
+    assert time.monotonic() - t0 < runlock.RANK_WAIT_S + 20, "torchrun waited for a rank that could not start"
     assert (run / "metrics.jsonl").read_bytes()[:len(metrics)] == metrics and (run / "config.yaml").read_bytes() == config
 
     os.kill(first.pid, signal.SIGKILL)  # the launcher only: torchrun and the ranks are its children

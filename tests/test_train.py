@@ -206,7 +206,8 @@ def test_ctrl_c_saves_the_step_writes_the_summary_and_exits_130(tmp_path):
     assert marker["signal"] == "SIGINT" and 3 <= step < 200
     assert verify(run / "checkpoints" / f"step_{step:08d}") is None
     assert read_metrics(run)[-1]["step"] == step
-    assert json.loads((run / "summary.json").read_text())["preempted"] == 1
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["preempted"] == 1 and summary["weights_digest_per_rank"] is None  # not read on the way out
     assert "Ctrl-C: the ranks finish this step, save and stop (Ctrl-C again to stop at once)" in out
     assert out.strip().splitlines()[-1] == (f"interrupted (Ctrl-C) after step {step}; checkpoint "
                                             f"{run / 'checkpoints' / f'step_{step:08d}'}. Launch the same run "
@@ -215,11 +216,16 @@ def test_ctrl_c_saves_the_step_writes_the_summary_and_exits_130(tmp_path):
         assert noise not in out, out[-3000:]
 
 
-def cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:  # gone meanwhile
-        return b""
+def rank_started(run: Path) -> bool:
+    """A rank process of this run exists (not torchrun, whose command line names the module too)."""
+    for pid in processes_of(run):
+        try:
+            line = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+        if b"launcher.train" in line and b"torch.distributed.run" not in line:
+            return True
+    return False
 
 
 def test_ctrl_c_before_the_ranks_start(tmp_path):
@@ -247,7 +253,7 @@ def test_ctrl_c_before_the_ranks_start(tmp_path):
     run = tmp_path / "b"
     proc = popen(run)
     deadline = time.monotonic() + 60
-    while not [pid for pid in processes_of(run) if b"launcher.train" in cmdline(pid)]:
+    while not rank_started(run):
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)  # a rank has started: torch is still importing
@@ -258,6 +264,31 @@ def test_ctrl_c_before_the_ranks_start(tmp_path):
     assert not (run / "checkpoints").exists() and not processes_of(run)
     assert out.strip().splitlines()[-1] == ("interrupted (Ctrl-C) before the first step; no complete checkpoint yet. "
                                             "Launch the same run directory again to resume."), out
+
+
+def test_a_stop_signal_before_the_first_step_stops_at_once(tmp_path):
+    """SIGTERM (a scheduler) while the ranks start: they end at once, nothing to save;
+    rank 0 leaves preempted.json without a step (a warned Slurm job requeues on it); exit 75."""
+    import os
+    import signal
+    import time
+
+    from launcher.preempt import listening
+
+    run = tmp_path / "run"
+    proc = _start(run, "optim.warmup_steps=5", "logger=none")
+    deadline = time.monotonic() + 60
+    while len([pid for pid in processes_of(run) if listening(pid)]) < 2:  # both ranks take signals (torch imports)
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 75, out[-3000:]
+    marker = json.loads((run / "preempted.json").read_text())
+    assert marker["step"] is None and marker["signal"] == "SIGTERM", marker
+    assert not (run / "checkpoints").exists() and not processes_of(run)
+    assert out.strip().splitlines()[-1] == ("preempted by SIGTERM before the first step; no complete checkpoint "
+                                            "yet. Launch the same run directory again to resume."), out[-3000:]
 
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path):
