@@ -4,12 +4,9 @@ each with real processes. docs/reliability.md reports these tests' figures."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
