@@ -11,10 +11,11 @@ def entry() -> int:
     pressed: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
     from launcher.cli import main
+    from launcher.exits import EXIT_INTERRUPTED
 
     if pressed:
         print("interrupted (Ctrl-C) before training started", file=sys.stderr)
-        return 130  # launcher.exits.EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED
     signal.signal(signal.SIGINT, signal.default_int_handler)  # main() turns it into one line
     return main()
 

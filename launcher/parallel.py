@@ -70,8 +70,6 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, cfg: C.Config, device_t
 
 
 # ----------------------------------------------------------------------------- gradients
-
-
 def allreduce_grads(params, group: dist.ProcessGroup, size: int, bucket_bytes: int = 25 << 20) -> None:
     """Average gradients over data-parallel replicas (recipes that replicate rather than
     shard: tp and pp across their groups), in flat buckets after backward. Unlike DDP it

@@ -81,11 +81,10 @@ class Preemption:
         """Exit now, as the loop would after a stop (0 after Ctrl-C, EXIT_PREEMPTED after
         a scheduler's signal); rank 0 leaves preempted.json without a step, so the launcher
         explains it and a warned Slurm job requeues."""
+        self.signal = signum
         if os.environ.get("RANK", "0") == "0" and self.run_dir is not None:
             with contextlib.suppress(OSError):
-                (self.run_dir / MARKER).write_text(json.dumps(
-                    {"step": None, "signal": signal.Signals(signum).name, "checkpoint": None,
-                     "time": time.time()}) + "\n")
+                self.write_marker(self.run_dir, None, None)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0 if signum == signal.SIGINT else EXIT_PREEMPTED)
@@ -137,10 +136,11 @@ class Preemption:
             self.signal, self.since = int(flag.item()), time.monotonic()
         return bool(flag.item())
 
-    def write_marker(self, run_dir: Path, step: int, checkpoint: Path | None) -> None:
+    def write_marker(self, run_dir: Path, step: int | None, checkpoint: Path | None) -> None:
+        """preempted.json; no step (and no checkpoint) when the stop came before the first step."""
         name = signal.Signals(self.signal).name if self.signal else "unknown"
-        (run_dir / MARKER).write_text(json.dumps({"step": step, "signal": name, "checkpoint": str(checkpoint),
-                                                  "time": time.time()}) + "\n")
+        (run_dir / MARKER).write_text(json.dumps({"step": step, "signal": name, "time": time.time(),
+                                                  "checkpoint": str(checkpoint) if checkpoint else None}) + "\n")
 
 
 def clear_markers(run_dir: Path) -> None:
@@ -167,13 +167,15 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
     handed: set[int] = set()  # the ranks that have the Ctrl-C
 
     def hand_over() -> None:
-        """The Ctrl-C to every rank that takes signals by now; the wait below hands it to
-        the others (still starting, or started later) as they come to take it."""
-        for pid in children(proc.pid):
-            if pid not in handed and listening(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGINT)
-                handed.add(pid)
+        """The Ctrl-C to each rank as soon as it takes signals (one still starting, or
+        started later by a restart), until torchrun ends: a thread, from the first Ctrl-C."""
+        while proc.poll() is None:
+            for pid in children(proc.pid):
+                if pid not in handed and listening(pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGINT)
+                    handed.add(pid)
+            time.sleep(0.2)
 
     def send(sig, _frame):
         if proc is None:
@@ -189,7 +191,7 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, sig)
         elif sig == signal.SIGINT:  # never to torchrun: it would stop the ranks with tracebacks
-            hand_over()
+            threading.Thread(target=hand_over, name="hand-over-ctrl-c", daemon=True).start()
         else:
             proc.send_signal(sig)  # torchrun passes it on
 
@@ -200,13 +202,7 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
                                 preexec_fn=functools.partial(stop_with_parent, os.getpid()))
         for sig in early:
             send(sig, None)
-        while True:
-            try:
-                rc = proc.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                if len(interrupts) == 1 and not own_group:
-                    hand_over()
+        rc = proc.wait()
         if own_group:
             _wait_for_group(proc.pid, drain_s)
     finally:
