@@ -14,6 +14,14 @@ digests the same way, each rank its share. A crash at any point leaves the previ
 `latest` that names it; a leftover `.tmp` folder is never read and is cleaned up on the
 next save. Loading uses `weights_only=True` everywhere.
 
+checkpoint.async_save: the save stops training only while each rank copies its state into
+host memory (`Engine.save(path, staging)`: DCP's async_save and stager for the DCP recipes,
+a staged copy of DeepSpeed's and ddp's files); a thread per rank then writes the files, hashes
+them and publishes the checkpoint exactly as above, its collectives on a gloo group of
+their own. At most one save is in flight: the next save, a stop and the end of the run
+wait for it (`wait`). A kill while it writes leaves a `.tmp` folder, never read, and the
+previous checkpoint and `latest` as they were.
+
 Every checkpoint names the run it belongs to (checkpoint.run_id, set by the launcher):
 resume=auto takes the newest whole checkpoint of this run, keep-K deletes only this run's.
 The launch side sees to it that a folder holds one run's checkpoints (launcher/identity.py).
@@ -27,9 +35,11 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -229,10 +239,11 @@ def first_whole(folders: list[Path], check, say: bool = True) -> Path | None:
 
 
 def lock_folders(cfg, run_dir: Path) -> list[Path]:
-    """What one launch locks (launcher/runlock.py): the run directory, and checkpoint.dir
-    when it lies elsewhere."""
+    """What one launch locks (launcher/runlock.py): the run directory and the checkpoint
+    folder, also RUN_DIR/checkpoints: a run whose checkpoint.dir names another live run's
+    checkpoint folder is refused like a second launch into that run's directory."""
     root = root_of(cfg, run_dir)
-    return [run_dir] + ([root] if not root.resolve().is_relative_to(Path(run_dir).resolve()) else [])
+    return [run_dir] + ([root] if Path(root).resolve() != Path(run_dir).resolve() else [])
 
 
 def rng_state() -> dict:
@@ -253,12 +264,19 @@ class Checkpointer:
     """Owns CKPT_DIR for one job. Every method is called on every rank."""
 
     def __init__(self, root: Path, keep: int, rank: int, world_size: int, debug=None, run_id: str | None = None,
-                 about: dict | None = None):
+                 about: dict | None = None, async_save: bool = False, timeout: timedelta | None = None):
         self.root, self.keep, self.rank, self.world_size = root, keep, rank, world_size
         self.run_id = run_id
         self.about = about  # rank 0: the model that writes (launcher/fit.py::describe), into every manifest
         self.debug = debug  # fault injection points (launcher/faults.py); None in real runs
         self.timing: dict[str, float] = {}  # the last save's phases, seconds (rank 0's view)
+        # checkpoint.async_save: the background writes' collectives run on a group of their
+        # own (collectives of two threads on one group could pair up wrongly), with the job's
+        # collective timeout; made here, on every rank at the same point.
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
+        self.pending: tuple[int, threading.Thread] | None = None  # the step being written, its writer
+        self.failure: BaseException | None = None  # what stopped the background write
+        self._stager = None  # the host buffers of async saves (`stager`), reused save after save
 
     def _fault(self, point: str, step: int) -> None:
         from launcher.config import FaultPoint
@@ -267,6 +285,10 @@ class Checkpointer:
         strike(self.debug, FaultPoint(point), step, self.rank)
 
     def save(self, step: int, samples_seen: int, engine) -> Path:
+        """Write checkpoint `step`; return its final folder. Without async_save it is
+        published when this returns; with it, the files are written and the folder published
+        in the background (`wait`, `done`), and `timing` holds the stall alone."""
+        self.wait()
         final = self.root / step_name(step)
         tmp = self.root / (step_name(step) + ".tmp")
         if self.rank == 0:
@@ -277,14 +299,34 @@ class Checkpointer:
             (tmp / "trainer").mkdir()
         dist.barrier()
         t0 = time.perf_counter()
-        engine.save(tmp / "engine")
-        torch.save({"step": step, "samples_seen": samples_seen, "world_size": self.world_size, "rng": rng_state()},
-                   tmp / "trainer" / f"rank_{self.rank:05d}.pt")
-        dist.barrier()
+        write = engine.save(tmp / "engine", self if self.group is not None else None)
+        trainer = {"step": step, "samples_seen": samples_seen, "world_size": self.world_size, "rng": rng_state()}
+        mine = tmp / "trainer" / f"rank_{self.rank:05d}.pt"
+        if self.group is None:
+            torch.save(trainer, mine)
+            dist.barrier()
+            self.timing = {"write_s": time.perf_counter() - t0, **self._publish(step, tmp, final, None)}
+            return final
+        self.timing = {"stage_s": time.perf_counter() - t0}
+
+        def write_all() -> None:  # the RNG states are copies already
+            write()
+            torch.save(trainer, mine)
+
+        writer = threading.Thread(target=self._background, args=(step, tmp, final, write_all), daemon=True,
+                                  name=f"checkpoint-{step}")
+        self.pending = (step, writer)
+        writer.start()
+        return final
+
+    def _publish(self, step: int, tmp: Path, final: Path, group) -> dict[str, float]:
+        """Every rank hashes and fsyncs its files (at once), rank 0 gathers the digests into
+        the manifest, renames the folder into place, replaces `latest` and deletes all but the
+        newest `keep`. Returns the phases' seconds."""
         t1 = time.perf_counter()
         mine = digests(tmp, self.rank, self.world_size)  # every rank its own files, at once
         known: list[dict] | None = [{}] * self.world_size if self.rank == 0 else None
-        dist.gather_object(mine, known, dst=0)
+        dist.gather_object(mine, known, dst=0, group=group)
         t2 = time.perf_counter()
         self._fault("save_engine_written", step)
         if self.rank == 0:
@@ -305,9 +347,78 @@ class Checkpointer:
             self._fault("save_latest_written", step)
             for old in complete_checkpoints(self.root, self.run_id or "")[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
-        dist.barrier()
-        self.timing = {"write_s": t1 - t0, "digests_s": t2 - t1, "publish_s": time.perf_counter() - t2}
-        return final
+        dist.barrier(group=group)
+        return {"digests_s": t2 - t1, "publish_s": time.perf_counter() - t2}
+
+    def _background(self, step: int, tmp: Path, final: Path, write) -> None:
+        """The writer thread of an async save: the staged files, then _publish on the
+        checkpoint's own group. A failure is kept for `wait` to raise on the main thread."""
+        t0 = time.perf_counter()
+        try:
+            self._fault("save_staged", step)
+            if self.debug is not None and self.debug.async_save_delay_s:
+                time.sleep(self.debug.async_save_delay_s)
+            write()
+            dist.barrier(group=self.group)  # every rank's files are on disk
+            self.timing = {**self.timing, "write_s": time.perf_counter() - t0,
+                           **self._publish(step, tmp, final, self.group)}
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread as it is
+            self.failure = err
+
+    def done(self) -> int | None:
+        """The step of an async save this rank has finished since the last call (rank 0:
+        then it is published), else None. No communication: any rank may ask at any time."""
+        if self.pending is None or self.pending[1].is_alive():
+            return None
+        step = self.pending[0]
+        self.wait()
+        return step
+
+    def wait(self) -> int | None:
+        """Block until the async save in flight (if any) is published; its step, or None
+        when none was in flight. Raises what stopped it (the loop treats it as a failed save
+        of that step)."""
+        if self.pending is None:
+            return None
+        step, writer = self.pending
+        writer.join()
+        self.pending = None
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
+        return step
+
+    def stager(self):
+        """What copies an async save's state into host memory (pinned on CUDA) before
+        training goes on: DCP's stager. It keeps its buffers and the next save copies into
+        them (host memory: this rank's share of the checkpoint, for the life of the run)."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+        return self._stager
+
+    def warm(self, engine) -> tuple[int, float] | None:
+        """checkpoint.async_save: the engine stages its state once now (`Engine.warm`), so
+        the host buffers exist before the first save; (their bytes, seconds), None without
+        async saves."""
+        if self.group is None:
+            return None
+        t0 = time.perf_counter()
+        copy = engine.warm(self)
+        seen, total = set(), 0
+        for leaf in torch.utils._pytree.tree_leaves(copy):
+            storage = getattr(leaf, "_local_tensor", leaf).untyped_storage() if torch.is_tensor(leaf) else None
+            if storage is not None and storage.data_ptr() not in seen:  # a DTensor: its local shard's
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total, time.perf_counter() - t0
+
+    def staged(self, state):
+        """A host copy of `state` (any nesting of tensors and Python objects): `stager`."""
+        return self.stager().stage(state)
 
     def discard_partial(self, step: int) -> None:
         """After a failed save: remove its temporary folder (best effort, rank 0)."""

@@ -413,14 +413,15 @@ def cmd_train(overrides: list[str], multirun: bool) -> int:
         created = not run_dir.exists()
         with contextlib.ExitStack() as held:
             owner = cfg.cluster.node_rank == 0  # the other nodes of a launch by hand share node 0's directory
-            if owner:  # the run directory, and a checkpoint.dir elsewhere: one writer there too
-                for folder in lock_folders(cfg, run_dir):
-                    held.enter_context(runlock.hold(folder))
-                runlock.check_free(run_dir)  # a Slurm job queued for it would start into this run
             try:
+                if owner:  # the run directory and the checkpoint folder: one writer in each
+                    for folder in lock_folders(cfg, run_dir):
+                        held.enter_context(runlock.hold(folder))
+                    runlock.check_free(run_dir)  # a Slurm job queued for it would start into this run
                 rc = max(rc, launch_job(cfg, run_dir, plan, files, choice, overrides))
-            except C.ConfigError:  # refused while preparing, before any rank started: leave no trace
+            except (C.ConfigError, runlock.Held):  # refused before any rank started: leave no trace
                 if created and owner:
+                    held.close()
                     shutil.rmtree(run_dir, ignore_errors=True)
                 raise
     return rc

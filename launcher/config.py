@@ -451,6 +451,16 @@ class CheckpointConfig:
     """Where checkpoints go (null = RUN_DIR/checkpoints)."""
     save_final: bool = True
     """Save at the last step even when it is not a multiple of `every`."""
+    async_save: bool = False
+    """Write checkpoints in the background: training stops only while each rank copies its
+    state into host memory (pinned on CUDA; for zero*, DeepSpeed's own save bookkeeping
+    too), then goes on while a thread writes, hashes and
+    publishes it (DCP's async_save for fsdp/tp/tp_fsdp/pp; a staged copy of DeepSpeed's and
+    ddp's files). Costs host memory, this rank's share of the checkpoint, for the life of
+    the run; at most one save is in flight (the next one, a stop signal and the end of the
+    run wait for it: cluster.shutdown_timeout_s must cover the rest of it plus one save).
+    The guarantees are the same: a kill while it writes leaves the previous checkpoint and
+    `latest` whole."""
     on_existing: OnExisting = OnExisting.refuse
     """A fresh start (resume=never, or resume= a checkpoint other than the folder's newest)
     where the checkpoint folder already holds a run's checkpoints. refuse (exit 2): two runs
@@ -508,7 +518,8 @@ class ClusterConfig:
     resumes from the latest checkpoint."""
     shutdown_timeout_s: int = 300
     """After a stop signal (SIGTERM, SIGUSR1) the ranks finish the step and save; torchrun
-    kills them after this long. Must cover one step plus one checkpoint save."""
+    kills them after this long. Must cover one step plus one checkpoint save (with
+    checkpoint.async_save: plus what is left of a save still being written)."""
     cpu_threads: Optional[int] = None
     """Threads per rank on CPU (null: cores / processes, at least 1)."""
     gpu_memory_gb: Optional[float] = None
@@ -629,6 +640,10 @@ class DistConfig:
 class FaultPoint(str, enum.Enum):
     """Where `debug.fault` strikes (reliability tests; never set it for real training)."""
 
+    save_staged = "save_staged"
+    """checkpoint.async_save: SIGKILL of the rank from its writer thread, after the state
+    was staged and training went on, before that thread writes (DCP's own writer may have
+    begun)."""
     save_engine_written = "save_engine_written"
     """SIGKILL after every rank wrote its part of the checkpoint, before the manifest."""
     save_manifest_written = "save_manifest_written"
@@ -651,6 +666,10 @@ class DebugConfig:
     """The step at (or during whose checkpoint save) the fault strikes."""
     fault_rank: int = 0
     """The global rank it strikes."""
+    async_save_delay_s: float = 0.0
+    """checkpoint.async_save: each rank's writer thread waits this long before it writes,
+    while training goes on (a staged copy that still shared the live tensors would then be
+    written changed; tests)."""
     startup_digest: bool = False
     """Add summary.json's startup.weights_digest: sha256 of the consolidated fp32 weights
     when the engine is ready (step 0), equal at every layout for one train.seed. Gathers the
@@ -980,6 +999,8 @@ def validate(cfg: Config, host) -> None:
         steps = list(cfg.profile.steps)
         if len(steps) != 2 or not 1 <= steps[0] <= steps[1] <= t.steps:
             raise ConfigError("profile.steps", steps, f"[first, last] with 1 <= first <= last <= train.steps={t.steps}")
+
+    _positive("debug.async_save_delay_s", cfg.debug.async_save_delay_s, zero_ok=True)
 
     # cluster
     c = cfg.cluster

@@ -19,6 +19,7 @@ as `tok_embeddings.weight`, whichever rank holds it under which name.
 
 from __future__ import annotations
 
+import copy
 import pickle
 import warnings
 from pathlib import Path
@@ -67,12 +68,37 @@ def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer, tied: tuple[str
     return model_sd, optim_sd, saved
 
 
-def save(path: Path, model: nn.Module, optimizer, scheduler, tied: tuple[str, str] | None, rank: int) -> None:
-    """Called on every rank. `tied`: Layout.tied_names() of the model."""
+def save(path: Path, model: nn.Module, optimizer, scheduler, tied: tuple[str, str] | None, rank: int,
+         staging=None):
+    """Called on every rank. `tied`: Layout.tied_names() of the model. With `staging` (the
+    Checkpointer of a checkpoint.async_save): DCP's async_save copies this rank's shards
+    into host memory and writes them on a thread of its own, its collectives on the
+    checkpointer's group; returns what finishes the save (the writer thread calls it)."""
     _, _, saved = _tensors(model, optimizer, tied)
-    dcp.save(saved, checkpoint_id=str(path))
-    if rank == 0:
-        torch.save({"scheduler": scheduler.state_dict()}, path / "scheduler.pt")
+    schedule = {"scheduler": copy.deepcopy(scheduler.state_dict())}
+    if staging is None:
+        dcp.save(saved, checkpoint_id=str(path))
+        written = None
+    else:
+        written = dcp.async_save(saved, checkpoint_id=str(path), process_group=staging.group,
+                                 async_stager=staging.stager())
+
+    def finish() -> None:
+        if written is not None:
+            written.result()
+        if rank == 0:
+            torch.save(schedule, path / "scheduler.pt")
+
+    if staging is None:
+        finish()
+        return None
+    return finish
+
+
+def warm(model: nn.Module, optimizer, tied: tuple[str, str] | None, staging):
+    """checkpoint.async_save: what async_save stages, staged once at start-up into the same
+    stager (whose buffers every save then reuses: the first save's stall is the steady one)."""
+    return staging.stager().stage(_tensors(model, optimizer, tied)[2])
 
 
 def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config) -> None:

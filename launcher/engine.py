@@ -90,9 +90,17 @@ class Engine(Protocol):
 
     def lr(self) -> float: ...
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, staging=None):
         """Write this rank's part of the model and optimizer state under `path` (a folder
-        every rank can see). Called on every rank."""
+        every rank can see). Called on every rank. With `staging` (the Checkpointer of an
+        async save, checkpoint.async_save): copy that state into host memory
+        (`staging.staged`; collectives, if any, on the default group as in a plain save) and
+        return a function that writes it; the checkpointer's writer thread calls it while
+        training goes on (collectives there only on `staging.group`)."""
+
+    def warm(self, staging):
+        """checkpoint.async_save, at start-up: stage what save(path, staging) will stage (or
+        its bulk) once, so its host buffers exist before the first save; returns the copy."""
 
     def load(self, path: Path) -> None: ...
 

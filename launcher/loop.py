@@ -3,6 +3,7 @@ how micro-batches become an optimizer step, the loop decides when to log and sav
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -121,6 +122,13 @@ def run(job: Job) -> int:
             raise
         step += 1
         profiler.end(step)
+        if step == first_step + 1 and ckpt.group is not None:
+            # After the first step, when the optimizer's state exists (staging it before
+            # would have DCP initialise it with a step of its own); out of the step times.
+            warmed = ckpt.warm(engine)
+            log.print(f"checkpoint.async_save: {warmed[0] / 2**20:,.0f} MiB of host memory staged in "
+                      f"{warmed[1]:.1f} s on rank 0 (each save copies into it, then writes in the background)")
+            meter.start += warmed[1]
         samples_seen += global_batch
         meter.steps += 1
         watchdog.progress(step)
@@ -137,22 +145,23 @@ def run(job: Job) -> int:
                 metrics["loss_scale"] = result.loss_scale
             log.log(metrics)
 
+        if ckpt.pending is not None and not settle(ckpt, watchdog, job, log, block=False):
+            return EXIT_CHECKPOINT_FAILED  # an async save failed in the background
         every = cfg.checkpoint.every
         stopping_early = step == last < cfg.train.steps
         if (every and step % every == 0) or stopping_early or (step == last and cfg.checkpoint.save_final):
-            saved_at = save(ckpt, step, samples_seen, engine, watchdog, job)
+            saved_at = save(ckpt, step, samples_seen, engine, watchdog, job, log)
             if saved_at is None:
                 return EXIT_CHECKPOINT_FAILED
-            t = ckpt.timing
-            log.print(f"checkpoint {saved_at} (write {t['write_s']:.1f} s, digests {t['digests_s']:.1f} s, "
-                      f"publish {t['publish_s']:.1f} s)")
             meter.start = time.perf_counter()  # keep save time out of the step time
 
         if job.preemption.requested():  # every rank agrees, so all stop after this step
             if saved_at is None or saved_at.name != step_name(step):
-                saved_at = save(ckpt, step, samples_seen, engine, watchdog, job)
+                saved_at = save(ckpt, step, samples_seen, engine, watchdog, job, log)
                 if saved_at is None:
                     return EXIT_CHECKPOINT_FAILED
+            if not settle(ckpt, watchdog, job, log):  # the marker names a published checkpoint
+                return EXIT_CHECKPOINT_FAILED
             if job.rank == 0:
                 job.preemption.write_marker(job.run_dir, step, saved_at)
             # No rank leaves before the marker exists: under Slurm the first node to exit
@@ -164,6 +173,8 @@ def run(job: Job) -> int:
             break
 
     # ------------------------------------------------------------------ summary
+    if not settle(ckpt, watchdog, job, log):  # the last async save, published before the run ends
+        return EXIT_CHECKPOINT_FAILED
     watchdog.stop()
     profiler.finish()  # stopped inside the window (preempted, train.stop_at): keep what was recorded
     summary = summarize(job, log.history, step - first_step, digest=not preempted)
@@ -174,28 +185,62 @@ def run(job: Job) -> int:
     return EXIT_PREEMPTED if preempted and not job.preemption.interrupted else 0
 
 
-def save(ckpt: Checkpointer, step: int, samples_seen: int, engine, watchdog: Watchdog, job: Job) -> Path | None:
-    """A checkpoint, or None when it could not be written (disk full, folder gone): the
-    rank says so, leaves RUN_DIR/checkpoint_failed.json, and the run stops; the last
-    complete checkpoint stays as it was."""
+def save(ckpt: Checkpointer, step: int, samples_seen: int, engine, watchdog: Watchdog, job: Job,
+         log: RankZeroLogger) -> Path | None:
+    """A checkpoint (with checkpoint.async_save: staged, and written in the background), or
+    None when it could not be written (disk full, folder gone): `failed`."""
+    if not settle(ckpt, watchdog, job, log):  # the save before it, if still in flight
+        return None
     try:
         with watchdog.paused():
-            return ckpt.save(step, samples_seen, engine)
-    except (OSError, RuntimeError) as err:
-        if not is_write_failure(err):
-            raise
-        cause = write_failure_cause(err, ckpt.root)
-        last = (whole(ckpt.root, ckpt.run_id) or [None])[-1]
-        message = (f"checkpoint at step {step} could not be written on rank {job.rank}: {cause}; stopping. "
-                   f"The last complete checkpoint, {last or 'none'}, is untouched.")
-        print(message, file=sys.stderr, flush=True)
-        ckpt.discard_partial(step)
-        try:  # the launcher reads it; on a full disk it may stay empty, and the launcher copes
-            (job.run_dir / CHECKPOINT_FAILED_MARKER).write_text(json.dumps({"message": message, "cause": cause}) + "\n")
-        except OSError:
-            pass  # the run directory may be on the same full disk: the message above stands
-        watchdog.stop()
-        return None
+            saved = ckpt.save(step, samples_seen, engine)
+    except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        return failed(err, step, ckpt, watchdog, job)
+    t = ckpt.timing
+    if ckpt.pending is None:
+        log.print(f"checkpoint {saved} (write {t['write_s']:.1f} s, digests {t['digests_s']:.1f} s, "
+                  f"publish {t['publish_s']:.1f} s)")
+    else:
+        log.print(f"checkpoint {saved}: staged in {t['stage_s']:.1f} s, writing in the background")
+    return saved
+
+
+def settle(ckpt: Checkpointer, watchdog: Watchdog, job: Job, log: RankZeroLogger, block: bool = True) -> bool:
+    """The async save in flight, if any: wait for it (`block`) or only look whether it is
+    done; rank 0 says when it is published. False when it failed (`failed` said why)."""
+    step = ckpt.pending[0] if ckpt.pending is not None else None
+    try:
+        with watchdog.paused() if block else contextlib.nullcontext():
+            finished = ckpt.wait() if block else ckpt.done()
+    except BaseException as err:  # noqa: BLE001 - as in save()
+        failed(err, step, ckpt, watchdog, job)
+        return False
+    if finished is not None:
+        t = ckpt.timing
+        log.print(f"checkpoint {ckpt.root / step_name(finished)} written in the background (write {t['write_s']:.1f} s, "
+                  f"digests {t['digests_s']:.1f} s, publish {t['publish_s']:.1f} s)")
+    return True
+
+
+def failed(err: BaseException, step: int, ckpt: Checkpointer, watchdog: Watchdog, job: Job) -> None:
+    """A save that could not be written: the rank says so, leaves
+    RUN_DIR/checkpoint_failed.json, and the run stops; the last complete checkpoint stays as
+    it was. Anything but a failed write is raised as it is."""
+    write = write_error(err)
+    if write is None:
+        raise err
+    cause = write_failure_cause(write, ckpt.root)
+    last = (whole(ckpt.root, ckpt.run_id) or [None])[-1]
+    message = (f"checkpoint at step {step} could not be written on rank {job.rank}: {cause}; stopping. "
+               f"The last complete checkpoint, {last or 'none'}, is untouched.")
+    print(message, file=sys.stderr, flush=True)
+    ckpt.discard_partial(step)
+    try:  # the launcher reads it; on a full disk it may stay empty, and the launcher copes
+        (job.run_dir / CHECKPOINT_FAILED_MARKER).write_text(json.dumps({"message": message, "cause": cause}) + "\n")
+    except OSError:
+        pass  # the run directory may be on the same full disk: the message above stands
+    watchdog.stop()
+    return None
 
 
 def write_failure_cause(err: BaseException, root: Path) -> str:
@@ -207,6 +252,17 @@ def write_failure_cause(err: BaseException, root: Path) -> str:
     if getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err) or free < LOW_DISK:
         return f"no space left on device ({free / 2**20:,.1f} MiB free on the filesystem of {root})"
     return str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
+
+
+def write_error(err: BaseException) -> BaseException | None:
+    """The failed write behind `err`, None if it is something else: `err` itself, or, from
+    DCP's CheckpointException (a BaseException that holds each rank's exception), the first
+    rank's failed write."""
+    failures = getattr(err, "failures", None) if type(err).__name__ == "CheckpointException" else None
+    for e in [pair[0] for pair in failures.values()] if isinstance(failures, dict) else [err]:
+        if isinstance(e, (OSError, RuntimeError)) and is_write_failure(e):
+            return e
+    return None
 
 
 def is_write_failure(err: BaseException) -> bool:

@@ -126,7 +126,7 @@ def describe(holder: dict, path: Path) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
     job = f", Slurm job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
     return (f"{path.parent} is in use by the launch started {when} on {holder.get('host')} (pid {holder.get('pid')}"
-            f"{job}); wait for it, stop it, or choose another hydra.run.dir. If that launch is gone for good "
+            f"{job}); wait for it, stop it, or choose another hydra.run.dir (checkpoint.dir). If that launch is gone for good "
             f"(its host is down), remove {path}")
 
 
@@ -203,11 +203,17 @@ def release(path: Path) -> None:
 
 @contextlib.contextmanager
 def hold(run_dir: Path):
+    """The lock for the life of the block; a folder made for the lock alone (a checkpoint
+    folder nothing was saved in) goes with it."""
+    made = not run_dir.exists()
     path = acquire(run_dir)
     try:
         yield path
     finally:
         release(path)
+        if made:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()  # only if empty
 
 
 def for_ranks() -> dict[str, str]:

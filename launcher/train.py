@@ -169,7 +169,8 @@ def train(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemption: 
         preemption.group = dist.new_group(backend="gloo")
     try:
         ckpt = Checkpointer(root_of(cfg, run_dir), cfg.checkpoint.keep, rank, world_size, debug=cfg.debug,
-                            run_id=cfg.checkpoint.run_id, about=describe(cfg) if rank == 0 else None)
+                            run_id=cfg.checkpoint.run_id, about=describe(cfg) if rank == 0 else None,
+                            async_save=cfg.checkpoint.async_save, timeout=timedelta(seconds=backstop))
         start_from = ckpt.resolve(cfg.checkpoint.resume)
         if start_from is not None and manifest_step(start_from) >= cfg.train.steps:
             # command.sh run again, a requeued job of a finished run: nothing is built or written

@@ -45,6 +45,7 @@ class Watchdog:
     def start(self, step: int) -> "Watchdog":
         self.step = step
         self._store = job_store_client(self.world_size)
+        self._publish(0.0)  # a heartbeat from the start: a rank frozen in its first steps is seen as such
         self._thread.start()
         return self
 
@@ -88,10 +89,15 @@ class Watchdog:
             pass
 
     def _table(self) -> dict[int, dict]:
+        """Every rank's last heartbeat; {"step": None} for a rank that never published one
+        (frozen or dead before its first): looked up without waiting, as the store's get()
+        would wait its timeout for each such rank, and the collective's backstop would end
+        the job first, naming nobody."""
         out = {}
         for r in range(self.world_size):
             try:
-                out[r] = json.loads(self._store.get(f"{self.prefix}{r}"))
+                key = f"{self.prefix}{r}"
+                out[r] = json.loads(self._store.get(key)) if self._store.check([key]) else {"step": None}
             except Exception:
                 out[r] = {"step": None, "stalled": None}
         return out

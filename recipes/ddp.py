@@ -86,14 +86,31 @@ class DDPEngine:
         return MemoryBreakdown(params=params, grads=grads, optim=optimizer_state_bytes(self.optimizer))
 
     # -------------------------------------------------------------------------- state
-    def save(self, path: Path) -> None:
-        """Replicated state: rank 0 writes it once."""
+    def save(self, path: Path, staging=None):
+        """Replicated state: rank 0 writes it once. With `staging` (an async save): a host
+        copy now, and the function that writes it."""
         if self.rank != 0:
-            return
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save(self.module.state_dict(), path / "model.pt")
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "scaler": self.scaler.state_dict() if self.scaler else None}, path / "optim.pt")
+            return (lambda: None) if staging is not None else None
+        files = self._files() if staging is None else staging.staged(self._files())
+
+        def write() -> None:
+            path.mkdir(parents=True, exist_ok=True)
+            for name, state in files.items():
+                torch.save(state, path / name)
+
+        if staging is not None:
+            return write
+        write()
+
+    def _files(self) -> dict:
+        return {"model.pt": self.module.state_dict(),
+                "optim.pt": {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                             "scaler": self.scaler.state_dict() if self.scaler else None}}
+
+    def warm(self, staging):
+        """checkpoint.async_save: the host copy of what save() stages, made once at start-up
+        (its buffers are then reused: the first save's stall is the steady one)."""
+        return staging.staged(self._files()) if self.rank == 0 else None
 
     def load(self, path: Path) -> None:
         if not (path / "model.pt").is_file():  # written by fsdp, tp, tp_fsdp or pp: DCP, any layout

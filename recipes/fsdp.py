@@ -85,8 +85,11 @@ class ShardedEngine:
                                optim=optimizer_state_bytes(self.optimizer), where=dict(self.where))
 
     # -------------------------------------------------------------------------- state
-    def save(self, path: Path) -> None:
-        dcp.save(path, self.model, self.optimizer, self.scheduler, model_layout(self.model).tied_names(), self.rank)
+    def save(self, path: Path, staging=None):
+        return dcp.save(path, self.model, self.optimizer, self.scheduler, model_layout(self.model).tied_names(), self.rank, staging)
+
+    def warm(self, staging):
+        return dcp.warm(self.model, self.optimizer, model_layout(self.model).tied_names(), staging)
 
     def load(self, path: Path) -> None:
         dcp.load(path, self.model, self.optimizer, self.scheduler, self.cfg)

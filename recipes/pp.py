@@ -125,8 +125,11 @@ class PipelineEngine:
                                optim=optimizer_state_bytes(self.optimizer))
 
     # -------------------------------------------------------------------------- state
-    def save(self, path: Path) -> None:
-        dcp.save(path, self.model, self.optimizer, self.scheduler, self.layout.tied_names(), self.rank)
+    def save(self, path: Path, staging=None):
+        return dcp.save(path, self.model, self.optimizer, self.scheduler, self.layout.tied_names(), self.rank, staging)
+
+    def warm(self, staging):
+        return dcp.warm(self.model, self.optimizer, self.layout.tied_names(), staging)
 
     def load(self, path: Path) -> None:
         dcp.load(path, self.model, self.optimizer, self.scheduler, self.cfg)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,16 @@ class TinyEngine:
     def __init__(self, value: float):
         self.w = torch.full((4,), value)
 
-    def save(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save({"w": self.w}, path / "model.pt")
+    def save(self, path: Path, staging=None):
+        state = {"w": self.w} if staging is None else staging.staged({"w": self.w})
+
+        def write() -> None:
+            path.mkdir(parents=True, exist_ok=True)
+            torch.save(state, path / "model.pt")
+
+        if staging is not None:
+            return write
+        write()
 
     def load(self, path: Path) -> None:
         self.w = torch.load(path / "model.pt", weights_only=True)["w"]
@@ -114,3 +122,56 @@ def test_a_pickle_that_runs_code_is_refused(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         torch.load(path, weights_only=True)
     assert not (tmp_path / "pwned").exists()
+
+
+class SlowEngine(TinyEngine):
+    """Its async write waits for `go` (a slow disk), or fails as a full disk does."""
+
+    def __init__(self, value: float, go: threading.Event, fail: bool = False):
+        super().__init__(value)
+        self.go, self.fail = go, fail
+
+    def save(self, path: Path, staging=None):
+        write = super().save(path, staging)
+
+        def slow() -> None:
+            self.go.wait(30)
+            if self.fail:
+                raise OSError(28, "No space left on device")
+            write()
+
+        return slow
+
+
+def test_an_async_save_publishes_in_the_background_what_was_staged(tmp_path):
+    ck = Checkpointer(tmp_path, keep=2, rank=0, world_size=1, async_save=True)
+    ck.save(10, 80, TinyEngine(10))
+    assert ck.wait() == 10 and read_latest(tmp_path)[0] == "step_00000010"
+    go = threading.Event()
+    engine = SlowEngine(20, go)
+    final = ck.save(20, 160, engine)
+    engine.w.fill_(99.0)  # the next step changes the weights while the save is being written
+    assert ck.done() is None and not final.exists() and read_latest(tmp_path)[0] == "step_00000010"
+    go.set()
+    assert ck.wait() == 20 and ck.pending is None and ck.wait() is None
+    assert verify(final) is None and read_latest(tmp_path)[0] == "step_00000020"
+    assert torch.load(final / "engine" / "model.pt", weights_only=True)["w"][0] == 20  # the staged copy
+    assert set(ck.timing) == {"stage_s", "write_s", "digests_s", "publish_s"}
+    engine.go = threading.Event()  # the same engine again: the staging buffers are reused
+    engine.go.set()
+    ck.save(30, 240, engine)
+    assert ck.wait() == 30
+    assert torch.load(tmp_path / "step_00000030" / "engine" / "model.pt", weights_only=True)["w"][0] == 99
+    assert torch.load(final / "engine" / "model.pt", weights_only=True)["w"][0] == 20
+
+
+def test_a_failed_async_save_is_raised_by_the_next_wait_and_publishes_nothing(tmp_path):
+    ck = Checkpointer(tmp_path, keep=2, rank=0, world_size=1, async_save=True)
+    ck.save(10, 80, TinyEngine(10))
+    go = threading.Event()
+    ck.save(20, 160, SlowEngine(20, go, fail=True))
+    go.set()
+    with pytest.raises(OSError, match="No space left"):
+        ck.wait()
+    assert ck.pending is None and ck.wait() is None
+    assert find_latest(tmp_path).name == "step_00000010" and read_latest(tmp_path)[0] == "step_00000010"

@@ -3,6 +3,7 @@ each with real processes. docs/reliability.md reports these tests' figures."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -68,7 +69,12 @@ def reference(tmp_path_factory) -> Path:
 
 # ----------------------------------------------------------------------------- 1. SIGKILL
 # Seeded: the same "random" steps every run, one set per recipe (DDP, FSDP's DCP shards,
-# DeepSpeed's ZeRO shards: three different checkpoint writers).
+# DeepSpeed's ZeRO shards: three different checkpoint writers). fsdp and zero2 save with
+# checkpoint.async_save (zero2's writes held back a second while training goes on): a
+# resume from their async checkpoints ends bit-identical to the run that saved
+# synchronously; ddp's staged copy: test_a_kill_while_an_async_save_writes_...
+ASYNC = {"ddp": [], "fsdp": ["checkpoint.async_save=true"],
+         "zero2": ["checkpoint.async_save=true", "debug.async_save_delay_s=1"]}
 KILLS = [(recipe, step) for recipe, n in (("ddp", 2), ("fsdp", 1), ("zero2", 1))
          for step in sorted(random.Random(f"{recipe}-6").sample(range(2, 15), n))]
 
@@ -77,7 +83,7 @@ KILLS = [(recipe, step) for recipe, n in (("ddp", 2), ("fsdp", 1), ("zero2", 1))
 def test_a_killed_rank_restarts_resumes_and_ends_bit_identical(recipe, kill_after, tmp_path_factory, tmp_path):
     reference = reference_for(recipe, tmp_path_factory)
     run = tmp_path / "run"
-    proc = start(run, *COMMON, f"recipe={recipe}", "cluster.max_restarts=2")
+    proc = start(run, *COMMON, f"recipe={recipe}", "cluster.max_restarts=2", *ASYNC[recipe])
     wait_for_step(run, kill_after, proc)
     rank_process(run, 1).kill()  # SIGKILL, mid-run, the rank that does not log
     # `latest` now, or (rank 0 may finish a save whose digests rank 1 had sent) one save later
@@ -94,10 +100,37 @@ def test_a_killed_rank_restarts_resumes_and_ends_bit_identical(recipe, kill_afte
     assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[-1]["loss"]
 
 
+def test_each_attempt_of_a_restarted_group_has_a_namespace_of_its_own(monkeypatch):
+    """train.job_store: keys a dead attempt left in torchrun's store (a peer's address) are
+    not seen by the next attempt, which a real store on this machine shows."""
+    import socket
+
+    from launcher.train import job_store
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    host = job_store(rank=0, world_size=2, timeout_s=10)  # rank 0 hosts it, as without torchrun
+    host.set("peer/1", "node-a.invalid:1234")
+    assert job_store(rank=None, world_size=2, timeout_s=10).check(["peer/1"])  # the same attempt sees it
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    again = job_store(rank=None, world_size=2, timeout_s=10)
+    assert not again.check(["peer/1"])
+    again.set("peer/1", "127.0.0.1:5678")
+    assert host.get("peer/1") == b"node-a.invalid:1234"  # the old attempt's key is its own
+
+
 # ----------------------------------------------------------------------------- 2. kill in a save
-@pytest.mark.parametrize("point,resumes_from", [
-    ("save_engine_written", 5), ("save_manifest_written", 5), ("save_renamed", 10), ("save_latest_written", 10)])
-def test_a_kill_inside_a_save_keeps_the_last_complete_checkpoint(point, resumes_from, reference, tmp_path):
+@pytest.mark.parametrize("point,resumes_from,corrupt", [
+    ("save_engine_written", 5, False), ("save_manifest_written", 5, False), ("save_renamed", 10, False),
+    ("save_latest_written", 10, False), ("save_latest_written", 5, True)])
+def test_a_kill_inside_a_save_keeps_the_last_complete_checkpoint(point, resumes_from, corrupt, reference, tmp_path):
+    """`corrupt`: then a byte of rank 1's share of step 10 is flipped (same size): the ranks,
+    each checking its own share of the digests, agree to skip it for step 5."""
     run = tmp_path / "run"
     proc = launch(*COMMON, f"debug.fault={point}", "debug.fault_step=10", "debug.fault_rank=0", run_dir=run,
                   check=False)
@@ -107,11 +140,41 @@ def test_a_kill_inside_a_save_keeps_the_last_complete_checkpoint(point, resumes_
     assert latest == f"step_{10 if point == 'save_latest_written' else 5:08d}", latest  # moved only by its own rename
     assert verify(ckpts / latest) is None, "latest names a partial checkpoint"
     assert verify(ckpts / "step_00000005") is None, "the previous checkpoint was damaged"
+    if corrupt:
+        share = ckpts / "step_00000010" / "trainer" / "rank_00001.pt"
+        data = bytearray(share.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        share.write_bytes(bytes(data))
     assert find_latest(ckpts).name == f"step_{resumes_from:08d}"
     proc = launch(*COMMON, run_dir=run)  # the next launch resumes from the last complete one
     assert f"at step {resumes_from} " in proc.stdout
+    if corrupt:
+        assert "step_00000010 skipped: trainer/rank_00001.pt fails its sha256" in proc.stderr, proc.stderr[-2000:]
     want, got = final_weights(reference), final_weights(run)
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_kill_while_an_async_save_writes_keeps_the_last_checkpoint(reference, tmp_path):
+    """checkpoint.async_save (ddp): rank 1 is killed from its writer thread after the state
+    of step 10 was staged, while training goes on; nothing of step 10 is published, step 5
+    stays whole and the next launch resumes there and ends on the uninterrupted run's
+    weights. Every write waits a second while the steps go on: step 5's staged copy, not
+    the weights of a later step, is what was written."""
+    run = tmp_path / "run"
+    proc = launch(*COMMON, "checkpoint.async_save=true", "debug.async_save_delay_s=1", "debug.fault=save_staged",
+                  "debug.fault_step=10", "debug.fault_rank=1", run_dir=run, check=False)
+    assert proc.returncode != 0 and "injected fault save_staged at step 10" in proc.stderr
+    assert "checkpoint" in proc.stdout and "step_00000005 written in the background" in proc.stdout
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text().splitlines()[0] == "step_00000005"
+    assert verify(ckpts / "step_00000005") is None and not (ckpts / "step_00000010").exists()
+    assert (ckpts / "step_00000010.tmp").is_dir()  # left as it was, never read
+    proc = launch(*COMMON, "checkpoint.async_save=true", run_dir=run)
+    assert "at step 5 " in proc.stdout
+    want, got = final_weights(reference), final_weights(run)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert not list(ckpts.glob("*.tmp")) and sorted(p.name for p in ckpts.glob("step_*")) == [
+        "step_00000015", "step_00000016"]
 
 
 # ----------------------------------------------------------------------------- 3. a hang
@@ -129,6 +192,29 @@ def test_a_silent_rank_ends_the_job_with_a_message_naming_it(tmp_path):
                       r"rank 0 inside the step after step 5; rank 1 waiting for data after step 5", proc.stderr)
     assert found and 10 <= int(found.group(1)) <= 20, proc.stderr[-3000:]  # within a check interval of the timeout
     print(f"hang detected and job ended {elapsed:.0f}s after launch (dist.timeout_s=10)")
+
+
+def test_a_frozen_rank_is_named_by_its_stopped_heartbeat(tmp_path):
+    """SIGSTOP (a node swapping to death, a process frozen by a debugger): rank 1's watchdog
+    stops too, so nothing of rank 1 reports; rank 0 names it by its heartbeat's silence."""
+    run = tmp_path / "run"
+    proc = start(run, "train.steps=100000", "optim.warmup_steps=2", "logger=none", "logger.log_every=1",
+                 "checkpoint.every=0", "checkpoint.save_final=false", "dist.timeout_s=12")
+    wait_for_step(run, 3, proc)  # early: before rank 1's watchdog thread has published a heartbeat
+    frozen = rank_process(run, 1)
+    frozen.suspend()
+    t0 = time.monotonic()
+    try:
+        while not (run / "hang.json").exists() and time.monotonic() - t0 < 60:
+            time.sleep(0.5)
+        named = time.monotonic() - t0
+    finally:
+        frozen.kill()  # torchrun's SIGTERM cannot end a stopped process; a real node's would be fenced
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_HANG and 12 <= named < 12 + 10, (named, err[-3000:])
+    hang = json.loads((run / "hang.json").read_text())
+    assert hang["silent"] == [1], hang
+    assert re.search(r"hang: no progress for \d+s \(dist\.timeout_s=12\) in step \d+; silent: rank\(s\) 1; ", err), err[-2000:]
 
 
 # ----------------------------------------------------------------------------- 4. disks
@@ -162,15 +248,37 @@ def test_too_little_disk_is_refused_before_the_run(small_disk, tmp_path, capsys,
     assert not (tmp_path / "run").exists()
 
 
-def test_a_disk_that_fills_mid_run_stops_cleanly_and_keeps_the_last_checkpoint(small_disk, tmp_path):
+def test_the_space_check_asks_for_keep_plus_one_checkpoints_of_16_bytes_per_parameter(small_disk, tmp_path):
+    """The boundary, from the model's own parameters: the largest keep whose keep + 1
+    checkpoints of 16 bytes per parameter fit on the disk passes, one more is refused."""
+    import shutil
+
+    from launcher import cli, models
+
+    disk = small_disk(40)
+    cfg, _, _ = cli.compose_config(["model=gpt_tiny", f"checkpoint.dir={disk / 'ckpt'}"])
+    each = 16 * sum(p.numel() for p in models.on_meta(cfg).parameters())
+    keep = shutil.disk_usage(disk).free // each - 1
+    assert keep >= 1, (each, shutil.disk_usage(disk).free)
+    fits = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, keep=int(keep)))
+    cli.check_checkpoint_space(fits, tmp_path / "run")
+    over = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, keep=int(keep) + 1))
+    with pytest.raises(cli.C.ConfigError, match=f"keep={keep + 1} checkpoints"):
+        cli.check_checkpoint_space(over, tmp_path / "run")
+
+
+@pytest.mark.parametrize("saving", [["recipe=ddp"], ["recipe=fsdp", "checkpoint.async_save=true"]],
+                         ids=["ddp", "fsdp-async"])
+def test_a_disk_that_fills_mid_run_stops_cleanly_and_keeps_the_last_checkpoint(saving, small_disk, tmp_path):
     """The whole run directory on a small disk that another file fills after step 10's
     checkpoint: the ranks stop at step 20's save, the launcher's last word is one line
     (exit 74) naming the folder, its free space and the last complete checkpoint, although
-    the ranks' report could not be written; free space, launch again, it resumes."""
+    the ranks' report could not be written; free space, launch again, it resumes. fsdp with
+    async saves: the write fails in the background, inside DCP (its CheckpointException)."""
     disk = small_disk(40)
     run = disk / "run"
     args = ["train.steps=30", "optim.warmup_steps=2", "logger=none", "logger.log_every=1", "checkpoint.every=10",
-            "checkpoint.keep=1"]
+            "checkpoint.keep=1", *saving]
     proc = start(run, *args)
     wait_for_step(run, 12, proc)
     filler = disk / "filler"
@@ -194,6 +302,25 @@ def test_a_disk_that_fills_mid_run_stops_cleanly_and_keeps_the_last_checkpoint(s
     proc = launch(*args, run_dir=run)
     assert "at step 10 " in proc.stdout
     assert [r["step"] for r in read_metrics(run)] == list(range(1, 31))  # whole rows, each step once
+
+
+def test_a_checkpoint_folder_that_vanishes_stops_with_the_ranks_cause(tmp_path):
+    """The checkpoint folder is replaced by a file mid-run (a cleanup script, an unmounted
+    volume): rank 0's save fails, it leaves checkpoint_failed.json with the cause, and the
+    launcher's last line (exit 74) gives that cause, which only the rank knew."""
+    run = tmp_path / "run"
+    args = ["train.steps=30", "optim.warmup_steps=2", "logger=none", "logger.log_every=1", "checkpoint.every=10"]
+    proc = start(run, *args)
+    wait_for_step(run, 12, proc)
+    ckpts = run / "checkpoints"
+    ckpts.rename(run / "moved")
+    ckpts.write_text("not a folder\n")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_CHECKPOINT_FAILED, err[-3000:]
+    cause = json.loads((run / "checkpoint_failed.json").read_text())["cause"]
+    assert cause.startswith("[Errno 17] File exists") and str(ckpts) in cause, cause
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: a checkpoint could not be written in {ckpts} ({cause}; "), last
 
 
 # ----------------------------------------------------------------------------- security

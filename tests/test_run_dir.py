@@ -49,6 +49,30 @@ def test_a_lock_is_taken_over_only_from_a_launch_that_is_gone(tmp_path, monkeypa
         runlock.acquire(tmp_path)
 
 
+def test_rank_zero_waits_for_a_holder_that_lets_go_and_not_for_one_that_stays(tmp_path, monkeypatch):
+    """runlock.rank_hold: a rank 0 started without a launcher waits up to RANK_WAIT_S for the
+    lock (the submit of its own job still holding it), then takes it; a holder that stays is
+    named after that wait. A rank its launcher started takes nothing."""
+    import threading
+
+    monkeypatch.delenv(runlock.ENV, raising=False)
+    monkeypatch.setattr(runlock, "RANK_WAIT_S", 3.0)
+    submit = runlock.acquire(tmp_path)  # the submit, this process: a live holder
+    threading.Timer(1.0, runlock.release, args=(submit,)).start()
+    t0 = time.monotonic()
+    with runlock.rank_hold([tmp_path]):
+        assert 1.0 <= time.monotonic() - t0 < 3.0
+        assert json.loads(submit.read_text())["pid"] == os.getpid()  # now the rank's
+        t0 = time.monotonic()
+        with pytest.raises(runlock.Held, match=f"pid {os.getpid()}"), runlock.rank_hold([tmp_path]):
+            pass
+        assert time.monotonic() - t0 >= 3.0
+    assert not submit.exists()
+    monkeypatch.setenv(runlock.ENV, "{}")
+    with runlock.rank_hold([tmp_path]):
+        assert not submit.exists()
+
+
 @pytest.mark.slow
 def test_one_launch_per_run_dir_and_no_orphans_after_sigkill(tmp_path):
     run = tmp_path / "run"
@@ -62,6 +86,13 @@ def test_one_launch_per_run_dir_and_no_orphans_after_sigkill(tmp_path):
     lines = [line for line in second.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "is in use by the launch" in lines[0] and f"pid {first.pid}" in lines[0], lines
     assert (run / "config.yaml").read_bytes() == config  # the second launch wrote nothing
+    # Another run directory whose checkpoint.dir is this run's checkpoint folder: the same.
+    other = launch("cluster.nproc_per_node=2", *FAST, "logger=none", f"checkpoint.dir={run / 'checkpoints'}",
+                   run_dir=tmp_path / "other", check=False)
+    lines = [line for line in other.stderr.splitlines() if line.strip()]
+    assert other.returncode == 2 and len(lines) == 1, other.stderr[-2000:]
+    assert f"{run / 'checkpoints'} is in use by the launch" in lines[0] and f"pid {first.pid}" in lines[0], lines
+    assert not (tmp_path / "other").exists()
 
     # Without the launcher: the run's command.sh says so at once (its rendezvous would wait);
     # torchrun typed by hand gets as far as rank 0, which refuses before writing anything.
@@ -89,7 +120,7 @@ def test_one_launch_per_run_dir_and_no_orphans_after_sigkill(tmp_path):
     # The next launch takes the stale lock over and resumes the saved step.
     resumed = launch("cluster.nproc_per_node=2", *FAST, f"train.steps={step + 2}", "logger=none", run_dir=run)
     assert f"at step {step}" in resumed.stdout, resumed.stdout[-2000:]
-    assert not (run / runlock.LOCK).exists()
+    assert not (run / runlock.LOCK).exists() and not (run / "checkpoints" / runlock.LOCK).exists()
     summary = (run / "summary.json").read_bytes()
     files = sorted(str(p) for p in run.rglob("*"))
 
@@ -137,15 +168,29 @@ def test_a_fresh_start_never_mixes_two_runs(tmp_path):
         assert lines[0].startswith(f"error: checkpoint.resume=auto: {ckpts / 'step_00000004'}")
         assert all(w in lines[0] for w in words) and "hydra.run.dir" in lines[0], lines[0]
         assert snapshot(run) == before
+        if change == ["model.dim=96"]:  # how many differ, and one of them with both shapes
+            import re
 
-    # Roll back to step 2 as a new run: the old one moves aside whole, nothing is deleted.
+            found = re.search(r"; (\d+) of (\d+) tensors differ, e\.g\. (\S+) \[([\d, ]+)\] there, \[([\d, ]+)\] here\)",
+                              lines[0])
+            assert found and 0 < int(found.group(1)) <= int(found.group(2)), lines[0]
+            there, here = (list(map(int, found.group(i).split(", "))) for i in (4, 5))
+            assert 128 in there and 96 in here and 96 not in there, lines[0]
+
+    # Roll back to step 2 as a new run: the old one moves aside whole, nothing is deleted,
+    # its W&B id included (the new run must not log into the old one's W&B run).
+    (run / "wandb_id").write_text("old0run1\n")
     proc = launch(*base, "train.steps=6", f"checkpoint.resume={ckpts / 'step_00000002'}",
                   "checkpoint.on_existing=archive", run_dir=run)
     home = run / "archive" / first
     assert f"resumed from {home / 'checkpoints' / 'step_00000002'} at step 2" in proc.stdout
     moved = snapshot(home)
-    assert moved == {k: v for k, v in before.items()
-                     if k.startswith("checkpoints/") or k in ("config.yaml", "command.sh", "metrics.jsonl", "summary.json")}
+    assert moved == {**{k: v for k, v in before.items() if k.startswith("checkpoints/")
+                        or k in ("config.yaml", "command.sh", "metrics.jsonl", "summary.json")},
+                     "wandb_id": b"old0run1\n"}
+    assert not (run / "wandb_id").exists()
+    exported = launch(str(home), command="export")  # the archive reads as a run directory
+    assert (home / "export" / "step_00000004" / "model.safetensors").is_file(), exported.stdout
     assert all(verify(f) is None for f in (home / "checkpoints").glob("step_*"))
     second = read_latest(ckpts)[1]
     assert second not in (None, first)

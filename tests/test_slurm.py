@@ -5,6 +5,7 @@ are not requeued, sweeps make one job per point. The --dry-run golden needs no c
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -263,3 +264,29 @@ def test_job_refused_by_sbatch_leaves_nothing(slurm_cluster, tmp_path, monkeypat
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("error: sbatch refused the job") and "invalid partition" in err.lower(), err
     assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_a_lock_of_a_slurm_job_is_taken_over_once_squeue_says_it_ended(slurm_cluster, tmp_path, monkeypatch):
+    """A lock left on a shared run directory by a job on another node: held while the real
+    Slurm says that job is pending or running, taken over once it says the job ended (or no
+    longer knows it). runlock asks squeue, which needs only SLURM_CONF."""
+    from launcher import runlock
+
+    monkeypatch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    job = slurm_cluster.run("sbatch", "--parsable", "--wrap", "sleep 300", f"--chdir={tmp_path}").stdout.strip()
+    lock = tmp_path / runlock.LOCK
+    holder = {"host": "other-node.invalid", "pid": 4242, "pid_start": "1", "pid_ns": "pid:[1]",
+              "slurm_job_id": job, "slurm_restart": "0", "started": time.time()}
+    lock.write_text(json.dumps(holder))
+    assert runlock.slurm_job_states(job) in (["PENDING"], ["RUNNING"], ["CONFIGURING"])
+    with pytest.raises(runlock.Held, match=f"Slurm job {job}"):
+        runlock.acquire(tmp_path)
+    slurm_cluster.run("scancel", job)
+    assert slurm_cluster.wait_for_end(job)["JobState"] == "CANCELLED"
+    assert runlock.slurm_job_ended(job)
+    assert json.loads(runlock.acquire(tmp_path).read_text())["pid"] == os.getpid()  # taken over
+    assert runlock.slurm_job_states("99999999") == [] and runlock.slurm_job_ended("99999999")  # never known
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-such-slurm.conf"))  # squeue cannot ask: proves nothing
+    assert runlock.slurm_job_states(job) is None and not runlock.slurm_job_ended(job)

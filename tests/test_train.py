@@ -166,6 +166,8 @@ def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
     run = tmp_path / "run"
     args = ["train.steps=60", "optim.warmup_steps=5", "logger=none", "logger.log_every=1", "checkpoint.every=1000",
             "checkpoint.save_final=true"]
+    if sig == "SIGUSR1":  # async saves every 2 steps, each held back 1 s: the marker waits for them
+        args += ["checkpoint.async_save=true", "checkpoint.every=2", "debug.async_save_delay_s=1"]
     proc = _start(run, *args)
     _wait_for_step(run, 3, proc)
     proc.send_signal(getattr(signal, sig))
@@ -174,6 +176,9 @@ def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
     marker = json.loads((run / "preempted.json").read_text())
     assert marker["signal"] == sig and 3 <= marker["step"] < 60
     assert (run / "checkpoints" / "latest").read_text().splitlines()[0] == f"step_{marker['step']:08d}"
+    assert verify(run / "checkpoints" / f"step_{marker['step']:08d}") is None
+    assert marker["checkpoint"] == str(run / "checkpoints" / f"step_{marker['step']:08d}")
+    assert (run / "checkpoints" / "latest").stat().st_mtime <= marker["time"]  # published before it was named
     assert read_metrics(run)[-1]["step"] == marker["step"]  # the step it was in finished
     assert f"preempted by {sig}" in out
     summary = json.loads((run / "summary.json").read_text())

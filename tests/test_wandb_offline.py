@@ -5,6 +5,7 @@ refused at launch, and a rank whose online start fails falls back to offline fil
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 import yaml
@@ -17,6 +18,29 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]  # closed again when the socket is: connections are refused
+
+
+@pytest.fixture
+def blackhole():
+    """A port on this machine that never answers: its listen queue is full, so the kernel
+    drops further connection attempts and a client waits out its own timeout (as with a
+    firewall that drops packets, the usual case on compute nodes)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    port = srv.getsockname()[1]
+    fill = []
+    for _ in range(3):
+        c = socket.socket()
+        c.setblocking(False)
+        try:
+            c.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        fill.append(c)
+    yield port
+    for c in fill + [srv]:
+        c.close()
 
 
 def no_route(tmp_path) -> dict:
@@ -61,3 +85,53 @@ def test_a_rank_whose_online_start_fails_logs_offline(tmp_path, monkeypatch, cap
     wandb_run.finish()
     assert "logging offline" in capsys.readouterr().err
     assert next((run / "wandb").glob("offline-run-*/run-*.wandb")).stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_a_rank_whose_wandb_cannot_start_at_all_trains_without_it(mode, tmp_path, monkeypatch, capsys):
+    """Not even offline files can be written (RUN_DIR/wandb is a file here; a read-only or
+    full disk in real life): one line, and the rank goes on without W&B."""
+    from launcher import cli, metrics
+
+    for k, v in no_route(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(metrics, "WANDB_INIT_TIMEOUT_S", 5)
+    cfg, _, _ = cli.compose_config(["logger=wandb", f"logger.mode={mode}"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "wandb").write_text("not a folder\n")
+    assert metrics._init_wandb(cfg, run) is None
+    # ours only: W&B's own "wandb: ... Loaded credentials" line comes with any online start
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("wandb: ")]
+    if mode == "offline":
+        assert len(err) == 1 and err[0].startswith("W&B could not start (") and "goes on without W&B" in err[0], err
+    else:  # online fails (no route), then offline too: a line for each
+        assert len(err) == 2 and "logging offline" in err[0], err
+        assert err[1].startswith("W&B could not start offline either (") and "goes on without W&B" in err[1], err
+
+
+@pytest.mark.slow
+def test_waits_for_a_server_that_never_answers_are_bounded(blackhole, tmp_path, monkeypatch, capsys):
+    """The launch side's probe gives up after 5 s; a rank's online start after
+    WANDB_INIT_TIMEOUT_S (30 s; 4 s here), then logs offline."""
+    from launcher import cli, metrics
+
+    env = {**no_route(tmp_path), "WANDB_BASE_URL": f"http://127.0.0.1:{blackhole}"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    t0 = time.monotonic()
+    why = metrics.wandb_unreachable()
+    assert why and "cannot reach the W&B server" in why and "timed out" in why, why
+    assert 5 <= time.monotonic() - t0 < 8
+    monkeypatch.setattr(metrics, "WANDB_INIT_TIMEOUT_S", 4)
+    cfg, _, _ = cli.compose_config(["logger=wandb", "logger.mode=online"])
+    run = tmp_path / "run"
+    run.mkdir()
+    t0 = time.monotonic()
+    wandb_run = metrics._init_wandb(cfg, run)
+    took = time.monotonic() - t0
+    assert wandb_run is not None and wandb_run.settings.mode == "offline"
+    wandb_run.finish()
+    assert "logging offline" in capsys.readouterr().err
+    assert 4 <= took < 4 + 20, took  # the bound, plus starting W&B's service twice
