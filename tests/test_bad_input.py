@@ -135,6 +135,7 @@ CASES = [
     (["+cluster.env.NCCL_DEBUG='INFO\n#SBATCH --uid=0'"], ["cluster.env.NCCL_DEBUG=", "control characters"]),
     (["submit", "cluster.setup=['module load x\rtouch y']"], ["cluster.setup[0]=", "control characters"]),
     (["model.name='gpt\ttiny'"], ["model.name='gpt\\ttiny'", "control characters"]),
+    (["run_name='a\x1b[31mb\x7f'"], ["run_name='a\\x1b[31mb\\x7f'", "control characters"]),  # ESC, DEL (NUL cannot be in argv)
     # DeepSpeed's multi-node runner sends its command to a remote shell without quoting it
     (["recipe=zero2", "cluster.runner=deepspeed", "cluster.nnodes=2", "cluster.master_port=29400",
       "cluster.hosts=[a,b]", "+cluster.env.NCCL_SOCKET_IFNAME='eth0;touch x'"],

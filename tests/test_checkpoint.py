@@ -175,3 +175,21 @@ def test_a_failed_async_save_is_raised_by_the_next_wait_and_publishes_nothing(tm
         ck.wait()
     assert ck.pending is None and ck.wait() is None
     assert find_latest(tmp_path).name == "step_00000010" and read_latest(tmp_path)[0] == "step_00000010"
+
+
+def test_the_next_async_save_waits_for_the_one_in_flight(tmp_path):
+    """At most one save is in flight: a save called while the previous one is still being
+    written stages nothing until that one is published."""
+    ck = Checkpointer(tmp_path, keep=3, rank=0, world_size=1, async_save=True)
+    go = threading.Event()
+    ck.save(10, 80, SlowEngine(10, go))
+    second = threading.Thread(target=ck.save, args=(20, 160, TinyEngine(20)))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and not (tmp_path / "step_00000020.tmp").exists()
+    assert read_latest(tmp_path) is None
+    go.set()
+    second.join(10)
+    assert read_latest(tmp_path)[0] in ("step_00000010", "step_00000020")
+    assert ck.wait() == 20 and read_latest(tmp_path)[0] == "step_00000020"
+    assert verify(tmp_path / "step_00000010") is None and verify(tmp_path / "step_00000020") is None

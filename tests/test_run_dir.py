@@ -55,6 +55,7 @@ def test_rank_zero_waits_for_a_holder_that_lets_go_and_not_for_one_that_stays(tm
     named after that wait. A rank its launcher started takes nothing."""
     import threading
 
+    assert runlock.RANK_WAIT_S == 10  # what docs/reliability.md says (and a submit needs)
     monkeypatch.delenv(runlock.ENV, raising=False)
     monkeypatch.setattr(runlock, "RANK_WAIT_S", 3.0)
     submit = runlock.acquire(tmp_path)  # the submit, this process: a live holder
@@ -96,6 +97,7 @@ def test_one_launch_per_run_dir_and_no_orphans_after_sigkill(tmp_path):
 
     # Without the launcher: the run's command.sh says so at once (its rendezvous would wait);
     # torchrun typed by hand gets as far as rank 0, which refuses before writing anything.
+    assert runlock.ENV not in (run / "command.sh").read_text()  # its torchrun is no launcher's: rank 0 checks
     script = subprocess.run([str(run / "command.sh")], capture_output=True, text=True, timeout=60)
     assert script.returncode == 2 and script.stderr.startswith("error: ") and "is in use by the launch" in script.stderr
     assert len(script.stderr.strip().splitlines()) == 1, script.stderr

@@ -115,7 +115,12 @@ def test_a_rank_whose_wandb_cannot_start_at_all_trains_without_it(mode, tmp_path
 def test_waits_for_a_server_that_never_answers_are_bounded(blackhole, tmp_path, monkeypatch, capsys):
     """The launch side's probe gives up after 5 s; a rank's online start after
     WANDB_INIT_TIMEOUT_S (30 s; 4 s here), then logs offline."""
+    import inspect
+
     from launcher import cli, metrics
+
+    assert metrics.WANDB_INIT_TIMEOUT_S == 30 and inspect.signature(metrics.wandb_unreachable).parameters[
+        "timeout_s"].default == 5.0  # the bounds docs/reliability.md gives
 
     env = {**no_route(tmp_path), "WANDB_BASE_URL": f"http://127.0.0.1:{blackhole}"}
     for k, v in env.items():
