@@ -269,14 +269,15 @@ def test_the_space_check_asks_for_keep_plus_one_checkpoints_of_16_bytes_per_para
         cli.check_checkpoint_space(over, tmp_path / "run")
 
 
-@pytest.mark.parametrize("saving", [["recipe=ddp"], ["recipe=fsdp", "checkpoint.async_save=true"]],
-                         ids=["ddp", "fsdp-async"])
+@pytest.mark.parametrize("saving", [["recipe=ddp"], ["recipe=fsdp"], ["recipe=fsdp", "checkpoint.async_save=true"]],
+                         ids=["ddp", "fsdp", "fsdp-async"])
 def test_a_disk_that_fills_mid_run_stops_cleanly_and_keeps_the_last_checkpoint(saving, small_disk, tmp_path):
     """The whole run directory on a small disk that another file fills after step 10's
     checkpoint: the ranks stop at step 20's save, the launcher's last word is one line
     (exit 74) naming the folder, its free space and the last complete checkpoint, although
     the ranks' report could not be written; free space, launch again, it resumes. fsdp with
-    async saves: the write fails in the background, inside DCP (its CheckpointException)."""
+    async saves: the write fails in the background; fsdp either way: inside DCP, which reports
+    it as its CheckpointException (a BaseException holding each rank's error)."""
     disk = small_disk(40)
     run = disk / "run"
     args = ["train.steps=30", "optim.warmup_steps=2", "logger=none", "logger.log_every=1", "checkpoint.every=10",

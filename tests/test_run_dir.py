@@ -205,3 +205,7 @@ def test_a_fresh_start_never_mixes_two_runs(tmp_path):
     proc = launch(*base, "train.steps=7", run_dir=run)
     assert f"resumed from {ckpts / 'step_00000006'} at step 6" in proc.stdout
     assert read_latest(ckpts) == ("step_00000007", second)
+    # resume= the folder's newest checkpoint by its path continues the same run, too.
+    proc = launch(*base, "train.steps=8", f"checkpoint.resume={ckpts / 'step_00000007'}", run_dir=run)
+    assert f"resumed from {ckpts / 'step_00000007'} at step 7" in proc.stdout
+    assert read_latest(ckpts) == ("step_00000008", second) and run_of(ckpts / "step_00000008") == second
