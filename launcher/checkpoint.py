@@ -15,12 +15,11 @@ digests the same way, each rank its share. A crash at any point leaves the previ
 next save. Loading uses `weights_only=True` everywhere.
 
 checkpoint.async_save: the save stops training only while each rank copies its state into
-host memory (`Engine.save(path, staging)`: DCP's async_save and stager for the DCP recipes,
-a staged copy of DeepSpeed's and ddp's files); a thread per rank then writes the files, hashes
-them and publishes the checkpoint exactly as above, its collectives on a gloo group of
-their own. At most one save is in flight: the next save, a stop and the end of the run
-wait for it (`wait`). A kill while it writes leaves a `.tmp` folder, never read, and the
-previous checkpoint and `latest` as they were.
+host memory (`Engine.save(path, staging)`, launcher/async_save.py); a writer thread per rank
+then writes the files, hashes them and publishes the checkpoint exactly as above, its
+collectives on a gloo group of their own. At most one save is in flight: the next save, a
+stop and the end of the run wait for it. A kill while it writes leaves a `.tmp` folder,
+never read, and the previous checkpoint and `latest` as they were.
 
 Every checkpoint names the run it belongs to (checkpoint.run_id, set by the launcher):
 resume=auto takes the newest whole checkpoint of this run, keep-K deletes only this run's.
@@ -35,7 +34,6 @@ import os
 import random
 import re
 import shutil
-import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -270,13 +268,11 @@ class Checkpointer:
         self.about = about  # rank 0: the model that writes (launcher/fit.py::describe), into every manifest
         self.debug = debug  # fault injection points (launcher/faults.py); None in real runs
         self.timing: dict[str, float] = {}  # the last save's phases, seconds (rank 0's view)
-        # checkpoint.async_save: the background writes' collectives run on a group of their
-        # own (collectives of two threads on one group could pair up wrongly), with the job's
-        # collective timeout; made here, on every rank at the same point.
-        self.group = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
-        self.pending: tuple[int, threading.Thread] | None = None  # the step being written, its writer
-        self.failure: BaseException | None = None  # what stopped the background write
-        self._stager = None  # the host buffers of async saves (`stager`), reused save after save
+        self.saver = None  # checkpoint.async_save: launcher/async_save.py::Saver, made on every rank
+        if async_save:
+            from launcher.async_save import Saver
+
+            self.saver = Saver(timeout)
 
     def _fault(self, point: str, step: int) -> None:
         from launcher.config import FaultPoint
@@ -287,8 +283,9 @@ class Checkpointer:
     def save(self, step: int, samples_seen: int, engine) -> Path:
         """Write checkpoint `step`; return its final folder. Without async_save it is
         published when this returns; with it, the files are written and the folder published
-        in the background (`wait`, `done`), and `timing` holds the stall alone."""
-        self.wait()
+        in the background (`saver`), and `timing` holds the stall alone."""
+        if self.saver is not None:
+            self.saver.wait()
         final = self.root / step_name(step)
         tmp = self.root / (step_name(step) + ".tmp")
         if self.rank == 0:
@@ -299,24 +296,28 @@ class Checkpointer:
             (tmp / "trainer").mkdir()
         dist.barrier()
         t0 = time.perf_counter()
-        write = engine.save(tmp / "engine", self if self.group is not None else None)
+        write = engine.save(tmp / "engine", self.saver)
         trainer = {"step": step, "samples_seen": samples_seen, "world_size": self.world_size, "rng": rng_state()}
         mine = tmp / "trainer" / f"rank_{self.rank:05d}.pt"
-        if self.group is None:
+        if self.saver is None:
             torch.save(trainer, mine)
             dist.barrier()
             self.timing = {"write_s": time.perf_counter() - t0, **self._publish(step, tmp, final, None)}
             return final
         self.timing = {"stage_s": time.perf_counter() - t0}
 
-        def write_all() -> None:  # the RNG states are copies already
+        def finish() -> None:  # on the writer thread (the RNG states are copies already)
+            t0 = time.perf_counter()
+            self._fault("save_staged", step)
+            if self.debug is not None and self.debug.async_save_delay_s:
+                time.sleep(self.debug.async_save_delay_s)
             write()
             torch.save(trainer, mine)
+            dist.barrier(group=self.saver.group)  # every rank's files are on disk
+            self.timing = {**self.timing, "write_s": time.perf_counter() - t0,
+                           **self._publish(step, tmp, final, self.saver.group)}
 
-        writer = threading.Thread(target=self._background, args=(step, tmp, final, write_all), daemon=True,
-                                  name=f"checkpoint-{step}")
-        self.pending = (step, writer)
-        writer.start()
+        self.saver.start(step, finish)
         return final
 
     def _publish(self, step: int, tmp: Path, final: Path, group) -> dict[str, float]:
@@ -349,76 +350,6 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier(group=group)
         return {"digests_s": t2 - t1, "publish_s": time.perf_counter() - t2}
-
-    def _background(self, step: int, tmp: Path, final: Path, write) -> None:
-        """The writer thread of an async save: the staged files, then _publish on the
-        checkpoint's own group. A failure is kept for `wait` to raise on the main thread."""
-        t0 = time.perf_counter()
-        try:
-            self._fault("save_staged", step)
-            if self.debug is not None and self.debug.async_save_delay_s:
-                time.sleep(self.debug.async_save_delay_s)
-            write()
-            dist.barrier(group=self.group)  # every rank's files are on disk
-            self.timing = {**self.timing, "write_s": time.perf_counter() - t0,
-                           **self._publish(step, tmp, final, self.group)}
-        except BaseException as err:  # noqa: BLE001 - handed to the main thread as it is
-            self.failure = err
-
-    def done(self) -> int | None:
-        """The step of an async save this rank has finished since the last call (rank 0:
-        then it is published), else None. No communication: any rank may ask at any time."""
-        if self.pending is None or self.pending[1].is_alive():
-            return None
-        step = self.pending[0]
-        self.wait()
-        return step
-
-    def wait(self) -> int | None:
-        """Block until the async save in flight (if any) is published; its step, or None
-        when none was in flight. Raises what stopped it (the loop treats it as a failed save
-        of that step)."""
-        if self.pending is None:
-            return None
-        step, writer = self.pending
-        writer.join()
-        self.pending = None
-        failure, self.failure = self.failure, None
-        if failure is not None:
-            raise failure
-        return step
-
-    def stager(self):
-        """What copies an async save's state into host memory (pinned on CUDA) before
-        training goes on: DCP's stager. It keeps its buffers and the next save copies into
-        them (host memory: this rank's share of the checkpoint, for the life of the run)."""
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        if self._stager is None:
-            cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=cuda))
-        return self._stager
-
-    def warm(self, engine) -> tuple[int, float] | None:
-        """checkpoint.async_save: the engine stages its state once now (`Engine.warm`), so
-        the host buffers exist before the first save; (their bytes, seconds), None without
-        async saves."""
-        if self.group is None:
-            return None
-        t0 = time.perf_counter()
-        copy = engine.warm(self)
-        seen, total = set(), 0
-        for leaf in torch.utils._pytree.tree_leaves(copy):
-            storage = getattr(leaf, "_local_tensor", leaf).untyped_storage() if torch.is_tensor(leaf) else None
-            if storage is not None and storage.data_ptr() not in seen:  # a DTensor: its local shard's
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total, time.perf_counter() - t0
-
-    def staged(self, state):
-        """A host copy of `state` (any nesting of tensors and Python objects): `stager`."""
-        return self.stager().stage(state)
 
     def discard_partial(self, step: int) -> None:
         """After a failed save: remove its temporary folder (best effort, rank 0)."""

@@ -122,10 +122,10 @@ def run(job: Job) -> int:
             raise
         step += 1
         profiler.end(step)
-        if step == first_step + 1 and ckpt.group is not None:
+        if step == first_step + 1 and ckpt.saver is not None:
             # After the first step, when the optimizer's state exists (staging it before
             # would have DCP initialise it with a step of its own); out of the step times.
-            warmed = ckpt.warm(engine)
+            warmed = ckpt.saver.warm(engine)
             log.print(f"checkpoint.async_save: {warmed[0] / 2**20:,.0f} MiB of host memory staged in "
                       f"{warmed[1]:.1f} s on rank 0 (each save copies into it, then writes in the background)")
             meter.start += warmed[1]
@@ -145,7 +145,7 @@ def run(job: Job) -> int:
                 metrics["loss_scale"] = result.loss_scale
             log.log(metrics)
 
-        if ckpt.pending is not None and not settle(ckpt, watchdog, job, log, block=False):
+        if ckpt.saver is not None and not settle(ckpt, watchdog, job, log, block=False):
             return EXIT_CHECKPOINT_FAILED  # an async save failed in the background
         every = cfg.checkpoint.every
         stopping_early = step == last < cfg.train.steps
@@ -197,7 +197,7 @@ def save(ckpt: Checkpointer, step: int, samples_seen: int, engine, watchdog: Wat
     except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         return failed(err, step, ckpt, watchdog, job)
     t = ckpt.timing
-    if ckpt.pending is None:
+    if ckpt.saver is None:
         log.print(f"checkpoint {saved} (write {t['write_s']:.1f} s, digests {t['digests_s']:.1f} s, "
                   f"publish {t['publish_s']:.1f} s)")
     else:
@@ -208,10 +208,13 @@ def save(ckpt: Checkpointer, step: int, samples_seen: int, engine, watchdog: Wat
 def settle(ckpt: Checkpointer, watchdog: Watchdog, job: Job, log: RankZeroLogger, block: bool = True) -> bool:
     """The async save in flight, if any: wait for it (`block`) or only look whether it is
     done; rank 0 says when it is published. False when it failed (`failed` said why)."""
-    step = ckpt.pending[0] if ckpt.pending is not None else None
+    saver = ckpt.saver
+    if saver is None or saver.pending is None:
+        return True
+    step = saver.pending[0]
     try:
         with watchdog.paused() if block else contextlib.nullcontext():
-            finished = ckpt.wait() if block else ckpt.done()
+            finished = saver.wait() if block else saver.done()
     except BaseException as err:  # noqa: BLE001 - as in save()
         failed(err, step, ckpt, watchdog, job)
         return False

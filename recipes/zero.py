@@ -47,29 +47,10 @@ warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is depreca
 deepspeed_env()  # DeepSpeed reads its accelerator when it is imported
 import deepspeed  # noqa: E402
 import torch.distributed.tensor  # noqa: E402,F401
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine  # noqa: E402
 
 TAG = "ds"  # DeepSpeed's checkpoint tag: files go to engine/ds/
 META = "zero.json"  # world size and stage of a checkpoint, read before DeepSpeed loads it
 UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
-
-
-class StagedFiles(TorchCheckpointEngine):
-    """DeepSpeed's torch.save checkpoint engine for one async save: `save` keeps a host copy
-    of each file's state (Checkpointer.staged) and `write` writes them as DeepSpeed would
-    have, from the checkpointer's writer thread. Everything else is DeepSpeed's own engine."""
-
-    def __init__(self, own, staging):
-        self.__dict__.update(own.__dict__)  # its name and serialization setting
-        self.staging, self.files = staging, []
-
-    def save(self, state_dict, path: str) -> None:
-        self.files.append((self.staging.staged(state_dict), path))
-
-    def write(self) -> None:
-        for state, path in self.files:
-            TorchCheckpointEngine.save(self, state, path)
-        self.files = []
 
 
 # ----------------------------------------------------------------------------- safe loading
@@ -190,6 +171,8 @@ class ZeroEngine:
         zero.json. No `latest` file: the Checkpointer owns that. With `staging` (an async
         save): DeepSpeed's save runs as ever (its collectives, its folders), but each file it
         would write is copied into host memory instead; the returned function writes them."""
+        from launcher.async_save import StagedFiles
+
         path.mkdir(parents=True, exist_ok=True)
         own = self.engine.checkpoint_engine
         held = StagedFiles(own, staging) if staging is not None else None

@@ -146,21 +146,21 @@ class SlowEngine(TinyEngine):
 def test_an_async_save_publishes_in_the_background_what_was_staged(tmp_path):
     ck = Checkpointer(tmp_path, keep=2, rank=0, world_size=1, async_save=True)
     ck.save(10, 80, TinyEngine(10))
-    assert ck.wait() == 10 and read_latest(tmp_path)[0] == "step_00000010"
+    assert ck.saver.wait() == 10 and read_latest(tmp_path)[0] == "step_00000010"
     go = threading.Event()
     engine = SlowEngine(20, go)
     final = ck.save(20, 160, engine)
     engine.w.fill_(99.0)  # the next step changes the weights while the save is being written
-    assert ck.done() is None and not final.exists() and read_latest(tmp_path)[0] == "step_00000010"
+    assert ck.saver.done() is None and not final.exists() and read_latest(tmp_path)[0] == "step_00000010"
     go.set()
-    assert ck.wait() == 20 and ck.pending is None and ck.wait() is None
+    assert ck.saver.wait() == 20 and ck.saver.pending is None and ck.saver.wait() is None
     assert verify(final) is None and read_latest(tmp_path)[0] == "step_00000020"
     assert torch.load(final / "engine" / "model.pt", weights_only=True)["w"][0] == 20  # the staged copy
     assert set(ck.timing) == {"stage_s", "write_s", "digests_s", "publish_s"}
     engine.go = threading.Event()  # the same engine again: the staging buffers are reused
     engine.go.set()
     ck.save(30, 240, engine)
-    assert ck.wait() == 30
+    assert ck.saver.wait() == 30
     assert torch.load(tmp_path / "step_00000030" / "engine" / "model.pt", weights_only=True)["w"][0] == 99
     assert torch.load(final / "engine" / "model.pt", weights_only=True)["w"][0] == 20
 
@@ -172,8 +172,8 @@ def test_a_failed_async_save_is_raised_by_the_next_wait_and_publishes_nothing(tm
     ck.save(20, 160, SlowEngine(20, go, fail=True))
     go.set()
     with pytest.raises(OSError, match="No space left"):
-        ck.wait()
-    assert ck.pending is None and ck.wait() is None
+        ck.saver.wait()
+    assert ck.saver.pending is None and ck.saver.wait() is None
     assert find_latest(tmp_path).name == "step_00000010" and read_latest(tmp_path)[0] == "step_00000010"
 
 
@@ -191,5 +191,5 @@ def test_the_next_async_save_waits_for_the_one_in_flight(tmp_path):
     go.set()
     second.join(10)
     assert read_latest(tmp_path)[0] in ("step_00000010", "step_00000020")
-    assert ck.wait() == 20 and read_latest(tmp_path)[0] == "step_00000020"
+    assert ck.saver.wait() == 20 and read_latest(tmp_path)[0] == "step_00000020"
     assert verify(tmp_path / "step_00000010") is None and verify(tmp_path / "step_00000020") is None
