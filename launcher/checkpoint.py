@@ -96,8 +96,9 @@ def files_of(folder: Path) -> list[str]:
 
 
 def digests(folder: Path, rank: int, world: int) -> dict[str, dict]:
-    """Size and sha256 of the files of `folder` this rank wrote, each fsynced."""
-    return {rel: {"size": (folder / rel).stat().st_size, "sha256": _sha256(folder / rel)}
+    """Size and sha256 of the files of `folder` this rank wrote, each fsynced; `by`: the
+    rank that hashed it (the manifest's record that the digests were taken in parallel)."""
+    return {rel: {"size": (folder / rel).stat().st_size, "sha256": _sha256(folder / rel), "by": rank}
             for rel in files_of(folder) if writer_of(rel, world) == rank}
 
 

@@ -43,8 +43,8 @@ def check(cfg: C.Config, run_dir: Path) -> None:
         return
     folder = folders[-1]
     key, value = "checkpoint.resume", cfg.checkpoint.resume
-    out = (f"use another hydra.run.dir for a new run, or checkpoint.resume=never checkpoint.on_existing=archive "
-           f"to start over here (the old run is kept)")
+    out = ("use another hydra.run.dir for a new run, or checkpoint.resume=never checkpoint.on_existing=archive "
+           "to start over here (the old run is kept)")
     for marker, name, readers in FORMATS:
         if (folder / marker).exists() and cfg.recipe.strategy not in readers:
             raise C.ConfigError(key, value, f"{folder} is {name}, which recipe={cfg.recipe.name} cannot load; "

@@ -239,7 +239,8 @@ def failed(err: BaseException, step: int, ckpt: Checkpointer, watchdog: Watchdog
     print(message, file=sys.stderr, flush=True)
     ckpt.discard_partial(step)
     try:  # the launcher reads it; on a full disk it may stay empty, and the launcher copes
-        (job.run_dir / CHECKPOINT_FAILED_MARKER).write_text(json.dumps({"message": message, "cause": cause}) + "\n")
+        (job.run_dir / CHECKPOINT_FAILED_MARKER).write_text(
+            json.dumps({"message": message, "cause": cause, "step": step}) + "\n")
     except OSError:
         pass  # the run directory may be on the same full disk: the message above stands
     watchdog.stop()

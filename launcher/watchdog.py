@@ -23,8 +23,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch.distributed as dist
-
 from launcher.exits import EXIT_HANG, HANG_MARKER
 
 
@@ -115,6 +113,9 @@ class Watchdog:
         silent = sorted(set(frozen) | set(lagging))
         where = {r: f"{'waiting for data after' if p[1] == 0 else 'inside the step after'} step {p[0]}"
                  for r, p in position.items()}
+        for r in frozen:  # its process does not run (stopped, swapped out, gone): not merely behind
+            where[r] = (f"no heartbeat for {now - table[r]['at']:.0f}s (process stopped or gone; last: {where[r]})"
+                        if r in where else "no heartbeat ever (process stopped or gone before its first)")
         who = (f"rank(s) {', '.join(map(str, silent))}" if silent
                else f"none behind: all {self.world_size} ranks are stuck inside step {behind[0] + 1}")
         message = (f"hang: no progress for {stalled:.0f}s (dist.timeout_s={self.timeout_s:g}) in step "
@@ -122,8 +123,9 @@ class Watchdog:
         if self.rank == 0:
             print(message, file=sys.stderr, flush=True)
             try:
-                (self.run_dir / HANG_MARKER).write_text(json.dumps({"message": message, "silent": silent,
-                                                                    "step": self.step + 1}) + "\n")
+                (self.run_dir / HANG_MARKER).write_text(json.dumps(
+                    {"message": message, "silent": silent, "frozen": sorted(frozen), "behind": lagging,
+                     "step": self.step + 1}) + "\n")
             except OSError:
                 pass
         else:

@@ -28,6 +28,7 @@ COMMON = ["train.steps=20", "optim.warmup_steps=4", "train.seq_len=64", "train.m
           "train.global_batch=8", "logger=none", "logger.log_every=1", "checkpoint.every=10",
           "debug.startup_digest=true"]
 STEP10 = "checkpoints/step_00000010"
+ASYNC = "checkpoint.async_save=true"
 
 # name: (overrides, the run it resumes from at step 10 or None[, overrides of a second
 # launch of the same run directory, which resumes it by itself])
@@ -36,9 +37,11 @@ RUNS = {
     # 2 ranks to step 10, then the same run directory relaunched on 4 (the issue's command)
     "fsdp": (["recipe=fsdp", "train.activation_checkpointing=full", "train.stop_at=10"], None,
              ["recipe=fsdp", "cluster.nproc_per_node=4"]),
-    "tp": (["recipe=tp", "parallel.tp=2", "train.activation_checkpointing=full"], None),
-    "pp": (["recipe=pp", "parallel.pp_schedule=1f1b", "train.activation_checkpointing=selective"], None),
-    "tp_fsdp4": (["recipe=tp_fsdp", "cluster.nproc_per_node=4", "parallel.sequence_parallel=true"], None),
+    # tp, pp and tp_fsdp save asynchronously (DCP's async_save): the runs resumed from them
+    # prove those checkpoints whole
+    "tp": (["recipe=tp", "parallel.tp=2", "train.activation_checkpointing=full", ASYNC], None),
+    "pp": (["recipe=pp", "parallel.pp_schedule=1f1b", "train.activation_checkpointing=selective", ASYNC], None),
+    "tp_fsdp4": (["recipe=tp_fsdp", "cluster.nproc_per_node=4", "parallel.sequence_parallel=true", ASYNC], None),
     # resharding: another layout picks up a step-10 checkpoint
     "pp_interleaved4_from_ddp": (["recipe=pp", "cluster.nproc_per_node=4", "parallel.pp_schedule=interleaved_1f1b"],
                                  "ddp"),
@@ -104,6 +107,14 @@ def test_losses_match_ddp_over_20_steps(runs, name):
     print(f"{name}: max relative loss difference to ddp {worst:.1e}")
     rows = read_metrics(runs(name))
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]  # and it learns
+
+
+@pytest.mark.parametrize("name", ["tp", "pp", "tp_fsdp4"])
+def test_async_saves_of_the_dcp_layouts_were_written_in_the_background(runs, name):
+    out = (runs(name) / "stdout.txt").read_text()
+    assert "checkpoint.async_save: " in out, out[-2000:]  # the host buffers, made after the first step
+    for step in (10, 20):
+        assert f"step_{step:08d} written in the background" in out, out[-2000:]
 
 
 @pytest.mark.parametrize("name", RESUMED)

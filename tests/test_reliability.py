@@ -190,6 +190,7 @@ def test_a_silent_rank_ends_the_job_with_a_message_naming_it(tmp_path):
     assert proc.returncode == EXIT_HANG, proc.stderr[-3000:]
     hang = json.loads((run / "hang.json").read_text())  # written by the watchdog, not the backstop
     assert hang["silent"] == [1] and hang["step"] == 6
+    assert hang["behind"] == [1] and hang["frozen"] == []  # asleep in Python: its watchdog still beats
     found = re.search(r"hang: no progress for (\d+)s \(dist\.timeout_s=10\) in step 6; silent: rank\(s\) 1; "
                       r"rank 0 inside the step after step 5; rank 1 waiting for data after step 5", proc.stderr)
     assert found and 10 <= int(found.group(1)) <= 20, proc.stderr[-3000:]  # within a check interval of the timeout
@@ -215,8 +216,9 @@ def test_a_frozen_rank_is_named_by_its_stopped_heartbeat(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_HANG and 12 <= named < 12 + 10, (named, err[-3000:])
     hang = json.loads((run / "hang.json").read_text())
-    assert hang["silent"] == [1], hang
-    assert re.search(r"hang: no progress for \d+s \(dist\.timeout_s=12\) in step \d+; silent: rank\(s\) 1; ", err), err[-2000:]
+    assert hang["silent"] == [1] and hang["frozen"] == [1], hang  # named by its heartbeat, not its step
+    assert re.search(r"hang: no progress for \d+s \(dist\.timeout_s=12\) in step \d+; silent: rank\(s\) 1; .*"
+                     r"rank 1 no heartbeat for \d+s \(process stopped or gone; last: ", err), err[-2000:]
 
 
 # ----------------------------------------------------------------------------- 4. disks
@@ -310,21 +312,38 @@ def test_a_disk_that_fills_mid_run_stops_cleanly_and_keeps_the_last_checkpoint(s
     assert [r["step"] for r in read_metrics(run)] == list(range(1, 31))  # whole rows, each step once
 
 
-def test_a_checkpoint_folder_that_vanishes_stops_with_the_ranks_cause(tmp_path):
+@pytest.mark.parametrize("saving", ["sync", "async"])
+def test_a_checkpoint_folder_that_vanishes_stops_with_the_ranks_cause(saving, tmp_path):
     """The checkpoint folder is replaced by a file mid-run (a cleanup script, an unmounted
     volume): rank 0's save fails, it leaves checkpoint_failed.json with the cause, and the
-    launcher's last line (exit 74) gives that cause, which only the rank knew."""
+    launcher's last line (exit 74) gives that cause, which only the rank knew. async: the
+    folder goes while step 10's files wait in host memory (held back 3 s); the writer
+    thread's failure reaches the loop, which leaves the same marker."""
     run = tmp_path / "run"
     args = ["train.steps=30", "optim.warmup_steps=2", "logger=none", "logger.log_every=1", "checkpoint.every=10"]
+    if saving == "async":
+        args += ["checkpoint.async_save=true", "debug.async_save_delay_s=3"]
     proc = start(run, *args)
-    wait_for_step(run, 12, proc)
     ckpts = run / "checkpoints"
+    if saving == "sync":
+        wait_for_step(run, 12, proc)
+    else:
+        deadline = time.monotonic() + 120
+        while not (ckpts / "step_00000010.tmp").exists():  # staged; the write waits 3 s
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.01)
     ckpts.rename(run / "moved")
     ckpts.write_text("not a folder\n")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_CHECKPOINT_FAILED, err[-3000:]
-    cause = json.loads((run / "checkpoint_failed.json").read_text())["cause"]
-    assert cause.startswith("[Errno 17] File exists") and str(ckpts) in cause, cause
+    failed = json.loads((run / "checkpoint_failed.json").read_text())
+    cause = failed["cause"]
+    if saving == "sync":
+        assert cause.startswith("[Errno 17] File exists") and str(ckpts) in cause, cause
+    else:
+        assert failed["step"] == 10 and cause.startswith("[Errno 20] Not a directory") and str(ckpts) in cause, failed
+        assert "checkpoint.async_save: " in out and "written in the background" not in out, out[-2000:]
+        assert not (run / "moved" / "step_00000010").exists()
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"error: a checkpoint could not be written in {ckpts} ({cause}; "), last
 

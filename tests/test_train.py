@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -269,6 +270,84 @@ def test_ctrl_c_before_the_ranks_start(tmp_path):
     assert not (run / "checkpoints").exists() and not processes_of(run)
     assert out.strip().splitlines()[-1] == ("interrupted (Ctrl-C) before the first step; no complete checkpoint yet. "
                                             "Launch the same run directory again to resume."), out
+
+
+def test_a_ctrl_c_while_torchrun_starts_is_held_and_handed_on(tmp_path, monkeypatch, capfd):
+    """The Ctrl-C lands after the launcher's handlers are in and before torchrun runs (sent
+    from inside the launcher's Popen of torchrun, in process): it is held, then handed to the
+    ranks once they take signals; they stop at once, nothing trained, exit 130."""
+    import os
+    import signal
+
+    from launcher import preempt
+
+    real, sent = subprocess.Popen, []
+
+    def popen(argv, *args, **kwargs):
+        if "torch.distributed.run" in argv and not sent:
+            sent.append(argv)
+            os.kill(os.getpid(), signal.SIGINT)  # its handler runs here, before torchrun exists
+        return real(argv, *args, **kwargs)
+
+    monkeypatch.setattr(preempt.subprocess, "Popen", popen)
+    run = tmp_path / "run"
+    rc = cli.main(["train", f"hydra.run.dir={run}", "optim.warmup_steps=5", "logger=none"])
+    out, err = capfd.readouterr()
+    assert sent and rc == 130, out[-2000:] + err[-3000:]
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err[-3000:]
+    assert json.loads((run / "preempted.json").read_text())["step"] is None
+    assert not (run / "checkpoints").exists() and not processes_of(run)
+    assert err.count("Ctrl-C: the ranks finish this step") == 1, err[-3000:]
+    assert out.strip().splitlines()[-1] == ("interrupted (Ctrl-C) before the first step; no complete checkpoint "
+                                            "yet. Launch the same run directory again to resume."), out[-3000:]
+
+
+def test_a_stop_signal_reaches_a_rank_blocked_in_cpp(tmp_path):
+    """Rank 1 frozen as it starts, so rank 0 waits inside init_process_group (C++, where no
+    Python handler runs until the call returns: here after the collective backstop, 90 s).
+    SIGTERM to rank 0 ends it within seconds all the same: the signal module's wakeup fd
+    wakes a thread of the rank (Preemption.install), which leaves preempted.json and exits 75."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    run = tmp_path / "run"
+    proc = _start(run, "optim.warmup_steps=5", "logger=none", "dist.timeout_s=60")
+
+    def rank(r: int) -> psutil.Process | None:
+        for pid in processes_of(run):
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                if p.environ().get("RANK") == str(r) and "torch.distributed.run" not in p.cmdline():
+                    return p
+        return None
+
+    deadline = time.monotonic() + 60
+    while (r1 := rank(1)) is None:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    r1.suspend()
+    try:
+        r0 = rank(0)
+        # rank 0 has joined the job's store (a connection to it) and waits for rank 1's key
+        while not any(c.status == psutil.CONN_ESTABLISHED for c in r0.net_connections(kind="tcp")):
+            assert time.monotonic() < deadline and r0.is_running()
+            time.sleep(0.1)
+        time.sleep(2)
+        assert r0.status() == psutil.STATUS_SLEEPING  # blocked, not importing
+        t0 = time.monotonic()
+        os.kill(r0.pid, signal.SIGTERM)
+        r0.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        r1.kill()
+    out = proc.communicate(timeout=120)[0]
+    assert took < 5, took
+    assert "exitcode  : 75" in out, out[-3000:]  # torchrun's report of rank 0 (rank 1 was killed)
+    marker = json.loads((run / "preempted.json").read_text())
+    assert marker["step"] is None and marker["signal"] == "SIGTERM", marker
 
 
 def test_a_stop_signal_before_the_first_step_stops_at_once(tmp_path):

@@ -10,6 +10,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ import torch.distributed.checkpoint as dcp_api
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from conftest import FAST, launch
+from conftest import FAST, REPO, launch
 from launcher import dcp, untrusted
 from launcher.checkpoint import files_of, verify, write_manifest, writer_of
 
@@ -112,13 +114,15 @@ def test_torch_save_archives_are_checked_without_unpickling(tmp_path):
 # ----------------------------------------------------------------------------- real runs
 def crafted(run: Path, tmp: Path, recipe: str) -> tuple[Path, Path]:
     """A copy of `run` whose checkpoint holds a payload in the file each recipe's loader reads
-    first (DCP: .metadata; DeepSpeed: its model states file), digests rewritten."""
+    first (DCP: .metadata; DeepSpeed: its model states file; "trainer": rank 0's trainer
+    state, which every recipe reads), digests rewritten."""
     bad, marker = tmp / f"{recipe}-crafted", tmp / f"{recipe}-ran"
     shutil.copytree(run, bad)
     step = sorted((bad / "checkpoints").glob("step_*"))[-1]
     engine = step / "engine"
-    if recipe == "zero2":
-        target = sorted((engine / "ds").glob("*model_states.pt"))[0]
+    if recipe in ("zero2", "trainer"):
+        target = (step / "trainer" / "rank_00000.pt" if recipe == "trainer"
+                  else sorted((engine / "ds").glob("*model_states.pt"))[0])
         state = torch.load(target, map_location="cpu", weights_only=False)  # our own file, just written
         state["payload"] = Payload(marker)
         torch.save(state, target)
@@ -142,6 +146,7 @@ def test_export_and_resume_refuse_a_crafted_checkpoint(recipe, tmp_path):
     assert sorted(files) == files_of(genuine) and verify(genuine) is None
     shares = [sum(m["size"] for rel, m in files.items() if writer_of(rel, 2) == r) for r in (0, 1)]
     assert min(shares) > 0.3 * sum(shares), shares
+    assert all(m["by"] == writer_of(rel, 2) for rel, m in files.items()), files  # hashed by their writers
     bad, marker = crafted(run, tmp_path, recipe)
 
     export = launch(str(bad), command="export", check=False)
@@ -156,7 +161,7 @@ def test_export_and_resume_refuse_a_crafted_checkpoint(recipe, tmp_path):
 
     # The ranks' own loaders refuse it too, without the launch side's check.
     import recipes
-    from launcher.config import load_frozen
+    from launcher.config import load_frozen, to_yaml
 
     cfg = load_frozen(bad / "config.yaml")
     engine = sorted((bad / "checkpoints").glob("step_*"))[-1] / "engine"
@@ -164,4 +169,21 @@ def test_export_and_resume_refuse_a_crafted_checkpoint(recipe, tmp_path):
         recipes.consolidate(cfg, engine)
     why = str(getattr(refused.value, "failures", refused.value))
     assert "must never run code" in why or "Weights only load failed" in why, why
+    assert not marker.exists()
+
+    # The trainer state (trainer/rank_R.pt, the same for every recipe): refused by export and
+    # resume, and by the rank itself, started by hand without the launch side's check.
+    if recipe != "fsdp":
+        return
+    bad, marker = crafted(run, tmp_path, "trainer")
+    for proc in (launch(str(bad), command="export", check=False),
+                 launch(f"recipe={recipe}", "cluster.nproc_per_node=2", *FAST, "train.steps=4", "logger=none",
+                        run_dir=bad, check=False)):
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and "must never run code" in lines[0], proc.stderr[-3000:]
+    cfg.train.steps = 4  # a step to train, so the rank loads the checkpoint
+    (bad / "config.yaml").write_text(to_yaml(cfg))
+    by_hand = subprocess.run([sys.executable, "-m", "launcher.train", str(bad)], cwd=REPO, capture_output=True,
+                             text=True, timeout=300)
+    assert by_hand.returncode != 0 and "Weights only load failed" in by_hand.stderr, by_hand.stderr[-3000:]
     assert not marker.exists()
