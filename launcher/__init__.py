@@ -20,3 +20,13 @@ def user_env() -> dict[str, str]:
         else:
             env.pop(key, None)
     return env
+
+
+def offline() -> None:
+    """Nothing is downloaded at run time: the hub libraries stay on local files, without
+    progress bars in every rank's log. Called by the entry points (the launcher, a rank)
+    and before this project's first import of transformers; never when a module is
+    imported. Before huggingface_hub is imported: it reads these once."""
+    _os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                       HF_HUB_DISABLE_TELEMETRY="1")
+    _os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -7,6 +7,7 @@ with one line on stderr and exit code 2, before any rank starts.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -16,6 +17,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException, MissingConfigException
@@ -23,14 +25,14 @@ from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from launcher import config as C
-from launcher import fit, identity, plaintext, runlock, slurm
+from launcher import fit, identity, offline, plaintext, runlock, slurm
 from launcher.checkpoint import lock_folders, root_of
 from launcher.commands import (HOSTFILE, SLURM_STEPS, LaunchPlan, command_script, hostfile_text, launch_argv, rank_env,
                                sbatch_script)
 from launcher.device import HostInfo
 from launcher.exits import EXIT_INTERRUPTED
-from launcher.hf_text import offline
 from launcher.preempt import supervise
+from launcher.validate import validate
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "conf"
@@ -166,16 +168,23 @@ def check_writable(run_dir: Path) -> None:
     writable_parent(run_dir, "hydra.run.dir")
 
 
+def checkpoint_bound(cfg: C.Config) -> int:
+    """Upper bound of one checkpoint's bytes: fp32 weights, Adam's two moments and a
+    low-precision copy, 16 bytes for each parameter of the model as it will be built
+    (its meta-device build: model=hf counts the Hugging Face model itself)."""
+    from launcher import models
+
+    return 16 * sum(p.numel() for p in models.on_meta(cfg).parameters())
+
+
 def check_checkpoint_space(cfg: C.Config, run_dir: Path) -> None:
     """The checkpoint folder is writable and its disk has room for keep + 1 checkpoints
     (the newest is written before the oldest is deleted), found here, not mid-run."""
     from launcher.checkpoint import complete_checkpoints
-    from launcher.memory import ParamCounts
 
     root = root_of(cfg, run_dir)
     probe = writable_parent(root, "checkpoint.dir")
-    # Upper bound per checkpoint: fp32 weights + Adam's two moments + a low-precision copy.
-    each = 16 * ParamCounts.of(cfg.model).total
+    each = checkpoint_bound(cfg)
     existing = sum(f.stat().st_size for d in complete_checkpoints(root) for f in d.rglob("*") if f.is_file())
     need = max(each, each * (cfg.checkpoint.keep + 1) - existing)
     free = shutil.disk_usage(probe).free
@@ -262,37 +271,50 @@ def prepare_data(cfg: C.Config, run_dir: Path, created: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- main
-def parse_args(argv: list[str]) -> tuple[str, list[str], bool, bool]:
+class Args(NamedTuple):
+    command: str
+    overrides: list[str]
+    dry_run: bool = False
+    multirun: bool = False
+    as_json: bool = False
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2 (main), not argparse's usage block
+        raise UsageError(f"{self.prog}: {message} (launcher --help)")
+
+
+def parse_args(argv: list[str]) -> Args:
+    """`launcher [COMMAND] [flags] [key=value ...]`; COMMAND defaults to train. Flags are
+    flags (never written into config.yaml); everything else is a Hydra override."""
     command = "train"
     if argv and not argv[0].startswith("-") and "=" not in argv[0]:
-        command = argv[0]
-        argv = argv[1:]
+        command, argv = argv[0], argv[1:]
         if command not in COMMANDS:
             raise UsageError(f"unknown command '{command}'; allowed: {', '.join(COMMANDS)}")
-    dry = multirun = False
-    overrides = []
-    for a in argv:
-        if a == "--dry-run":
-            dry = True
-        elif a in ("-m", "--multirun"):
-            multirun = True
-        elif a == "--json" and command == "plan":
-            overrides.append("+_json=true")
-        elif a.startswith("-"):
-            raise UsageError(f"unknown flag '{a}'; allowed: --dry-run, -m/--multirun, or key=value overrides")
-        else:
-            overrides.append(a)
-    if dry:
-        overrides.append("dry_run=true")
+    parser = _Parser(prog=f"launcher {command}", add_help=False)
+    parser.add_argument("overrides", nargs="*")
+    if command in ("train", "submit"):
+        parser.add_argument("--dry-run", action="store_true", help="print the run's files and command; start nothing")
+        parser.add_argument("-m", "--multirun", action="store_true", help="a sweep: one run per point")
+    if command == "plan":
+        parser.add_argument("--json", action="store_true", dest="as_json", help="the table as JSON")
+    parsed, unknown = parser.parse_known_intermixed_args(argv)
+    if unknown:
+        flags = {"train": "--dry-run, -m/--multirun", "submit": "--dry-run, -m/--multirun", "plan": "--json"}
+        raise UsageError(f"unknown flag '{unknown[0]}' for {command}; allowed: {flags.get(command, 'none')}, "
+                         "or key=value overrides")
+    args = Args(command, parsed.overrides, getattr(parsed, "dry_run", False), getattr(parsed, "multirun", False),
+                getattr(parsed, "as_json", False))
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
-    for o in overrides if command in ("train", "submit") else []:
+    for o in args.overrides if command in ("train", "submit") else []:
         try:
             parser.parse_overrides([o])
         except HydraException as e:
             raise UsageError(f"{o}: cannot parse ({str(e).splitlines()[0]}); overrides look like key=value")
-    return command, overrides, dry, multirun
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,14 +324,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     offline()  # nothing is fetched from a model or dataset hub; torchrun and the ranks inherit it
     try:
-        command, overrides, _, multirun = parse_args(argv)
-        if command == "export":
-            return cmd_export(overrides)
-        if command == "plan":
-            return cmd_plan(overrides)
-        if command == "submit":
-            return cmd_submit(overrides, multirun)
-        return cmd_train(overrides, multirun)
+        args = parse_args(argv)
+        if args.command == "export":
+            return cmd_export(args.overrides)
+        if args.command == "plan":
+            return cmd_plan(args.overrides, args.as_json)
+        if args.command == "submit":
+            return cmd_submit(args.overrides, args.multirun, args.dry_run)
+        return cmd_train(args.overrides, args.multirun, args.dry_run)
     except (UsageError, runlock.Held) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -321,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def compose_jobs(command: str, overrides: list[str],
-                 multirun: bool) -> list[tuple[C.Config, Path, HostInfo, str | None]]:
+def compose_jobs(command: str, overrides: list[str], multirun: bool,
+                 dry_run: bool = False) -> list[tuple[C.Config, Path, HostInfo, str | None]]:
     """`train` and `submit` alike: compose and validate every point of a sweep first (bad
     input starts nothing and writes nothing); each point gets its own run directory."""
     here = HostInfo.detect()
@@ -339,7 +361,7 @@ def compose_jobs(command: str, overrides: list[str],
         check_command(command, cfg, point, multirun)
         # A Slurm job is validated against the nodes it asks for, not this login machine.
         host = slurm.node_host(cfg, here) if command == "submit" else here
-        C.validate(cfg, host)
+        validate(cfg, host)
         plaintext.check(cfg)
         plaintext.check_remote_shell(cfg, run_dir, os.getcwd())
         check_run_dir_name(run_dir)
@@ -349,7 +371,7 @@ def compose_jobs(command: str, overrides: list[str],
         identity.decide(cfg, run_dir)  # a fresh start into another run's checkpoints: refused here
         fit.check(cfg, run_dir)  # a checkpoint of another shape or format: refused here
         jobs.append((cfg, run_dir, host, choice, zero_config(cfg, host)))
-    if command == "submit" and not jobs[0][0].dry_run:
+    if command == "submit" and not dry_run:
         slurm.check_client()
     return jobs
 
@@ -393,13 +415,13 @@ def check_run_dir_name(run_dir: Path) -> None:
         raise C.ConfigError("hydra.run.dir", repr(str(run_dir)), "a path without line breaks")
 
 
-def cmd_train(overrides: list[str], multirun: bool) -> int:
+def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> int:
     """Compose and validate every point first (bad input starts nothing), then run each."""
     rc = 0
     for cfg, run_dir, host, choice, ds in compose_jobs("train", overrides, multirun):
         plan = make_plan(cfg, host)
         files = run_files(cfg, plan, ds)
-        if cfg.dry_run:
+        if dry_run:
             print(C.to_yaml(cfg), end="")
             for name, text in files.items():
                 print(f"# {name}")
@@ -530,13 +552,11 @@ def recommended_command(overrides: list[str], best) -> str:
     return f'make train RECIPE={best.layout.recipe} ARGS="{args}"'
 
 
-def cmd_plan(overrides: list[str]) -> int:
+def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
     """`launcher plan`: the table (or --json), optionally a chart; validates the config
     against the planned cluster, not this machine."""
     from launcher import plan as planner
 
-    as_json = "+_json=true" in overrides
-    overrides = [o for o in overrides if o != "+_json=true"]
     cfg, _, _ = compose_config(overrides)
     host = HostInfo.detect()
     hw = hardware(cfg, host, world_from_launch=False)
@@ -546,7 +566,7 @@ def cmd_plan(overrides: list[str]) -> int:
 
     as_one_node = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, nnodes=1, node_rank=0,
                                                                        nproc_per_node=None, gpus_per_node=hw.world))
-    C.validate(as_one_node, HostInfo(cuda=True, gpus=hw.world, cpus=host.cpus))
+    validate(as_one_node, HostInfo(cuda=True, gpus=hw.world, cpus=host.cpus))
     rows = planner.plan(cfg, hw, available_recipes())
     if as_json:
         print(planner.to_json(rows, hw))
@@ -659,13 +679,13 @@ def slurm_plan(cfg: C.Config, host: HostInfo) -> LaunchPlan:
                       threads_per_rank=threads, workdir=os.getcwd())
 
 
-def cmd_submit(overrides: list[str], multirun: bool) -> int:
+def cmd_submit(overrides: list[str], multirun: bool, dry_run: bool = False) -> int:
     """`launcher submit`: per point, RUN_DIR/config.yaml + job.sbatch, then sbatch.
     --dry-run prints the script and submits nothing."""
-    jobs = compose_jobs("submit", overrides, multirun)
+    jobs = compose_jobs("submit", overrides, multirun, dry_run)
     for cfg, run_dir, host, choice, ds in jobs:
         script = sbatch_script(cfg, str(run_dir), slurm_plan(cfg, host))
-        if cfg.dry_run:
+        if dry_run:
             print(script, end="")
             continue
         created = not run_dir.exists()

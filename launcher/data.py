@@ -10,7 +10,6 @@ another world size with the same global batch sees exactly the same data.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -152,13 +151,6 @@ class StepSampler(Sampler[list[int]]):
 
 def _as_is(batch):
     return batch
-
-
-@dataclass
-class DataState:
-    """What the checkpoint keeps of the data: the global count of samples consumed."""
-
-    samples_seen: int = 0
 
 
 def build_dataset(cfg: Config, run_dir: Path | None = None) -> Dataset:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher import config as C
+from launcher.models import model_shape
 
 FILE = "ds_config.json"
 
@@ -65,20 +66,20 @@ QUIET = 2**31 - 1  # steps_per_print: DeepSpeed's own progress lines would repea
 # ----------------------------------------------------------------------------- generate
 def reduce_bucket(cfg: C.Config) -> int:
     """reduce_bucket_size: recipe.zero's, or model.dim^2."""
-    return cfg.recipe.zero.reduce_bucket_size or C.model_shape(cfg).dim ** 2
+    return cfg.recipe.zero.reduce_bucket_size or model_shape(cfg).dim ** 2
 
 
 def persistence_threshold(cfg: C.Config) -> int:
     """stage3_param_persistence_threshold: recipe.zero's, or 10 x model.dim (the norms)."""
     z = cfg.recipe.zero
-    return z.param_persistence_threshold if z.param_persistence_threshold is not None else 10 * C.model_shape(cfg).dim
+    return z.param_persistence_threshold if z.param_persistence_threshold is not None else 10 * model_shape(cfg).dim
 
 
 def deepspeed_config(cfg: C.Config, world_size: int, cuda: bool) -> dict[str, Any]:
     """The DeepSpeed config of `cfg` at `world_size` ranks (pure)."""
     t, o, p, z = cfg.train, cfg.optim, cfg.precision, cfg.recipe.zero
     accum = C.grad_accum(cfg, world_size)
-    m = C.model_shape(cfg)  # model=hf: the sizes from its Hugging Face config
+    m = model_shape(cfg)  # model=hf: the sizes from its Hugging Face config
     dim2 = m.dim * m.dim
     zero: dict[str, Any] = {
         "stage": z.stage,

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from launcher.config import Config, OptimConfig
@@ -32,7 +31,8 @@ class StepResult:
     grad_norm: torch.Tensor
     """Global gradient norm before clipping (the same on every rank)."""
     skipped: bool = False
-    """fp16: the step was skipped because gradients overflowed."""
+    """fp16: the step was skipped because gradients overflowed (the loop counts them:
+    `skipped_steps` in metrics.jsonl and summary.json)."""
     loss_scale: float | None = None
     loss_owner: bool = True
     """This rank reports the loss of its data-parallel slice. Exactly one rank per slice
@@ -160,11 +160,3 @@ def tensor_bytes(tensors) -> int:
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(tensor_bytes(v for v in state.values() if torch.is_tensor(v)) for state in optimizer.state.values())
-
-
-def all_ranks_same(value: torch.Tensor) -> bool:
-    """True when a 0-d tensor holds the same value on every rank (a cheap consistency check)."""
-    lo, hi = value.clone(), value.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    return bool(lo == hi)

@@ -5,7 +5,6 @@ exits 1 whatever happened, so the launcher (preempt.supervise) reads the marker 
 exits with the code that says why, after printing the reason.
 """
 
-EXIT_OK = 0
 EXIT_BAD_INPUT = 2  # refused on the launch side, nothing started
 EXIT_CHECKPOINT_FAILED = 74  # sysexits EX_IOERR: a checkpoint could not be written; the last good one stays
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: stopped on a signal after saving; launch again to resume

@@ -29,7 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from launcher.config import Config, ConfigError, DataConfig, TextFormat, TokenDtype, model_vocab_size
+from launcher import offline
+from launcher.config import Config, ConfigError, DataConfig, TextFormat, TokenDtype
+from launcher.models import model_vocab_size
 
 CACHE_VERSION = 1
 POINTER = "hf_text.json"
@@ -42,13 +44,6 @@ EXTENSIONS = {".jsonl": TextFormat.json, ".json": TextFormat.json, ".parquet": T
 # A model folder holds the tokenizer beside the weights; the weights are not the tokenizer's identity.
 WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt"}
 BATCH = 1000
-
-
-def offline() -> None:
-    """Nothing is downloaded at run time: the hub libraries stay on local files. Set in the
-    launcher's process, inherited by torchrun and the ranks."""
-    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                      HF_HUB_DISABLE_TELEMETRY="1")
 
 
 # ----------------------------------------------------------------------------- files

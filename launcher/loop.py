@@ -93,6 +93,7 @@ def run(job: Job) -> int:
     profiler = StepProfiler(cfg.profile, job.run_dir, job.rank, device)
     saved_at, preempted = None, False
     measured: dict[str, int] = {}
+    skipped_steps = 0  # fp16: steps the loss scaler skipped on overflow, this launch
     job.preemption.started()
     while step < last:
         strike(cfg.debug, FaultPoint.hang, step + 1, job.rank)
@@ -121,6 +122,7 @@ def run(job: Job) -> int:
                      "error": str(err).splitlines()[0][:300]}) + "\n")
             raise
         step += 1
+        skipped_steps += bool(result.skipped)
         profiler.end(step)
         if step == first_step + 1 and ckpt.saver is not None:
             # After the first step, when the optimizer's state exists (staging it before
@@ -143,6 +145,7 @@ def run(job: Job) -> int:
                        **engine.state_bytes().as_metrics(), **measured}
             if result.loss_scale is not None:
                 metrics["loss_scale"] = result.loss_scale
+                metrics["skipped_steps"] = skipped_steps
             log.log(metrics)
 
         if ckpt.saver is not None and not settle(ckpt, watchdog, job, log, block=False):
@@ -312,6 +315,8 @@ def summarize(job: Job, history: list[dict], steps_run: int, digest: bool = True
     }
     if all(startups):  # per rank, in rank order: launcher.device.startup_peaks
         out["startup"] = {key: [s[key] for s in startups] for key in startups[0]}
+    if history and "skipped_steps" in history[-1]:  # fp16: overflow steps the scaler skipped
+        out["skipped_steps"] = history[-1]["skipped_steps"]
     if history and "mem/activation_bytes" in history[-1]:
         out["activation_bytes"] = history[-1]["mem/activation_bytes"]
     return out

@@ -130,7 +130,8 @@ class RankZeroLogger:
                     self.tb.add_scalar(k, v, metrics["step"], new_style=True, double_precision=True)
         line = (f"step {metrics['step']:>6}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  "
                 f"gnorm {metrics['grad_norm']:.3f}  {metrics['tokens_per_s']:,.0f} tok/s  "
-                f"mfu {100 * metrics['mfu']:.1f}%  peak {metrics['mem/peak_bytes'] / 2**20:,.0f} MiB")
+                f"mfu {100 * metrics['mfu']:.1f}%  peak {metrics['mem/peak_bytes'] / 2**20:,.0f} MiB"
+                + (f"  skipped {metrics['skipped_steps']} (fp16 overflow)" if metrics.get("skipped_steps") else ""))
         if self.progress is not None:
             self.progress.update(self.task, completed=metrics["step"], info=f"loss {metrics['loss']:.4f}")
             self.progress.console.print(line, markup=False)

@@ -36,7 +36,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import recipes
 from launcher import config as C
-from launcher import models, runlock
+from launcher import models, offline, runlock
 from launcher.checkpoint import Checkpointer, lock_folders, manifest_step, root_of
 from launcher.models import init
 from launcher.data import build_dataset
@@ -46,6 +46,7 @@ from launcher.engine import BuildContext
 from launcher.fit import describe
 from launcher.loop import Job, run
 from launcher.preempt import Preemption
+from launcher.store import job_store
 
 
 def _single_process_env() -> None:
@@ -56,22 +57,6 @@ def _single_process_env() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
-def job_store(rank: int | None, world_size: int, timeout_s: float) -> dist.Store:
-    """The job's key-value store, namespaced per torchrun attempt.
-
-    torchrun hosts one store for the job (TORCHELASTIC_USE_AGENT_STORE) and keeps it across
-    restarts of the group: without a fresh namespace a restarted rank can read a dead
-    peer's address left by the previous attempt and fail to connect (seen with gloo).
-    Without torchrun, rank 0 hosts the store, as env:// would. `rank=None`: another
-    client (the watchdog's own connection)."""
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    host = rank == 0 and not agent_hosts
-    base = dist.TCPStore(addr, port, world_size if host else None, is_master=host,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False, multi_tenant=host)
-    return dist.PrefixStore(f"launcher/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", base)
 
 
 SHARDED_ON_META = (C.Strategy.fsdp, C.Strategy.tp, C.Strategy.tp_fsdp, C.Strategy.pp)
@@ -126,6 +111,7 @@ def consolidated_digest(engine) -> str:
 @record
 def main(argv: list[str] | None = None) -> int:
     started = process_start_time()
+    offline()  # also for a rank started by hand: nothing is fetched from a hub
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m launcher.train RUN_DIR | RUN_DIR/config.yaml", file=sys.stderr)

@@ -135,6 +135,6 @@ class Watchdog:
 
 def job_store_client(world_size: int):
     """A connection of this thread's own to the job's store, in this attempt's namespace."""
-    from launcher.train import job_store
+    from launcher.store import job_store
 
     return job_store(rank=None, world_size=world_size, timeout_s=30)

@@ -16,8 +16,14 @@ RECIPES: dict[str, str] = {
 
 
 def module(cfg):
-    """The recipe's module, imported on first use."""
-    return importlib.import_module(RECIPES[cfg.recipe.strategy.value])
+    """The recipe's module, imported on first use (DeepSpeed's told its accelerator first:
+    it reads DS_ACCELERATOR when imported, and would probe and warn on a CPU machine)."""
+    name = RECIPES[cfg.recipe.strategy.value]
+    if name == "recipes.zero":
+        from launcher.device import deepspeed_env
+
+        deepspeed_env()
+    return importlib.import_module(name)
 
 
 def build(ctx):

@@ -32,7 +32,7 @@ from launcher import dcp, models
 from launcher.device import autocast_dtype
 from launcher.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
                              optimizer_state_bytes, tensor_bytes)
-from launcher.models import Layout, model_layout
+from launcher.models import Layout, model_layout, model_shape
 from launcher.models.gpt import lm_loss
 from launcher.models.parallel import Stage, stage_bounds
 from launcher.parallel import allreduce_grads, build_mesh, clip_grad_norm
@@ -48,7 +48,7 @@ class PipelineEngine:
         mesh = build_mesh(self.deg, ctx.device)
         pp_rank = mesh["pp"].get_local_rank()
         n_stages = C.pipeline_stages(p)
-        self.bounds = stage_bounds(C.model_shape(cfg), n_stages, p.pp_split)
+        self.bounds = stage_bounds(model_shape(cfg), n_stages, p.pp_split)
         mine = list(range(pp_rank, n_stages, self.deg.pp))
         full = ctx.model  # on the meta device: cut first, then allocate only this rank's layers
         self.layout = model_layout(full)

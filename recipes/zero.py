@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from launcher import ds_config, models
-from launcher.device import deepspeed_env
 from launcher.engine import BuildContext, MemoryBreakdown, StepResult, build_scheduler, param_groups
 from launcher.memory import zero_states
 from launcher.untrusted import DEEPSPEED_GLOBALS
@@ -44,7 +43,8 @@ warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is depreca
 # Imported here, not in the engine: train.start imports this module before it takes its
 # memory baseline, and the modules DeepSpeed loads (its own; torch.distributed.tensor, which
 # it imports while it builds an engine: about 100 MB) are the process's, not the model's.
-deepspeed_env()  # DeepSpeed reads its accelerator when it is imported
+# DeepSpeed reads its accelerator (DS_ACCELERATOR) when it is imported: the entry points set
+# it first (recipes.module, the launcher), never this import.
 import deepspeed  # noqa: E402
 import torch.distributed.tensor  # noqa: E402,F401
 

@@ -9,6 +9,7 @@ import pytest
 from hf_models import tiny_llama_config
 from launcher import cli
 from launcher import config as C
+from launcher.validate import validate
 from launcher.device import HostInfo
 
 HOST = HostInfo.detect()
@@ -72,12 +73,12 @@ def test_combination_composes_and_validates(recipe, model, data, precision, tmp_
     assert isinstance(cfg.train.activation_checkpointing, C.ACMode)
     if precision == "fp16" and not HOST.cuda:
         with pytest.raises(C.ConfigError, match="fp16 needs CUDA"):
-            C.validate(cfg, HOST)
+            validate(cfg, HOST)
     elif precision == "fp16" and recipe in C.RECIPE_PARALLELISM:
         with pytest.raises(C.ConfigError, match="no fp16 loss scaler"):
-            C.validate(cfg, HOST)
+            validate(cfg, HOST)
     else:
-        C.validate(cfg, HOST)
+        validate(cfg, HOST)
 
 
 def test_frozen_config_round_trips(tmp_path):
@@ -90,3 +91,26 @@ def test_frozen_config_round_trips(tmp_path):
 def test_global_batch_derives_accumulation():
     cfg, _, _ = cli.compose_config(["train.global_batch=64", "train.micro_batch=4"])
     assert C.grad_accum(cfg, 2) == 8 and C.global_batch(cfg, 2) == 64
+
+
+@pytest.mark.parametrize("steps", [1, 10, 20, 21])
+def test_a_warmup_longer_than_the_run_is_clamped_with_one_warning(steps, capsys):
+    """The default warm-up is 20 steps; `train.steps=10` (a smoke test) trains, warming up
+    throughout, as torchtitan does; config.yaml records the warm-up it ran with."""
+    from launcher.engine import lr_factor
+
+    cfg, _, _ = cli.compose_config([f"train.steps={steps}"])
+    assert cfg.optim.warmup_steps == 20
+    validate(cfg, HOST)
+    validate(cfg, HOST)  # said once: the clamped value is valid
+    err = capsys.readouterr().err
+    if steps < 20:
+        assert cfg.optim.warmup_steps == steps
+        assert err == (f"warning: optim.warmup_steps=20 is longer than train.steps={steps}: warming up over all "
+                       f"{steps} steps\n"), err
+    else:
+        assert cfg.optim.warmup_steps == 20 and err == ""
+    factors = [lr_factor(s, steps, cfg.optim) for s in range(steps)]
+    assert all(0 < f <= 1 for f in factors)
+    if steps <= 20:
+        assert factors == sorted(factors) and factors[-1] == 1  # warming up throughout, to the peak

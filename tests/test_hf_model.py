@@ -260,7 +260,20 @@ def test_layout_flops_and_shape_come_from_the_hf_config(tmp_path):
     h, f, v, L, kv = 64, 128, 300, 4, 2 * 16
     matmul = L * (2 * h * h + 2 * h * kv + 3 * h * f) + h * v
     assert models.flops_per_token(cfg, 32) == 6 * matmul + 12 * L * h * 32 == flops_per_token(shape, 32)
-    assert C.model_vocab_size(cfg) == hf.model_vocab_size(cfg) == 300
+    assert models.model_vocab_size(cfg) == hf.model_vocab_size(cfg) == 300
+
+
+def test_the_space_check_counts_the_hf_model_itself(tmp_path):
+    """16 bytes for each parameter of the model as built: for model=hf the Hugging Face
+    model's own count (it once counted the project's default decoder instead)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from launcher.memory import ParamCounts
+
+    cfg = compose("model=hf", f"model.config={tiny_llama_config(tmp_path, num_hidden_layers=6)}")
+    want = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path)).num_parameters()
+    assert cli.checkpoint_bound(cfg) == 16 * want
+    assert ParamCounts.of(cfg.model).total != want  # the count before
 
 
 @pytest.mark.parametrize("tied,kv_heads", [(True, None), (False, 2)])

@@ -16,6 +16,7 @@ import pytest
 from conftest import assert_same_training, launch, read_metrics
 from launcher import cli
 from launcher import config as C
+from launcher.validate import validate
 from launcher.hf_text import BYTE_EOS, POINTER, load_tokenizer, prepare_cache
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven small ducks swim across the cold "
@@ -76,7 +77,7 @@ def test_every_format_gives_the_documents_bytes_and_eos(tmp_path):
     }
     for name, overrides in sources.items():
         cfg = compose(*overrides)
-        C.validate(cfg, cli.HostInfo.detect())
+        validate(cfg, cli.HostInfo.detect())
         line = prepare_cache(cfg, tmp_path / name)
         assert "documents" in line and "built" in line, line
         tokens, meta = cached_tokens(tmp_path / name)
@@ -90,7 +91,7 @@ def test_local_tokenizer_and_cache_key(tmp_path):
     tok_dir = make_tokenizer(tmp_path / "tok", WORDS + docs[1].split())
     run = tmp_path / "run"
     cfg = compose(f"data.files={corpus}", f"data.tokenizer={tok_dir}")
-    C.validate(cfg, cli.HostInfo.detect())
+    validate(cfg, cli.HostInfo.detect())
     assert "built" in prepare_cache(cfg, run)
     tokens, meta = cached_tokens(run)
     hf = load_tokenizer(str(tok_dir)).tok

@@ -12,6 +12,7 @@ from torch import nn
 
 from launcher import cli
 from launcher import config as C
+from launcher.validate import validate
 from launcher.dcp import _canonical
 from launcher.device import HostInfo
 from launcher.models.gpt import GPT
@@ -53,7 +54,7 @@ def test_the_issue_commands_validate():
                              (["recipe=pp", "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=8"], 2),
                              (["recipe=tp_fsdp", "parallel.tp=2"], 4), (["recipe=fsdp"], 4)]:
         cfg = compose(*overrides, f"cluster.nproc_per_node={nproc}")
-        C.validate(cfg, HOST)
+        validate(cfg, HOST)
 
 
 def _brute_force_best(model, n_stages):

@@ -103,11 +103,11 @@ def test_a_killed_rank_restarts_resumes_and_ends_bit_identical(recipe, kill_afte
 
 
 def test_each_attempt_of_a_restarted_group_has_a_namespace_of_its_own(monkeypatch):
-    """train.job_store: keys a dead attempt left in torchrun's store (a peer's address) are
+    """store.job_store: keys a dead attempt left in torchrun's store (a peer's address) are
     not seen by the next attempt, which a real store on this machine shows."""
     import socket
 
-    from launcher.train import job_store
+    from launcher.store import job_store
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

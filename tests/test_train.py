@@ -128,8 +128,12 @@ def test_dry_run_prints_and_starts_nothing(run_dir):
     proc = launch("--dry-run", "model=gpt_small", run_dir=run_dir)
     assert "name: gpt_small" in proc.stdout and "torch.distributed.run" in proc.stdout
     assert not run_dir.exists()
-    proc = launch("dry_run=true", run_dir=run_dir)
-    assert "launcher.train" in proc.stdout and not run_dir.exists()
+    assert "\ndry_run:" not in proc.stdout  # a flag, never a key of config.yaml
+    refused = launch("dry_run=true", run_dir=run_dir, check=False)
+    assert refused.returncode == 2 and "dry_run" in refused.stderr and not run_dir.exists()
+    refused = launch("--json", run_dir=run_dir, check=False)  # plan's flag, not train's
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "error: unknown flag '--json' for train; allowed: --dry-run, -m/--multirun, or key=value overrides"]
 
 
 def test_multirun_makes_one_run_dir_per_point(tmp_path):
@@ -437,3 +441,18 @@ def test_export_loads_into_the_model_with_the_same_logits(tmp_path):
     half = load_exported(half_path)
     with torch.no_grad():
         assert torch.allclose(half(x), trained(x), atol=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (fp16's loss scaler)")
+@pytest.mark.parametrize("recipe", ["ddp", "zero2"])
+def test_fp16_overflow_steps_are_counted(recipe, tmp_path):
+    """A loss scale far too large (2^40) makes the first steps overflow: each is skipped and
+    halves the scale; metrics.jsonl and summary.json count them (`skipped_steps`)."""
+    run = tmp_path / "run"
+    launch(f"recipe={recipe}", "precision=fp16", "precision.initial_scale=1099511627776", "cluster.nproc_per_node=1",
+           "train.steps=30", "optim.warmup_steps=2", "logger=none", "logger.log_every=1", run_dir=run)
+    rows = read_metrics(run)
+    counts = [r["skipped_steps"] for r in rows]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] < 30, counts
+    assert rows[-1]["loss_scale"] < 2**40
+    assert json.loads((run / "summary.json").read_text())["skipped_steps"] == counts[-1]

@@ -9,38 +9,11 @@ splits). Functions here dispatch on the kind; transformers is imported only for 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from launcher.config import Config, ModelKind
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where a decoder's parts are, by module name (the full model's names, which every
-    shard, stage and checkpoint keeps)."""
-
-    embed: str = "tok_embeddings"
-    layers: str = "layers"
-    """The nn.ModuleList of decoder layers: FSDP wraps each, pipeline stages cut between them."""
-    norm: str = "norm"
-    head: str = "output"
-    tied: bool = True
-    """The head's weight is the embedding's (one Parameter)."""
-    colwise: tuple[str, ...] = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
-    """Inside a layer: matmuls tensor parallel splits by output columns (whole heads per rank)."""
-    rowwise: tuple[str, ...] = ("attention.wo", "feed_forward.w2")
-    """Inside a layer: matmuls split by input rows (partial sums all-reduced)."""
-    norms: tuple[str, ...] = ("attention_norm", "ffn_norm")
-    """Inside a layer: modules computed whole on every tensor-parallel rank."""
-    attention: str = "attention"
-    mlp: str = "feed_forward"
-
-    def tied_names(self) -> tuple[str, str] | None:
-        """(head weight, embedding weight) when tied: checkpoints keep the embedding's name."""
-        return (f"{self.head}.weight", f"{self.embed}.weight") if self.tied else None
+from launcher.config import Config, ModelConfig, ModelKind
+from launcher.models.layout import Layout
 
 
 def layout(cfg: Config) -> Layout:
@@ -168,3 +141,19 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
 
         return hf.flops_per_token(cfg.model, seq_len)
     return gpt_flops(cfg.model, seq_len)
+
+
+def model_shape(cfg: Config) -> ModelConfig:
+    """The decoder's shape in the project's fields (heads, layers, hidden sizes, vocabulary,
+    tying): model=hf reads it from the Hugging Face config (launcher.models.hf.gpt_shape),
+    so degree checks, pipeline cuts and the planner's formulas see one kind of model."""
+    if cfg.model.kind == ModelKind.hf:
+        from launcher.models.hf import gpt_shape
+
+        return gpt_shape(cfg.model)
+    return cfg.model
+
+def model_vocab_size(cfg: Config) -> int:
+    """Embedding rows of the configured model, read from its config without building it
+    (launcher.models.hf.model_vocab_size). The data's token ids must stay below it."""
+    return model_shape(cfg).vocab_size

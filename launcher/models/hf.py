@@ -26,33 +26,26 @@ ZeRO; tp and pp refuse it before launch.
 
 from __future__ import annotations
 
-import os
+import contextlib
+import copy
+import functools
+import json
+from pathlib import Path
 
-# Before transformers or huggingface_hub is imported anywhere in this process.
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
-os.environ["HF_DATASETS_OFFLINE"] = "1"
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no "Loading weights" bars in every rank's log
+import torch
+from torch import nn
 
-import contextlib  # noqa: E402
-import copy  # noqa: E402
-import functools  # noqa: E402
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from launcher.config import (ACMode, Config, ConfigError, HFAttention, ModelConfig, ModelKind,  # noqa: E402
-                             RECIPE_PARALLELISM)
-from launcher.models import Layout  # noqa: E402
-from launcher.models.gpt import lm_loss  # noqa: E402
+from launcher import offline
+from launcher.config import ACMode, Config, ConfigError, HFAttention, ModelConfig, ModelKind, RECIPE_PARALLELISM
+from launcher.models.layout import Layout
+from launcher.models.gpt import lm_loss
 
 PP_PARTS = ("embed_tokens", "layers", "norm")  # base_model_pp_plan keys a pipeline can cut
 TP_STYLES = ("colwise", "rowwise")  # base_model_tp_plan styles applied here (the Llama family's)
 
 
 def _transformers():
+    offline()  # before huggingface_hub is imported: nothing is fetched
     try:
         import transformers
     except ImportError:
@@ -125,6 +118,7 @@ def build(m: ModelConfig, device: torch.device) -> "HFCausalLM":
     """The model's structure from its config (model.config, or model.pretrained's
     config.json) on `device` (the launcher builds on meta; launcher.models.materialize then
     draws or reads the weights, each rank only its part), in fp32, in training mode."""
+    offline()
     from transformers import AutoModelForCausalLM
 
     from transformers.initialization import no_init_weights
@@ -374,6 +368,7 @@ def save_pretrained(cfg: Config, state: dict[str, torch.Tensor], out: Path, dtyp
     """A folder AutoModelForCausalLM.from_pretrained loads: config.json, safetensors
     shards, generation_config.json, and the tokenizer when the run's data named a local
     tokenizer folder. `state`: consolidated full weights under this model's names."""
+    offline()
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     if cfg.model.kind == ModelKind.hf:
@@ -404,6 +399,7 @@ def llama_from_gpt(m: ModelConfig, state: dict[str, torch.Tensor]):
     differs: gpt.py rotates adjacent channel pairs (2i, 2i+1), Llama rotates halves
     (i, i + head_dim/2); q and k rows are permuted per head to match (the same permutation
     transformers' convert_llama_weights_to_hf applies)."""
+    offline()
     from transformers import LlamaConfig
 
     from launcher.config import ffn_dim

@@ -196,6 +196,9 @@ def recorded_specs(model: nn.Module, hf: nn.Module) -> dict[str, InitSpec]:
     recorded on the meta-device structure, an embedding's zeroed padding row included. A
     parameter it leaves alone gets normal(0, initializer_range) when it is a matrix, ones
     when it is a vector named weight, zeros otherwise."""
+    from launcher import offline
+
+    offline()
     from transformers import initialization as hf_init
 
     names: dict[int, list[str]] = {}  # a tied weight has two names
