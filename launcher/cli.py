@@ -9,268 +9,37 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import shlex
 import shutil
-import socket
 import sys
-import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException, MissingConfigException
-from omegaconf import OmegaConf, open_dict
+from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from launcher import config as C
-from launcher import fit, identity, offline, plaintext, runlock, slurm
+from launcher import config as C, fit, identity, offline, plaintext, runlock, slurm
 from launcher.checkpoint import lock_folders, root_of
-from launcher.commands import (HOSTFILE, SLURM_STEPS, LaunchPlan, command_script, hostfile_text, launch_argv, rank_env,
-                               sbatch_script)
+from launcher.commands import command_script, launch_argv, LaunchPlan, rank_env, sbatch_script, SLURM_STEPS
+from launcher.compose import compose_config, describe, expand_sweep, UsageError
 from launcher.device import HostInfo
 from launcher.exits import EXIT_INTERRUPTED
+from launcher.planning import cmd_plan, planned_host, resolve_auto
 from launcher.preempt import supervise
+from launcher.rundir import (check_checkpoint_space, check_resume_is_data, check_run_dir_name, check_writable, make_plan,
+                             nothing_to_train, prepare_run, run_files, write_run_dir, zero_config)
 from launcher.validate import validate
 
-REPO = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO / "conf"
+
 COMMANDS = ("train", "export", "plan", "submit")
+
+
 USAGE = """usage: launcher train [key=value ...] [--dry-run] [-m|--multirun]
        launcher plan [key=value ...] [--json]
        launcher submit [key=value ...] [--dry-run] [-m|--multirun]   (a Slurm batch job; cluster=slurm)
        launcher export RUN_DIR [export.key=value ...]"""
 
 
-class UsageError(Exception):
-    """Bad input that is not about one config key."""
-
-
-# ----------------------------------------------------------------------------- compose
-def compose_config(overrides: list[str]) -> tuple[C.Config, Path, dict]:
-    """Compose conf/ with the overrides; return the typed config, the run directory
-    Hydra resolved (hydra.run.dir, ${now:} evaluated once, here) and Hydra's node."""
-    C.register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        node = compose("config", overrides=overrides, return_hydra_config=True)
-    hydra_node = node.hydra
-    run_dir = Path(str(hydra_node.run.dir))
-    with open_dict(node):
-        del node["hydra"]
-    return C.to_typed(node), run_dir, hydra_node
-
-
-def expand_sweep(overrides: list[str]) -> list[list[str]]:
-    """Hydra's sweep syntax (`optim.lr=1e-3,3e-3`) -> one override list per point."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
-    return [list(point) for batch in batches for point in batch]
-
-
-# ----------------------------------------------------------------------------- errors
-def _options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
-def describe(e: BaseException) -> str:
-    """One line for a composition or validation error: key, value, what is allowed."""
-    if isinstance(e, C.ConfigError):
-        return str(e)
-    if isinstance(e, MissingConfigException):
-        text = str(e)
-        for group in C.GROUPS:
-            if f"'{group}/" in text:
-                name = text.split(f"'{group}/", 1)[1].split("'", 1)[0]
-                allowed = _options(group) + (["auto (the planner chooses)"] if group == "recipe" else [])
-                return f"{group}={name}: no such {group}; allowed: {', '.join(allowed)}"
-        return text.splitlines()[0]
-    # The OmegaConf error in the chain that names a key carries the reason.
-    chain, inner = [], e
-    while inner is not None and inner not in chain:
-        chain.append(inner)
-        inner = inner.__cause__ or inner.__context__
-    for err in chain:
-        if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
-            return _describe_omegaconf(err)
-    text = str(e).strip()
-    return text.splitlines()[0] if text else e.__class__.__name__
-
-
-def _describe_omegaconf(e: OmegaConfBaseException) -> str:
-    key = getattr(e, "full_key", None) or "?"
-    msg = str(getattr(e, "msg", "") or e).strip().splitlines()[0]
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
-
-    if isinstance(e, (ConfigKeyError, ConfigAttributeError)) and "not in" in msg:
-        parent, _, leaf = key.rpartition(".")
-        schema = C.GROUPS.get(parent.split(".")[0]) if parent else C.Config
-        allowed = ""
-        if schema is not None:
-            node = OmegaConf.structured(schema)
-            for part in parent.split(".")[1:]:
-                node = node[part]
-            allowed = "; allowed keys: " + ", ".join(node.keys())
-        return f"{key}: unknown key{allowed}"
-    if isinstance(e, MissingMandatoryValue):
-        return f"{key}: missing; it must be given (e.g. {key}=...)"
-    if isinstance(e, ValidationError):
-        value = getattr(e, "value", None)
-        if "expected one of" in msg:
-            allowed = msg.split("expected one of", 1)[1].strip()
-            return f"{key}={value}: not allowed; allowed: {allowed.strip('[]')}"
-        want = "the declared type"
-        if "converted to" in msg:
-            want = msg.split("converted to", 1)[1].strip()
-        elif "is not a valid" in msg:
-            want = msg.split("is not a valid", 1)[1].split()[0].capitalize().replace("Bool", "Boolean")
-        names = {"Integer": "int", "Float": "float", "Boolean": "bool (true/false)", "String": "str"}
-        return f"{key}={value}: wrong type; expected {names.get(want, want)}"
-    return f"{key}: {msg}"
-
-
-# ----------------------------------------------------------------------------- run dir
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def make_plan(cfg: C.Config, host: HostInfo) -> LaunchPlan:
-    nproc = C.nproc_per_node(cfg, host)
-    threads = cfg.cluster.cpu_threads or max(1, host.cpus // nproc)
-    port = cfg.cluster.master_port or free_port()
-    return LaunchPlan(python=sys.executable, nproc_per_node=nproc, master_port=port, threads_per_rank=threads,
-                      workdir=os.getcwd())
-
-
-def writable_parent(path: Path, key: str) -> Path:
-    """The nearest existing folder at or above `path`, proven writable by creating (and
-    removing) a file in it: permission bits alone do not tell (root, read-only mounts,
-    /proc). Found here, on the launch side, not on a rank."""
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    try:
-        if not probe.is_dir():
-            raise NotADirectoryError(20, "not a folder")
-        with tempfile.NamedTemporaryFile(dir=probe, prefix=".launcher-probe-"):
-            pass
-    except OSError as err:
-        raise C.ConfigError(key, str(path), f"cannot write under {probe} ({err.strerror}); choose a writable folder")
-    return probe
-
-
-def check_writable(run_dir: Path) -> None:
-    writable_parent(run_dir, "hydra.run.dir")
-
-
-def checkpoint_bound(cfg: C.Config) -> int:
-    """Upper bound of one checkpoint's bytes: fp32 weights, Adam's two moments and a
-    low-precision copy, 16 bytes for each parameter of the model as it will be built
-    (its meta-device build: model=hf counts the Hugging Face model itself)."""
-    from launcher import models
-
-    return 16 * sum(p.numel() for p in models.on_meta(cfg).parameters())
-
-
-def check_checkpoint_space(cfg: C.Config, run_dir: Path) -> None:
-    """The checkpoint folder is writable and its disk has room for keep + 1 checkpoints
-    (the newest is written before the oldest is deleted), found here, not mid-run."""
-    from launcher.checkpoint import complete_checkpoints
-
-    root = root_of(cfg, run_dir)
-    probe = writable_parent(root, "checkpoint.dir")
-    each = checkpoint_bound(cfg)
-    existing = sum(f.stat().st_size for d in complete_checkpoints(root) for f in d.rglob("*") if f.is_file())
-    need = max(each, each * (cfg.checkpoint.keep + 1) - existing)
-    free = shutil.disk_usage(probe).free
-    if free < need:
-        raise C.ConfigError("checkpoint.dir", str(root),
-                            f"{free / 2**30:.2f} GiB free, but keep={cfg.checkpoint.keep} checkpoints of up to "
-                            f"{each / 2**30:.2f} GiB need {need / 2**30:.2f} GiB; free space, lower checkpoint.keep, "
-                            f"or choose another checkpoint.dir")
-
-
-def check_resume_is_data(cfg: C.Config, run_dir: Path) -> None:
-    """Every checkpoint the ranks may resume from can be read without running code
-    (launcher/untrusted.py): a crafted file is refused here, in one line, before any rank
-    starts. Only pickles' small parts are read (no digests, no tensor data)."""
-    from launcher.checkpoint import resumable
-    from launcher.untrusted import check_checkpoint
-
-    for folder in resumable(cfg, run_dir):
-        problem = check_checkpoint(folder)
-        if problem:
-            raise C.ConfigError("checkpoint.resume", cfg.checkpoint.resume, problem)
-
-
-def run_files(cfg: C.Config, plan: LaunchPlan, ds: dict | None) -> dict[str, str]:
-    """Files besides config.yaml the ranks or the runner read: ds_config.json (ZeRO), the
-    hostfile (runner=deepspeed on several nodes)."""
-    from launcher import ds_config
-
-    files = {}
-    if ds is not None:
-        files[ds_config.FILE] = ds_config.text(ds)
-    if cfg.cluster.runner == C.Runner.deepspeed and cfg.cluster.nnodes > 1:
-        files[HOSTFILE] = hostfile_text(cfg, plan)
-    return files
-
-
-def prepare_run(cfg: C.Config, run_dir: Path, plan: LaunchPlan,
-                files: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
-    """Write RUN_DIR/config.yaml, command.sh and `files`; return the command and its
-    environment. A failure here removes a run directory this call created."""
-    argv = launch_argv(cfg, str(run_dir), plan)
-    env = rank_env(plan, cfg.cluster.env)
-    # Several nodes share the run directory: node 0 writes command.sh, node k command.node<k>.sh.
-    name = "command.sh" if cfg.cluster.node_rank == 0 else f"command.node{cfg.cluster.node_rank}.sh"
-    write_run_dir(cfg, run_dir, {name: command_script(argv, env, plan.workdir, str(run_dir))}, files)
-    return argv, env
-
-
-def write_run_dir(cfg: C.Config, run_dir: Path, scripts: dict[str, str], files: dict[str, str] | None = None) -> bool:
-    """RUN_DIR/config.yaml, executable scripts and other files the ranks read. A failure
-    removes a run directory this call created. Returns whether it created the directory."""
-    created = not run_dir.exists()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if cfg.cluster.node_rank == 0:  # every rank of every node reads node 0's (its run id among the rest)
-            (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
-            for name, text in (files or {}).items():
-                (run_dir / name).write_text(text)
-        for name, text in scripts.items():
-            (run_dir / name).write_text(text)
-            (run_dir / name).chmod(0o755)
-    except OSError as err:
-        if created:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise C.ConfigError("hydra.run.dir", str(run_dir), f"cannot write the run directory ({err.strerror})")
-    if cfg.data.name == C.DataKind.hf_text:
-        prepare_data(cfg, run_dir, created)
-    return created
-
-
-def prepare_data(cfg: C.Config, run_dir: Path, created: bool) -> None:
-    """data=hf_text: tokenize once, here, before any rank starts (the ranks memory-map the
-    cache). A failure removes a run directory this launch created."""
-    from launcher.hf_text import prepare_cache
-
-    try:
-        print(prepare_cache(cfg, run_dir), flush=True)
-    except (C.ConfigError, OSError) as err:
-        if created:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        if isinstance(err, OSError):
-            raise C.ConfigError("data.files", cfg.data.files, f"the token cache could not be written ({err})")
-        raise
-
-
-# ----------------------------------------------------------------------------- main
 class Args(NamedTuple):
     command: str
     overrides: list[str]
@@ -376,14 +145,6 @@ def compose_jobs(command: str, overrides: list[str], multirun: bool,
     return jobs
 
 
-def planned_host(command: str, point: list[str], here: HostInfo) -> HostInfo:
-    """What recipe=auto / train.micro_batch=auto plan for: this machine, or a Slurm job's nodes."""
-    auto = ("recipe=auto", "train.micro_batch=auto")
-    if command != "submit" or not any(o in auto for o in point):
-        return here
-    return slurm.node_host(compose_config([o for o in point if o not in auto])[0], here)
-
-
 def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool) -> None:
     """The config fits the command: Slurm configs are submitted, others trained here."""
     c = cfg.cluster
@@ -407,12 +168,6 @@ def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool)
         from launcher.rendezvous import check_master_addr
 
         check_master_addr(cfg)
-
-
-def check_run_dir_name(run_dir: Path) -> None:
-    """The run directory's path goes into scripts (quoted): a line break would end a comment."""
-    if any(ch in str(run_dir) for ch in "\n\r\0"):
-        raise C.ConfigError("hydra.run.dir", repr(str(run_dir)), "a path without line breaks")
 
 
 def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> int:
@@ -493,135 +248,6 @@ def wandb_reachable_or_offline(cfg: C.Config, run_dir: Path) -> C.Config:
                                                      f"(wandb sync RUN_DIR/wandb later)")
     print(f"W&B: {problem}; this run logs offline to {run_dir / 'wandb'} (wandb sync it later)", flush=True)
     return dataclasses.replace(cfg, logger=dataclasses.replace(cfg.logger, mode=C.WandbMode.offline))
-
-
-def nothing_to_train(cfg: C.Config, run_dir: Path) -> bool:
-    """A launch that would resume a checkpoint already at train.steps says so in one line
-    and leaves the run directory as it is (its summary.json is the run's own)."""
-    from launcher.checkpoint import manifest_step, resumable
-
-    folders = resumable(cfg, run_dir)
-    step = manifest_step(folders[-1]) if folders else None
-    if step is None or step < cfg.train.steps:
-        return False
-    print(f"nothing to train: {run_dir} has a checkpoint at step {step} of train.steps={cfg.train.steps}; "
-          f"raise train.steps to train on", flush=True)
-    return True
-
-
-# ----------------------------------------------------------------------------- planning
-def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "planner.Hardware":
-    """The GPUs to plan for: the configured cluster, or this machine's."""
-    from launcher import plan as planner
-    from launcher.device import gpu_memory_bytes, gpu_name, table_tflops
-
-    c = cfg.cluster
-    if world_from_launch:
-        gpn = C.nproc_per_node(cfg, host)
-    else:
-        gpn = c.gpus_per_node or (host.gpus if host.cuda else None)
-        if gpn is None:
-            raise C.ConfigError("cluster.gpus_per_node", None, "needed to plan on a machine without GPUs (e.g. 8)")
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's memory
-    mem = int(c.gpu_memory_gb * 2**30) if c.gpu_memory_gb else gpu_memory_bytes()
-    if mem is None and world_from_launch and not host.cuda:  # ranks on this CPU: each gets its share of memory
-        mem = ram // gpn
-    if mem is None:
-        raise C.ConfigError("cluster.gpu_memory_gb", None, "needed to plan on a machine without GPUs (e.g. 80)")
-    tflops = cfg.plan.gpu_tflops or table_tflops(gpu_name()) or planner.DEFAULT_TFLOPS
-    host_bytes = int(cfg.plan.host_memory_gb * 2**30) if cfg.plan.host_memory_gb else None
-    if host_bytes is None and world_from_launch:  # planning for this machine: its memory
-        host_bytes = ram
-    return planner.Hardware(gpu_bytes=mem, gpus_per_node=gpn, nnodes=c.nnodes, tflops=tflops, host_bytes=host_bytes)
-
-
-def available_recipes() -> set[str]:
-    return set(_options("recipe"))
-
-
-def recommended_command(overrides: list[str], best) -> str:
-    """`make train RECIPE=.. ARGS=".."` that trains exactly the planned row: every override
-    the user gave (the model, the sequence length, the cluster planned for), less the ones
-    the plan chose anew and the plan's own options, then the plan's choices."""
-    chosen = best.layout.overrides()[1:] + [f"train.activation_checkpointing={best.ac.value}",
-                                            f"train.micro_batch={best.micro_batch}"]
-    replaced = {o.split("=", 1)[0] for o in chosen} | {"recipe", "parallel.tp", "parallel.pp"}
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in replaced
-            and not o.lstrip("+~").startswith("plan.") and not o.startswith("--")]
-    args = " ".join(shlex.quote(o) for o in kept + chosen)
-    return f'make train RECIPE={best.layout.recipe} ARGS="{args}"'
-
-
-def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
-    """`launcher plan`: the table (or --json), optionally a chart; validates the config
-    against the planned cluster, not this machine."""
-    from launcher import plan as planner
-
-    cfg, _, _ = compose_config(overrides)
-    host = HostInfo.detect()
-    hw = hardware(cfg, host, world_from_launch=False)
-    # Checked against the cluster being planned for, not this machine: one node with all
-    # its GPUs stands for it (the same data-parallel size, no rendezvous to check).
-    import dataclasses
-
-    as_one_node = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, nnodes=1, node_rank=0,
-                                                                       nproc_per_node=None, gpus_per_node=hw.world))
-    validate(as_one_node, HostInfo(cuda=True, gpus=hw.world, cpus=host.cpus))
-    rows = planner.plan(cfg, hw, available_recipes())
-    if as_json:
-        print(planner.to_json(rows, hw))
-    else:
-        from rich.console import Console
-
-        console = Console(width=200)
-        title = (f"{cfg.model.name}: seq {cfg.train.seq_len}, {cfg.precision.name.value}, "
-                 f"{hw.nnodes} node(s) x {hw.gpus_per_node} GPU(s) of {hw.gpu_bytes / 2**30:.0f} GiB")
-        console.print(planner.table(rows, hw, title))
-        best = planner.recommended(rows)
-        if best is None:
-            console.print(planner.no_fit_message(rows, hw, cfg.plan.reserve_gb), markup=False)
-        else:
-            console.print(f"recommended: {recommended_command(overrides, best)}", markup=False)
-    if cfg.plan.chart:
-        planner.chart(rows, hw, Path(cfg.plan.chart))
-        if not as_json:
-            print(f"chart: {cfg.plan.chart}")
-    return 0
-
-
-def resolve_auto(overrides: list[str], host: HostInfo) -> tuple[list[str], str | None]:
-    """`recipe=auto` and `train.micro_batch=auto`: ask the planner, return the overrides
-    with its choice filled in, and the plan (json) to keep in the run directory."""
-    from launcher import plan as planner
-
-    auto_recipe = "recipe=auto" in overrides
-    auto_mb = "train.micro_batch=auto" in overrides
-    if not (auto_recipe or auto_mb):
-        return overrides, None
-    rest = [o for o in overrides if o not in ("recipe=auto", "train.micro_batch=auto")]
-    cfg, _, _ = compose_config(rest)
-    hw = hardware(cfg, host, world_from_launch=True)
-    # On a CPU the ranks' memory is the host's: offloading to it saves nothing.
-    recipes = available_recipes() - (set() if host.cuda else {"zero2_offload", "zero3_offload"})
-    rows = planner.plan(cfg, hw, recipes, micro_batch=None if auto_mb else cfg.train.micro_batch)
-    if not auto_recipe:  # keep the user's recipe and checkpointing; choose the micro-batch
-        mine = planner.layout_for(cfg, hw.world)
-        rows = [r for r in rows if r.layout == mine and r.ac == cfg.train.activation_checkpointing]
-    fitting = [r for r in rows if r.fits]
-    if not fitting:
-        raise C.ConfigError("recipe" if auto_recipe else "train.micro_batch", "auto",
-                            planner.no_fit_message(rows, hw, cfg.plan.reserve_gb))
-    best = min(fitting, key=lambda r: r.step_time_s / r.tokens_per_step)
-    chosen = list(rest)
-    if auto_recipe:
-        chosen += best.layout.overrides() + [f"train.activation_checkpointing={best.ac.value}"]
-    if auto_mb:
-        chosen.append(f"train.micro_batch={best.micro_batch}")
-    per = "per GPU" if host.cuda or cfg.cluster.gpu_memory_gb else "per rank: this machine's memory, shared"
-    print(f"planner chose: {best.layout.label}, activation checkpointing {best.ac.value}, micro-batch "
-          f"{best.micro_batch} ({best.peak / 2**30:.2f} of {hw.gpu_bytes / 2**30:.2f} GiB {per})", flush=True)
-    record = {"chosen": chosen[len(rest):], "plan": json.loads(planner.to_json(rows, hw))}
-    return chosen, json.dumps(record, indent=1)
 
 
 def supervise_with_backoff(cfg: C.Config, argv: list[str], env: dict[str, str], run_dir: Path) -> int:
@@ -710,19 +336,6 @@ def cmd_submit(overrides: list[str], multirun: bool, dry_run: bool = False) -> i
             raise
         print(f"submitted job {job_id}: run directory {run_dir}, log {slurm.log_path(run_dir, job_id)}", flush=True)
     return 0
-
-
-def zero_config(cfg: C.Config, host: HostInfo) -> dict | None:
-    """recipe.strategy=zero: DeepSpeed's config, generated, merged with recipe.zero.extra and
-    checked by DeepSpeed's parser at the world size of this launch (ConfigError if not)."""
-    if cfg.recipe.strategy != C.Strategy.zero:
-        return None
-    from launcher import ds_config
-    from launcher.device import deepspeed_env
-
-    deepspeed_env()
-    world = C.nproc_per_node(cfg, host) * cfg.cluster.nnodes
-    return ds_config.launch_config(cfg, world, host.cuda)
 
 
 def cmd_export(args: list[str]) -> int:

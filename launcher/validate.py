@@ -1,5 +1,5 @@
 """Cross-field checks on the launch side, before anything is written or started: what no
-single type of launcher/config.py can express (batch arithmetic, device capabilities,
+single type of launcher/config/ can express (batch arithmetic, device capabilities,
 paths, parallel degrees against the model's shape, Slurm's and DeepSpeed's settings).
 Each raises `ConfigError`, which the launch side prints as one line, exit 2.
 

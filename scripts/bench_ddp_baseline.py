@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from baseline_common import parser, report, timed_loop
-from launcher.cli import compose_config
+from launcher.compose import compose_config
 from launcher.engine import optimizer_state_bytes, tensor_bytes
 from launcher.models.gpt import GPT
 

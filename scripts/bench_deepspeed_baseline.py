@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from baseline_common import parser, report, timed_loop
-from launcher.cli import compose_config
+from launcher.compose import compose_config
 from launcher.device import deepspeed_env
 from launcher.models.gpt import GPT
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from launcher import ds_config, models
 from launcher import plan as planner
-from launcher.cli import CONF_DIR, compose_config
+from launcher.compose import CONF_DIR, compose_config
 from launcher.config import ACMode, ConfigError, Strategy
 from launcher.validate import validate
 from launcher.data import build_dataset

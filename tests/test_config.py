@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from hf_models import tiny_llama_config
-from launcher import cli
+from launcher import cli, compose
 from launcher import config as C
 from launcher.validate import validate
 from launcher.device import HostInfo
@@ -16,7 +16,7 @@ HOST = HostInfo.detect()
 
 
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (cli.CONF_DIR / group).glob("*.yaml"))
+    return sorted(p.stem for p in (compose.CONF_DIR / group).glob("*.yaml"))
 
 
 def test_every_group_has_a_schema_and_files():
@@ -25,7 +25,7 @@ def test_every_group_has_a_schema_and_files():
 
 
 def test_every_config_file_opens_with_its_command():
-    for path in sorted(cli.CONF_DIR.rglob("*.yaml")):
+    for path in sorted(compose.CONF_DIR.rglob("*.yaml")):
         first = path.read_text().splitlines()[0]
         assert first.startswith("# make ") or first.startswith("# python "), f"{path} opens with {first!r}"
 

@@ -20,7 +20,7 @@ import torch
 
 from conftest import launch, read_metrics
 from hf_models import TINY_LLAMA, tiny_llama_config
-from launcher import cli, models
+from launcher import cli, models, rundir
 from launcher import config as C
 from launcher.data import build_dataset
 from launcher.models.gpt import GPT, lm_loss
@@ -272,7 +272,7 @@ def test_the_space_check_counts_the_hf_model_itself(tmp_path):
 
     cfg = compose("model=hf", f"model.config={tiny_llama_config(tmp_path, num_hidden_layers=6)}")
     want = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path)).num_parameters()
-    assert cli.checkpoint_bound(cfg) == 16 * want
+    assert rundir.checkpoint_bound(cfg) == 16 * want
     assert ParamCounts.of(cfg.model).total != want  # the count before
 
 

@@ -1,5 +1,5 @@
 """The import graph: no cycle among the project's modules (lazy imports inside functions
-included), launcher/config.py imports nothing else of the project, and no module changes
+included), launcher/config/ imports nothing else of the project, and no module changes
 the environment when it is imported (the hub's offline switches are set by the entry
 points: the launcher, a rank)."""
 
@@ -102,7 +102,9 @@ def test_the_cycle_check_finds_a_lazy_cycle():
 
 
 def test_config_imports_nothing_else_of_the_project():
-    assert import_graph()["launcher.config"] == set()
+    inside = lambda name: name == "launcher.config" or name.startswith("launcher.config.")  # noqa: E731
+    config = {name: edges for name, edges in import_graph().items() if inside(name)}
+    assert len(config) > 5 and all(inside(e) for edges in config.values() for e in edges), config
 
 
 def third_party_imports() -> list[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, assert_same_training, launch
-from launcher.cli import free_port
+from launcher.rundir import free_port
 
 # Same work either way: world size 2, one thread per rank (thread counts change float sums).
 COMMON = ["train.steps=10", "optim.warmup_steps=2", "logger=none", "logger.log_every=1", "checkpoint.every=1000",

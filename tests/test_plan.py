@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO, launch, read_metrics
-from launcher import cli
+from launcher import cli, compose
 from launcher import plan as planner
 from launcher.config import ACMode
 from launcher.memory import ActivationCounter, Numerics, ParamCounts, activation_bytes
@@ -69,7 +69,7 @@ def test_plan_table_json_and_chart(tmp_path):
             "train.seq_len=4096"]
     data = json.loads(run_plan(*args, "--json", f"plan.chart={chart}").stdout)
     rows = data["rows"]
-    recipes = sorted(p.stem for p in (cli.CONF_DIR / "recipe").glob("*.yaml"))
+    recipes = sorted(p.stem for p in (compose.CONF_DIR / "recipe").glob("*.yaml"))
     assert {r["layout"]["recipe"] for r in rows} == set(recipes)
     assert {r["ac"] for r in rows} == {"none", "selective", "full"}
     best = [r for r in rows if r["recommended"]]
@@ -193,7 +193,7 @@ def test_the_plan_holds_in_every_cell(matrix, capsys):
     activations within 15% of what autograd saves. fp16 runs only on CUDA: here each of
     its cells must be refused in one line, and measured on a machine with a GPU."""
     cfg, _, _ = cli.compose_config(["model=gpt_tiny"])
-    recipes = {p.stem for p in (cli.CONF_DIR / "recipe").glob("*.yaml")}
+    recipes = {p.stem for p in (compose.CONF_DIR / "recipe").glob("*.yaml")}
     cuda = torch.cuda.is_available()
     cells: dict[tuple, list[dict]] = {}
     for r in matrix:

@@ -257,7 +257,7 @@ def test_the_space_check_asks_for_keep_plus_one_checkpoints_of_16_bytes_per_para
     checkpoints of 16 bytes per parameter fit on the disk passes, one more is refused."""
     import shutil
 
-    from launcher import cli, models
+    from launcher import cli, models, rundir
 
     disk = small_disk(40)
     cfg, _, _ = cli.compose_config(["model=gpt_tiny", f"checkpoint.dir={disk / 'ckpt'}"])
@@ -265,10 +265,10 @@ def test_the_space_check_asks_for_keep_plus_one_checkpoints_of_16_bytes_per_para
     keep = shutil.disk_usage(disk).free // each - 1
     assert keep >= 1, (each, shutil.disk_usage(disk).free)
     fits = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, keep=int(keep)))
-    cli.check_checkpoint_space(fits, tmp_path / "run")
+    rundir.check_checkpoint_space(fits, tmp_path / "run")
     over = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, keep=int(keep) + 1))
     with pytest.raises(cli.C.ConfigError, match=f"keep={keep + 1} checkpoints"):
-        cli.check_checkpoint_space(over, tmp_path / "run")
+        rundir.check_checkpoint_space(over, tmp_path / "run")
 
 
 @pytest.mark.parametrize("saving", [["recipe=ddp"], ["recipe=fsdp"], ["recipe=fsdp", "checkpoint.async_save=true"]],

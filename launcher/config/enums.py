@@ -1,0 +1,158 @@
+"""The allowed values of the config's choices (Enums: Hydra refuses any other) and
+`ConfigError`, the one-line refusal every check raises.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """Bad input: names the key, the value and what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key}={value}: {allowed}")
+
+
+class Strategy(str, enum.Enum):
+    """Which `recipes/` module builds the engine (the registry key)."""
+
+    ddp = "ddp"
+    fsdp = "fsdp"
+    tp = "tp"
+    pp = "pp"
+    tp_fsdp = "tp_fsdp"
+    zero = "zero"
+
+
+# Pipeline schedules. Declared functionally because "1f1b" is not a Python identifier;
+# the names are what the command line and config.yaml say (parallel.pp_schedule=1f1b).
+PPSchedule = enum.Enum("PPSchedule", {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved_1f1b"},
+                       type=str)
+
+
+PPSchedule.__doc__ = """gpipe: all forwards, then all backwards: simplest, but every micro-batch's
+activations are alive at once. 1f1b: one forward, one backward in the steady state: the
+same bubble, activations of at most `pp` micro-batches. interleaved_1f1b: each rank holds
+pp_virtual_stages smaller stages; the bubble shrinks by that factor for more messages."""
+
+
+class Precision(str, enum.Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class ACMode(str, enum.Enum):
+    none = "none"
+    full = "full"
+    selective = "selective"
+
+
+class DataKind(str, enum.Enum):
+    synthetic = "synthetic"
+    memmap = "memmap"
+    hf_text = "hf_text"
+
+
+class TextFormat(str, enum.Enum):
+    """data=hf_text: how the files are read (`datasets` builder)."""
+
+    auto = "auto"
+    json = "json"
+    parquet = "parquet"
+    text = "text"
+
+
+class TokenDtype(str, enum.Enum):
+    uint16 = "uint16"
+    uint32 = "uint32"
+
+
+class LoggerKind(str, enum.Enum):
+    wandb = "wandb"
+    none = "none"
+    tensorboard = "tensorboard"
+
+
+class OnExisting(str, enum.Enum):
+    """What a fresh start does in a checkpoint folder that holds another run's checkpoints."""
+
+    refuse = "refuse"
+    archive = "archive"
+
+
+class WandbMode(str, enum.Enum):
+    auto = "auto"
+    online = "online"
+    offline = "offline"
+
+
+class Backend(str, enum.Enum):
+    auto = "auto"
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class Runner(str, enum.Enum):
+    torchrun = "torchrun"
+    deepspeed = "deepspeed"
+
+
+class OffloadDevice(str, enum.Enum):
+    """Where ZeRO keeps a part of the model state: on the accelerator, or in host memory."""
+
+    none = "none"
+    cpu = "cpu"
+
+
+class Scheduler(str, enum.Enum):
+    """Who starts the nodes: nobody (`make train` here, other nodes by hand) or Slurm."""
+
+    none = "none"
+    slurm = "slurm"
+
+
+class ExportFormat(str, enum.Enum):
+    safetensors = "safetensors"
+    hf = "hf"
+
+
+class ModelKind(str, enum.Enum):
+    """gpt: the project's decoder (launcher/models/gpt.py); hf: a transformers causal LM."""
+
+    gpt = "gpt"
+    hf = "hf"
+
+
+class HFAttention(str, enum.Enum):
+    """model=hf: transformers' attention implementation (config._attn_implementation)."""
+
+    sdpa = "sdpa"
+    eager = "eager"
+
+
+class ExportDtype(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class FaultPoint(str, enum.Enum):
+    """Where `debug.fault` strikes (reliability tests; never set it for real training)."""
+
+    save_staged = "save_staged"
+    """checkpoint.async_save: SIGKILL of the rank from its writer thread, after the state
+    was staged and training went on, before that thread writes (DCP's own writer may have
+    begun)."""
+    save_engine_written = "save_engine_written"
+    """SIGKILL after every rank wrote its part of the checkpoint, before the manifest."""
+    save_manifest_written = "save_manifest_written"
+    """SIGKILL after the manifest, before the folder is renamed into place."""
+    save_renamed = "save_renamed"
+    """SIGKILL after the rename, before `latest` is updated."""
+    save_latest_written = "save_latest_written"
+    """SIGKILL after `latest` is updated, before old checkpoints are deleted."""
+    hang = "hang"
+    """The rank sleeps forever instead of fetching the batch of step `fault_step`."""

@@ -1,0 +1,112 @@
+"""model.* and data.*: what is trained (the project's decoder or a Hugging Face causal
+LM) and on what tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from launcher.config.enums import DataKind, HFAttention, ModelKind, TextFormat, TokenDtype
+
+
+@dataclass
+class ModelConfig:
+    """The project's Llama-style decoder (launcher/models/gpt.py)."""
+
+    name: str = "gpt_tiny"
+    vocab_size: int = 256
+    """Embedding rows. Must cover the data's vocabulary."""
+    dim: int = 128
+    """Hidden size. Cost grows with dim^2 per token for parameters and FLOPs."""
+    n_layers: int = 4
+    n_heads: int = 4
+    """Attention heads; dim must divide by it (head_dim = dim / n_heads)."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention (null = n_heads). Fewer heads shrink the
+    KV projections and cache; must divide n_heads."""
+    ffn_dim: Optional[int] = None
+    """SwiGLU hidden size (null = 8/3 * dim rounded up to multiple_of)."""
+    multiple_of: int = 64
+    """Round ffn_dim up to this (tensor-core friendly shapes)."""
+    max_seq_len: int = 512
+    """Longest sequence the rotary table covers; train.seq_len must not exceed it."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    """Share the input embedding with the output head: saves vocab*dim parameters, which
+    matters for small models; large models usually untie."""
+    init_std: float = 0.02
+
+    # ---- model=hf (conf/model/hf.yaml): a transformers causal LM from local files only.
+    # The fields above shape the project's decoder; with kind=hf the shape comes from the
+    # Hugging Face config and they are not used.
+    kind: ModelKind = ModelKind.gpt
+    """gpt: the project's decoder, shaped by the fields above. hf: any causal LM that
+    transformers (the optional `hf` extra) builds offline from `config` or `pretrained`;
+    nothing is fetched from a hub (HF_HUB_OFFLINE=1 on the launch side and the ranks).
+    Tensor and pipeline parallel need a Llama-family layout (launcher/models/hf.py)."""
+    config: Optional[str] = None
+    """hf: a config.json (or the folder holding one): AutoModelForCausalLM.from_config,
+    random init from train.seed, the same on every rank. Cheap to try shapes; it starts
+    from nothing."""
+    pretrained: Optional[str] = None
+    """hf: a local folder with config.json and *.safetensors weights (save_pretrained's
+    layout): the structure from its config.json, each rank reading only the tensor slices
+    it holds, in fp32 (the master copy; precision.name decides the compute dtype); names
+    must match the model's own (no key conversion: MoE folders that need transformers'
+    conversion mapping are refused). Exactly one of config/pretrained."""
+    attn_implementation: HFAttention = HFAttention.sdpa
+    """hf: sdpa (torch's fused attention; the causal mask is implicit, no mask tensor)
+    or eager (transformers' matmul-softmax reference: slower, materialises seq^2 scores)."""
+
+
+@dataclass
+class DataConfig:
+    name: DataKind = DataKind.synthetic
+    """synthetic: an order-k Markov source generated from a seed, with a known entropy
+    rate (the loss floor). memmap: a flat token file (.bin) as nanoGPT writes it;
+    scripts/prepare_data.py makes one from a local text file."""
+    vocab_size: int = 256
+    """synthetic: alphabet of the source. memmap: the largest token id + 1 in the file
+    (256 for scripts/prepare_data.py's byte-level encoding). hf_text: unused (the
+    tokenizer's vocabulary is checked against the model's embedding)."""
+    order: int = 2
+    """synthetic: the next token depends on this many previous tokens. Higher orders are
+    harder to learn in a short run."""
+    context_bits: int = 2
+    """synthetic: the context is the previous token plus the low `context_bits` bits of
+    each of the order-1 tokens before it: vocab_size * 2^(context_bits * (order-1))
+    contexts, each with its own next-token distribution. More contexts = more to learn."""
+    temperature: float = 1.0
+    """synthetic: in each context the i-th likeliest token has probability ∝ exp(-i /
+    temperature). 1.0 gives an entropy rate of 1.04 nats; lower is easier to predict."""
+    seed: int = 0
+    """synthetic: the source's seed (its transition tables). Different from train.seed."""
+    path: Optional[str] = None
+    """memmap: path to the token file."""
+    dtype: TokenDtype = TokenDtype.uint16
+    """memmap: token width in the file (uint16 covers vocabularies up to 65536)."""
+    num_workers: Optional[int] = None
+    """DataLoader worker processes per rank (null: 2 on CUDA, 0 on CPU where the cores
+    are busy with the ranks). Workers hide data time but cost CPU and memory."""
+    prefetch_factor: int = 2
+    """Batches each worker prepares ahead (only with workers)."""
+    pin_memory: bool = True
+    """Page-locked host buffers on CUDA for faster, asynchronous copies (ignored on CPU)."""
+    files: Any = None
+    """hf_text: a glob or a list of globs of local files (`'corpus/*.jsonl'`, `[a.parquet,
+    'b/*.parquet']`); relative to the directory the launcher runs in. All files must have
+    one format. Documents are tokenized once, on the launch side, before any rank starts."""
+    format: TextFormat = TextFormat.auto
+    """hf_text: json (JSON lines, one document per line), parquet, text (one document per
+    line) or auto: from the files' extension (.jsonl/.json, .parquet, .txt/.text)."""
+    text_field: str = "text"
+    """hf_text: the column holding each document's text (plain text files have only
+    `text`). A missing field is refused before launch, naming the fields there are."""
+    tokenizer: str = "byte"
+    """hf_text: `byte`: the project's byte-level encoding (UTF-8 bytes, vocabulary 256, as
+    scripts/prepare_data.py), end of document = 255, a byte UTF-8 text never contains, so
+    the vocabulary stays 256; or a local folder AutoTokenizer loads offline (tokenizer.json,
+    tokenizer_config.json...; a model folder with them works too); its EOS token ends each
+    document. Its vocabulary must fit the model's embedding."""

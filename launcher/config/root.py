@@ -1,0 +1,81 @@
+"""The whole config (`Config`: one field per group), its registration with Hydra's
+ConfigStore, and its conversions (an OmegaConf node, config.yaml, a dict).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from launcher.config.recipe import ParallelConfig, RecipeConfig
+from launcher.config.model import DataConfig, ModelConfig
+from launcher.config.train import DistConfig, OptimConfig, PrecisionConfig, TrainConfig
+from launcher.config.run import (CheckpointConfig, ClusterConfig, DebugConfig, ExportConfig, LoggerConfig, PlanConfig,
+                                 ProfileConfig)
+
+
+@dataclass
+class Config:
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    run_name: Optional[str] = None
+    """Name shown in W&B and the console (null: the run directory's name)."""
+
+
+GROUPS = {
+    "recipe": RecipeConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "precision": PrecisionConfig,
+    "checkpoint": CheckpointConfig,
+    "logger": LoggerConfig,
+    "cluster": ClusterConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the schema so `conf/config.yaml` (defaults: `- schema`) is typed."""
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+
+
+def to_typed(cfg_node) -> Config:
+    """An OmegaConf node (composed or loaded) to dataclasses with Enums."""
+    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg_node)
+    return OmegaConf.to_object(merged)
+
+
+def load_frozen(path: str | Path) -> Config:
+    """The train side: read RUN_DIR/config.yaml (or a path to it)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.yaml"
+    return to_typed(OmegaConf.load(p))
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)

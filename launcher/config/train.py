@@ -1,0 +1,89 @@
+"""train.*, optim.*, precision.*, dist.*: the step, the optimizer and its schedule,
+the numerics, the collectives' timeout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from launcher.config.enums import ACMode, Backend, Precision
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    """Peak learning rate, reached after warm-up."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = 20
+    """Linear warm-up from 0; stabilises Adam's early, noisy second-moment estimates. Longer
+    than train.steps: clamped to it, with a warning (a short run warms up throughout)."""
+    weight_decay: float = 0.1
+    """Decoupled decay on matrices only (norms and biases are not decayed)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = off). Guards against loss spikes."""
+    fused: Optional[bool] = None
+    """Fused AdamW kernel (null: on for CUDA, off on CPU where it does not exist)."""
+
+
+@dataclass
+class PrecisionConfig:
+    name: Precision = Precision.bf16
+    """bf16: autocast to bfloat16, fp32 master weights; same range as fp32, no scaler.
+    fp16: autocast to float16 with a dynamic loss scaler (CUDA only); fp32: no autocast,
+    slowest on tensor cores, the reference for correctness checks."""
+    initial_scale: float = 65536.0
+    """fp16: the loss scale to start from (halved on overflow)."""
+    growth_interval: int = 1000
+    """fp16: steps without overflow before the scale doubles."""
+    min_scale: float = 1.0
+    """fp16: the scale never drops below this (DeepSpeed's min_loss_scale)."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps."""
+    micro_batch: int = 8
+    """Sequences per rank per forward/backward. Activation memory grows linearly with it."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step. Larger global batch at no memory cost, but
+    proportionally more time per step."""
+    global_batch: Optional[int] = None
+    """Sequences per optimizer step over all ranks. When set, grad_accum is derived:
+    global_batch / (micro_batch x data-parallel size), which must divide exactly."""
+    seq_len: int = 128
+    """Tokens per sequence. Attention activations grow with its square (without flash)."""
+    stop_at: Optional[int] = None
+    """End this launch after this step, with a checkpoint; the schedule still spans
+    train.steps, so a later launch of the same run directory carries on (time-sliced
+    jobs, tests of resume). A launch that starts at or past it (RUN_DIR/command.sh run
+    again, a requeue, whose config.yaml still says it) trains on to train.steps.
+    null = run to train.steps."""
+    seed: int = 1234
+    """Seeds model init and every RNG; the same seed gives the same run on CPU."""
+    activation_checkpointing: ACMode = ACMode.none
+    """none: keep all activations. full: recompute every block in backward (about a third
+    more compute, activations shrink to one tensor per block). selective: recompute every
+    ac_every-th block, a middle ground."""
+    ac_every: int = 2
+    """selective: recompute every N-th block."""
+    compile: bool = False
+    """torch.compile each block: faster steps after a compile pause at the start."""
+    measure_activations: bool = False
+    """Count the bytes autograd saves for backward during the second step of the launch
+    (saved_tensors_hooks) and log them as mem/activation_bytes: checks the planner's
+    prediction on real hardware. Costs a little time on that one step."""
+
+
+@dataclass
+class DistConfig:
+    backend: Backend = Backend.auto
+    """auto: nccl on CUDA, gloo on CPU."""
+    timeout_s: int = 600
+    """Collective timeout: a rank that stops answering ends the job after this long."""
