@@ -26,8 +26,9 @@ from launcher.device import HostInfo
 from launcher.exits import EXIT_INTERRUPTED
 from launcher.planning import cmd_plan, planned_host, resolve_auto
 from launcher.preempt import supervise
-from launcher.rundir import (check_checkpoint_space, check_resume_is_data, check_run_dir_name, check_writable, make_plan,
-                             nothing_to_train, prepare_run, run_files, write_run_dir, zero_config)
+from launcher.rundir import (check_checkpoint_space, check_resume_is_data, check_run_dir_name, check_writable,
+                             make_plan, nothing_to_train, prepare_run, run_files, schedule_change, write_run_dir,
+                             zero_config)
 from launcher.validate import validate
 
 
@@ -61,7 +62,7 @@ def parse_args(argv: list[str]) -> Args:
         command, argv = argv[0], argv[1:]
         if command not in COMMANDS:
             raise UsageError(f"unknown command '{command}'; allowed: {', '.join(COMMANDS)}")
-    parser = _Parser(prog=f"launcher {command}", add_help=False)
+    parser = _Parser(prog=f"launcher {command}", add_help=False, allow_abbrev=False)
     parser.add_argument("overrides", nargs="*")
     if command in ("train", "submit"):
         parser.add_argument("--dry-run", action="store_true", help="print the run's files and command; start nothing")
@@ -119,7 +120,7 @@ def compose_jobs(command: str, overrides: list[str], multirun: bool,
     here = HostInfo.detect()
     if command == "submit" and not any(o.split("=", 1)[0].lstrip("+~") == "cluster" for o in overrides):
         overrides = ["cluster=slurm", *overrides]
-    jobs, sweep_dir = [], None
+    jobs, sweep_dir, notes = [], None, []
     for i, point in enumerate(expand_sweep(overrides) if multirun else [overrides]):
         point, choice = resolve_auto(point, planned_host(command, point, here))
         cfg, run_dir, hydra_node = compose_config(point)
@@ -130,7 +131,7 @@ def compose_jobs(command: str, overrides: list[str], multirun: bool,
         check_command(command, cfg, point, multirun)
         # A Slurm job is validated against the nodes it asks for, not this login machine.
         host = slurm.node_host(cfg, here) if command == "submit" else here
-        validate(cfg, host)
+        notes += validate(cfg, host)
         plaintext.check(cfg)
         plaintext.check_remote_shell(cfg, run_dir, os.getcwd())
         check_run_dir_name(run_dir)
@@ -139,9 +140,12 @@ def compose_jobs(command: str, overrides: list[str], multirun: bool,
         check_resume_is_data(cfg, run_dir)
         identity.decide(cfg, run_dir)  # a fresh start into another run's checkpoints: refused here
         fit.check(cfg, run_dir)  # a checkpoint of another shape or format: refused here
+        notes.append(schedule_change(cfg, run_dir))
         jobs.append((cfg, run_dir, host, choice, zero_config(cfg, host)))
     if command == "submit" and not dry_run:
         slurm.check_client()
+    for note in dict.fromkeys(n for n in notes if n):  # once every point passed: bad input stays one line
+        print(f"warning: {note}", file=sys.stderr, flush=True)
     return jobs
 
 

@@ -30,7 +30,7 @@ DTYPES = {C.ExportDtype.fp32: torch.float32, C.ExportDtype.bf16: torch.bfloat16}
 
 
 def export(run_dir: Path, overrides: list[str]) -> Path:
-    base = OmegaConf.merge(OmegaConf.structured(C.Config), OmegaConf.load(run_dir / "config.yaml"))
+    base = OmegaConf.merge(OmegaConf.structured(C.Config), C.read_frozen(run_dir / "config.yaml"))
     cfg: C.Config = C.to_typed(OmegaConf.merge(base, OmegaConf.from_dotlist(overrides)))
     if cfg.model.kind == C.ModelKind.hf and cfg.export.format != C.ExportFormat.hf:
         raise C.ConfigError("export.format", cfg.export.format.value,

@@ -232,9 +232,9 @@ def prepare_cache(cfg: Config, run_dir: Path) -> str:
 
 def _tokenize(cfg: Config, files: list[Path], fmt: TextFormat, tok, out: Path) -> dict:
     """Stream the documents through `datasets` (no arrow copy of the corpus), write tokens."""
+    offline()  # before datasets (and huggingface_hub) first import: they read it once
     import datasets
 
-    offline()
     datasets.disable_progress_bars()
     field = cfg.data.text_field
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32

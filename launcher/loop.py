@@ -180,7 +180,8 @@ def run(job: Job) -> int:
         return EXIT_CHECKPOINT_FAILED
     watchdog.stop()
     profiler.finish()  # stopped inside the window (preempted, train.stop_at): keep what was recorded
-    summary = summarize(job, log.history, step - first_step, digest=not preempted)
+    summary = summarize(job, log.history, step - first_step, digest=not preempted,
+                        skipped_steps=skipped_steps if cfg.precision.name.value == "fp16" else None)
     summary["preempted"] = preempted
     log.finish(summary)
     # After Ctrl-C the ranks end as if done (exit 0): torchrun neither restarts them nor
@@ -286,7 +287,8 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or " out of memory" in text or "can't allocate memory" in text
 
 
-def summarize(job: Job, history: list[dict], steps_run: int, digest: bool = True) -> dict:
+def summarize(job: Job, history: list[dict], steps_run: int, digest: bool = True,
+              skipped_steps: int | None = None) -> dict:
     """Final figures (rank 0's view) plus a digest of each rank's weights (not when the job
     is being stopped: reading every weight would eat the grace period; the checkpoint's
     manifest holds digests) and every rank's start-up figures."""
@@ -315,8 +317,8 @@ def summarize(job: Job, history: list[dict], steps_run: int, digest: bool = True
     }
     if all(startups):  # per rank, in rank order: launcher.device.startup_peaks
         out["startup"] = {key: [s[key] for s in startups] for key in startups[0]}
-    if history and "skipped_steps" in history[-1]:  # fp16: overflow steps the scaler skipped
-        out["skipped_steps"] = history[-1]["skipped_steps"]
+    if skipped_steps is not None:  # fp16: steps of this launch the loss scaler skipped on overflow
+        out["skipped_steps"] = skipped_steps
     if history and "mem/activation_bytes" in history[-1]:
         out["activation_bytes"] = history[-1]["mem/activation_bytes"]
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -83,7 +84,8 @@ def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
 
     as_one_node = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, nnodes=1, node_rank=0,
                                                                        nproc_per_node=None, gpus_per_node=hw.world))
-    validate(as_one_node, HostInfo(cuda=True, gpus=hw.world, cpus=host.cpus))
+    for note in validate(as_one_node, HostInfo(cuda=True, gpus=hw.world, cpus=host.cpus)):
+        print(f"warning: {note}", file=sys.stderr, flush=True)
     rows = planner.plan(cfg, hw, available_recipes())
     if as_json:
         print(planner.to_json(rows, hw))

@@ -81,6 +81,25 @@ def check_checkpoint_space(cfg: C.Config, run_dir: Path) -> None:
                             f"or choose another checkpoint.dir")
 
 
+def schedule_change(cfg: C.Config, run_dir: Path) -> str | None:
+    """A launch that continues a run with another train.steps or optim.warmup_steps (say,
+    more steps for a run whose warm-up was clamped to its length) changes the learning
+    rate at the step it resumes from: said in one line, None when it stays the same."""
+    from launcher.checkpoint import manifest_step, resumable
+    from launcher.engine import lr_factor
+
+    frozen, folders = run_dir / "config.yaml", resumable(cfg, run_dir)
+    if not folders or not frozen.is_file():
+        return None
+    step, old = manifest_step(folders[-1]), C.load_frozen(frozen)
+    was, now = lr_factor(step, old.train.steps, old.optim), lr_factor(step, cfg.train.steps, cfg.optim)
+    if abs(was - now) <= 0.01 * max(was, now):
+        return None
+    return (f"the learning rate where this launch resumes (step {step}) changes from {was:.3g} to {now:.3g} x "
+            f"optim.lr: the run had train.steps={old.train.steps} optim.warmup_steps={old.optim.warmup_steps}, this "
+            f"launch train.steps={cfg.train.steps} optim.warmup_steps={cfg.optim.warmup_steps}")
+
+
 def check_resume_is_data(cfg: C.Config, run_dir: Path) -> None:
     """Every checkpoint the ranks may resume from can be read without running code
     (launcher/untrusted.py): a crafted file is refused here, in one line, before any rank

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from pathlib import Path
 
 from launcher.config import (Backend, Config, ConfigError, DataKind, ModelKind, OffloadDevice, Parallelism, PPSchedule,
@@ -27,15 +26,17 @@ _SLURM_MEM = re.compile(r"\d+[KMGT]?")
 _SLURM_CONSTRAINT = re.compile(r"[A-Za-z0-9_.,:+@&|*!()\[\]-]+")
 
 
-
 def _positive(key: str, value, *, zero_ok: bool = False) -> None:
     low = 0 if zero_ok else 1
     if value is None or value < low:
         raise ConfigError(key, value, f"must be >= {low}")
 
 
-def validate(cfg: Config, host) -> None:
-    """Cross-field checks on the launch side. `host` is a device.HostInfo."""
+def validate(cfg: Config, host) -> list[str]:
+    """Cross-field checks on the launch side. `host` is a device.HostInfo. Returns notes
+    (a value it adjusted): the caller prints them once every check has passed, so bad
+    input stays one line."""
+    notes: list[str] = []
     t, m, d, o = cfg.train, cfg.model, cfg.data, cfg.optim
     for key in ("steps", "micro_batch", "grad_accum", "seq_len", "ac_every"):
         _positive(f"train.{key}", getattr(t, key))
@@ -92,8 +93,8 @@ def validate(cfg: Config, host) -> None:
     if o.warmup_steps < 0:
         raise ConfigError("optim.warmup_steps", o.warmup_steps, "must be >= 0")
     if o.warmup_steps > t.steps:  # as torchtitan does: a short run (a smoke test) warms up throughout
-        print(f"warning: optim.warmup_steps={o.warmup_steps} is longer than train.steps={t.steps}: warming up "
-              f"over all {t.steps} steps", file=sys.stderr, flush=True)
+        notes.append(f"optim.warmup_steps={o.warmup_steps} is longer than train.steps={t.steps}: warming up over "
+                     f"all {t.steps} steps")
         o.warmup_steps = t.steps
     if not 0 <= o.min_lr_ratio <= 1:
         raise ConfigError("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
@@ -174,6 +175,7 @@ def validate(cfg: Config, host) -> None:
         raise ConfigError("train.global_batch", t.global_batch,
                           f"must be a multiple of micro_batch({t.micro_batch}) x data-parallel size({dp}) = {t.micro_batch * dp}")
     validate_pipeline_batch(cfg, world)
+    return notes
 
 
 def validate_gpt_model(cfg: Config) -> None:

@@ -94,23 +94,61 @@ def test_global_batch_derives_accumulation():
 
 
 @pytest.mark.parametrize("steps", [1, 10, 20, 21])
-def test_a_warmup_longer_than_the_run_is_clamped_with_one_warning(steps, capsys):
+def test_a_warmup_longer_than_the_run_is_clamped_with_a_note(steps):
     """The default warm-up is 20 steps; `train.steps=10` (a smoke test) trains, warming up
     throughout, as torchtitan does; config.yaml records the warm-up it ran with."""
     from launcher.engine import lr_factor
 
     cfg, _, _ = cli.compose_config([f"train.steps={steps}"])
     assert cfg.optim.warmup_steps == 20
-    validate(cfg, HOST)
-    validate(cfg, HOST)  # said once: the clamped value is valid
-    err = capsys.readouterr().err
+    notes = validate(cfg, HOST)
+    assert validate(cfg, HOST) == []  # the clamped value is valid
     if steps < 20:
         assert cfg.optim.warmup_steps == steps
-        assert err == (f"warning: optim.warmup_steps=20 is longer than train.steps={steps}: warming up over all "
-                       f"{steps} steps\n"), err
+        assert notes == [f"optim.warmup_steps=20 is longer than train.steps={steps}: warming up over all {steps} steps"]
     else:
-        assert cfg.optim.warmup_steps == 20 and err == ""
+        assert cfg.optim.warmup_steps == 20 and notes == []
     factors = [lr_factor(s, steps, cfg.optim) for s in range(steps)]
     assert all(0 < f <= 1 for f in factors)
     if steps <= 20:
         assert factors == sorted(factors) and factors[-1] == 1  # warming up throughout, to the peak
+
+
+def test_the_clamp_is_said_once_and_never_beside_an_error(tmp_path, capsys):
+    """Bad input stays one line (the note waits until every check passed); a sweep says it once."""
+    assert cli.main(["--dry-run", "train.steps=5", "optim.lr=-1", f"hydra.run.dir={tmp_path / 'a'}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: optim.lr=-1.0: must be > 0"]
+    assert cli.main(["-m", "--dry-run", "train.steps=5", "train.seed=1,2", f"hydra.sweep.dir={tmp_path / 'b'}"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["warning: optim.warmup_steps=20 is longer than train.steps=5: warming up over all 5 steps"], err
+
+
+def test_a_relaunch_that_changes_the_schedule_says_so(tmp_path):
+    """A run of 10 steps (its warm-up clamped to 10) continued to 40: the default warm-up of
+    20 applies again, and the learning rate at step 10 falls from the peak; one line says so,
+    and none when the run's warm-up is kept (optim.warmup_steps=10)."""
+    from launcher.checkpoint import write_manifest
+    from launcher.rundir import schedule_change
+
+    run = tmp_path / "run"
+    old, _, _ = cli.compose_config(["train.steps=10"])
+    validate(old, HOST)
+    (run / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000010" / "trainer.pt").write_bytes(b"x")
+    write_manifest(run / "checkpoints" / "step_00000010", 10)
+    (run / "config.yaml").write_text(C.to_yaml(old))
+    longer, _, _ = cli.compose_config([f"hydra.run.dir={run}", "train.steps=40"])
+    note = schedule_change(longer, run)
+    assert note.startswith("the learning rate where this launch resumes (step 10) changes from 1 to 0.55 x optim.lr"), note
+    kept, _, _ = cli.compose_config([f"hydra.run.dir={run}", "train.steps=40", "optim.warmup_steps=10"])
+    assert schedule_change(kept, run) is None  # the run's warm-up kept: the peak where it resumes, then the cosine
+    same, _, _ = cli.compose_config([f"hydra.run.dir={run}", "train.steps=10"])
+    validate(same, HOST)
+    assert schedule_change(same, run) is None
+
+
+def test_a_config_yaml_of_an_earlier_version_still_loads(tmp_path):
+    """config.yaml once held dry_run (a flag now): a run directory made then still resumes."""
+    cfg, _, _ = cli.compose_config([])
+    (tmp_path / "config.yaml").write_text(C.to_yaml(cfg) + "dry_run: false\n")
+    assert C.load_frozen(tmp_path) == cfg

@@ -27,7 +27,10 @@ from launcher.checkpoint import verify
 from launcher.preempt import EXIT_PREEMPTED
 from launcher.memory import zero_paper_bytes as paper_bytes
 from launcher.memory import zero_states
-from recipes.zero import model_state_bytes
+from launcher.device import deepspeed_env
+
+deepspeed_env()  # DeepSpeed reads its accelerator when imported (recipes.module does this for a run)
+from recipes.zero import model_state_bytes  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -28,7 +28,8 @@ from launcher.config.model import DataConfig, ModelConfig
 from launcher.config.train import DistConfig, OptimConfig, PrecisionConfig, TrainConfig
 from launcher.config.run import (CheckpointConfig, ClusterConfig, DebugConfig, ExportConfig, LoggerConfig, PlanConfig,
                                  ProfileConfig)
-from launcher.config.root import Config, GROUPS, load_frozen, register_configs, to_dict, to_typed, to_yaml
+from launcher.config.root import (Config, GROUPS, RETIRED, load_frozen, read_frozen, register_configs, to_dict,
+                                  to_typed, to_yaml)
 from launcher.config.derived import (Degrees, Parallelism, RECIPE_PARALLELISM, data_parallel_size, degrees, ffn_dim,
                                      global_batch, grad_accum, nproc_per_node, pipeline_stages)
 
@@ -38,7 +39,7 @@ __all__ = [
     "Strategy", "TextFormat", "TokenDtype", "WandbMode", "DDPOptions", "FSDPOptions", "ParallelConfig",
     "RecipeConfig", "ZeroOptions", "DataConfig", "ModelConfig", "DistConfig", "OptimConfig", "PrecisionConfig",
     "TrainConfig", "CheckpointConfig", "ClusterConfig", "DebugConfig", "ExportConfig", "LoggerConfig", "PlanConfig",
-    "ProfileConfig", "Config", "GROUPS", "load_frozen", "register_configs", "to_dict", "to_typed", "to_yaml",
-    "Degrees", "Parallelism", "RECIPE_PARALLELISM", "data_parallel_size", "degrees", "ffn_dim", "global_batch",
-    "grad_accum", "nproc_per_node", "pipeline_stages",
+    "ProfileConfig", "Config", "GROUPS", "RETIRED", "read_frozen", "load_frozen", "register_configs", "to_dict",
+    "to_typed", "to_yaml", "Degrees", "Parallelism", "RECIPE_PARALLELISM", "data_parallel_size", "degrees",
+    "ffn_dim", "global_batch", "grad_accum", "nproc_per_node", "pipeline_stages",
 ]

@@ -59,10 +59,24 @@ def register_configs() -> None:
     cs.store(name="schema", node=Config)
 
 
+RETIRED = ("dry_run",)
+"""Top-level keys config.yaml held in earlier versions and no longer does (dry_run is a
+flag now): dropped when a frozen config is read, so a run directory made before still
+resumes (command.sh, a requeued job, export)."""
+
+
 def to_typed(cfg_node) -> Config:
     """An OmegaConf node (composed or loaded) to dataclasses with Enums."""
     merged = OmegaConf.merge(OmegaConf.structured(Config), cfg_node)
     return OmegaConf.to_object(merged)
+
+
+def read_frozen(path: Path):
+    """RUN_DIR/config.yaml as an OmegaConf node, less the RETIRED keys."""
+    node = OmegaConf.load(path)
+    for key in RETIRED:
+        node.pop(key, None)
+    return node
 
 
 def load_frozen(path: str | Path) -> Config:
@@ -70,7 +84,7 @@ def load_frozen(path: str | Path) -> Config:
     p = Path(path)
     if p.is_dir():
         p = p / "config.yaml"
-    return to_typed(OmegaConf.load(p))
+    return to_typed(read_frozen(p))
 
 
 def to_yaml(cfg: Config) -> str:

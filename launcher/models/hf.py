@@ -6,10 +6,9 @@
                                                    *.safetensors read shard-wise by each rank
                                                    (launcher/models/weights.py)
 
-Nothing is fetched from a hub: HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE are set before
-transformers is imported (the launch side imports this module to validate, the ranks to
-build; the ranks inherit the launch side's environment), and every load passes
-local_files_only. transformers is the optional extra `hf` (make setup installs it).
+Nothing is fetched from a hub: launcher.offline() sets HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE
+before this module imports transformers (and the launcher and each rank set them as they
+start), and every load passes local_files_only. transformers is the optional extra `hf` (make setup installs it).
 
 `HFCausalLM` gives the rest of the launcher the project decoder's interface: logits, or
 the mean next-token loss given targets (the same fp32 cross-entropy as gpt.py), with the
