@@ -1,7 +1,7 @@
 """Export: consolidated weights from any recipe's checkpoint, on one process, no GPU.
 
 `export.format=hf` writes a folder `AutoModelForCausalLM.from_pretrained` loads instead
-(launcher.models.hf.save_pretrained; the project's decoder as LlamaForCausalLM).
+(launcher.models.hf_export.save_pretrained; the project's decoder as LlamaForCausalLM).
 
 Each recipe module provides `consolidate(cfg, engine_dir) -> {name: fp32 tensor}` that
 reads its own checkpoint layout (DDP's single file, DeepSpeed's shards, DCP). This module
@@ -53,7 +53,7 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
     # Each dtype has its own default folder: a bf16 export never replaces the fp32 one.
     suffix = "" if cfg.export.dtype == C.ExportDtype.fp32 else f"-{cfg.export.dtype.value}"
     if cfg.export.format == C.ExportFormat.hf:  # a from_pretrained folder (launcher/models/hf.py)
-        from launcher.models.hf import save_pretrained
+        from launcher.models.hf_export import save_pretrained
 
         out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / f"{folder.name}-hf{suffix}"
         return readable(save_pretrained(cfg, state, out, dtype))

@@ -16,12 +16,16 @@ from pathlib import Path
 from launcher import config as C
 from launcher.checkpoint import MANIFEST, resumable
 
-DCP_READERS = {C.Strategy.ddp, C.Strategy.fsdp, C.Strategy.tp, C.Strategy.tp_fsdp, C.Strategy.pp}
-FORMATS = [  # (file that marks it, name, the strategies whose engine loads it: DCP's loader reads ddp's files)
-    ("engine/model.pt", "a ddp checkpoint (engine/model.pt)", DCP_READERS),
-    ("engine/.metadata", "a distributed checkpoint (DCP: fsdp, tp, tp_fsdp, pp)", DCP_READERS),
-    ("engine/zero.json", "a DeepSpeed checkpoint (zero1/2/3)", {C.Strategy.zero}),
+FORMATS = [  # (format, file that marks it, its name)
+    ("ddp", "engine/model.pt", "a ddp checkpoint (engine/model.pt)"),
+    ("dcp", "engine/.metadata", "a distributed checkpoint (DCP: fsdp, tp, tp_fsdp, pp)"),
+    ("deepspeed", "engine/zero.json", "a DeepSpeed checkpoint (zero1/2/3)"),
 ]
+
+
+def readers(fmt: str) -> set[C.Strategy]:
+    """The strategies whose engine loads a checkpoint of this format (STRATEGIES' `reads`)."""
+    return {s for s, spec in C.STRATEGIES.items() if fmt in spec.reads}
 
 
 def shapes(cfg: C.Config) -> dict[str, list[int]]:
@@ -45,10 +49,11 @@ def check(cfg: C.Config, run_dir: Path) -> None:
     key, value = "checkpoint.resume", cfg.checkpoint.resume
     out = ("use another hydra.run.dir for a new run, or checkpoint.resume=never checkpoint.on_existing=archive "
            "to start over here (the old run is kept)")
-    for marker, name, readers in FORMATS:
-        if (folder / marker).exists() and cfg.recipe.strategy not in readers:
+    for fmt, marker, name in FORMATS:
+        can = readers(fmt)
+        if (folder / marker).exists() and cfg.recipe.strategy not in can:
             raise C.ConfigError(key, value, f"{folder} is {name}, which recipe={cfg.recipe.name} cannot load; "
-                                            f"resume it with recipe.strategy {'/'.join(sorted(r.value for r in readers))}, "
+                                            f"resume it with recipe.strategy {'/'.join(sorted(r.value for r in can))}, "
                                             f"or {out}")
     try:
         manifest = json.loads((folder / MANIFEST).read_text())

@@ -59,7 +59,6 @@ def _single_process_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-SHARDED_ON_META = (C.Strategy.fsdp, C.Strategy.tp, C.Strategy.tp_fsdp, C.Strategy.pp)
 
 
 def seed_everything(seed: int) -> None:
@@ -86,7 +85,7 @@ def start(cfg: C.Config, device: torch.device, rank: int, world_size: int, local
     recipes.module(cfg)  # its imports (DeepSpeed) belong to the baseline, not to the model
     seed_everything(cfg.train.seed)
     model = models.prepare(models.on_meta(cfg), cfg)  # its imports too (transformers); no storage
-    if cfg.recipe.strategy in SHARDED_ON_META:
+    if C.STRATEGIES[cfg.recipe.strategy].builds_on_meta:
         # Sharding on meta runs some ops through torch's Python meta kernels, which load once
         # per process (about 35 MB, a second): torch's start-up, not this model's memory.
         torch.ones(1, device="meta").pow(2)

@@ -1,24 +1,18 @@
-"""The recipe registry: a plain dict from `recipe.strategy` to the module that builds
-its engine. Modules are imported on first use, so a DDP run never imports DeepSpeed."""
+"""The recipes' engines: `recipe.strategy` names a row of launcher.config.STRATEGIES, whose
+`module` builds the engine. Modules are imported on first use, so a DDP run never imports
+DeepSpeed."""
 
 from __future__ import annotations
 
 import importlib
 
-RECIPES: dict[str, str] = {
-    "ddp": "recipes.ddp",
-    "fsdp": "recipes.fsdp",
-    "tp": "recipes.tp",
-    "tp_fsdp": "recipes.tp_fsdp",
-    "pp": "recipes.pp",
-    "zero": "recipes.zero",
-}
+from launcher.config import STRATEGIES
 
 
 def module(cfg):
     """The recipe's module, imported on first use (DeepSpeed's told its accelerator first:
     it reads DS_ACCELERATOR when imported, and would probe and warn on a CPU machine)."""
-    name = RECIPES[cfg.recipe.strategy.value]
+    name = STRATEGIES[cfg.recipe.strategy].module
     if name == "recipes.zero":
         from launcher.device import deepspeed_env
 

@@ -152,3 +152,26 @@ def test_a_config_yaml_of_an_earlier_version_still_loads(tmp_path):
     cfg, _, _ = cli.compose_config([])
     (tmp_path / "config.yaml").write_text(C.to_yaml(cfg) + "dry_run: false\n")
     assert C.load_frozen(tmp_path) == cfg
+
+
+def test_every_strategy_is_one_row_with_an_engine():
+    """launcher.config.STRATEGIES is the one list of engines: every recipe.strategy has a row,
+    every conf/recipe/*.yaml chooses one, each row's module builds and consolidates, reads
+    the format it writes, and the mesh-using ones are RECIPE_PARALLELISM."""
+    import importlib
+
+    from launcher.device import deepspeed_env
+
+    assert set(C.STRATEGIES) == set(C.Strategy)
+    for strategy, spec in C.STRATEGIES.items():
+        assert spec.writes in spec.reads, strategy
+        if strategy == C.Strategy.zero:
+            deepspeed_env()
+        engine = importlib.import_module(spec.module)
+        assert callable(engine.build) and callable(engine.consolidate), spec.module
+        assert (strategy.value in C.RECIPE_PARALLELISM) == (spec.parallelism != C.Parallelism())
+    recipes = sorted(p.stem for p in (compose.CONF_DIR / "recipe").glob("*.yaml"))
+    assert len(recipes) >= 10
+    for name in recipes:
+        cfg, _, _ = cli.compose_config([f"recipe={name}"])
+        assert cfg.recipe.strategy in C.STRATEGIES, name

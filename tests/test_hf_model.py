@@ -280,7 +280,7 @@ def test_the_space_check_counts_the_hf_model_itself(tmp_path):
 def test_the_projects_decoder_exports_as_llama_with_the_same_logits(tied, kv_heads, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from launcher.models.hf import save_pretrained
+    from launcher.models.hf_export import save_pretrained
 
     cfg = compose(f"model.tie_embeddings={str(tied).lower()}", f"model.n_kv_heads={kv_heads or 'null'}")
     torch.manual_seed(0)

@@ -30,8 +30,9 @@ from launcher.config.run import (CheckpointConfig, ClusterConfig, DebugConfig, E
                                  ProfileConfig)
 from launcher.config.root import (Config, GROUPS, RETIRED, load_frozen, read_frozen, register_configs, to_dict,
                                   to_typed, to_yaml)
-from launcher.config.derived import (Degrees, Parallelism, RECIPE_PARALLELISM, data_parallel_size, degrees, ffn_dim,
-                                     global_batch, grad_accum, nproc_per_node, pipeline_stages)
+from launcher.config.derived import (RECIPE_PARALLELISM, STRATEGIES, Degrees, Parallelism, StrategySpec,
+                                     data_parallel_size, degrees, ffn_dim, global_batch, grad_accum, nproc_per_node,
+                                     pipeline_stages)
 
 __all__ = [
     "ACMode", "Backend", "ConfigError", "DataKind", "ExportDtype", "ExportFormat", "FaultPoint", "HFAttention",
@@ -40,6 +41,6 @@ __all__ = [
     "RecipeConfig", "ZeroOptions", "DataConfig", "ModelConfig", "DistConfig", "OptimConfig", "PrecisionConfig",
     "TrainConfig", "CheckpointConfig", "ClusterConfig", "DebugConfig", "ExportConfig", "LoggerConfig", "PlanConfig",
     "ProfileConfig", "Config", "GROUPS", "RETIRED", "read_frozen", "load_frozen", "register_configs", "to_dict",
-    "to_typed", "to_yaml", "Degrees", "Parallelism", "RECIPE_PARALLELISM", "data_parallel_size", "degrees",
-    "ffn_dim", "global_batch", "grad_accum", "nproc_per_node", "pipeline_stages",
+    "to_typed", "to_yaml", "STRATEGIES", "StrategySpec", "Degrees", "Parallelism", "RECIPE_PARALLELISM",
+    "data_parallel_size", "degrees", "ffn_dim", "global_batch", "grad_accum", "nproc_per_node", "pipeline_stages",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.config.enums import PPSchedule
+from launcher.config.enums import PPSchedule, Strategy
 from launcher.config.recipe import ParallelConfig
 from launcher.config.model import ModelConfig
 from launcher.config.root import Config
@@ -21,13 +21,37 @@ class Parallelism:
     pp: bool = False
 
 
-# Recipes not listed here are pure data parallel.
-RECIPE_PARALLELISM = {
-    "fsdp": Parallelism(shards=True),
-    "tp": Parallelism(tp=True),
-    "tp_fsdp": Parallelism(shards=True, tp=True),
-    "pp": Parallelism(pp=True),
+@dataclass(frozen=True)
+class StrategySpec:
+    """What the rest of the launcher knows of a recipe.strategy: one row of STRATEGIES,
+    read by the recipe registry (recipes.module), validation, the rank's build, the
+    checkpoint fit check and the mesh. Its engine is `module` (build, consolidate)."""
+
+    module: str
+    """The engine's module (recipes/<name>.py), imported on first use."""
+    parallelism: Parallelism = Parallelism()
+    """The degrees it may use beyond data parallel (none: pure data parallel)."""
+    builds_on_meta: bool = False
+    """It shards the meta-device model, then each rank materializes only its part."""
+    writes: str = "ddp"
+    """Its checkpoint format: ddp (engine/model.pt), dcp (engine/.metadata), deepspeed."""
+    reads: tuple[str, ...] = ("ddp",)
+    """The formats its engine loads (DCP's loader reads ddp's files too)."""
+
+
+STRATEGIES: dict[Strategy, StrategySpec] = {
+    Strategy.ddp: StrategySpec("recipes.ddp", reads=("ddp", "dcp")),
+    Strategy.fsdp: StrategySpec("recipes.fsdp", Parallelism(shards=True), True, "dcp", ("ddp", "dcp")),
+    Strategy.tp: StrategySpec("recipes.tp", Parallelism(tp=True), True, "dcp", ("ddp", "dcp")),
+    Strategy.tp_fsdp: StrategySpec("recipes.tp_fsdp", Parallelism(shards=True, tp=True), True, "dcp", ("ddp", "dcp")),
+    Strategy.pp: StrategySpec("recipes.pp", Parallelism(pp=True), True, "dcp", ("ddp", "dcp")),
+    Strategy.zero: StrategySpec("recipes.zero", writes="deepspeed", reads=("deepspeed",)),
 }
+"""Every recipe.strategy (conf/recipe/*.yaml chooses one): a new engine is its module, a
+row here and its YAML; `make plan`'s candidates (launcher/plan.py) list the layouts."""
+
+RECIPE_PARALLELISM = {s.value: spec.parallelism for s, spec in STRATEGIES.items() if spec.parallelism != Parallelism()}
+"""The strategies that split more than the data (a device mesh), by name."""
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ class ParallelConfig:
     (pp, dp_replicate, dp_shard, tp), outermost first, is built from them: tensor-parallel
     ranks are neighbours (the most traffic on the fastest links), pipeline stages the
     furthest apart (the least traffic). Each recipe file names its default degrees
-    (conf/parallel/<recipe>.yaml); which degrees a recipe may use is in RECIPE_PARALLELISM."""
+    (conf/parallel/<recipe>.yaml); which degrees a recipe may use is in STRATEGIES (launcher/config/derived.py)."""
 
     dp_replicate: int = 1
     """Data-parallel replicas that all-reduce gradients. With fsdp/tp_fsdp and dp_shard > 1
