@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -67,6 +68,20 @@ def processes_of(run_dir: Path) -> list[int]:
             except OSError:
                 continue
     return pids
+
+
+def rank_process(run_dir: Path, rank: int):
+    """The psutil.Process of rank `rank` of the run in `run_dir` (not torchrun's), or None
+    while there is none."""
+    import psutil
+
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "launcher.train" in cmd and str(run_dir) in cmd and "torch.distributed.run" not in cmd:
+            with contextlib.suppress(psutil.Error):
+                if p.environ().get("RANK") == str(rank):
+                    return p
+    return None
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -11,12 +11,11 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 import conftest
-from conftest import REPO, launch, read_metrics, wait_for_step
+from conftest import REPO, launch, rank_process, read_metrics, wait_for_step
 from launcher.checkpoint import find_latest, verify
 from launcher.exits import EXIT_CHECKPOINT_FAILED, EXIT_HANG
 
@@ -28,18 +27,6 @@ COMMON = ["train.steps=16", "optim.warmup_steps=2", "logger=none", "logger.log_e
 
 def start(run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
     return conftest.start(run_dir, *overrides, env=env, split_stderr=True)
-
-
-def rank_process(run_dir: Path, rank: int) -> psutil.Process:
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "launcher.train" in cmd and str(run_dir) in cmd:
-            try:
-                if p.environ().get("RANK") == str(rank):
-                    return p
-            except psutil.Error:
-                continue
-    raise AssertionError(f"no rank {rank} process for {run_dir}")
 
 
 def final_weights(run_dir: Path, step: int = 16) -> dict:
@@ -85,7 +72,9 @@ def test_a_killed_rank_restarts_resumes_and_ends_bit_identical(recipe, kill_afte
     run = tmp_path / "run"
     proc = start(run, *COMMON, f"recipe={recipe}", "cluster.max_restarts=2", *ASYNC[recipe])
     wait_for_step(run, kill_after, proc)
-    rank_process(run, 1).kill()  # SIGKILL, mid-run, the rank that does not log
+    victim = rank_process(run, 1)
+    assert victim is not None, "no rank 1 process"
+    victim.kill()  # SIGKILL, mid-run, the rank that does not log
     # `latest` now, or (rank 0 may finish a save whose digests rank 1 had sent) one save later
     pointer = run / "checkpoints" / "latest"
     newest = int(pointer.read_text().splitlines()[0][5:]) if pointer.exists() else 0
@@ -205,6 +194,7 @@ def test_a_frozen_rank_is_named_by_its_stopped_heartbeat(tmp_path):
                  "checkpoint.every=0", "checkpoint.save_final=false", "dist.timeout_s=12")
     wait_for_step(run, 3, proc)  # early: before rank 1's watchdog thread has published a heartbeat
     frozen = rank_process(run, 1)
+    assert frozen is not None, "no rank 1 process"
     frozen.suspend()
     t0 = time.monotonic()
     try:

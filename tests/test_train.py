@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 import wandb_file
-from conftest import REPO, assert_same_training, launch, processes_of, read_metrics, token_file
+from conftest import REPO, assert_same_training, launch, processes_of, rank_process, read_metrics, token_file
 from conftest import start as _start
 from conftest import wait_for_step as _wait_for_step
 from launcher import cli
@@ -320,21 +319,13 @@ def test_a_stop_signal_reaches_a_rank_blocked_in_cpp(tmp_path):
     run = tmp_path / "run"
     proc = _start(run, "optim.warmup_steps=5", "logger=none", "dist.timeout_s=60")
 
-    def rank(r: int) -> psutil.Process | None:
-        for pid in processes_of(run):
-            with contextlib.suppress(psutil.Error):
-                p = psutil.Process(pid)
-                if p.environ().get("RANK") == str(r) and "torch.distributed.run" not in p.cmdline():
-                    return p
-        return None
-
     deadline = time.monotonic() + 60
-    while (r1 := rank(1)) is None:
+    while (r1 := rank_process(run, 1)) is None:
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.02)
     r1.suspend()
     try:
-        r0 = rank(0)
+        r0 = rank_process(run, 0)
         # rank 0 has joined the job's store (a connection to it) and waits for rank 1's key
         while not any(c.status == psutil.CONN_ESTABLISHED for c in r0.net_connections(kind="tcp")):
             assert time.monotonic() < deadline and r0.is_running()
