@@ -41,11 +41,11 @@ export: setup ## consolidated weights: RUN=<run dir> [export.dtype=bf16] [export
 	@test -n "$(RUN)" || { echo 'error: RUN=<run directory> is required, e.g. make export RUN=outputs/2026-11-22/07-00-14-ddp' >&2; exit 2; }
 	@$(PY) -m launcher export "$(RUN)" $(foreach k,format dtype step out,$(if $(export.$(k)),export.$(k)=$(export.$(k)))) $(ARGS)
 
-test: setup ## the full test suite (real processes; about 20 minutes on 2 cores)
+test: setup ## the full test suite: tests/unit and tests/e2e (real processes; about 20 minutes on 2 cores)
 	@$(PY) -m pytest -q tests
 
-test-quick: setup ## the suite without the slow multi-process tests
-	@$(PY) -m pytest -q -m "not slow" tests
+test-quick: setup ## tests/unit only: in-process checks and quick commands, no multi-process runs (about 2 minutes)
+	@$(PY) -m pytest -q tests/unit
 
 bench: setup ## throughput benchmarks; writes bench/results.md
 	@$(PY) scripts/bench.py

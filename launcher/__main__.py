@@ -5,12 +5,14 @@ import sys
 
 
 def entry() -> int:
-    # A Ctrl-C while torch and Hydra import (a second or two) is recorded, not raised: a
+    # A Ctrl-C while the launch side and Hydra import is recorded, not raised: a
     # KeyboardInterrupt inside an import can be swallowed by a library's bare `except:`, and
-    # the run would then start as if nothing had been pressed.
+    # the run would then start as if nothing had been pressed. The launch side's modules
+    # import no torch when imported (`launcher --help` does without it); the commands hold
+    # a Ctrl-C the same way while they import it (launch/supervise.py::interrupts_held).
     pressed: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
-    from launcher.cli import main
+    from launcher.launch.cli import main
     from launcher.exits import EXIT_INTERRUPTED
 
     if pressed:

@@ -1,7 +1,7 @@
 """The one device layer: everything that differs between CUDA and CPU lives here.
 
-The launch side only asks `HostInfo.detect()` (counting GPUs does not create a CUDA
-context). The train side gets its device, backend, autocast dtype and memory readings
+What the machine has (GPUs, their names and memory) is launcher/host.py's, asked without
+torch by the launch side. The rank side gets its device, backend, autocast dtype and memory readings
 from here, so the rest of the code runs unchanged on a CPU-only machine with gloo.
 """
 
@@ -13,73 +13,12 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-# Dense bf16/fp16 tensor-core peaks (FLOP/s, no sparsity) by device name.
-GPU_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,  # SXM; the PCIe card is lower, matched first below
-    "H100 PCIe": 756e12,
-    "A100": 312e12,
-    "A10G": 125e12,
-    "L4": 121e12,
-    "V100": 125e12,
-}
+from launcher.host import current_rss, table_tflops
 
-
-@dataclass(frozen=True)
-class HostInfo:
-    cuda: bool
-    gpus: int
-    cpus: int
-
-    @property
-    def slots(self) -> int:
-        """Processes one node may run: one per GPU, or up to 4 per core on CPU."""
-        return self.gpus if self.cuda else 4 * self.cpus
-
-    @staticmethod
-    def detect() -> "HostInfo":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return HostInfo(cuda=gpus > 0, gpus=gpus, cpus=len(os.sched_getaffinity(0)))
-
-
-def _nvidia_smi(field: str) -> str | None:
-    """One field of GPU 0 from nvidia-smi: no CUDA context is created on the launch side."""
-    import shutil
-    import subprocess
-
-    if not shutil.which("nvidia-smi"):
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-        return out.splitlines()[0].strip() or None
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return None
-
-
-def gpu_memory_bytes() -> int | None:
-    """Memory of GPU 0, or None without a GPU."""
-    value = _nvidia_smi("memory.total")
-    return int(value) * 2**20 if value and value.isdigit() else None
-
-
-def gpu_name() -> str | None:
-    return _nvidia_smi("name")
-
-
-def table_tflops(name: str | None) -> float | None:
-    """Dense bf16 TFLOP/s of a GPU by name, from the table MFU uses."""
-    if not name:
-        return None
-    for key in sorted(GPU_PEAK_FLOPS, key=len, reverse=True):
-        if key in name:
-            return GPU_PEAK_FLOPS[key] / 1e12
-    return None
 
 
 def backend_for(device: torch.device) -> str:
@@ -168,24 +107,6 @@ def returned_to_the_os():
 _M_MMAP_THRESHOLD = -3  # glibc malloc.h
 
 
-def process_start_time() -> float:
-    """When this process started (time.time() scale): the kernel's record, so imports count."""
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:  # noqa: BLE001 -- no /proc: count from the first call instead
-        return time.time()
-
-
-def current_rss() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
-
-
 # ----------------------------------------------------------------------------- profiler
 def profiler_activities(device: torch.device) -> list:
     """What torch.profiler records: CPU operators always, CUDA kernels on a GPU."""
@@ -267,10 +188,3 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return sys.platform
-
-
-# ----------------------------------------------------------------------------- DeepSpeed
-def deepspeed_env() -> None:
-    """Tell DeepSpeed its accelerator before it is imported: it would otherwise probe for one
-    and print a warning on a CPU-only machine (on stdout, into every launch's output)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")

@@ -16,7 +16,7 @@ judged gone (else it is put back), then publishing a fresh one.
 Released when the launch ends (`with hold(run_dir):`); a launcher killed with SIGKILL
 leaves it behind, stale, for the next launch on this host to take over.
 
-Rank 0 holds it too (`rank_hold`, launcher/train.py) when no launcher does: a Slurm job
+Rank 0 holds it too (`rank_hold`, launcher/rank/entry.py) when no launcher does: a Slurm job
 (job.sbatch starts torchrun on every node), `RUN_DIR/command.sh` run again, torchrun typed
 by hand. Ranks a launcher started carry LAUNCHER_RUN_LOCK (never written to command.sh or
 a job): their launch holds the lock (node 0's launcher, when several nodes were started by
@@ -113,7 +113,7 @@ def check_free(run_dir: Path) -> None:
     holder = _read(path)
     if holder and not _mine(holder) and not gone(holder):
         raise Held(describe(holder, path))
-    job_file = run_dir / "slurm_job_id"  # launcher/slurm.py::JOB_ID_FILE
+    job_file = run_dir / "slurm_job_id"  # launcher/launch/slurm.py::JOB_ID_FILE
     job = job_file.read_text().strip() if job_file.is_file() else ""
     states = slurm_job_states(job) if job.isdigit() else None
     live = [state for state in states or [] if state not in ENDED]

@@ -1,13 +1,13 @@
 """Checkpoint files are data, never code: what resume and export read is checked here,
 on the launch side, before any rank starts, and read by the ranks with loaders that cannot
-run code (launcher/dcp.py's SafeReader, `torch.load(weights_only=True)`).
+run code (launcher/parallel/dcp.py's SafeReader, `torch.load(weights_only=True)`).
 
 A pickle runs code through the callables it names. For a `torch.save` archive, torch's
 own static reader (`torch.serialization.get_unsafe_globals_in_checkpoint`: the same zip
 reader and record torch.load uses, no unpickling) lists the names that weights_only
-loading would not allow; DeepSpeed's four types are allowed besides (recipes/zero.py
-admits exactly these). DCP's `.metadata` is a plain pickle, read by
-launcher/dcp.py::read_metadata's restricted unpickler. The manifest's digests do not help
+loading would not allow; DeepSpeed's four types are allowed besides (`weights_only_loads`
+below admits exactly these). DCP's `.metadata` is a plain pickle, read by
+launcher/parallel/dcp.py::read_metadata's restricted unpickler. The manifest's digests do not help
 here: whoever crafts a file can rewrite them.
 
     problem = check_checkpoint(folder)   # None, or one line naming the file and the name
@@ -15,9 +15,11 @@ here: whoever crafts a file can rewrite them.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
-# The types DeepSpeed pickles into its checkpoint files beside tensors (recipes/zero.py
+# The types DeepSpeed pickles into its checkpoint files beside tensors (`weights_only_loads`
 # allows exactly these under weights_only loading).
 DEEPSPEED_GLOBALS = (
     "deepspeed.runtime.zero.config.ZeroStageEnum",
@@ -32,7 +34,7 @@ REFUSE = "refusing to load it (a checkpoint must never run code)"
 def check_file(path: Path) -> str | None:
     """None when `path` can be read without running code; else one line why not."""
     if path.name == ".metadata":
-        from launcher import dcp
+        from launcher.parallel import dcp
 
         try:
             dcp.read_metadata(path.parent)
@@ -63,3 +65,36 @@ def check_checkpoint(folder: Path) -> str | None:
             if problem:
                 return problem
     return None
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's files
+def _safe_globals() -> list:
+    """The non-tensor types DeepSpeed pickles into its checkpoint files
+    (launcher.untrusted.DEEPSPEED_GLOBALS, which the launch side's check allows too);
+    nothing else may load."""
+    import importlib
+
+    out = []
+    for name in DEEPSPEED_GLOBALS:
+        module, attr = name.rsplit(".", 1)
+        out.append(getattr(importlib.import_module(module), attr))
+    return out
+
+
+@contextlib.contextmanager
+def weights_only_loads():
+    """Every torch.load DeepSpeed makes in this block runs with weights_only=True (it passes
+    weights_only=False itself; TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides that), allowing only
+    the DeepSpeed types listed in `_safe_globals`."""
+    import torch
+
+    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            yield
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous

@@ -1,30 +1,105 @@
-"""The recipes' engines: `recipe.strategy` names a row of launcher.config.STRATEGIES, whose
-`module` builds the engine. Modules are imported on first use, so a DDP run never imports
-DeepSpeed."""
+"""The registry of engines: one module per engine, recipes/<strategy>.py, each declaring
+its `SPEC` (a RecipeSpec) beside `build(ctx)` and `consolidate(cfg, engine_dir)`.
+
+A recipe is a YAML file, conf/recipe/<name>.yaml: its name, the engine it runs
+(`recipe.strategy`, a module of this package) and that engine's options (zero1/2/3 and
+their offload variants are one engine, recipes/zero.py, with other options). A new recipe
+on an existing engine is one YAML; a new engine is one module here plus its YAML.
+Validation, the planner, the launch side and the ranks read the specs through `spec()`;
+nothing else lists the engines. A module is imported when its spec is first asked for; its
+heavy imports (DeepSpeed) wait until it builds an engine.
+"""
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Callable
 
-from launcher.config import STRATEGIES
+from launcher.config import ConfigError
 
 
-def module(cfg):
-    """The recipe's module, imported on first use (DeepSpeed's told its accelerator first:
-    it reads DS_ACCELERATOR when imported, and would probe and warn on a CPU machine)."""
-    name = STRATEGIES[cfg.recipe.strategy].module
-    if name == "recipes.zero":
-        from launcher.device import deepspeed_env
+@dataclass(frozen=True)
+class Parallelism:
+    """What an engine may split beyond replicating the data: data-parallel sharding, tensor
+    parallel, pipeline stages (the degrees parallel.dp_shard, .tp, .pp it reads)."""
 
-        deepspeed_env()
-    return importlib.import_module(name)
+    shards: bool = False
+    tp: bool = False
+    pp: bool = False
+
+
+@dataclass(frozen=True)
+class Holding:
+    """How a recipe holds model states over its data-parallel ranks: the planner's formula
+    (launcher/planner/footprint.py). shard: none (replicated), zero1 (optimizer states),
+    zero2 (+ gradients), zero3 (+ parameters; ZeRO-3 and FSDP)."""
+
+    shard: str = "none"
+    fsdp: bool = False
+    offload_optim: bool = False
+    offload_params: bool = False
+    grad_buckets: bool = False
+    """Gradient buckets as big as the model from start-up (DDP's)."""
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    """What the rest of the launcher knows of an engine."""
+
+    parallelism: Parallelism = Parallelism()
+    """The degrees it may use beyond data parallel; validation refuses the others, the
+    planner tries tp in 2, 4, 8 and pp in 2, 4 where it may."""
+    builds_on_meta: bool = False
+    """It shards the meta-device model, then each rank materializes only its part."""
+    writes: str = "ddp"
+    """Its checkpoint format: ddp (engine/model.pt), dcp (engine/.metadata), deepspeed."""
+    reads: tuple[str, ...] = ("ddp",)
+    """The formats its engine loads (the launch side's fit check reads this)."""
+    holds: Callable = lambda recipe: Holding()
+    """recipe config (RecipeConfig) -> Holding: where its model states live."""
+    fp16: bool = False
+    """It has an fp16 loss scaler (precision=fp16 is refused otherwise)."""
+    deepspeed: bool = False
+    """Runs inside DeepSpeed: the launch side writes and checks RUN_DIR/ds_config.json, and
+    DeepSpeed's own launcher (cluster.runner=deepspeed) may start it."""
+    preload: Callable | None = None
+    """Imports a rank makes before its memory baseline (the library's, not the model's)."""
+
+
+    @property
+    def meshed(self) -> bool:
+        """It splits more than the data: its ranks form a device mesh (parallel.*)."""
+        return self.parallelism != Parallelism()
+
+
+def names() -> list[str]:
+    """Every engine: the modules of this package."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+def module(strategy: str):
+    """The engine's module, imported on first use (a ddp run never imports DeepSpeed)."""
+    strategy = getattr(strategy, "value", strategy)
+    if strategy not in names():
+        raise ConfigError("recipe.strategy", strategy, f"no engine recipes/{strategy}.py; allowed: {', '.join(names())}")
+    return importlib.import_module(f"recipes.{strategy}")
+
+
+def spec(strategy: str) -> RecipeSpec:
+    return module(strategy).SPEC
+
+
+def specs() -> dict[str, RecipeSpec]:
+    return {name: spec(name) for name in names()}
 
 
 def build(ctx):
-    """The engine for `ctx.cfg.recipe.strategy` (see launcher.engine.Engine)."""
-    return module(ctx.cfg).build(ctx)
+    """The engine for `ctx.cfg.recipe.strategy` (see launcher.rank.engine.Engine)."""
+    return module(ctx.cfg.recipe.strategy).build(ctx)
 
 
 def consolidate(cfg, engine_dir):
     """Full fp32 weights from a checkpoint's engine/ folder, on one process (export)."""
-    return module(cfg).consolidate(cfg, engine_dir)
+    return module(cfg.recipe.strategy).consolidate(cfg, engine_dir)

@@ -17,8 +17,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher import models
 from launcher.device import autocast_dtype
-from launcher.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer,
-                             build_scheduler, optimizer_state_bytes, tensor_bytes)
+from launcher.rank.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
+                                  optimizer_state_bytes, tensor_bytes)
+from recipes import Holding, RecipeSpec
+
+
+SPEC = RecipeSpec(reads=("ddp", "dcp"), fp16=True, holds=lambda recipe: Holding(grad_buckets=True))
+"""Replicated: the whole model, its gradients and optimizer states on every rank."""
 
 
 class DDPEngine:
@@ -114,7 +119,7 @@ class DDPEngine:
 
     def load(self, path: Path) -> None:
         if not (path / "model.pt").is_file():  # written by fsdp, tp, tp_fsdp or pp: DCP, any layout
-            from launcher import dcp
+            from launcher.parallel import dcp
 
             dcp.load(path, self.module, self.optimizer, self.scheduler, self.cfg)
             dist.barrier()

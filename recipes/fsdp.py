@@ -7,7 +7,7 @@ bf16 under precision=bf16) for its forward and again for its backward; gradients
 reduce-scattered in fp32.
 
 The engine here (`ShardedEngine`) also runs `tp` and `tp_fsdp`: the three differ only in
-what `launcher.parallel.parallelize` applies for their degrees, so they share the step,
+what `launcher.parallel.mesh.parallelize` applies for their degrees, so they share the step,
 the DCP checkpoints and the memory accounting.
 """
 
@@ -19,23 +19,37 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from launcher import config as C
-from launcher import dcp, models
+import recipes
+from launcher.parallel import degrees as D
+from launcher.parallel import dcp
+from launcher import models
 from launcher.device import autocast_dtype
 from launcher.models import model_layout
-from launcher.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
-                             optimizer_state_bytes, tensor_bytes)
-from launcher.parallel import allreduce_grads, build_mesh, clip_grad_norm, parallelize, match_grad_layouts
+from launcher.rank.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
+                                  optimizer_state_bytes, tensor_bytes)
+from launcher.parallel.mesh import allreduce_grads, build_mesh, clip_grad_norm, parallelize, match_grad_layouts
+from recipes import Holding, Parallelism, RecipeSpec
+
+
+def fsdp_holds(recipe) -> Holding:
+    """The planner's formula: parameters, gradients and Adam states sharded over the
+    data-parallel ranks (16Ψ/N); recipe.fsdp.cpu_offload keeps them on the host."""
+    return Holding(shard="zero3", fsdp=True, offload_optim=recipe.fsdp.cpu_offload,
+                   offload_params=recipe.fsdp.cpu_offload)
+
+
+SPEC = RecipeSpec(Parallelism(shards=True), builds_on_meta=True, writes="dcp", reads=("ddp", "dcp"),
+                  holds=fsdp_holds)
 
 
 class ShardedEngine:
     def __init__(self, ctx: BuildContext):
         cfg = ctx.cfg
         self.cfg, self.device, self.rank = cfg, ctx.device, ctx.rank
-        self.deg = C.degrees(cfg, ctx.world_size)
+        self.deg = D.degrees(cfg, ctx.world_size)
         mesh = build_mesh(self.deg, ctx.device)
         # Parallelize the meta-device model, then allocate only this rank's shards.
-        self.sharded = C.RECIPE_PARALLELISM[cfg.recipe.strategy.value].shards
+        self.sharded = recipes.spec(cfg.recipe.strategy).parallelism.shards
         self.model = ctx.model
         parallelize(self.model, mesh, self.deg, cfg)
         offload = self.sharded and cfg.recipe.fsdp.cpu_offload

@@ -1,5 +1,5 @@
 """`pp`: pipeline parallel with torch.distributed.pipelining. The layers are cut into
-stages at block boundaries (launcher/models/parallel.py: balanced by parameter count, or
+stages at block boundaries (launcher/parallel/plan.py: balanced by parameter count, or
 parallel.pp_split); each rank holds its stage (interleaved_1f1b: pp_virtual_stages of
 them, rank r holding stages r, r+pp, ...). Every rank cuts the model while it is still on
 the meta device, then allocates and fills only its layers; the values are those every
@@ -28,23 +28,30 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from launcher import config as C
-from launcher import dcp, models
+from launcher.parallel import degrees as D
+from launcher.parallel import dcp
+from launcher import models
 from launcher.device import autocast_dtype
-from launcher.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
-                             optimizer_state_bytes, tensor_bytes)
+from launcher.rank.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
+                                  optimizer_state_bytes, tensor_bytes)
 from launcher.models import Layout, model_layout, model_shape
 from launcher.models.gpt import lm_loss
-from launcher.models.parallel import Stage, stage_bounds
-from launcher.parallel import allreduce_grads, build_mesh, clip_grad_norm
+from launcher.parallel.plan import Stage, stage_bounds
+from launcher.parallel.mesh import allreduce_grads, build_mesh, clip_grad_norm
+from recipes import Parallelism, RecipeSpec
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+SPEC = RecipeSpec(Parallelism(pp=True), builds_on_meta=True, writes="dcp", reads=("ddp", "dcp"))
+"""Each pipeline rank holds its stages' layers whole (the planner's param_share by stage)."""
 
 
 class PipelineEngine:
     def __init__(self, ctx: BuildContext):
         cfg, p = ctx.cfg, ctx.cfg.parallel
         self.cfg, self.device, self.rank = cfg, ctx.device, ctx.rank
-        self.deg = C.degrees(cfg, ctx.world_size)
+        self.deg = D.degrees(cfg, ctx.world_size)
         mesh = build_mesh(self.deg, ctx.device)
         pp_rank = mesh["pp"].get_local_rank()
         n_stages = C.pipeline_stages(p)

@@ -1,12 +1,12 @@
 """`zero1`, `zero2`, `zero3` and their offload variants: DeepSpeed ZeRO.
 
 One engine for every stage; RUN_DIR/ds_config.json (written by the launch side from the
-Hydra config, launcher/ds_config.py) says which. DeepSpeed owns the micro-batch loop's
+Hydra config, launcher/parallel/ds_config.py) says which. DeepSpeed owns the micro-batch loop's
 gradient reduction, the sharded optimizer step and the checkpoint files; this module adds
 what the launcher needs around it:
 
 - the project's optimizer groups (decay on matrices only) and learning-rate schedule
-  (launcher.engine.lr_factor, handed to DeepSpeed as a client scheduler, so the curve is
+  (launcher.rank.engine.lr_factor, handed to DeepSpeed as a client scheduler, so the curve is
   the one ddp follows);
 - `state_bytes()`: the model-state tensors this rank really holds, counted from DeepSpeed's
   own buffers at the moment of the step where most of them are alive;
@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
 import io
 import json
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -31,55 +29,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher import ds_config, models
-from launcher.engine import BuildContext, MemoryBreakdown, StepResult, build_scheduler, param_groups
-from launcher.memory import zero_states
-from launcher.untrusted import DEEPSPEED_GLOBALS
+from launcher.parallel import ds_config
+from launcher import models
+from launcher.rank.engine import BuildContext, MemoryBreakdown, StepResult, build_scheduler, param_groups
+from launcher.planner.memory import zero_states
+from launcher.untrusted import weights_only_loads
+from recipes import Holding, RecipeSpec
 
 # DeepSpeed 0.19 calls torch collectives torch 2.13 deprecates; one warning per rank per call
 # site, on every launch. Nothing the user can act on.
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
-# Imported here, not in the engine: train.start imports this module before it takes its
-# memory baseline, and the modules DeepSpeed loads (its own; torch.distributed.tensor, which
-# it imports while it builds an engine: about 100 MB) are the process's, not the model's.
-# DeepSpeed reads its accelerator (DS_ACCELERATOR) when it is imported: the entry points set
-# it first (recipes.module, the launcher), never this import.
-import deepspeed  # noqa: E402
-import torch.distributed.tensor  # noqa: E402,F401
-
 TAG = "ds"  # DeepSpeed's checkpoint tag: files go to engine/ds/
 META = "zero.json"  # world size and stage of a checkpoint, read before DeepSpeed loads it
 UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
-
-
-# ----------------------------------------------------------------------------- safe loading
-def _safe_globals() -> list:
-    """The non-tensor types DeepSpeed pickles into its checkpoint files
-    (launcher.untrusted.DEEPSPEED_GLOBALS, which the launch side's check allows too);
-    nothing else may load."""
-    out = []
-    for name in DEEPSPEED_GLOBALS:
-        module, attr = name.rsplit(".", 1)
-        out.append(getattr(importlib.import_module(module), attr))
-    return out
-
-
-@contextlib.contextmanager
-def weights_only_loads():
-    """Every torch.load DeepSpeed makes in this block runs with weights_only=True (it passes
-    weights_only=False itself; TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides that), allowing only
-    the DeepSpeed types listed in `_safe_globals`."""
-    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            yield
-    finally:
-        if previous is None:
-            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
-        else:
-            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
 
 
 # ----------------------------------------------------------------------------- engine
@@ -94,14 +57,40 @@ def cpu_info_once() -> None:
         cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
+def import_deepspeed():
+    """DeepSpeed, told its accelerator first (it reads DS_ACCELERATOR when imported, and
+    would probe and warn on a CPU machine), with torch.distributed.tensor, which it imports
+    while it builds an engine. A rank imports both before it takes its memory baseline
+    (SPEC.preload): about 100 MB that are the process's, not the model's."""
+    from launcher.host import deepspeed_env
+
+    deepspeed_env()
+    import deepspeed
+    import torch.distributed.tensor  # noqa: F401
+
+    return deepspeed
+
+
+def holds(recipe) -> Holding:
+    """The planner's formula: stage k shards the first k of optimizer states, gradients and
+    parameters over the data-parallel ranks; offload moves them to the host."""
+    z = recipe.zero
+    return Holding(shard=f"zero{z.stage}" if z.stage else "none", offload_optim=z.offload_optimizer.value != "none",
+                   offload_params=z.offload_param.value != "none")
+
+
+SPEC = RecipeSpec(writes="deepspeed", reads=("deepspeed",), holds=holds, fp16=True, deepspeed=True, preload=import_deepspeed)
+
+
 class ZeroEngine:
     def __init__(self, ctx: BuildContext):
+        deepspeed = import_deepspeed()
         cpu_info_once()
         cfg = ctx.cfg
         self.cfg, self.device, self.rank, self.world_size = cfg, ctx.device, ctx.rank, ctx.world_size
         self.config = ds_config.read(ctx.run_dir, ctx.world_size)
         self.stage = self.config["zero_optimization"]["stage"]
-        # deepspeed.comm joins the process group train.py made (zero.Init reads the world from
+        # deepspeed.comm joins the process group rank/entry.py made (zero.Init reads the world from
         # it). On a CPU it builds a shared-memory op and prints so on stdout, once per rank.
         with contextlib.redirect_stdout(io.StringIO()):
             deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
@@ -117,7 +106,7 @@ class ZeroEngine:
             model=model,
             model_parameters=param_groups(model, cfg.optim.weight_decay),
             config=self.config,
-            # The project's schedule on DeepSpeed's inner optimizer (see launcher/ds_config.py).
+            # The project's schedule on DeepSpeed's inner optimizer (see launcher/parallel/ds_config.py).
             lr_scheduler=lambda optimizer: build_scheduler(optimizer, cfg),
         )
         self.model = self.engine.module
@@ -171,7 +160,7 @@ class ZeroEngine:
         zero.json. No `latest` file: the Checkpointer owns that. With `staging` (an async
         save): DeepSpeed's save runs as ever (its collectives, its folders), but each file it
         would write is copied into host memory instead; the returned function writes them."""
-        from launcher.async_save import StagedFiles
+        from launcher.rank.async_save import StagedFiles
 
         path.mkdir(parents=True, exist_ok=True)
         own = self.engine.checkpoint_engine
@@ -236,6 +225,7 @@ class ZeroEngine:
 
 def to_universal(checkpoint: Path, out: Path) -> None:
     """DeepSpeed's ds_to_universal, in this process (serial, its output kept quiet)."""
+    import_deepspeed()
     from deepspeed.checkpoint import ds_to_universal
 
     args = argparse.Namespace(input_folder=str(checkpoint), output_folder=str(out), num_extract_workers=1,
@@ -253,6 +243,7 @@ def consolidate(cfg, engine_dir: Path) -> dict[str, torch.Tensor]:
     """Full fp32 weights from the shards of every rank (DeepSpeed's zero_to_fp32), on one
     process without a process group. Stage 0 shards nothing: its model file holds the whole
     module (in bf16 runs, the bf16 weights)."""
+    import_deepspeed()
     if json.loads((engine_dir / META).read_text())["stage"] == 0:
         with weights_only_loads():
             state = torch.load(engine_dir / TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
@@ -268,7 +259,7 @@ def consolidate(cfg, engine_dir: Path) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- memory
 def model_state_bytes(stage: int, psi: float, world: int, grad_accum: int = 1, offload_optimizer: bool = False,
                       offload_param: bool = False, largest_param: int = 0) -> dict[str, float]:
-    """{"device": bytes, "cpu": bytes} per rank: launcher.memory.zero_states, summed."""
+    """{"device": bytes, "cpu": bytes} per rank: launcher.planner.memory.zero_states, summed."""
     parts = zero_states(stage, psi, world, grad_accum, offload_optimizer, offload_param, largest_param)
     return {"device": sum(d for d, _ in parts.values()), "cpu": sum(h for _, h in parts.values())}
 

@@ -59,7 +59,7 @@ PARALLEL_CASES = [
 
 def bench_parallel(model: str, steps: int, nproc: int, rounds: int) -> list[dict]:
     """Each recipe `rounds` times, interleaved (a slow spell of the machine hits all alike)."""
-    from launcher.compose import compose_config
+    from launcher.launch.compose import compose_config
     from launcher.models.gpt import num_params
 
     cfg, _, _ = compose_config([f"model={model}"])

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from baseline_common import parser, report, timed_loop
-from launcher.compose import compose_config
-from launcher.engine import optimizer_state_bytes, tensor_bytes
+from launcher.launch.compose import compose_config
+from launcher.rank.engine import optimizer_state_bytes, tensor_bytes
 from launcher.models.gpt import GPT
 
 

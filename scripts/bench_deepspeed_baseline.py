@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from baseline_common import parser, report, timed_loop
-from launcher.compose import compose_config
-from launcher.device import deepspeed_env
+from launcher.launch.compose import compose_config
+from launcher.host import deepspeed_env
 from launcher.models.gpt import GPT
 
 

@@ -7,7 +7,7 @@ before/after table. Writes bench/startup.md.
 
 Each case is one `torchrun --nproc-per-node 2` of this file in --probe mode: a rank
 composes the config, joins a gloo process group and builds the engine exactly as a
-training rank does (launcher.train.start; for a tree without it, its build_engine), then
+training rank does (launcher.rank.entry.start; for a tree without it, its build_engine), then
 reports its peak RSS and seconds since the process started, and exits before step 1.
 `gpt_tiny` under the same recipe is the baseline the issue names: a process that
 imported torch (and the recipe's libraries) and built a tiny model.
@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 # ----------------------------------------------------------------------------- probe (one rank)
 def probe(tree: str, overrides: list[str]) -> None:
+    import contextlib
+    import importlib
     import inspect
 
     import psutil
@@ -41,19 +43,26 @@ def probe(tree: str, overrides: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from launcher import cli, ds_config
-    from launcher.device import deepspeed_env
+    def first(*names):  # this tree's module, or its name before launcher/launch/ and launcher/rank/
+        for name in names:
+            with contextlib.suppress(ImportError):
+                return importlib.import_module(name)
+        raise ImportError(names)
+
+    cli = first("launcher.launch.cli", "launcher.cli")
+    ds_config = first("launcher.parallel.ds_config", "launcher.ds_config")
+    deepspeed_env = first("launcher.host", "launcher.device").deepspeed_env
 
     cfg, _, _ = cli.compose_config(overrides)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir = Path(os.environ["PROBE_RUN_DIR"])
-    if cfg.recipe.strategy.value == "zero":
+    if getattr(cfg.recipe.strategy, "value", cfg.recipe.strategy) == "zero":
         deepspeed_env()
         if rank == 0:
             (run_dir / ds_config.FILE).write_text(ds_config.text(ds_config.launch_config(cfg, world, False)))
     dist.barrier()
-    import launcher.train as T
+    T = first("launcher.rank.entry", "launcher.train")
 
     device = torch.device("cpu")
     if hasattr(T, "start"):
@@ -64,7 +73,7 @@ def probe(tree: str, overrides: list[str]) -> None:
         startup = {"host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                    "host_built_peak_bytes": None, "seconds": round(time.time() - started, 3)}
     (run_dir / f"probe_rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "code": str(Path(T.__file__).resolve().parent.parent), **startup}))
+        "rank": rank, "code": str(Path(sys.modules["launcher"].__file__).resolve().parents[1]), **startup}))
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -106,7 +115,8 @@ def main() -> int:
     if args.probe:
         probe(args.probe, rest)
         return 0
-    from launcher import cli, models
+    from launcher.launch import cli
+    from launcher import models
 
     trees = {"after": REPO}
     if args.before:

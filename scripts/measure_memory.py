@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The planner's matrix against real ranks: for every layout the planner offers at this
 world size, every precision, accumulation and activation-checkpointing mode, what the
-engine really holds and autograd really saves, beside launcher.plan's prediction.
+engine really holds and autograd really saves, beside launcher.planner.plan's prediction.
 
     torchrun --nproc-per-node 2 scripts/measure_memory.py --out mem.json [--table]
 
@@ -9,14 +9,14 @@ One process group per world size, every cell on it. A layout's config is compose
 conf/ as a user would (`recipe=... parallel.tp=... precision=...`), each cell adds
 `train.grad_accum` and `train.activation_checkpointing` and is validated as the launch side
 does; a refused cell (fp16 without CUDA) is recorded with its one-line reason. Engines
-(launcher.train.build_engine) are shared by the cells whose build reads nothing that
+(launcher.rank.entry.build_engine) are shared by the cells whose build reads nothing that
 differs between them (`run`): checkpointing is a forward-time choice of the model
 (`GPT.checkpointed`, set by models.set_activation_checkpointing from each cell's own
 config), and only DeepSpeed and a pipeline build differently for another accumulation.
 Per engine: one warm-up step (Adam creates its moments; a pipeline's first step also runs
-shape inference), then one step per cell under launcher.memory.ActivationCounter;
+shape inference), then one step per cell under launcher.planner.memory.ActivationCounter;
 engine.state_bytes() counts the model states from the engine's own tensors. Rank 0 writes
-the JSON (tests/test_plan.py reads it) and, with --table, prints plan against measured.
+the JSON (tests/e2e/test_plan_runs.py reads it) and, with --table, prints plan against measured.
 """
 
 from __future__ import annotations
@@ -33,15 +33,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher import ds_config, models
-from launcher import plan as planner
-from launcher.compose import CONF_DIR, compose_config
-from launcher.config import ACMode, ConfigError, Strategy
-from launcher.validate import validate
-from launcher.data import build_dataset
-from launcher.device import HostInfo, deepspeed_env, local_device
-from launcher.memory import ActivationCounter
-from launcher.train import build_engine
+import recipes
+from launcher.parallel import ds_config
+from launcher import models
+from launcher.planner import plan as planner
+from launcher.launch.compose import CONF_DIR, compose_config, recipe_configs
+from launcher.config import ACMode, ConfigError
+from launcher.launch.validate import validate
+from launcher.data.read import build_dataset
+from launcher.host import HostInfo, deepspeed_env
+from launcher.device import local_device
+from launcher.planner.memory import ActivationCounter
+from launcher.rank.entry import build_engine
 
 PARTS = ("params", "grads", "optim")
 
@@ -50,7 +53,7 @@ def offered(model: str, world: int, recipes: list[str]) -> list[planner.Layout]:
     """The layouts `make plan` offers on `world` ranks of one node, for these recipes."""
     cfg, _, _ = compose_config([f"model={model}"])
     hw = planner.Hardware(gpu_bytes=0, gpus_per_node=world, nnodes=1, tflops=planner.DEFAULT_TFLOPS)
-    return planner.candidates(cfg, hw, set(recipes))
+    return planner.candidates(cfg, hw, recipe_configs(set(recipes)))
 
 
 def compose(layout: planner.Layout, model: str, mb: int, seq: int, precision: str, world: int):
@@ -85,7 +88,7 @@ def predicted(cfg, layout: planner.Layout, rank: int, world: int) -> dict:
 def measure_engine(cells: list, layout: planner.Layout, rank: int, world: int, device, scratch: Path) -> list[dict]:
     """One engine for cells that differ only in what its build does not read; a row per cell."""
     cfg, started = cells[0], time.perf_counter()
-    if cfg.recipe.strategy == Strategy.zero:  # what the launch side writes for DeepSpeed
+    if recipes.spec(cfg.recipe.strategy).deepspeed:  # what the launch side writes for DeepSpeed
         (scratch / ds_config.FILE).write_text(ds_config.text(ds_config.launch_config(cfg, world, device.type == "cuda")))
     net = models.prepare(models.on_meta(cfg), cfg)
     engine = build_engine(cfg, net, device, rank, world, rank, scratch)
@@ -116,7 +119,7 @@ def measure_engine(cells: list, layout: planner.Layout, rank: int, world: int, d
         print(f"{layout.label} {cfg.precision.name.value}: {len(cells)} cells, built in {built - started:.1f} s, "
               f"measured in {time.perf_counter() - built:.1f} s", flush=True)
     del engine, net, runs
-    if cfg.recipe.strategy == Strategy.zero:
+    if recipes.spec(cfg.recipe.strategy).deepspeed:
         unpatch_linear()
     return rows
 
@@ -159,7 +162,7 @@ def _run(args, rank: int, world: int, device, scratch: Path) -> list[dict]:
                     except ConfigError as e:
                         rows.append({**key, "grad_accum": accum, "ac": ac, "refused": str(e)})
                         continue
-                    shared = cfg.recipe.strategy not in (Strategy.zero, Strategy.pp)
+                    shared = cfg.recipe.strategy not in ("zero", "pp")
                     engines.setdefault(None if shared else accum, []).append(cfg)
                 for cells in engines.values():
                     measured = measure_engine(cells, layout, rank, world, device, scratch)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from launcher.config import TokenDtype
-from launcher.data import write_tokens
+from launcher.data.read import write_tokens
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from launcher.checkpoint import read_latest, verify  # noqa: E402
+from launcher.manifest import read_latest, verify  # noqa: E402
 
 BASE = ["logger=none", "optim.warmup_steps=1", "checkpoint.every=2", "checkpoint.keep=2", "cluster.nproc_per_node=2"]
 KINDS = ("auto", "never", "archive", "concurrent", "shared_ckpt", "kill9")

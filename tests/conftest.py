@@ -1,116 +1,19 @@
-"""Shared helpers: launch the real launcher in a subprocess, read what a run left."""
+"""pytest's shared fixtures; the helpers the tests import are in tests/helpers/ (on the path).
+
+    tests/unit/     in-process checks and quick commands: `make test-quick`
+    tests/e2e/      real multi-process runs (torchrun, DeepSpeed, Slurm, signals): with unit, `make test`
+    tests/helpers/  what the tests share: launching runs, tiny Hugging Face models, W&B files, Slurm
+    tests/golden/   expected commands and scripts; tests/data/: small input files
+"""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-# Fast, quiet runs: the tiny model, few steps, W&B offline (never online from a test).
-FAST = ["train.steps=12", "optim.warmup_steps=2", "logger.log_every=1", "logger.mode=offline"]
-
-
-def launch(*overrides: str, run_dir: Path | None = None, command: str = "train", timeout: int = 300,
-           env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    """`python -m launcher train [hydra.run.dir=RUN] overrides...`, as a user types it
-    (`env` adds to this process's environment; a None value removes the variable)."""
-    argv = [sys.executable, "-m", "launcher", command]
-    if run_dir is not None:
-        argv.append(f"hydra.run.dir={run_dir}")
-    argv += list(overrides)
-    full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if v is not None}
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-                             f"\n--- stderr\n{proc.stderr[-6000:]}")
-    return proc
-
-
-def start(run_dir: Path, *overrides: str, env: dict | None = None, split_stderr: bool = False) -> subprocess.Popen:
-    """`python -m launcher train ...` in the background (to signal or kill it while it
-    trains). stderr joins stdout unless split_stderr (to check what went to which)."""
-    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}", *overrides]
-    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE if split_stderr else subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-
-
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    """Until metrics.jsonl has `step` rows (the run logs every step)."""
-    import time
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        path = run_dir / "metrics.jsonl"
-        if path.exists() and len(path.read_text().splitlines()) >= step:
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
-    raise AssertionError(f"no step {step} within {timeout}s")
-
-
-def processes_of(run_dir: Path) -> list[int]:
-    """Pids whose command line names the run directory (the launcher, torchrun, the ranks)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
-            try:
-                if str(run_dir).encode() in (proc / "cmdline").read_bytes():
-                    pids.append(int(proc.name))
-            except OSError:
-                continue
-    return pids
-
-
-def rank_process(run_dir: Path, rank: int):
-    """The psutil.Process of rank `rank` of the run in `run_dir` (not torchrun's), or None
-    while there is none."""
-    import psutil
-
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "launcher.train" in cmd and str(run_dir) in cmd and "torch.distributed.run" not in cmd:
-            with contextlib.suppress(psutil.Error):
-                if p.environ().get("RANK") == str(rank):
-                    return p
-    return None
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def assert_same_training(a: Path, b: Path, steps: int) -> None:
-    """Two runs trained identically: the same loss and gradient norm at every step (exactly)
-    and the same weights in the last checkpoint."""
-    import torch
-
-    ra, rb = read_metrics(a), read_metrics(b)
-    assert [r["step"] for r in rb] == list(range(1, steps + 1))
-    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]  # exact, every step
-    assert [r["grad_norm"] for r in ra] == [r["grad_norm"] for r in rb]
-    last = f"checkpoints/step_{steps:08d}/engine/model.pt"
-    wa, wb = torch.load(a / last, weights_only=True), torch.load(b / last, weights_only=True)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
-
-
-def token_file(folder: Path, text: str) -> Path:
-    """A token file made from `text` by scripts/prepare_data.py, as a user makes one."""
-    src, out = folder / "corpus.txt", folder / "corpus.bin"
-    src.write_text(text)
-    subprocess.run([sys.executable, "scripts/prepare_data.py", "--input", str(src), "--output", str(out)],
-                   cwd=REPO, check=True, capture_output=True)
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
 @pytest.fixture

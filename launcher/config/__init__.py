@@ -3,7 +3,7 @@
 Every option is documented where it is declared, with its trade-off. The YAML files in
 `conf/` only choose values; the types, defaults and allowed values live here, so Hydra
 refuses unknown keys and wrong types while composing. `from launcher import config as C`
-gives every name of the package (C.Config, C.Strategy, C.degrees ...).
+gives every name of the package (C.Config, C.Precision, C.ffn_dim ...).
 
     enums.py    the allowed values of every choice, ConfigError
     recipe.py   recipe.*, parallel.*
@@ -11,10 +11,11 @@ gives every name of the package (C.Config, C.Strategy, C.degrees ...).
     train.py    train.*, optim.*, precision.*, dist.*
     run.py      checkpoint.*, logger.*, cluster.*, debug.*, profile.*, export.*, plan.*
     root.py     Config, its registration and conversions (config.yaml)
-    derived.py  degrees, batch arithmetic, figures derived from a config
+    derived.py  figures derived from a config alone (the degrees and batch arithmetic, which
+                need the recipe's engine: launcher/parallel/degrees.py)
 
 The cross-field checks that no single type can express (batch arithmetic, device
-capabilities, paths, the model's shape) are launcher/validate.py's. This package imports
+capabilities, paths, the model's shape) are launcher/launch/validate.py's. This package imports
 nothing else of the project.
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from launcher.config.enums import (ACMode, Backend, ConfigError, DataKind, ExportDtype, ExportFormat, FaultPoint,
                                    HFAttention, LoggerKind, ModelKind, OffloadDevice, OnExisting, PPSchedule,
-                                   Precision, Runner, Scheduler, Strategy, TextFormat, TokenDtype, WandbMode)
+                                   Precision, Runner, Scheduler, TextFormat, TokenDtype, WandbMode)
 from launcher.config.recipe import DDPOptions, FSDPOptions, ParallelConfig, RecipeConfig, ZeroOptions
 from launcher.config.model import DataConfig, ModelConfig
 from launcher.config.train import DistConfig, OptimConfig, PrecisionConfig, TrainConfig
@@ -30,17 +31,14 @@ from launcher.config.run import (CheckpointConfig, ClusterConfig, DebugConfig, E
                                  ProfileConfig)
 from launcher.config.root import (Config, GROUPS, RETIRED, load_frozen, read_frozen, register_configs, to_dict,
                                   to_typed, to_yaml)
-from launcher.config.derived import (RECIPE_PARALLELISM, STRATEGIES, Degrees, Parallelism, StrategySpec,
-                                     data_parallel_size, degrees, ffn_dim, global_batch, grad_accum, nproc_per_node,
-                                     pipeline_stages)
+from launcher.config.derived import ffn_dim, nproc_per_node, pipeline_stages
 
 __all__ = [
     "ACMode", "Backend", "ConfigError", "DataKind", "ExportDtype", "ExportFormat", "FaultPoint", "HFAttention",
     "LoggerKind", "ModelKind", "OffloadDevice", "OnExisting", "PPSchedule", "Precision", "Runner", "Scheduler",
-    "Strategy", "TextFormat", "TokenDtype", "WandbMode", "DDPOptions", "FSDPOptions", "ParallelConfig",
+    "TextFormat", "TokenDtype", "WandbMode", "DDPOptions", "FSDPOptions", "ParallelConfig",
     "RecipeConfig", "ZeroOptions", "DataConfig", "ModelConfig", "DistConfig", "OptimConfig", "PrecisionConfig",
     "TrainConfig", "CheckpointConfig", "ClusterConfig", "DebugConfig", "ExportConfig", "LoggerConfig", "PlanConfig",
     "ProfileConfig", "Config", "GROUPS", "RETIRED", "read_frozen", "load_frozen", "register_configs", "to_dict",
-    "to_typed", "to_yaml", "STRATEGIES", "StrategySpec", "Degrees", "Parallelism", "RECIPE_PARALLELISM",
-    "data_parallel_size", "degrees", "ffn_dim", "global_batch", "grad_accum", "nproc_per_node", "pipeline_stages",
+    "to_typed", "to_yaml", "ffn_dim", "nproc_per_node", "pipeline_stages",
 ]

@@ -16,17 +16,6 @@ class ConfigError(ValueError):
         super().__init__(f"{key}={value}: {allowed}")
 
 
-class Strategy(str, enum.Enum):
-    """Which `recipes/` module builds the engine (the registry key)."""
-
-    ddp = "ddp"
-    fsdp = "fsdp"
-    tp = "tp"
-    pp = "pp"
-    tp_fsdp = "tp_fsdp"
-    zero = "zero"
-
-
 # Pipeline schedules. Declared functionally because "1f1b" is not a Python identifier;
 # the names are what the command line and config.yaml say (parallel.pp_schedule=1f1b).
 PPSchedule = enum.Enum("PPSchedule", {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved_1f1b"},

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from launcher.config.enums import OffloadDevice, PPSchedule, Strategy
+from launcher.config.enums import OffloadDevice, PPSchedule
 
 
 @dataclass
@@ -40,7 +40,7 @@ class FSDPOptions:
 @dataclass
 class ZeroOptions:
     """DeepSpeed ZeRO (recipe.strategy=zero). Every field becomes a key of RUN_DIR/ds_config.json
-    (launcher/ds_config.py); `extra` carries any other DeepSpeed key. Bucket sizes count
+    (launcher/parallel/ds_config.py); `extra` carries any other DeepSpeed key. Bucket sizes count
     elements, as DeepSpeed does; null = model.dim^2 (the rule Hugging Face's "auto" uses),
     so buckets grow with the model instead of DeepSpeed's fixed 5e8 elements (1-2 GB)."""
 
@@ -102,8 +102,9 @@ class RecipeConfig:
 
     name: str = "ddp"
     """The recipe's name, as on the command line (informative; the file sets it)."""
-    strategy: Strategy = Strategy.ddp
-    """The recipes/ module that builds the engine. ddp: replicate the model, all-reduce
+    strategy: str = "ddp"
+    """The engine: the recipes/ module that builds it (its RecipeSpec says what it may split;
+    an unknown name is refused with the list). ddp: replicate the model, all-reduce
     gradients: model states cost 16 bytes/param on every rank (mixed-precision Adam).
     fsdp: shard them over dp_shard ranks (16Ψ/N). tp: split the matmuls over tp ranks.
     tp_fsdp: both, on a 2-D mesh. pp: split the layers into pipeline stages. zero: DeepSpeed
@@ -120,7 +121,7 @@ class ParallelConfig:
     (pp, dp_replicate, dp_shard, tp), outermost first, is built from them: tensor-parallel
     ranks are neighbours (the most traffic on the fastest links), pipeline stages the
     furthest apart (the least traffic). Each recipe file names its default degrees
-    (conf/parallel/<recipe>.yaml); which degrees a recipe may use is in STRATEGIES (launcher/config/derived.py)."""
+    (conf/parallel/<recipe>.yaml); which degrees a recipe may use is its engine's RecipeSpec (recipes/<strategy>.py)."""
 
     dp_replicate: int = 1
     """Data-parallel replicas that all-reduce gradients. With fsdp/tp_fsdp and dp_shard > 1

@@ -80,7 +80,7 @@ def read_frozen(path: Path):
 
 
 def load_frozen(path: str | Path) -> Config:
-    """The train side: read RUN_DIR/config.yaml (or a path to it)."""
+    """The rank side: read RUN_DIR/config.yaml (or a path to it)."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.yaml"

@@ -40,7 +40,7 @@ class CheckpointConfig:
     where the checkpoint folder already holds a run's checkpoints. refuse (exit 2): two runs
     never share a folder. archive: first move that run aside, its checkpoints and the run
     directory's record of it (config.yaml, metrics.jsonl, summary.json, W&B id) to
-    RUN_DIR/archive/<its run id>/; nothing is deleted (launcher/identity.py)."""
+    RUN_DIR/archive/<its run id>/; nothing is deleted (launcher/launch/identity.py)."""
     run_id: Optional[str] = None
     """The run the checkpoints belong to, written into every manifest and `latest`; keep-K
     and resume=auto only touch this run's. Set by the launcher: a launch that continues a run

@@ -161,7 +161,7 @@ class GPT(nn.Module):
         return lm_loss(logits, targets)
 
     def run_blocks(self, layers, h: torch.Tensor) -> torch.Tensor:
-        """(index, block) pairs in order: a pipeline stage's middle (models.parallel.Stage)."""
+        """(index, block) pairs in order: a pipeline stage's middle (launcher/parallel/plan.py's Stage)."""
         return run_layers(layers, h, self.rope, self.checkpointed)
 
     # -------------------------------------------------------------------------- facts

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from launcher import offline
-from launcher.config import ACMode, Config, ConfigError, HFAttention, ModelConfig, ModelKind, RECIPE_PARALLELISM
+from launcher.config import ACMode, Config, ConfigError, HFAttention, ModelConfig, ModelKind
 from launcher.models.layout import Layout
 from launcher.models.gpt import lm_loss
 
@@ -326,15 +326,17 @@ def check(cfg: Config) -> None:
     if cfg.train.seq_len > shape.max_seq_len:
         raise ConfigError("train.seq_len", cfg.train.seq_len,
                           f"must be <= the model's max_position_embeddings={shape.max_seq_len}")
-    can = RECIPE_PARALLELISM.get(cfg.recipe.strategy.value)
-    if can is not None and can.tp and p.tp > 1:
+    import recipes
+
+    can = recipes.spec(cfg.recipe.strategy).parallelism
+    if can.tp and p.tp > 1:
         if not lay.colwise:
             raise ConfigError("parallel.tp", p.tp, f"model_type {c.model_type!r} has no Llama-style tensor-parallel plan "
                               f"(transformers' base_model_tp_plan with {'/'.join(TP_STYLES)} only); use fsdp or pp")
         if p.sequence_parallel:
             raise ConfigError("parallel.sequence_parallel", "true", "not with model=hf: the model computes positions "
                               "from the sequence it is given, a slice under sequence parallel")
-    if can is not None and can.pp and p.pp > 1 and not lay.norm:
+    if can.pp and p.pp > 1 and not lay.norm:
         raise ConfigError("parallel.pp", p.pp, f"model_type {c.model_type!r} has no pipeline plan of embedding, "
                           "layers and final norm (transformers' base_model_pp_plan); use fsdp or ZeRO")
     if m.pretrained is not None:

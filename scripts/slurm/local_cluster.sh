@@ -13,7 +13,7 @@
 #   export SLURM_CONF=/tmp/slurm-XXXX/slurm.conf
 #   make submit ARGS="cluster=slurm cluster.nproc_per_node=2 train.steps=50"
 #
-# The test fixture (tests/slurm_cluster.py) runs this same script.
+# The test fixture (tests/helpers/slurm_cluster.py) runs this same script.
 # Needs: apt-get install -y --no-install-recommends slurm-wlm munge
 set -euo pipefail
 

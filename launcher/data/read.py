@@ -1,0 +1,192 @@
+"""Data: a synthetic Markov source (the default) and memory-mapped token files.
+
+Every sample has a global index. The batch of optimizer step s is the global indices
+[start + s*G, start + (s+1)*G) (G = global batch); data-parallel rank r takes its
+contiguous slice and splits it into micro-batches. So the position in the data is one
+number (`samples_seen`), a resume continues with the next unseen batch, and a resume at
+another world size with the same global batch sees exactly the same data.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from launcher.config import Config, DataConfig, DataKind, TokenDtype
+
+
+class MarkovSource(Dataset):
+    """An order-k Markov source over `vocab_size` tokens.
+
+    The context is the previous token plus the low `context_bits` bits of each of the
+    k-1 tokens before it; each context's next-token distribution is its own random
+    permutation of one base distribution (p_i ∝ exp(-i / temperature)). A model first
+    learns the bigram part, then to attend further back: a curve with a known floor.
+    Because every context has the same entropy H(base), the source's entropy rate is
+    exactly H(base), whatever the stationary distribution: a model that has learned the
+    source reaches that loss and no lower.
+
+    A sample is `seq_len + 1` tokens: the first k drawn uniformly, the rest from the chain,
+    from a generator seeded by (seed, index): any sample is made anywhere, in any order.
+    """
+
+    def __init__(self, cfg: DataConfig, seq_len: int):
+        self.vocab, self.order, self.seq_len = cfg.vocab_size, cfg.order, seq_len
+        self.radix = 2**cfg.context_bits
+        self.states = self.vocab * self.radix ** (self.order - 1)
+        self.seed = cfg.seed
+        rng = np.random.default_rng([cfg.seed, 0x5EED])
+        base = np.exp(-np.arange(self.vocab) / cfg.temperature)
+        self.base = base / base.sum()
+        # token_of[s, r]: the token of rank r in context s (a random permutation per
+        # context). Sampling a rank from `base`, then looking it up, samples the context's
+        # distribution: p(v | s) = base[rank of v in s].
+        self.token_of = np.argsort(rng.random((self.states, self.vocab)), axis=1).astype(np.int64)
+        self.base_cdf = np.cumsum(self.base)
+        self.base_cdf[-1] = 1.0
+
+    # -------------------------------------------------------------------------- facts
+    @property
+    def entropy_rate(self) -> float:
+        """Nats per token once the context is known."""
+        p = self.base[self.base > 0]
+        return float(-(p * np.log(p)).sum())
+
+    def loss_floor(self, seq_len: int | None = None) -> float:
+        """The best mean cross-entropy over one sample's targets: the first k-1 targets
+        are uniform draws (ln V each), the rest follow the chain (entropy rate each)."""
+        t = seq_len or self.seq_len
+        uniform = min(self.order - 1, t)
+        return (uniform * math.log(self.vocab) + (t - uniform) * self.entropy_rate) / t
+
+    # -------------------------------------------------------------------------- sampling
+    def _state(self, window: np.ndarray) -> np.ndarray:
+        """window: (B, k) previous tokens, oldest first -> (B,) context ids."""
+        state = window[:, -1].astype(np.int64)
+        for j in range(2, self.order + 1):
+            state = state * self.radix + (window[:, -j] % self.radix)
+        return state
+
+    def generate(self, indices: list[int]) -> np.ndarray:
+        n, k = len(indices), self.order
+        out = np.empty((n, self.seq_len + 1), dtype=np.int64)
+        u = np.empty((n, self.seq_len + 1), dtype=np.float64)
+        for row, idx in enumerate(indices):
+            g = np.random.default_rng([self.seed, int(idx)])
+            out[row, :k] = g.integers(0, self.vocab, size=min(k, self.seq_len + 1))
+            u[row] = g.random(self.seq_len + 1)
+        ranks = np.minimum(np.searchsorted(self.base_cdf, u, side="right"), self.vocab - 1)
+        for t in range(k, self.seq_len + 1):
+            out[:, t] = self.token_of[self._state(out[:, t - k:t]), ranks[:, t]]
+        return out
+
+    def prob(self, state: int, token: int) -> float:
+        """p(token | context state)."""
+        rank = int(np.nonzero(self.token_of[state] == token)[0][0])
+        return float(self.base[rank])
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def __getitem__(self, idx: int) -> torch.Tensor:
+        return torch.from_numpy(self.generate([idx])[0])
+
+    def __getitems__(self, indices: list[int]) -> torch.Tensor:
+        return torch.from_numpy(self.generate(indices))
+
+
+class TokenFile(Dataset):
+    """A flat file of uint16/uint32 tokens (nanoGPT's train.bin). Sample i is a window of
+    seq_len + 1 tokens: the file is cut into non-overlapping windows, and each epoch
+    visits them in a fresh order seeded by (seed, epoch)."""
+
+    def __init__(self, cfg: DataConfig, seq_len: int, seed: int):
+        dtype = np.uint16 if cfg.dtype == TokenDtype.uint16 else np.uint32
+        self.tokens = np.memmap(cfg.path, dtype=dtype, mode="r")
+        self.seq_len, self.seed = seq_len, seed
+        self.windows = (len(self.tokens) - 1) // seq_len
+        self._epoch, self._order = -1, None
+
+    def _window(self, idx: int) -> int:
+        epoch, pos = divmod(int(idx), self.windows)
+        if epoch != self._epoch:
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
+            self._epoch = epoch
+        return int(self._order[pos])
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def __getitem__(self, idx: int) -> torch.Tensor:
+        start = self._window(idx) * self.seq_len
+        return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+
+    def __getitems__(self, indices: list[int]) -> torch.Tensor:
+        return torch.stack([self[i] for i in indices])
+
+
+class StepSampler(Sampler[list[int]]):
+    """Yields this rank's micro-batches of global sample indices, step after step."""
+
+    def __init__(self, start: int, global_batch: int, dp_rank: int, dp_size: int, micro_batch: int):
+        self.start, self.global_batch, self.micro_batch = start, global_batch, micro_batch
+        per_rank = global_batch // dp_size
+        self.offset = dp_rank * per_rank
+        self.accum = per_rank // micro_batch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = 0
+        while True:
+            base = self.start + step * self.global_batch + self.offset
+            for m in range(self.accum):
+                first = base + m * self.micro_batch
+                yield list(range(first, first + self.micro_batch))
+            step += 1
+
+
+def _as_is(batch):
+    return batch
+
+
+def build_dataset(cfg: Config, run_dir: Path | None = None) -> Dataset:
+    if cfg.data.name == DataKind.synthetic:
+        return MarkovSource(cfg.data, cfg.train.seq_len)
+    if cfg.data.name == DataKind.hf_text:  # the launch side tokenized into the run directory
+        from launcher.data.prepare import token_file_config
+
+        return TokenFile(token_file_config(cfg, run_dir), cfg.train.seq_len, cfg.train.seed)
+    return TokenFile(cfg.data, cfg.train.seq_len, cfg.train.seed)
+
+
+def build_loader(cfg: Config, dataset: Dataset, start: int, global_batch: int, dp_rank: int, dp_size: int,
+                 device: torch.device) -> DataLoader:
+    workers = cfg.data.num_workers
+    if workers is None:
+        workers = 2 if device.type == "cuda" else 0
+    sampler = StepSampler(start, global_batch, dp_rank, dp_size, cfg.train.micro_batch)
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=_as_is,
+        num_workers=workers,
+        pin_memory=cfg.data.pin_memory and device.type == "cuda",
+        prefetch_factor=cfg.data.prefetch_factor if workers > 0 else None,
+        persistent_workers=workers > 0,
+    )
+
+
+def loss_floor(cfg: Config) -> float | None:
+    """The data's entropy floor in nats per token, when it is known (synthetic data)."""
+    if cfg.data.name == DataKind.synthetic:
+        return MarkovSource(cfg.data, cfg.train.seq_len).loss_floor()
+    return None
+
+
+def write_tokens(tokens: np.ndarray, path: Path, dtype: TokenDtype = TokenDtype.uint16) -> None:
+    """Write a flat token file that TokenFile reads (used by scripts/prepare_data.py)."""
+    np.asarray(tokens, dtype=np.uint16 if dtype == TokenDtype.uint16 else np.uint32).tofile(path)

@@ -1,0 +1,102 @@
+"""What this machine has, asked without torch or a CUDA context: read by the launch side
+(validation, `make plan`, the command's process count) and by the ranks' device layer
+(launcher/device.py). torch is imported only by `HostInfo.detect` and `deepspeed_env`,
+when called."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+# Dense bf16/fp16 tensor-core peaks (FLOP/s, no sparsity) by device name.
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,  # SXM; the PCIe card is lower, matched first below
+    "H100 PCIe": 756e12,
+    "A100": 312e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "V100": 125e12,
+}
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    cuda: bool
+    gpus: int
+    cpus: int
+
+    @property
+    def slots(self) -> int:
+        """Processes one node may run: one per GPU, or up to 4 per core on CPU."""
+        return self.gpus if self.cuda else 4 * self.cpus
+
+    @staticmethod
+    def detect() -> "HostInfo":
+        import torch  # counting GPUs creates no CUDA context
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return HostInfo(cuda=gpus > 0, gpus=gpus, cpus=len(os.sched_getaffinity(0)))
+
+
+def _nvidia_smi(field: str) -> str | None:
+    """One field of GPU 0 from nvidia-smi: no CUDA context is created on the launch side."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return out.splitlines()[0].strip() or None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def gpu_memory_bytes() -> int | None:
+    """Memory of GPU 0, or None without a GPU."""
+    value = _nvidia_smi("memory.total")
+    return int(value) * 2**20 if value and value.isdigit() else None
+
+
+def gpu_name() -> str | None:
+    return _nvidia_smi("name")
+
+
+def table_tflops(name: str | None) -> float | None:
+    """Dense bf16 TFLOP/s of a GPU by name, from the table MFU uses."""
+    if not name:
+        return None
+    for key in sorted(GPU_PEAK_FLOPS, key=len, reverse=True):
+        if key in name:
+            return GPU_PEAK_FLOPS[key] / 1e12
+    return None
+
+
+def process_start_time() -> float:
+    """When this process started (time.time() scale): the kernel's record, so imports count."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 -- no /proc: count from the first call instead
+        return time.time()
+
+
+def current_rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+# ----------------------------------------------------------------------------- DeepSpeed
+def deepspeed_env() -> None:
+    """Tell DeepSpeed its accelerator before it is imported: it would otherwise probe for one
+    and print a warning on a CPU-only machine (on stdout, into every launch's output)."""
+    import torch
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,368 @@
+"""Launch side: `launcher train [overrides...] [--dry-run] [-m]`.
+
+One process that never touches a GPU: compose the Hydra config once, validate it, make
+the run directory (config.yaml, command.sh), then exec torchrun. Bad input ends here
+with one line on stderr and exit code 2, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from launcher import config as C, offline, runlock
+from launcher.launch import fit, identity, plaintext, slurm
+from launcher.manifest import lock_folders, root_of
+from launcher.launch.commands import command_script, launch_argv, LaunchPlan, rank_env, sbatch_script, SLURM_STEPS
+from launcher.launch.compose import compose_config, describe, expand_sweep, UsageError
+from launcher.host import HostInfo
+from launcher.exits import EXIT_INTERRUPTED
+from launcher.launch.planning import cmd_plan, planned_host, resolve_auto
+from launcher.launch.supervise import interrupts_held, supervise
+from launcher.launch.rundir import (check_checkpoint_space, check_resume_is_data, check_run_dir_name, check_writable,
+                                    make_plan, nothing_to_train, prepare_run, run_files, schedule_change, write_run_dir,
+                                    zero_config)
+from launcher.launch.validate import validate
+
+
+COMMANDS = ("train", "export", "plan", "submit")
+
+
+USAGE = """usage: launcher train [key=value ...] [--dry-run] [-m|--multirun]
+       launcher plan [key=value ...] [--json]
+       launcher submit [key=value ...] [--dry-run] [-m|--multirun]   (a Slurm batch job; cluster=slurm)
+       launcher export RUN_DIR [export.key=value ...]"""
+
+
+class Args(NamedTuple):
+    command: str
+    overrides: list[str]
+    dry_run: bool = False
+    multirun: bool = False
+    as_json: bool = False
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2 (main), not argparse's usage block
+        raise UsageError(f"{self.prog}: {message} (launcher --help)")
+
+
+def parse_args(argv: list[str]) -> Args:
+    """`launcher [COMMAND] [flags] [key=value ...]`; COMMAND defaults to train. Flags are
+    flags (never written into config.yaml); everything else is a Hydra override."""
+    command = "train"
+    if argv and not argv[0].startswith("-") and "=" not in argv[0]:
+        command, argv = argv[0], argv[1:]
+        if command not in COMMANDS:
+            raise UsageError(f"unknown command '{command}'; allowed: {', '.join(COMMANDS)}")
+    parser = _Parser(prog=f"launcher {command}", add_help=False, allow_abbrev=False)
+    parser.add_argument("overrides", nargs="*")
+    if command in ("train", "submit"):
+        parser.add_argument("--dry-run", action="store_true", help="print the run's files and command; start nothing")
+        parser.add_argument("-m", "--multirun", action="store_true", help="a sweep: one run per point")
+    if command == "plan":
+        parser.add_argument("--json", action="store_true", dest="as_json", help="the table as JSON")
+    parsed, unknown = parser.parse_known_intermixed_args(argv)
+    if unknown:
+        flags = {"train": "--dry-run, -m/--multirun", "submit": "--dry-run, -m/--multirun", "plan": "--json"}
+        raise UsageError(f"unknown flag '{unknown[0]}' for {command}; allowed: {flags.get(command, 'none')}, "
+                         "or key=value overrides")
+    args = Args(command, parsed.overrides, getattr(parsed, "dry_run", False), getattr(parsed, "multirun", False),
+                getattr(parsed, "as_json", False))
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for o in args.overrides if command in ("train", "submit") else []:
+        try:
+            parser.parse_overrides([o])
+        except HydraException as e:
+            raise UsageError(f"{o}: cannot parse ({str(e).splitlines()[0]}); overrides look like key=value")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    offline()  # nothing is fetched from a model or dataset hub; torchrun and the ranks inherit it
+    try:
+        args = parse_args(argv)
+        if args.command == "export":
+            return cmd_export(args.overrides)
+        if args.command == "plan":
+            with interrupts_held():
+                return cmd_plan(args.overrides, args.as_json)
+        if args.command == "submit":
+            return cmd_submit(args.overrides, args.multirun, args.dry_run)
+        return cmd_train(args.overrides, args.multirun, args.dry_run)
+    except (UsageError, runlock.Held) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (C.ConfigError, HydraException, OmegaConfBaseException, ValueError) as e:
+        print(f"error: {describe(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C before the ranks started (after, supervise handles it)
+        print("interrupted (Ctrl-C) before training started", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def compose_jobs(command: str, overrides: list[str], multirun: bool,
+                 dry_run: bool = False) -> list[tuple[C.Config, Path, HostInfo, str | None]]:
+    """`train` and `submit` alike: compose and validate every point of a sweep first (bad
+    input starts nothing and writes nothing); each point gets its own run directory."""
+    with interrupts_held():  # the lazy imports of validation (torch, the engines, DeepSpeed)
+        here = HostInfo.detect()
+        if command == "submit" and not any(o.split("=", 1)[0].lstrip("+~") == "cluster" for o in overrides):
+            overrides = ["cluster=slurm", *overrides]
+        jobs, sweep_dir, notes = [], None, []
+        for i, point in enumerate(expand_sweep(overrides) if multirun else [overrides]):
+            point, choice = resolve_auto(point, planned_host(command, point, here))
+            cfg, run_dir, hydra_node = compose_config(point)
+            if multirun:  # one sweep folder, resolved once (its ${now:} would move on between points)
+                sweep_dir = sweep_dir or Path(str(hydra_node.sweep.dir))
+                run_dir = sweep_dir / str(i)
+            run_dir = run_dir.resolve()
+            check_command(command, cfg, point, multirun)
+            # A Slurm job is validated against the nodes it asks for, not this login machine.
+            host = slurm.node_host(cfg, here) if command == "submit" else here
+            notes += validate(cfg, host)
+            plaintext.check(cfg)
+            plaintext.check_remote_shell(cfg, run_dir, os.getcwd())
+            check_run_dir_name(run_dir)
+            check_writable(run_dir)
+            check_checkpoint_space(cfg, run_dir)
+            check_resume_is_data(cfg, run_dir)
+            identity.decide(cfg, run_dir)  # a fresh start into another run's checkpoints: refused here
+            fit.check(cfg, run_dir)  # a checkpoint of another shape or format: refused here
+            notes.append(schedule_change(cfg, run_dir))
+            jobs.append((cfg, run_dir, host, choice, zero_config(cfg, host)))
+        if command == "submit" and not dry_run:
+            slurm.check_client()
+        for note in dict.fromkeys(n for n in notes if n):  # once every point passed: bad input stays one line
+            print(f"warning: {note}", file=sys.stderr, flush=True)
+    return jobs
+
+
+def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool) -> None:
+    """The config fits the command: Slurm configs are submitted, others trained here."""
+    c = cfg.cluster
+    slurm_cfg = c.scheduler == C.Scheduler.slurm
+    if command == "train" and slurm_cfg:
+        raise C.ConfigError("cluster.scheduler", "slurm", f"cluster={c.name} is a Slurm config: submit it with "
+                                                          "`make submit` (launcher submit), or train here with cluster=local")
+    if command == "submit":
+        if not slurm_cfg:
+            raise C.ConfigError("cluster.scheduler", c.scheduler.value,
+                                f"cluster={c.name} is not a Slurm config; submit needs one, e.g. cluster=slurm")
+        if c.runner not in SLURM_STEPS:
+            raise C.ConfigError("cluster.runner", c.runner.value,
+                                f"submit supports: {', '.join(r.value for r in SLURM_STEPS)}")
+    if command == "train" and c.nnodes > 1 and c.runner != C.Runner.deepspeed:  # deepspeed: one launch for all
+        key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+        if not any(o.startswith(key + "=") for o in point):
+            raise C.ConfigError(key, "(default: a timestamp)",
+                                f"a run over cluster.nnodes={c.nnodes} nodes needs the same {key}=... on every node "
+                                "(a folder they share)")
+        from launcher.launch.rendezvous import check_master_addr
+
+        check_master_addr(cfg)
+
+
+def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> int:
+    """Compose and validate every point first (bad input starts nothing), then run each."""
+    rc = 0
+    for cfg, run_dir, host, choice, ds in compose_jobs("train", overrides, multirun):
+        plan = make_plan(cfg, host)
+        files = run_files(cfg, plan, ds)
+        if dry_run:
+            print(C.to_yaml(cfg), end="")
+            for name, text in files.items():
+                print(f"# {name}")
+                print(text, end="")
+            print("# command")
+            print(command_script(launch_argv(cfg, str(run_dir), plan), rank_env(plan, cfg.cluster.env),
+                                 plan.workdir, str(run_dir)), end="")
+            continue
+        if nothing_to_train(cfg, run_dir):
+            continue
+        created = not run_dir.exists()
+        with contextlib.ExitStack() as held:
+            owner = cfg.cluster.node_rank == 0  # the other nodes of a launch by hand share node 0's directory
+            try:
+                if owner:  # the run directory and the checkpoint folder: one writer in each
+                    for folder in lock_folders(cfg, run_dir):
+                        held.enter_context(runlock.hold(folder))
+                    runlock.check_free(run_dir)  # a Slurm job queued for it would start into this run
+                rc = max(rc, launch_job(cfg, run_dir, plan, files, choice, overrides))
+            except (C.ConfigError, runlock.Held):  # refused before any rank started: leave no trace
+                if created and owner:
+                    held.close()
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                raise
+    return rc
+
+
+def launch_job(cfg: C.Config, run_dir: Path, plan: LaunchPlan, files: dict[str, str], choice: str | None,
+               overrides: list[str]) -> int:
+    """Write the run directory and run the ranks under supervision; the exit code."""
+    if cfg.cluster.node_rank == 0:  # the other nodes of a launch by hand run what node 0 settles
+        cfg = identity.settle(cfg, run_dir)
+    cfg = wandb_reachable_or_offline(cfg, run_dir)
+    argv_run, env = prepare_run(cfg, run_dir, plan, files)
+    env = {**env, **runlock.for_ranks()}  # rank 0 finds the lock held by its own launch (not in command.sh)
+    print(f"run directory: {run_dir}", flush=True)
+    if choice is not None:
+        (run_dir / "plan.json").write_text(choice)
+    # The launcher stays as torchrun's parent: it forwards stop signals and turns a
+    # preemption into EXIT_PREEMPTED (torchrun itself would exit 1). DeepSpeed's
+    # launcher dies on a signal before its ranks have saved: it runs in its own process
+    # group, which gets the signals and is waited for as a whole; it starts the other
+    # nodes itself (over ssh, from the hostfile).
+    own_group = cfg.cluster.runner == C.Runner.deepspeed
+    if cfg.cluster.nnodes > 1 and not own_group:  # several nodes by hand: meet the others first
+        return run_node(cfg, run_dir, argv_run, {**os.environ, **env})
+    if "train.micro_batch=auto" in overrides:
+        return supervise_with_backoff(cfg, argv_run, {**os.environ, **env}, run_dir)
+    return supervise(argv_run, {**os.environ, **env}, run_dir, own_group=own_group,
+                     drain_s=cfg.cluster.shutdown_timeout_s, ckpt_root=root_of(cfg, run_dir))
+
+
+def wandb_reachable_or_offline(cfg: C.Config, run_dir: Path) -> C.Config:
+    """A run that would log to W&B online checks first, for a few seconds, that the server
+    answers. logger.mode=auto: if not, the run logs offline (one line; config.yaml says
+    offline); logger.mode=online: refused. The ranks fall back to offline on their own too
+    (a key the server rejects, a network that drops; launcher/rank/metrics.py)."""
+    import dataclasses
+
+    from launcher.rank.metrics import sinks, wandb_mode, wandb_unreachable
+
+    if C.LoggerKind.wandb not in sinks(cfg) or wandb_mode(cfg) != "online":
+        return cfg
+    problem = wandb_unreachable()
+    if problem is None:
+        return cfg
+    if cfg.logger.mode == C.WandbMode.online:
+        raise C.ConfigError("logger.mode", "online", f"{problem}; use logger.mode=auto or offline "
+                                                     f"(wandb sync RUN_DIR/wandb later)")
+    print(f"W&B: {problem}; this run logs offline to {run_dir / 'wandb'} (wandb sync it later)", flush=True)
+    return dataclasses.replace(cfg, logger=dataclasses.replace(cfg.logger, mode=C.WandbMode.offline))
+
+
+def supervise_with_backoff(cfg: C.Config, argv: list[str], env: dict[str, str], run_dir: Path) -> int:
+    """train.micro_batch=auto: when a rank runs out of memory (it leaves RUN_DIR/oom.json),
+    halve the micro-batch, rewrite config.yaml and launch again (accelerate's
+    find_executable_batch_size drives the retries); the run resumes from its checkpoints."""
+    from accelerate.utils import find_executable_batch_size
+
+    from launcher.exits import OOM_MARKER
+
+    state = {"mb": cfg.train.micro_batch}
+
+    def halve() -> int:
+        state["mb"] //= 2
+        return state["mb"]
+
+    @find_executable_batch_size(starting_batch_size=cfg.train.micro_batch, reduce_batch_size_fn=halve)
+    def attempt(batch_size: int) -> int:
+        if batch_size != cfg.train.micro_batch:
+            cfg.train.micro_batch = batch_size
+            (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
+            print(f"out of memory: retrying with train.micro_batch={batch_size}", flush=True)
+        (run_dir / OOM_MARKER).unlink(missing_ok=True)
+        rc = supervise(argv, env, run_dir, ckpt_root=root_of(cfg, run_dir))
+        if rc != 0 and (run_dir / OOM_MARKER).exists():
+            raise RuntimeError(f"CUDA out of memory. {(run_dir / OOM_MARKER).read_text().strip()}")
+        return rc
+
+    rc = attempt()
+    print(f"micro-batch settled at {cfg.train.micro_batch}", flush=True)
+    return rc
+
+
+def run_node(cfg: C.Config, run_dir: Path, argv: list[str], env: dict[str, str]) -> int:
+    """One node of a multi-node run started by hand: meet the other nodes' launchers
+    first (a node that never comes is named), then supervise this node's torchrun."""
+    from launcher.launch.rendezvous import NodeRendezvous, RendezvousFailed
+
+    try:
+        with NodeRendezvous(cfg, run_dir) as meeting:
+            print(f"node {cfg.cluster.node_rank}: all {cfg.cluster.nnodes} nodes joined "
+                  f"({meeting.describe()})", flush=True)
+            return supervise(argv, env, run_dir, ckpt_root=root_of(cfg, run_dir))
+    except RendezvousFailed as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def slurm_plan(cfg: C.Config, host: HostInfo) -> LaunchPlan:
+    """A job's plan: ranks per node from the nodes it asks for; threads from its CPUs."""
+    nproc = C.nproc_per_node(cfg, host)
+    c = cfg.cluster
+    threads = c.cpu_threads or (max(1, c.cpus_per_task // nproc) if c.cpus_per_task else 1)
+    return LaunchPlan(python=sys.executable, nproc_per_node=nproc, master_port=c.master_port or 0,
+                      threads_per_rank=threads, workdir=os.getcwd())
+
+
+def cmd_submit(overrides: list[str], multirun: bool, dry_run: bool = False) -> int:
+    """`launcher submit`: per point, RUN_DIR/config.yaml + job.sbatch, then sbatch.
+    --dry-run prints the script and submits nothing."""
+    jobs = compose_jobs("submit", overrides, multirun, dry_run)
+    for cfg, run_dir, host, choice, ds in jobs:
+        script = sbatch_script(cfg, str(run_dir), slurm_plan(cfg, host))
+        if dry_run:
+            print(script, end="")
+            continue
+        created = not run_dir.exists()
+        # Nobody trains there while the job's files are written and the job id recorded (the
+        # job's rank 0 takes the lock when it starts, seconds later). A job queued for it: refused.
+        try:
+            with runlock.hold(run_dir):
+                runlock.check_free(run_dir)
+                cfg = identity.settle(cfg, run_dir)  # the job's frozen config names its run
+                write_run_dir(cfg, run_dir, {slurm.SCRIPT: script}, run_files(cfg, slurm_plan(cfg, host), ds))
+                if choice is not None:  # recipe=auto / micro_batch=auto: what the planner chose, and why
+                    (run_dir / "plan.json").write_text(choice)
+                job_id = slurm.submit(run_dir)
+        except slurm.SubmitError as e:
+            if created:  # nothing ran: leave nothing behind
+                shutil.rmtree(run_dir, ignore_errors=True)
+            print(f"error: sbatch refused the job for {run_dir}: {e}", file=sys.stderr)
+            return 2
+        except BaseException:
+            if created:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        print(f"submitted job {job_id}: run directory {run_dir}, log {slurm.log_path(run_dir, job_id)}", flush=True)
+    return 0
+
+
+def cmd_export(args: list[str]) -> int:
+    """`launcher export RUN_DIR [export.key=value ...]`: consolidated weights."""
+    from launcher.launch.export import export
+
+    if not args or "=" in args[0]:
+        raise UsageError("usage: launcher export RUN_DIR [export.format=safetensors export.dtype=fp32|bf16 "
+                         "export.step=N export.out=DIR]")
+    run_dir = Path(args[0]).resolve()
+    if not (run_dir / "config.yaml").is_file():
+        raise C.ConfigError("RUN", args[0], "not a run directory (no config.yaml in it)")
+    for o in args[1:]:
+        if not o.startswith("export."):
+            raise C.ConfigError(o.split("=", 1)[0], o.split("=", 1)[-1], "export takes only export.* options")
+    out = export(run_dir, args[1:])
+    dtype = next((o.split("=", 1)[1] for o in args[1:] if o.startswith("export.dtype=")), "fp32")
+    print(f"exported {out} ({dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

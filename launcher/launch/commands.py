@@ -1,0 +1,256 @@
+"""Pure command builders: config in, argv or script text out. Nothing here touches the
+machine, so golden tests cover every shape without launching anything, and `--dry-run`
+prints exactly what would run."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.config import Config, Runner
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What the launch side decided about this machine (impure facts, gathered once)."""
+
+    python: str
+    """The interpreter the ranks run (the launcher's own)."""
+    nproc_per_node: int
+    master_port: int
+    threads_per_rank: int
+    workdir: str
+    """Where the ranks start (the repository, so relative data paths still resolve)."""
+
+
+class ShellExpr(str):
+    """Shell text placed unquoted, evaluated where the command runs (a Slurm task's
+    "$SLURM_NODEID"). Only this module makes them, from constants: never from config values."""
+
+
+def shell_word(arg: str) -> str:
+    return str(arg) if isinstance(arg, ShellExpr) else shlex.quote(arg)
+
+
+@dataclass(frozen=True)
+class NodeArgs:
+    """Who this node is: known on the launch side (by hand), or shell text a Slurm task
+    evaluates on its node."""
+
+    nnodes: str
+    node_rank: str | None
+    """None: a single node (torchrun's default, node 0)."""
+    endpoint: str
+    """host:port of the c10d rendezvous."""
+
+
+def node_args(cfg: Config, plan: LaunchPlan) -> NodeArgs:
+    c = cfg.cluster
+    if c.nnodes == 1:
+        return NodeArgs("1", None, f"127.0.0.1:{plan.master_port}")
+    return NodeArgs(str(c.nnodes), str(c.node_rank), f"{c.master_addr}:{plan.master_port}")
+
+
+def join_timeout(cfg: Config) -> int:
+    return cfg.cluster.join_timeout_s or cfg.dist.timeout_s
+
+
+def _option(name: str, value: str) -> str:
+    text = f"--{name}={value}"
+    return ShellExpr(text) if isinstance(value, ShellExpr) else text
+
+
+def torchrun_argv(cfg: Config, run_dir: str, plan: LaunchPlan, node: NodeArgs | None = None) -> list[str]:
+    """`python -m torch.distributed.run ... -m launcher.rank RUN_DIR`.
+
+    One node: a c10d rendezvous on 127.0.0.1 at a free port (the agent hosts the store).
+    Several nodes: the same rendezvous at the first node's address, and this node's rank;
+    every agent waits `cluster.join_timeout_s` for the others to join. c10d numbers the
+    ranks itself (sorted by host), which is harmless: every rank of a job reads the same
+    config and checkpoints are per global rank.
+    """
+    c = cfg.cluster
+    node = node or node_args(cfg, plan)
+    argv = [
+        plan.python, "-m", "torch.distributed.run",
+        _option("nnodes", node.nnodes),
+        *([_option("node-rank", node.node_rank)] if node.node_rank is not None else []),
+        f"--nproc-per-node={plan.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        _option("rdzv-endpoint", node.endpoint),
+        f"--rdzv-id={rendezvous_id(run_dir)}",
+        f"--rdzv-conf=join_timeout={join_timeout(cfg)}",
+        f"--max-restarts={c.max_restarts}",
+        # Forward SIGUSR1 too (Slurm's warning signal); give ranks time to save.
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        f"--shutdown-timeout={c.shutdown_timeout_s}",
+    ]
+    if c.local_addr:
+        argv.append(f"--local-addr={c.local_addr}")
+    return argv + ["-m", "launcher.rank", run_dir]
+
+
+def deepspeed_argv(cfg: Config, run_dir: str, plan: LaunchPlan) -> list[str]:
+    """The `deepspeed` command (DeepSpeed's launcher, `python -m deepspeed.launcher.runner`, which
+    is what the `deepspeed` script runs, with this interpreter).
+
+    One node: `--num_gpus` processes on localhost. Several nodes: the first node reads
+    RUN_DIR/hostfile (`hostfile_text`) and starts every node over pdsh/ssh; launch once.
+    `--no_local_rank`: ranks read LOCAL_RANK from the environment (launcher.rank.entry takes
+    only the run directory).
+    """
+    c = cfg.cluster
+    argv = [plan.python, "-m", "deepspeed.launcher.runner", f"--num_nodes={c.nnodes}",
+            f"--num_gpus={plan.nproc_per_node}", f"--master_port={plan.master_port}"]
+    if c.nnodes > 1:
+        argv += [f"--hostfile={run_dir}/{HOSTFILE}", f"--master_addr={c.hosts[0]}", "--launcher=pdsh"]
+    argv += ["--no_local_rank", "--log_level=warning", "--module", "launcher.rank", run_dir]
+    return argv
+
+
+HOSTFILE = "hostfile"
+
+
+def hostfile_text(cfg: Config, plan: LaunchPlan) -> str:
+    """RUN_DIR/hostfile for runner=deepspeed on several nodes: `host slots=N` per node."""
+    return "".join(f"{host} slots={plan.nproc_per_node}\n" for host in cfg.cluster.hosts)
+
+
+def launch_argv(cfg: Config, run_dir: str, plan: LaunchPlan) -> list[str]:
+    """The command of `cluster.runner`."""
+    if cfg.cluster.runner == Runner.deepspeed:
+        return deepspeed_argv(cfg, run_dir, plan)
+    return torchrun_argv(cfg, run_dir, plan)
+
+
+def rendezvous_id(run_dir: str) -> str:
+    """Stable per run directory, so agents of one job (and only they) meet."""
+    import hashlib
+
+    return "run-" + hashlib.sha1(run_dir.encode()).hexdigest()[:12]
+
+
+def rank_env(plan: LaunchPlan, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment the launch side sets for the ranks (never secrets): threads, then the
+    config's cluster.env (network settings), which wins."""
+    return {"OMP_NUM_THREADS": str(plan.threads_per_rank), **(extra or {})}
+
+
+def command_script(argv: list[str], env: dict[str, str], workdir: str, run_dir: str) -> str:
+    """RUN_DIR/command.sh: the exact command. Running it again resumes the run."""
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# The exact command that trains {shlex.quote(run_dir)}.",
+        "# Run it again to resume from the latest checkpoint (checkpoint.resume=auto).",
+        "set -euo pipefail",
+        f"cd {shlex.quote(workdir)}",
+    ]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
+    lines += ["# A launch still running there: say so now (its rendezvous would keep this one waiting).",
+              f"{shell_word(argv[0])} -m launcher.runlock {shlex.quote(run_dir)}",
+              "exec " + " ".join(shell_word(a) for a in argv)]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- Slurm
+SBATCH_TEMPLATE = Path(__file__).resolve().parents[2] / "scripts" / "slurm" / "job.sbatch"
+_SBATCH_PLAIN = re.compile(r"[\w.,:+=@/%\[\]-]+")
+
+
+def sbatch_quote(value: str) -> str:
+    """A value in an `#SBATCH` line. sbatch reads those lines itself, not through a shell:
+    it honours double quotes and backslash escapes (single quotes would become part of the
+    value). Line breaks are refused before this point."""
+    if _SBATCH_PLAIN.fullmatch(value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def job_name(cfg: Config, run_dir: str) -> str:
+    """cluster.run_name, else the run directory's last two parts (a sweep point is `<sweep>-<i>`)."""
+    return cfg.run_name or "-".join(Path(run_dir).parts[-2:])
+
+
+def sbatch_options(cfg: Config, run_dir: str) -> list[str]:
+    """The #SBATCH lines from the config; cluster.sbatch_extra last (the template puts these
+    after its own), so they win."""
+    c = cfg.cluster
+    opts = [("job-name", job_name(cfg, run_dir)), ("nodes", str(c.nnodes)), ("ntasks-per-node", "1")]
+    for key in ("partition", "account", "qos", "time"):
+        if getattr(c, key) is not None:
+            opts.append((key, getattr(c, key)))
+    if c.gpus_per_node:
+        opts.append(("gpus-per-node", str(c.gpus_per_node)))
+    if c.cpus_per_task is not None:
+        opts.append(("cpus-per-task", str(c.cpus_per_task)))
+    if c.mem is not None:
+        opts.append(("mem", c.mem))
+    if c.constraint is not None:
+        opts.append(("constraint", c.constraint))
+    lines = [f"#SBATCH --{key}={sbatch_quote(value)}" for key, value in opts]
+    if c.exclusive:
+        lines.append("#SBATCH --exclusive")
+    return lines + [f"#SBATCH {line}" for line in c.sbatch_extra]
+
+
+def _continued(words: list[str], indent: str) -> str:
+    """Words on lines: a new line before each option, so a long command stays readable."""
+    out = words[0]
+    for word in words[1:]:
+        out += f" \\\n{indent}{word}" if word.startswith("-") else f" {word}"
+    return out
+
+
+def torchrun_step(cfg: Config, run_dir: str, plan: LaunchPlan) -> str:
+    """The job step: one srun task per node, each starting torchrun for its node. The
+    node's count, rank and the first node's name are evaluated by the task (bash -c);
+    everything else is quoted twice: once for that bash, once for the batch shell."""
+    node = NodeArgs(ShellExpr('"$SLURM_NNODES"'), ShellExpr('"$SLURM_NODEID"'),
+                    ShellExpr('"$HEAD_NODE:$MASTER_PORT"'))
+    inner = "exec " + _continued([shell_word(a) for a in torchrun_argv(cfg, run_dir, plan, node)], "    ")
+    # --wait: once one node's task has ended, the others get 60 s to finish (a preempted
+    # rank 0 still closes W&B) before srun stops them (a crashed node does not hang the job).
+    srun = ["srun", "--ntasks-per-node=1", "--wait=60"]
+    if cfg.cluster.cpus_per_task is not None:  # since Slurm 22.05 srun no longer inherits it
+        srun.append(f"--cpus-per-task={cfg.cluster.cpus_per_task}")
+    return " ".join(srun) + " bash -c " + shlex.quote(inner)
+
+
+# cluster.runner -> the command of the job step. A runner joins Slurm by adding its branch
+# here (the deepspeed runner: its launcher per node, or a hostfile from SLURM_JOB_NODELIST).
+SLURM_STEPS = {Runner.torchrun: torchrun_step}
+
+
+def render(template: str, values: dict[str, str]) -> str:
+    """Fill {{name}} placeholders; every placeholder must have a value and every value a place."""
+    used = set(re.findall(r"\{\{(\w+)\}\}", template))
+    if used != set(values):
+        raise KeyError(f"template placeholders {sorted(used)} != values {sorted(values)}")
+    return re.sub(r"\{\{(\w+)\}\}", lambda m: values[m.group(1)], template)
+
+
+def sbatch_script(cfg: Config, run_dir: str, plan: LaunchPlan, template: str | None = None) -> str:
+    """RUN_DIR/job.sbatch from scripts/slurm/job.sbatch. Values in #SBATCH lines are
+    sbatch-quoted, values in shell lines shlex-quoted; cluster.setup lines are shell code
+    the user wrote and go in as they are."""
+    c = cfg.cluster
+    env = {**rank_env(plan, c.env), "PYTHONUNBUFFERED": "1"}
+    port = str(c.master_port) if c.master_port is not None else "$((20000 + SLURM_JOB_ID % 20000))"
+    values = {
+        "title": f"Slurm job for the run directory {shlex.quote(run_dir)}",
+        "run_dir": shlex.quote(run_dir),
+        "sbatch_lines": "\n".join(sbatch_options(cfg, run_dir)),
+        "grace": str(c.preempt_grace_s),
+        "requeue": "--requeue" if c.requeue else "--no-requeue",
+        "requeue_on_preempt": "true" if c.requeue else "false",
+        "max_requeues": str(c.max_requeues),
+        "max_restarts": str(c.max_restarts),
+        "setup": "\n".join(c.setup) if c.setup else "# (none)",
+        "workdir": shlex.quote(plan.workdir),
+        "exports": "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
+        "master_port": port,
+        "step": SLURM_STEPS[c.runner](cfg, run_dir, plan),
+    }
+    return render(template if template is not None else SBATCH_TEMPLATE.read_text(), values)

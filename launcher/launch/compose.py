@@ -1,0 +1,119 @@
+"""Composing the Hydra config (conf/, the compose API: every error one line) and the
+words for what went wrong: an unknown group option, a wrong type, a missing value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import MissingConfigException
+from omegaconf import OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from launcher import config as C
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+CONF_DIR = REPO / "conf"
+
+
+class UsageError(Exception):
+    """Bad input that is not about one config key."""
+
+
+def compose_config(overrides: list[str]) -> tuple[C.Config, Path, dict]:
+    """Compose conf/ with the overrides; return the typed config, the run directory
+    Hydra resolved (hydra.run.dir, ${now:} evaluated once, here) and Hydra's node."""
+    C.register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        node = compose("config", overrides=overrides, return_hydra_config=True)
+    hydra_node = node.hydra
+    run_dir = Path(str(hydra_node.run.dir))
+    with open_dict(node):
+        del node["hydra"]
+    return C.to_typed(node), run_dir, hydra_node
+
+
+def expand_sweep(overrides: list[str]) -> list[list[str]]:
+    """Hydra's sweep syntax (`optim.lr=1e-3,3e-3`) -> one override list per point."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
+    return [list(point) for batch in batches for point in batch]
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def recipe_configs(names: set[str] | None = None) -> dict[str, C.RecipeConfig]:
+    """conf/recipe/<name>.yaml as typed recipe configs (the `recipe` node alone: the degrees
+    a file takes from conf/parallel/ are the planner's to choose), for `make plan`."""
+    out = {}
+    for name in group_options("recipe"):
+        if names is None or name in names:
+            node = OmegaConf.load(CONF_DIR / "recipe" / f"{name}.yaml")
+            node.pop("defaults", None)
+            out[name] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(C.RecipeConfig), node))
+    return out
+
+
+def describe(e: BaseException) -> str:
+    """One line for a composition or validation error: key, value, what is allowed."""
+    if isinstance(e, C.ConfigError):
+        return str(e)
+    if isinstance(e, MissingConfigException):
+        text = str(e)
+        for group in C.GROUPS:
+            if f"'{group}/" in text:
+                name = text.split(f"'{group}/", 1)[1].split("'", 1)[0]
+                allowed = group_options(group) + (["auto (the planner chooses)"] if group == "recipe" else [])
+                return f"{group}={name}: no such {group}; allowed: {', '.join(allowed)}"
+        return text.splitlines()[0]
+    # The OmegaConf error in the chain that names a key carries the reason.
+    chain, inner = [], e
+    while inner is not None and inner not in chain:
+        chain.append(inner)
+        inner = inner.__cause__ or inner.__context__
+    for err in chain:
+        if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
+            return _describe_omegaconf(err)
+    text = str(e).strip()
+    return text.splitlines()[0] if text else e.__class__.__name__
+
+
+def _describe_omegaconf(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None) or "?"
+    msg = str(getattr(e, "msg", "") or e).strip().splitlines()[0]
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
+
+    if isinstance(e, (ConfigKeyError, ConfigAttributeError)) and "not in" in msg:
+        parent, _, leaf = key.rpartition(".")
+        schema = C.GROUPS.get(parent.split(".")[0]) if parent else C.Config
+        allowed = ""
+        if schema is not None:
+            node = OmegaConf.structured(schema)
+            for part in parent.split(".")[1:]:
+                node = node[part]
+            allowed = "; allowed keys: " + ", ".join(node.keys())
+        return f"{key}: unknown key{allowed}"
+    if isinstance(e, MissingMandatoryValue):
+        return f"{key}: missing; it must be given (e.g. {key}=...)"
+    if isinstance(e, ValidationError):
+        value = getattr(e, "value", None)
+        if "expected one of" in msg:
+            allowed = msg.split("expected one of", 1)[1].strip()
+            return f"{key}={value}: not allowed; allowed: {allowed.strip('[]')}"
+        want = "the declared type"
+        if "converted to" in msg:
+            want = msg.split("converted to", 1)[1].strip()
+        elif "is not a valid" in msg:
+            want = msg.split("is not a valid", 1)[1].split()[0].capitalize().replace("Bool", "Boolean")
+        names = {"Integer": "int", "Float": "float", "Boolean": "bool (true/false)", "String": "str"}
+        return f"{key}={value}: wrong type; expected {names.get(want, want)}"
+    return f"{key}: {msg}"

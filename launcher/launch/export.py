@@ -1,0 +1,97 @@
+"""Export: consolidated weights from any recipe's checkpoint, on one process, no GPU.
+
+`export.format=hf` writes a folder `AutoModelForCausalLM.from_pretrained` loads instead
+(launcher.models.hf_export.save_pretrained; the project's decoder as LlamaForCausalLM).
+
+Each recipe module provides `consolidate(cfg, engine_dir) -> {name: fp32 tensor}` that
+reads its own checkpoint layout (DDP's single file, DeepSpeed's shards, DCP). This module
+picks the checkpoint, casts, and writes safetensors with the model config in the
+metadata, so `load_exported(path)` rebuilds the project's model from the file alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from launcher import config as C
+from launcher.manifest import find_latest, root_of, step_name, verify
+from launcher.untrusted import check_checkpoint
+
+
+def export(run_dir: Path, overrides: list[str]) -> Path:
+    from launcher.launch.supervise import interrupts_held
+
+    with interrupts_held():  # the launch side imports torch only when it exports
+        import torch
+        from safetensors.torch import save_file
+
+        import recipes
+
+    base = OmegaConf.merge(OmegaConf.structured(C.Config), C.read_frozen(run_dir / "config.yaml"))
+    cfg: C.Config = C.to_typed(OmegaConf.merge(base, OmegaConf.from_dotlist(overrides)))
+    if cfg.model.kind == C.ModelKind.hf and cfg.export.format != C.ExportFormat.hf:
+        raise C.ConfigError("export.format", cfg.export.format.value,
+                            "model=hf exports as export.format=hf (a from_pretrained folder)")
+    root = root_of(cfg, run_dir)
+    if cfg.export.step is None:
+        folder = find_latest(root)
+        if folder is None:
+            raise C.ConfigError("RUN", str(run_dir), f"no complete checkpoint under {root}")
+    else:
+        folder = root / step_name(cfg.export.step)
+        problem = verify(folder) if folder.is_dir() else "no such checkpoint"
+        if problem:
+            raise C.ConfigError("export.step", cfg.export.step, f"{folder}: {problem}")
+    problem = check_checkpoint(folder)
+    if problem:
+        raise C.ConfigError("RUN", str(run_dir), problem)
+    state = recipes.consolidate(cfg, folder / "engine")
+    dtype = {C.ExportDtype.fp32: torch.float32, C.ExportDtype.bf16: torch.bfloat16}[cfg.export.dtype]
+    # Each dtype has its own default folder: a bf16 export never replaces the fp32 one.
+    suffix = "" if cfg.export.dtype == C.ExportDtype.fp32 else f"-{cfg.export.dtype.value}"
+    if cfg.export.format == C.ExportFormat.hf:  # a from_pretrained folder (launcher/models/hf.py)
+        from launcher.models.hf_export import save_pretrained
+
+        out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / f"{folder.name}-hf{suffix}"
+        return readable(save_pretrained(cfg, state, out, dtype))
+    # Tied weights share storage; safetensors stores each name as its own tensor.
+    tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in state.items()}
+    out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / f"{folder.name}{suffix}"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "model.safetensors"
+    meta = {"format": "launcher", "step": folder.name, "recipe": cfg.recipe.name,
+            "model": json.dumps(OmegaConf.to_container(OmegaConf.structured(cfg.model), enum_to_str=True))}
+    save_file(tensors, str(path), metadata=meta)
+    return readable(path)
+
+
+def readable(path: Path) -> Path:
+    """Exported files get the mode of any file this user creates (safetensors writes 0600):
+    weights are meant to be shared, the umask decides with whom."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+        f.chmod(0o666 & ~mask)
+    return path
+
+
+def load_exported(path: str | Path, device: str = "cpu"):
+    """The project's model (launcher.models.gpt.GPT) with the exported weights, from the
+    file alone."""
+    import torch
+    from safetensors import safe_open
+
+    from launcher.models.gpt import GPT
+
+    with safe_open(str(path), framework="pt", device=device) as f:
+        meta = f.metadata()
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(C.ModelConfig), json.loads(meta["model"])))
+    with torch.device(device):
+        model = GPT(model_cfg)
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model

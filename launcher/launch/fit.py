@@ -1,0 +1,80 @@
+"""Does the checkpoint a launch would resume load into the model and recipe it builds?
+
+Answered on the launch side, before any rank starts, from what every checkpoint's
+manifest records (`model`: the model section of the config that wrote it; `params`: the
+full model's parameter names and shapes, from its meta-device build) and from the engine
+files on disk. A launch into a run directory whose checkpoints hold another shape, another
+vocabulary or a format the recipe cannot read is refused in one line naming what differs,
+instead of five rank tracebacks (`size mismatch for tok_embeddings.weight`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from launcher import config as C
+from launcher.manifest import MANIFEST, resumable, shapes
+
+FORMATS = [  # (format, file that marks it, its name)
+    ("ddp", "engine/model.pt", "a ddp checkpoint (engine/model.pt)"),
+    ("dcp", "engine/.metadata", "a distributed checkpoint (DCP: fsdp, tp, tp_fsdp, pp)"),
+    ("deepspeed", "engine/zero.json", "a DeepSpeed checkpoint (zero1/2/3)"),
+]
+
+
+def readers(fmt: str) -> set[str]:
+    """The engines that load a checkpoint of this format (their RecipeSpec's `reads`)."""
+    import recipes
+
+    return {name for name, spec in recipes.specs().items() if fmt in spec.reads}
+
+
+def check(cfg: C.Config, run_dir: Path) -> None:
+    """ConfigError (one line) when the checkpoint this launch resumes cannot load here."""
+    folders = resumable(cfg, run_dir)
+    if not folders:
+        return
+    folder = folders[-1]
+    key, value = "checkpoint.resume", cfg.checkpoint.resume
+    out = ("use another hydra.run.dir for a new run, or checkpoint.resume=never checkpoint.on_existing=archive "
+           "to start over here (the old run is kept)")
+    for fmt, marker, name in FORMATS:
+        can = readers(fmt)
+        if (folder / marker).exists() and cfg.recipe.strategy not in can:
+            raise C.ConfigError(key, value, f"{folder} is {name}, which recipe={cfg.recipe.name} cannot load; "
+                                            f"resume it with recipe.strategy {'/'.join(sorted(can))}, "
+                                            f"or {out}")
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return  # the ranks' own check names it
+    old = manifest.get("params") if isinstance(manifest, dict) else None
+    if not isinstance(old, dict):
+        return  # written before manifests recorded the model: nothing to compare
+    new = shapes(cfg)
+    if old == new:
+        return
+    differ = [n for n in sorted(old.keys() | new.keys()) if old.get(n) != new.get(n)]
+    first = differ[0]
+    example = f"{first} {_shape(old.get(first))} there, {_shape(new.get(first))} here"
+    keys = _changed(manifest.get("model") or {}, C.to_dict(cfg)["model"], "model")
+    what = ", ".join(f"{k}={a} there, {b} here" for k, a, b in keys) or "the same model.* keys, other model files"
+    raise C.ConfigError(key, value, f"{folder} holds another model ({what}; {len(differ)} of "
+                                    f"{len(old.keys() | new.keys())} tensors differ, e.g. {example}); "
+                                    f"set the keys back to continue it, or {out}")
+
+
+def _shape(s) -> str:
+    return "absent" if s is None else "[" + ", ".join(map(str, s)) + "]"
+
+
+def _changed(old: dict, new: dict, prefix: str) -> list[tuple[str, object, object]]:
+    out = []
+    for k in sorted(old.keys() | new.keys()):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changed(a, b, f"{prefix}.{k}")
+        elif a != b:
+            out.append((f"{prefix}.{k}", a, b))
+    return out

@@ -1,0 +1,151 @@
+"""`launcher plan` and the choices it makes for `recipe=auto` / `train.micro_batch=auto`:
+the hardware planned for, the table, the recommended command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from launcher import config as C
+from launcher.launch import slurm
+from launcher.launch.compose import compose_config, recipe_configs
+from launcher.host import HostInfo
+from launcher.launch.validate import validate
+
+if TYPE_CHECKING:
+    from launcher.planner.plan import Hardware
+
+
+def planned_host(command: str, point: list[str], here: HostInfo) -> HostInfo:
+    """What recipe=auto / train.micro_batch=auto plan for: this machine, or a Slurm job's nodes."""
+    auto = ("recipe=auto", "train.micro_batch=auto")
+    if command != "submit" or not any(o in auto for o in point):
+        return here
+    return slurm.node_host(compose_config([o for o in point if o not in auto])[0], here)
+
+
+def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "Hardware":
+    """The GPUs to plan for: the configured cluster, or this machine's."""
+    from launcher.planner import plan as planner
+    from launcher.host import gpu_memory_bytes, gpu_name, table_tflops
+
+    c = cfg.cluster
+    if world_from_launch:
+        gpn = C.nproc_per_node(cfg, host)
+    else:
+        gpn = c.gpus_per_node or (host.gpus if host.cuda else None)
+        if gpn is None:
+            raise C.ConfigError("cluster.gpus_per_node", None, "needed to plan on a machine without GPUs (e.g. 8)")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's memory
+    mem = int(c.gpu_memory_gb * 2**30) if c.gpu_memory_gb else gpu_memory_bytes()
+    if mem is None and world_from_launch and not host.cuda:  # ranks on this CPU: each gets its share of memory
+        mem = ram // gpn
+    if mem is None:
+        raise C.ConfigError("cluster.gpu_memory_gb", None, "needed to plan on a machine without GPUs (e.g. 80)")
+    tflops = cfg.plan.gpu_tflops or table_tflops(gpu_name()) or planner.DEFAULT_TFLOPS
+    host_bytes = int(cfg.plan.host_memory_gb * 2**30) if cfg.plan.host_memory_gb else None
+    if host_bytes is None and world_from_launch:  # planning for this machine: its memory
+        host_bytes = ram
+    return planner.Hardware(gpu_bytes=mem, gpus_per_node=gpn, nnodes=c.nnodes, tflops=tflops, host_bytes=host_bytes)
+
+
+def available_recipes(cuda: bool = True) -> dict[str, C.RecipeConfig]:
+    """The recipes the planner compares: every conf/recipe/*.yaml. On a CPU the ranks'
+    memory is the host's: a recipe that offloads saves nothing there and is left out."""
+    import recipes
+
+    out = recipe_configs()
+    if not cuda:
+        out = {name: rc for name, rc in out.items() if not recipes.spec(rc.strategy).holds(rc).offload_optim}
+    return out
+
+
+def recommended_command(overrides: list[str], best) -> str:
+    """`make train RECIPE=.. ARGS=".."` that trains exactly the planned row: every override
+    the user gave (the model, the sequence length, the cluster planned for), less the ones
+    the plan chose anew and the plan's own options, then the plan's choices."""
+    chosen = best.layout.overrides()[1:] + [f"train.activation_checkpointing={best.ac.value}",
+                                            f"train.micro_batch={best.micro_batch}"]
+    replaced = {o.split("=", 1)[0] for o in chosen} | {"recipe", "parallel.tp", "parallel.pp"}
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in replaced
+            and not o.lstrip("+~").startswith("plan.") and not o.startswith("--")]
+    args = " ".join(shlex.quote(o) for o in kept + chosen)
+    return f'make train RECIPE={best.layout.recipe} ARGS="{args}"'
+
+
+def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
+    """`launcher plan`: the table (or --json), optionally a chart; validates the config
+    against the planned cluster, not this machine."""
+    from launcher.planner import plan as planner
+
+    cfg, _, _ = compose_config(overrides)
+    host = HostInfo.detect()
+    hw = hardware(cfg, host, world_from_launch=False)
+    # Checked against the cluster being planned for, not this machine: one node with all
+    # its GPUs stands for it (the same data-parallel size, no rendezvous to check).
+    import dataclasses
+
+    as_one_node = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, nnodes=1, node_rank=0,
+                                                                       nproc_per_node=None, gpus_per_node=hw.world))
+    for note in validate(as_one_node, HostInfo(cuda=True, gpus=hw.world, cpus=host.cpus)):
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+    rows = planner.plan(cfg, hw, available_recipes())
+    if as_json:
+        print(planner.to_json(rows, hw))
+    else:
+        from rich.console import Console
+
+        console = Console(width=200)
+        title = (f"{cfg.model.name}: seq {cfg.train.seq_len}, {cfg.precision.name.value}, "
+                 f"{hw.nnodes} node(s) x {hw.gpus_per_node} GPU(s) of {hw.gpu_bytes / 2**30:.0f} GiB")
+        console.print(planner.table(rows, hw, title))
+        best = planner.recommended(rows)
+        if best is None:
+            console.print(planner.no_fit_message(rows, hw, cfg.plan.reserve_gb), markup=False)
+        else:
+            console.print(f"recommended: {recommended_command(overrides, best)}", markup=False)
+    if cfg.plan.chart:
+        planner.chart(rows, hw, Path(cfg.plan.chart))
+        if not as_json:
+            print(f"chart: {cfg.plan.chart}")
+    return 0
+
+
+def resolve_auto(overrides: list[str], host: HostInfo) -> tuple[list[str], str | None]:
+    """`recipe=auto` and `train.micro_batch=auto`: ask the planner, return the overrides
+    with its choice filled in, and the plan (json) to keep in the run directory."""
+    from launcher.planner import plan as planner
+
+    auto_recipe = "recipe=auto" in overrides
+    auto_mb = "train.micro_batch=auto" in overrides
+    if not (auto_recipe or auto_mb):
+        return overrides, None
+    rest = [o for o in overrides if o not in ("recipe=auto", "train.micro_batch=auto")]
+    cfg, _, _ = compose_config(rest)
+    hw = hardware(cfg, host, world_from_launch=True)
+    # The user's recipe as composed (its options overridden too), or every recipe file.
+    recipes = available_recipes(host.cuda) if auto_recipe else {cfg.recipe.name: cfg.recipe}
+    rows = planner.plan(cfg, hw, recipes, micro_batch=None if auto_mb else cfg.train.micro_batch)
+    if not auto_recipe:  # keep the user's recipe and checkpointing; choose the micro-batch
+        mine = planner.layout_for(cfg, hw.world)
+        rows = [r for r in rows if r.layout == mine and r.ac == cfg.train.activation_checkpointing]
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        raise C.ConfigError("recipe" if auto_recipe else "train.micro_batch", "auto",
+                            planner.no_fit_message(rows, hw, cfg.plan.reserve_gb))
+    best = min(fitting, key=lambda r: r.step_time_s / r.tokens_per_step)
+    chosen = list(rest)
+    if auto_recipe:
+        chosen += best.layout.overrides() + [f"train.activation_checkpointing={best.ac.value}"]
+    if auto_mb:
+        chosen.append(f"train.micro_batch={best.micro_batch}")
+    per = "per GPU" if host.cuda or cfg.cluster.gpu_memory_gb else "per rank: this machine's memory, shared"
+    print(f"planner chose: {best.layout.label}, activation checkpointing {best.ac.value}, micro-batch "
+          f"{best.micro_batch} ({best.peak / 2**30:.2f} of {hw.gpu_bytes / 2**30:.2f} GiB {per})", flush=True)
+    record = {"chosen": chosen[len(rest):], "plan": json.loads(planner.to_json(rows, hw))}
+    return chosen, json.dumps(record, indent=1)

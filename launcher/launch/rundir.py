@@ -1,0 +1,211 @@
+"""The run directory on the launch side: what is checked before anything is written (a
+writable folder, room for the checkpoints, checkpoint files that are data, a plain name),
+the files written into it (config.yaml, command.sh, ds_config.json), the data prepared
+once, and a relaunch that has nothing to train.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from launcher import config as C
+from launcher.manifest import root_of
+from launcher.launch.commands import command_script, HOSTFILE, hostfile_text, launch_argv, LaunchPlan, rank_env
+from launcher.host import HostInfo
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_plan(cfg: C.Config, host: HostInfo) -> LaunchPlan:
+    nproc = C.nproc_per_node(cfg, host)
+    threads = cfg.cluster.cpu_threads or max(1, host.cpus // nproc)
+    port = cfg.cluster.master_port or free_port()
+    return LaunchPlan(python=sys.executable, nproc_per_node=nproc, master_port=port, threads_per_rank=threads,
+                      workdir=os.getcwd())
+
+
+def writable_parent(path: Path, key: str) -> Path:
+    """The nearest existing folder at or above `path`, proven writable by creating (and
+    removing) a file in it: permission bits alone do not tell (root, read-only mounts,
+    /proc). Found here, on the launch side, not on a rank."""
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    try:
+        if not probe.is_dir():
+            raise NotADirectoryError(20, "not a folder")
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".launcher-probe-"):
+            pass
+    except OSError as err:
+        raise C.ConfigError(key, str(path), f"cannot write under {probe} ({err.strerror}); choose a writable folder")
+    return probe
+
+
+def check_writable(run_dir: Path) -> None:
+    writable_parent(run_dir, "hydra.run.dir")
+
+
+def checkpoint_bound(cfg: C.Config) -> int:
+    """Upper bound of one checkpoint's bytes: fp32 weights, Adam's two moments and a
+    low-precision copy, 16 bytes for each parameter of the model as it will be built
+    (its meta-device build: model=hf counts the Hugging Face model itself)."""
+    from launcher import models
+
+    return 16 * sum(p.numel() for p in models.on_meta(cfg).parameters())
+
+
+def check_checkpoint_space(cfg: C.Config, run_dir: Path) -> None:
+    """The checkpoint folder is writable and its disk has room for keep + 1 checkpoints
+    (the newest is written before the oldest is deleted), found here, not mid-run."""
+    from launcher.manifest import complete_checkpoints
+
+    root = root_of(cfg, run_dir)
+    probe = writable_parent(root, "checkpoint.dir")
+    each = checkpoint_bound(cfg)
+    existing = sum(f.stat().st_size for d in complete_checkpoints(root) for f in d.rglob("*") if f.is_file())
+    need = max(each, each * (cfg.checkpoint.keep + 1) - existing)
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise C.ConfigError("checkpoint.dir", str(root),
+                            f"{free / 2**30:.2f} GiB free, but keep={cfg.checkpoint.keep} checkpoints of up to "
+                            f"{each / 2**30:.2f} GiB need {need / 2**30:.2f} GiB; free space, lower checkpoint.keep, "
+                            f"or choose another checkpoint.dir")
+
+
+def schedule_change(cfg: C.Config, run_dir: Path) -> str | None:
+    """A launch that continues a run with another train.steps or optim.warmup_steps (say,
+    more steps for a run whose warm-up was clamped to its length) changes the learning
+    rate at the step it resumes from: said in one line, None when it stays the same."""
+    from launcher.manifest import manifest_step, resumable
+    from launcher.rank.engine import lr_factor
+
+    frozen, folders = run_dir / "config.yaml", resumable(cfg, run_dir)
+    if not folders or not frozen.is_file():
+        return None
+    step, old = manifest_step(folders[-1]), C.load_frozen(frozen)
+    was, now = lr_factor(step, old.train.steps, old.optim), lr_factor(step, cfg.train.steps, cfg.optim)
+    if abs(was - now) <= 0.01 * max(was, now):
+        return None
+    return (f"the learning rate where this launch resumes (step {step}) changes from {was:.3g} to {now:.3g} x "
+            f"optim.lr: the run had train.steps={old.train.steps} optim.warmup_steps={old.optim.warmup_steps}, this "
+            f"launch train.steps={cfg.train.steps} optim.warmup_steps={cfg.optim.warmup_steps}")
+
+
+def check_resume_is_data(cfg: C.Config, run_dir: Path) -> None:
+    """Every checkpoint the ranks may resume from can be read without running code
+    (launcher/untrusted.py): a crafted file is refused here, in one line, before any rank
+    starts. Only pickles' small parts are read (no digests, no tensor data)."""
+    from launcher.manifest import resumable
+    from launcher.untrusted import check_checkpoint
+
+    for folder in resumable(cfg, run_dir):
+        problem = check_checkpoint(folder)
+        if problem:
+            raise C.ConfigError("checkpoint.resume", cfg.checkpoint.resume, problem)
+
+
+def run_files(cfg: C.Config, plan: LaunchPlan, ds: dict | None) -> dict[str, str]:
+    """Files besides config.yaml the ranks or the runner read: ds_config.json (ZeRO), the
+    hostfile (runner=deepspeed on several nodes)."""
+    from launcher.parallel import ds_config
+
+    files = {}
+    if ds is not None:
+        files[ds_config.FILE] = ds_config.text(ds)
+    if cfg.cluster.runner == C.Runner.deepspeed and cfg.cluster.nnodes > 1:
+        files[HOSTFILE] = hostfile_text(cfg, plan)
+    return files
+
+
+def prepare_run(cfg: C.Config, run_dir: Path, plan: LaunchPlan,
+                files: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """Write RUN_DIR/config.yaml, command.sh and `files`; return the command and its
+    environment. A failure here removes a run directory this call created."""
+    argv = launch_argv(cfg, str(run_dir), plan)
+    env = rank_env(plan, cfg.cluster.env)
+    # Several nodes share the run directory: node 0 writes command.sh, node k command.node<k>.sh.
+    name = "command.sh" if cfg.cluster.node_rank == 0 else f"command.node{cfg.cluster.node_rank}.sh"
+    write_run_dir(cfg, run_dir, {name: command_script(argv, env, plan.workdir, str(run_dir))}, files)
+    return argv, env
+
+
+def write_run_dir(cfg: C.Config, run_dir: Path, scripts: dict[str, str], files: dict[str, str] | None = None) -> bool:
+    """RUN_DIR/config.yaml, executable scripts and other files the ranks read. A failure
+    removes a run directory this call created. Returns whether it created the directory."""
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.cluster.node_rank == 0:  # every rank of every node reads node 0's (its run id among the rest)
+            (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
+            for name, text in (files or {}).items():
+                (run_dir / name).write_text(text)
+        for name, text in scripts.items():
+            (run_dir / name).write_text(text)
+            (run_dir / name).chmod(0o755)
+    except OSError as err:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise C.ConfigError("hydra.run.dir", str(run_dir), f"cannot write the run directory ({err.strerror})")
+    if cfg.data.name == C.DataKind.hf_text:
+        prepare_data(cfg, run_dir, created)
+    return created
+
+
+def prepare_data(cfg: C.Config, run_dir: Path, created: bool) -> None:
+    """data=hf_text: tokenize once, here, before any rank starts (the ranks memory-map the
+    cache). A failure removes a run directory this launch created."""
+    from launcher.data.prepare import prepare_cache
+
+    try:
+        print(prepare_cache(cfg, run_dir), flush=True)
+    except (C.ConfigError, OSError) as err:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise C.ConfigError("data.files", cfg.data.files, f"the token cache could not be written ({err})")
+        raise
+
+
+def check_run_dir_name(run_dir: Path) -> None:
+    """The run directory's path goes into scripts (quoted): a line break would end a comment."""
+    if any(ch in str(run_dir) for ch in "\n\r\0"):
+        raise C.ConfigError("hydra.run.dir", repr(str(run_dir)), "a path without line breaks")
+
+
+def nothing_to_train(cfg: C.Config, run_dir: Path) -> bool:
+    """A launch that would resume a checkpoint already at train.steps says so in one line
+    and leaves the run directory as it is (its summary.json is the run's own)."""
+    from launcher.manifest import manifest_step, resumable
+
+    folders = resumable(cfg, run_dir)
+    step = manifest_step(folders[-1]) if folders else None
+    if step is None or step < cfg.train.steps:
+        return False
+    print(f"nothing to train: {run_dir} has a checkpoint at step {step} of train.steps={cfg.train.steps}; "
+          f"raise train.steps to train on", flush=True)
+    return True
+
+
+def zero_config(cfg: C.Config, host: HostInfo) -> dict | None:
+    """An engine that runs inside DeepSpeed (its RecipeSpec says so: recipe.strategy=zero):
+    DeepSpeed's config, generated, merged with recipe.zero.extra and checked by DeepSpeed's
+    parser at the world size of this launch (ConfigError if not)."""
+    import recipes
+
+    if not recipes.spec(cfg.recipe.strategy).deepspeed:
+        return None
+    from launcher.parallel import ds_config
+    from launcher.host import deepspeed_env
+
+    deepspeed_env()
+    world = C.nproc_per_node(cfg, host) * cfg.cluster.nnodes
+    return ds_config.launch_config(cfg, world, host.cuda)

@@ -1,0 +1,70 @@
+"""The parallel degrees of a job and the batch arithmetic, read by both sides: what the
+recipe's engine may split (its RecipeSpec, recipes/), resolved on a world size. Pure: no
+torch, no process group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import recipes
+from launcher.config import Config
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """The resolved degrees of one job; ranks are laid out row-major over
+    (pp, dp_replicate, dp_shard, tp), the order of the device mesh's dimensions."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def coords(self, rank: int) -> tuple[int, int, int, int]:
+        """(pp, dp_replicate, dp_shard, tp) coordinates of a global rank."""
+        rest, t = divmod(rank, self.tp)
+        rest, s = divmod(rest, self.dp_shard)
+        p, r = divmod(rest, self.dp_replicate)
+        return p, r, s, t
+
+    def dp_rank(self, rank: int) -> int:
+        """Which slice of each global batch this rank's data-parallel group reads."""
+        _, r, s, _ = self.coords(rank)
+        return r * self.dp_shard + s
+
+
+def degrees(cfg: Config, world_size: int) -> Degrees:
+    """The degrees for this recipe at this world size. dp_shard=-1 takes the ranks the
+    others leave; a recipe that does not shard replicates over them instead. Degrees a
+    recipe does not use count as 1 (validate refuses them before a launch)."""
+    p = cfg.parallel
+    can = recipes.spec(cfg.recipe.strategy).parallelism
+    tp, pp = (p.tp if can.tp else 1), (p.pp if can.pp else 1)
+    rest = p.dp_shard if p.dp_shard != -1 else max(1, world_size // max(1, p.dp_replicate * tp * pp))
+    if can.shards:
+        return Degrees(pp=pp, dp_replicate=p.dp_replicate, dp_shard=rest, tp=tp)
+    return Degrees(pp=pp, dp_replicate=p.dp_replicate * rest, dp_shard=1, tp=tp)
+
+
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    """Ranks that see different data: world / (tp x pp)."""
+    return degrees(cfg, world_size).dp
+
+
+def grad_accum(cfg: Config, world_size: int) -> int:
+    t = cfg.train
+    if t.global_batch is None:
+        return t.grad_accum
+    return t.global_batch // (t.micro_batch * data_parallel_size(cfg, world_size))
+
+
+def global_batch(cfg: Config, world_size: int) -> int:
+    return cfg.train.micro_batch * grad_accum(cfg, world_size) * data_parallel_size(cfg, world_size)

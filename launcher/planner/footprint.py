@@ -1,0 +1,218 @@
+"""What one rank of a planned layout holds: its model states (parameters, gradients,
+optimizer states, where each lives), its start-up peak, the activations and temporaries
+of a micro-batch. The terms are launcher/planner/memory.py's; `make plan` (launcher/planner/plan.py) adds
+them up per layout and finds what fits; docs/memory.md derives them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from launcher.parallel import ds_config
+from launcher.planner import memory as M
+from launcher.config import ACMode, Config, ModelConfig, Precision
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A recipe and its degrees. `shard` says how model states split over the
+    data-parallel ranks: none (replicated), zero1, zero2, zero3 (ZeRO-3 and FSDP)."""
+
+    recipe: str
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    shard: str = "none"
+    offload_optim: bool = False
+    offload_params: bool = False
+    fsdp: bool = False
+    grad_buckets: bool = False
+    """DDP: gradient buckets as big as the model, allocated at start-up."""
+
+    @property
+    def label(self) -> str:
+        degrees = [f"dp{self.dp}"] + ([f"tp{self.tp}"] if self.tp > 1 else []) + ([f"pp{self.pp}"] if self.pp > 1 else [])
+        return f"{self.recipe} ({' '.join(degrees)})"
+
+    def overrides(self) -> list[str]:
+        out = [f"recipe={self.recipe}"]
+        if self.tp > 1:
+            out.append(f"parallel.tp={self.tp}")
+        if self.pp > 1:
+            out.append(f"parallel.pp={self.pp}")
+        return out
+
+
+# ----------------------------------------------------------------------------- states
+def pipeline(cfg: Config) -> tuple[int, int, str, list[int] | None]:
+    """(micro-batches, stages per rank, schedule, user split) of the pipeline settings."""
+    p = getattr(cfg, "parallel", None)
+    if p is None:
+        return 1, 1, "1f1b", None
+    schedule = p.pp_schedule.value
+    virtual = p.pp_virtual_stages if schedule == "interleaved_1f1b" else 1
+    return p.pp_microbatches, virtual, schedule, p.pp_split
+
+
+def stage_ranks(cfg: Config, layout: Layout) -> list[list[tuple[int, int, bool, bool]]]:
+    """For each pipeline rank, its stages as (first layer, end layer, has embedding,
+    has head) -- launcher.parallel.plan.stage_bounds, as the pp recipe cuts them."""
+    from launcher.parallel.plan import stage_bounds
+
+    _, virtual, _, split = pipeline(cfg)
+    n_stages = layout.pp * virtual
+    bounds = stage_bounds(cfg.model, n_stages, split)
+    return [[(*bounds[s], s == 0, s == n_stages - 1) for s in range(r, n_stages, layout.pp)]
+            for r in range(layout.pp)]
+
+
+def param_share(cfg: Config, layout: Layout, pp_rank: int | None = None) -> int:
+    """Parameters one rank holds before data-parallel sharding: pipeline rank `pp_rank`,
+    or the worst rank."""
+    m = cfg.model
+    c = M.ParamCounts.of(m)
+    if layout.pp > 1:
+        # The first stage holds the embedding, the last the final norm and the head (a
+        # tied head is a copy there).
+        head = c.embed if m.tie_embeddings else c.head
+        shares = [sum((end - first) * c.block + (c.embed if emb else 0) + (head + c.final_norm if last else 0)
+                      for first, end, emb, last in stages) for stages in stage_ranks(cfg, layout)]
+        return max(shares) if pp_rank is None else shares[pp_rank]
+    if layout.tp > 1:
+        # The matrices are split; the norms are replicated; so is a tied embedding (one
+        # parameter shared with the head), while an untied embedding and head split by
+        # vocabulary.
+        norms = (2 * c.n_blocks + 1) * m.dim
+        matrices = c.n_blocks * (c.block - 2 * m.dim)
+        ends = c.embed if m.tie_embeddings else (c.embed + c.head) // layout.tp
+        return matrices // layout.tp + norms + ends
+    return c.total
+
+
+def model_states(cfg: Config, layout: Layout,
+                 pp_rank: int | None = None) -> tuple[int, int, int, dict[str, str], dict[str, int]]:
+    """(params, grads, optimizer) bytes on one rank, where each lives (device, cpu or
+    device+cpu) and how many of them are in host memory (offload).
+
+    DDP, TP and PP under autocast keep fp32 parameters and gradients (4 + 4 + 8 bytes per
+    parameter with Adam). FSDP2 with a bf16 MixedPrecisionPolicy shards fp32 parameters,
+    fp32 gradients and the moments (16 per parameter, all sharded). DeepSpeed holds what
+    launcher.planner.memory.zero_states says, measured in every precision: the ZeRO paper's terms
+    with w-byte weights (w = 2, or 4 in fp32), plus an fp32 copy of the gradient shard and
+    an fp32 master shard even in fp32, with offload splitting parts to the host.
+    """
+    P = param_share(cfg, layout, pp_rank)
+    precision = cfg.precision.name
+    n = layout.dp
+    where = {"params": "device", "grads": "device", "optim": "device"}
+    host = {"params": 0, "grads": 0, "optim": 0}
+    if layout.shard == "none":
+        params, grads, optim = 4 * P, 4 * P, 8 * P
+    elif layout.fsdp:
+        params, grads, optim = 4 * P // n, 4 * P // n, 8 * P // n
+    else:
+        parts = M.zero_states(int(layout.shard[-1]), P, n, cfg.train.grad_accum, layout.offload_optim,
+                              layout.offload_params, largest_param=M.largest_param(cfg.model),
+                              weight_bytes=4 if precision == Precision.fp32 else 2,
+                              straddle=M.straddling(cfg.model, n),
+                              kept_whole=M.persistent(cfg.model, ds_config.persistence_threshold(cfg)),
+                              bucket=ds_config.reduce_bucket(cfg))
+        params, grads, optim = (int(d + h) for d, h in parts.values())
+        for k, (d, h) in parts.items():
+            host[k] = int(h)
+            where[k] = "cpu" if not d else ("device+cpu" if h else "device")
+    return params, grads, optim, where, host
+
+
+# ----------------------------------------------------------------------------- start-up
+def start_up(cfg: Config, layout: Layout) -> tuple[int, int]:
+    """(device bytes, host bytes) one rank holds when its engine is ready, before step 1:
+    the model is built on the meta device and each rank allocates only its part
+    (launcher/models/init.py); what the engine adds before the first step is the recipe's
+    own. P is what the rank holds before data-parallel sharding (param_share), Ψ the
+    whole model, w the bytes of DeepSpeed's weights (2 in bf16/fp16, 4 in fp32), n the
+    data-parallel size. docs/memory.md derives each line; tests/e2e/test_startup.py measures them.
+
+      ddp                4P weights + 4P DDP's gradient buckets (allocated at construction)
+      tp, pp             4P weights (Adam's moments appear in the first step)
+      fsdp, tp_fsdp      4P/n weight shards (cpu_offload: in host memory)
+      zero1, zero2       wΨ weights + 4Ψ/n fp32 master shard + 4Ψ/n fp32 gradient shard
+                         (DeepSpeed's optimizer set-up)
+      zero2_offload      device: wΨ weights + wΨ/n upload copy of the shard + wL copy buffer;
+                         host: 4Ψ/n master + 4Ψ/n fp32 gradient shard + wL copy buffer
+      zero3              wΨ/n weight partition + wΨ/n gradient partitions + 4Ψ/n master
+                         + 4Ψ/n the set-up's gradient buffer
+      zero3_offload      host: all of zero3's + 4Ψ/n the fp32 gradients of the CPU update
+    (L: the largest parameter's elements.) Reading model.pretrained adds at most one 16 MiB
+    chunk per rank (launcher/models/weights.py)."""
+    P = param_share(cfg, layout)
+    n = layout.dp
+    psi = M.ParamCounts.of(cfg.model).total
+    w = 4 if cfg.precision.name == Precision.fp32 else 2
+    if layout.shard == "none":
+        return (8 if layout.grad_buckets else 4) * P, 0
+    if layout.fsdp:
+        shard = 4 * P // n
+        return (0, shard) if layout.offload_params else (shard, 0)  # recipe.fsdp.cpu_offload
+    if layout.shard in ("zero1", "zero2"):
+        if layout.offload_optim:
+            largest = w * M.largest_param(cfg.model)
+            return w * psi + w * psi // n + largest, 8 * psi // n + largest
+        return w * psi + 8 * psi // n, 0
+    weights, grads, optimizer = w * psi // n, w * psi // n, 8 * psi // n
+    if layout.offload_optim:
+        optimizer += 4 * psi // n  # the CPU update's fp32 gradients
+    device = (0 if layout.offload_params else weights) + (0 if layout.offload_optim else grads + optimizer)
+    host = (weights if layout.offload_params else 0) + (grads + optimizer if layout.offload_optim else 0)
+    return device, host
+
+
+# ----------------------------------------------------------------------------- step memory
+def numerics(precision: Precision, layout: Layout) -> M.Numerics:
+    """DeepSpeed (bf16) casts the parameters (the rotary table stays fp32, measured);
+    FSDP2's bf16 policy casts the parameters it gathers; DDP, TP and PP run fp32
+    parameters under autocast."""
+    if layout.shard.startswith("zero") and not layout.fsdp:
+        return M.Numerics.of(precision.value, low_precision_params=True)
+    if layout.fsdp:
+        return dataclasses.replace(M.Numerics.of(precision.value, low_precision_params=True), gathered_head=True)
+    return M.Numerics.of(precision.value)
+
+
+def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | None = None) -> int:
+    """Saved activations on pipeline rank `pp_rank`, or the worst rank.
+
+    A pipeline cuts each data-parallel rank's batch (b x grad_accum sequences) into
+    parallel.pp_microbatches; a stage keeps the activations of every micro-batch it has
+    run forward but not yet backward: all of them under GPipe, pp - s for stage s under
+    1F1B (interleaved: the same rule over the virtual stages)."""
+    m, s, every = cfg.model, cfg.train.seq_len, cfg.train.ac_every
+    n = numerics(cfg.precision.name, layout)
+    if layout.pp > 1:
+        n_mb, virtual, schedule, _ = pipeline(cfg)
+        mb = max(1, b * cfg.train.grad_accum // n_mb)
+        n_stages = layout.pp * virtual
+        per_rank = []
+        for r, stages in enumerate(stage_ranks(cfg, layout)):
+            total = 0
+            for k, (first, end, emb, last) in enumerate(stages):
+                stage = r + k * layout.pp
+                in_flight = n_mb if schedule == "gpipe" else min(n_mb, n_stages - stage)
+                total += M.activation_bytes(m, mb, s, n, ac, every, layers=end - first, with_head=last,
+                                            with_embedding=emb, in_flight=in_flight, first_layer=first)
+            per_rank.append(total)
+        return max(per_rank) if pp_rank is None else per_rank[pp_rank]
+    return M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp)
+
+
+def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode, ac_every: int, b: int, s: int) -> int:
+    """Transient buffers at the step's peak: the logits (low-precision output and the
+    fp32 copy the loss takes), one block's activations while it is recomputed, and
+    ZeRO-3/FSDP's gathered layers (the current and the prefetched one, bf16)."""
+    n = numerics(precision, layout)
+    x = M.Shape.of(m, b, s)
+    logits = (n.compute + 4) * b * s * x.V // layout.tp
+    recompute = M.block_activations(x, n, layout.tp) if M.recomputed(x.L, ac, ac_every) else 0
+    gathered = 2 * 2 * x.block_params // layout.tp if layout.shard == "zero3" else 0
+    return logits + recompute + gathered

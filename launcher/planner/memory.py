@@ -1,0 +1,373 @@
+"""The model of memory: what one rank holds during a training step, term by term.
+
+docs/memory.md derives every formula here; the names of the functions and terms match
+the sections there. Everything is bytes, per rank, for the project's decoder
+(launcher/models/gpt.py): Ψ parameters, micro-batch b, sequence s, hidden h, heads a,
+key/value width h_kv, SwiGLU width f, vocabulary V, L layers.
+
+`ActivationCounter` measures the same quantity on a real step with
+torch.autograd.graph.saved_tensors_hooks, so predictions are checked against what
+autograd really keeps.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from launcher.config import ACMode, ModelConfig, ffn_dim
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes the formulas use, from a ModelConfig and the batch shape."""
+
+    b: int
+    s: int
+    h: int
+    a: int
+    h_kv: int
+    f: int
+    V: int
+    L: int
+    max_seq: int
+    block_params: int
+    """Matmul weights of one block (launcher.models.gpt.block_matmul_params)."""
+
+    @staticmethod
+    def of(m: ModelConfig, micro_batch: int, seq_len: int) -> "Shape":
+        from launcher.models.gpt import block_matmul_params
+
+        head = m.dim // m.n_heads
+        return Shape(b=micro_batch, s=seq_len, h=m.dim, a=m.n_heads, h_kv=(m.n_kv_heads or m.n_heads) * head,
+                     f=ffn_dim(m), V=m.vocab_size, L=m.n_layers, max_seq=m.max_seq_len,
+                     block_params=block_matmul_params(m))
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters by part, counted on a meta-device model: nothing is allocated, so a
+    70B configuration is counted in well under a second. (torch's meta device does what
+    accelerate.init_empty_weights does, more simply, for a model we construct.)"""
+
+    embed: int
+    head: int
+    """0 when the head is tied to the embedding."""
+    block: int
+    """One transformer block: its matrices and its two norms."""
+    final_norm: int
+    n_blocks: int
+
+    @property
+    def total(self) -> int:
+        return self.embed + self.head + self.n_blocks * self.block + self.final_norm
+
+    @staticmethod
+    def of(m: ModelConfig) -> "ParamCounts":
+        return _param_counts(tuple(sorted(vars(m).items())))
+
+
+def _meta_gpt(m: ModelConfig) -> nn.Module:
+    """The decoder's structure on the meta device, its init skipped: the first init call on
+    meta costs about a second of torch's own set-up, on every launch."""
+    from launcher.models.gpt import GPT
+    from launcher.models.init import skip_torch_init
+
+    with torch.device("meta"), skip_torch_init():
+        return GPT(m)
+
+
+@functools.lru_cache(maxsize=32)
+def _param_counts(key: tuple) -> ParamCounts:
+    m = ModelConfig(**dict(key))
+    model = _meta_gpt(m)
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    return ParamCounts(embed=count(model.tok_embeddings), head=0 if m.tie_embeddings else count(model.output),
+                       block=count(model.layers[0]), final_norm=count(model.norm), n_blocks=len(model.layers))
+
+
+@functools.lru_cache(maxsize=32)
+def _group_sizes(key: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    model = _meta_gpt(ModelConfig(**dict(key)))
+    params = list(model.parameters())  # unique: a tied head is the embedding
+    return tuple(p.numel() for p in params if p.ndim >= 2), tuple(p.numel() for p in params if p.ndim < 2)
+
+
+def straddling(m: ModelConfig, world: int) -> int:
+    """Elements DeepSpeed stage 1/2 hold beyond the rank's gradient partition, on the rank
+    holding the most: each optimizer group (launcher.rank.engine.param_groups: matrices, then
+    vectors, in model order) is flattened, padded to a multiple of 2N and cut into N equal
+    partitions; a parameter crossing a partition's edge has its whole gradient kept for the
+    reduce (deepspeed/runtime/zero/stage_1_and_2.py, get_all_grad_tensors over
+    params_in_partition), not only its part inside. At most two such parameters per
+    group and rank: for Llama-3-8B on 8 ranks a crossing embedding alone is half a shard."""
+    worst = [0] * world
+    for sizes in _group_sizes(tuple(sorted(vars(m).items()))):
+        step = -(-sum(sizes) // (2 * world)) * 2
+        start = 0
+        for size in sizes:
+            end = start + size
+            for r in range(start // step, min(world, -(-end // step))):
+                inside = min(end, (r + 1) * step) - max(start, r * step)
+                worst[r] += size - inside if inside < size else 0
+            start = end
+    return max(worst)
+
+
+def persistent(m: ModelConfig, threshold: int) -> int:
+    """Elements of the parameters ZeRO-3 keeps whole on every rank (numel <= threshold,
+    stage3_param_persistence_threshold: deepspeed/runtime/zero/parameter_offload.py,
+    mark_persistent_parameters): the norms, under the launcher's default of 10 x dim."""
+    return sum(n for sizes in _group_sizes(tuple(sorted(vars(m).items()))) for n in sizes if n <= threshold)
+
+
+def largest_param(m: ModelConfig) -> int:
+    """Elements of the model's largest parameter (the embedding, or a SwiGLU matrix)."""
+    return max(m.vocab_size * m.dim, ffn_dim(m) * m.dim)
+
+
+# ----------------------------------------------------------------------------- activations
+@dataclass(frozen=True)
+class Numerics:
+    """How a recipe runs the model's arithmetic; it decides what autograd saves.
+
+    autocast: fp32 parameters and residual stream, matmuls in `compute` bytes under
+      torch.autocast (ddp, tp, pp). Every matmul saves its own low-precision copy of its
+      input (autocast caches only parameter casts) and the weight copies are held.
+    low-precision parameters: the module itself is bf16 (DeepSpeed bf16; FSDP2 with a
+      bf16 MixedPrecisionPolicy), no autocast: the residual stream is bf16, the norms
+      compute in fp32 internally, projections share their input.
+    fp32: no autocast, everything 4 bytes, projections share their input.
+    """
+
+    compute: int
+    """Bytes of the matmul dtype."""
+    residual: int
+    """Bytes of the residual stream (and of checkpointed block inputs)."""
+    autocast: bool
+    rope: int = 4
+    """Bytes per element of the rotary table (bf16 when the whole module was cast)."""
+    gathered_head: bool = False
+    """FSDP: the root module's gathered (bf16) head weight stays for backward."""
+
+    @staticmethod
+    def of(precision: str, low_precision_params: bool = False, rope_cast: bool = False) -> "Numerics":
+        if precision == "fp32":
+            return Numerics(compute=4, residual=4, autocast=False)
+        if low_precision_params:
+            return Numerics(compute=2, residual=2, autocast=False, rope=2 if rope_cast else 4)
+        return Numerics(compute=2, residual=4, autocast=True)
+
+
+def _norm(x: Shape, n: Numerics) -> int:
+    """RMSNorm: x.float() -> pow saves the fp32 input (the input itself when it is
+    fp32, else a copy), rsqrt its (b, s, 1) result, `* weight` the normalised tensor in
+    the input dtype."""
+    b, s, h = x.b, x.s, x.h
+    return 4 * b * s * h + n.residual * b * s * h + 4 * b * s
+
+
+def _linear_inputs(x: Shape, n: Numerics, consumers: int) -> int:
+    """The norm's output as the projections' input: under autocast each projection casts
+    (and saves) its own copy; otherwise they share one tensor."""
+    copies = consumers if n.autocast else 1
+    width = n.compute if n.autocast else n.residual
+    return copies * width * x.b * x.s * x.h
+
+
+def block_activations(x: Shape, n: Numerics, tp: int = 1) -> int:
+    """Bytes one transformer block saves for backward (no recomputation). With tensor
+    parallelism the heads and the SwiGLU width are split over tp ranks; the norms and
+    the residual stream are replicated."""
+    b, s, c = x.b, x.s, n.compute
+    h_q, h_kv, heads, f = x.h // tp, x.h_kv // tp, x.a // tp, x.f // tp
+    # q, k, v, out; logsumexp in fp32. Grouped-query attention repeats k and v to all
+    # heads before attention, so attention saves the repeated (full-width) copies.
+    sdpa = c * b * s * (2 * h_q + 2 * max(h_kv, h_q)) + 4 * b * heads * s
+    mlp = 4 * c * b * s * f  # w1 out, w3 out, silu out, product
+    return 2 * _norm(x, n) + _linear_inputs(x, n, 3) + sdpa + _linear_inputs(x, n, 2) + mlp
+
+
+def head_activations(x: Shape, n: Numerics) -> int:
+    """After the last block: final norm, the output matmul's input, the fp32
+    log-softmax of the logits, the flat int64 targets."""
+    return _norm(x, n) + _linear_inputs(x, n, 1) + 4 * x.b * x.s * x.V + 8 * x.b * x.s
+
+
+def token_ids(x: Shape) -> int:
+    """The batch of token ids the embedding saves (inputs and targets share it)."""
+    return 8 * x.b * (x.s + 1)
+
+
+def rope_table(x: Shape, n: Numerics) -> int:
+    """The rotary table the blocks save slices of: max_seq x head_dim/2 x (cos, sin)."""
+    return n.rope * x.max_seq * (x.h // x.a)
+
+
+def weight_copies(x: Shape, n: Numerics, kept_blocks: int, head: bool, tp: int = 1) -> int:
+    """Low-precision weights held for backward, once per step: autocast's cached copies
+    of the matmul weights (blocks that recompute make theirs again in backward), or
+    FSDP's gathered head weight (the root is not resharded after forward)."""
+    head_bytes = n.compute * x.V * x.h if head and (n.autocast or n.gathered_head) else 0
+    blocks = n.compute * kept_blocks * x.block_params // tp if n.autocast else 0
+    return blocks + head_bytes
+
+
+def recomputed(L: int, ac: ACMode, every: int, first: int = 0) -> int:
+    """Blocks first .. first+L-1 that recompute: all under full; under selective those whose
+    index in the whole model is a multiple of `every` (a pipeline stage keeps the model's
+    numbering, so a one-layer stage holding block 1 recomputes nothing)."""
+    if ac == ACMode.full:
+        return L
+    if ac == ACMode.selective:
+        return len(range(-(-first // every) * every, first + L, every))
+    return 0
+
+
+def activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, n: Numerics, ac: ACMode,
+                     ac_every: int = 2, layers: int | None = None, tp: int = 1, with_head: bool = True,
+                     with_embedding: bool = True, in_flight: int = 1, first_layer: int = 0) -> int:
+    """What autograd holds on one rank at the end of forward: `in_flight` micro-batches'
+    activations (a pipeline stage holds several), plus what is held once per step (the
+    rotary table, weight copies).
+
+    A recomputed block keeps only its input (the residual stream); the others keep
+    block_activations. `layers` limits the count to a pipeline stage's blocks;
+    `with_embedding` / `with_head` say whether the stage has the token ids / the final
+    norm and logits (both, without a pipeline)."""
+    x = Shape.of(m, micro_batch, seq_len)
+    n_layers = x.L if layers is None else layers
+    r = recomputed(n_layers, ac, ac_every, first_layer)
+    per_micro_batch = (r * n.residual * x.b * x.s * x.h + (n_layers - r) * block_activations(x, n, tp)
+                       + (head_activations(x, n) if with_head else 0) + (token_ids(x) if with_embedding else 0))
+    once = (rope_table(x, n) if n_layers else 0) + weight_copies(x, n, n_layers - r, with_head, tp)
+    return in_flight * per_micro_batch + once
+
+
+# ----------------------------------------------------------------------------- ZeRO model states
+def zero_paper_bytes(stage: int, psi: float, world: int) -> float:
+    """The ZeRO paper's model states per rank for mixed-precision Adam (Rajbhandari et al.,
+    2020, figure 1): Ψ parameters, N ranks."""
+    n = world
+    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def zero_states(stage: int, psi: float, world: int, grad_accum: int = 1, offload_optimizer: bool = False,
+                offload_param: bool = False, largest_param: int = 0,
+                weight_bytes: int = 2, straddle: int = 0, kept_whole: int = 0,
+                bucket: int = 0) -> dict[str, tuple[float, float]]:
+    """What DeepSpeed 0.19 really holds per rank at the peak of a step with Adam:
+    {"params" | "grads" | "optim": (device bytes, host bytes)}. w = weight_bytes: 2 for
+    bf16/fp16 weights, 4 in fp32. Measured in every cell by tests/e2e/test_plan_runs.py (the
+    planner's matrix) and tests/e2e/test_zero.py (recipes/zero.py::model_state_bytes sums it).
+
+    The paper's terms, plus two it leaves out. For the update DeepSpeed makes an fp32 copy
+    of the rank's gradient shard (4Ψ/N) next to the shard it reduced into (wΨ/N); and it
+    keeps an fp32 master shard (4Ψ/N) even when the weights are fp32 themselves (fp32
+    runs hold 4Ψ weights + 4Ψ/N master: deepspeed/runtime/zero/stage_1_and_2.py,
+    `single_partition_of_fp32_groups` is a `.clone().float()` of the weights' shard;
+    stage3.py `_create_fp32_partitions` likewise). So, per rank:
+        stage 1: wΨ + 12Ψ/N + max(wΨ whole gradients while accumulating, (w+4)Ψ/N shards)
+        stage 2: wΨ + 12Ψ/N + (w+4)Ψ/N
+        stage 3: wΨ/N + 12Ψ/N + (w+4)Ψ/N
+        stage 0 (bf16, not a recipe): 2Ψ weights + 2Ψ + 4Ψ grads + 4Ψ master + 8Ψ moments
+    Left out, each under 2% here: stage 1/2's reduce buckets (reduce_bucket_size elements,
+    two with overlap_comm), padding of the shards to the world size, Adam's step counters.
+    Offload moves the fp32 master, the moments and the fp32 gradient shard to host memory.
+    Stage 1/2 keep on the device a copy of the own weight shard for the upload (wΨ/N,
+    counted with the weights) and one copy buffer of the largest parameter on each side
+    (w x largest_param bytes, device and host; counted as gradients); while accumulating
+    (grad_accum > 1) the reduced gradient shard is summed in host memory (wΨ/N). Stage 3
+    keeps its gradient shard (wΨ/N) in host memory; parameter offload moves the weight
+    shard there too. Stage 1/2 also keep the whole gradients of the parameters that cross
+    the edge of the rank's partition (`straddle` elements beyond it: `straddling`) in the
+    shard they reduce into, or accumulate in host memory. Stage 3 keeps its persistent
+    parameters (`kept_whole` elements: `persistent`) whole on the device beside the shard
+    (on more than one rank: on one, the shard is the whole parameter), and reduces
+    gradients through a device bucket of `bucket` elements (reduce_bucket_size), with
+    offload too.
+    """
+    n, p, w = world, psi, weight_bytes
+    optim, grad_shards = 12 * p / n, (w + 4) * p / n
+    edges = w * straddle if stage in (1, 2) else 0
+    if stage == 0:
+        return {"params": (2 * p, 0.0), "grads": (6 * p, 0.0), "optim": (12 * p, 0.0)}
+    kept = w * kept_whole if stage == 3 and n > 1 else 0.0
+    buckets = w * bucket if stage == 3 else 0.0
+    whole = w * p if stage == 1 and grad_accum > 1 else 0.0  # stage 1 accumulates into whole gradients
+    params = w * p / n if stage == 3 else w * p
+    if not offload_optimizer:
+        grads = max(whole, grad_shards + edges) if stage == 1 else grad_shards + edges + buckets
+        return {"params": (params + kept, 0.0), "grads": (grads, 0.0), "optim": (optim, 0.0)}
+    if stage in (1, 2):
+        copy = w * largest_param
+        accumulated = w * p / n + edges if grad_accum > 1 else 0.0
+        return {"params": (params + w * p / n, 0.0), "grads": (whole + copy, 4 * p / n + accumulated + copy),
+                "optim": (0.0, optim)}
+    return {"params": (kept, params) if offload_param else (params + kept, 0.0), "grads": (buckets, grad_shards),
+            "optim": (0.0, optim)}
+
+
+# ----------------------------------------------------------------------------- measuring
+class ActivationCounter:
+    """Counts the bytes autograd saves for backward, from the first save until the first
+    backward use (the end of the first micro-batch's forward, or for a pipeline the
+    micro-batches in flight when its first backward starts).
+
+    Each storage counts once (views share it); parameters do not count (they are model
+    state), but autocast's weight copies do (they are made per step).
+
+        with ActivationCounter(model) as counter:
+            engine.train_step(micro_batches)
+        counter.bytes
+    """
+
+    def __init__(self, model: nn.Module):
+        self.param_ptrs = {_storage(p).data_ptr() for p in model.parameters()}
+        self.saved: list[weakref.ref] = []
+        self.counting = True
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        if self.counting and not isinstance(t, nn.Parameter):
+            self.saved.append(weakref.ref(t))  # autograd holds `t` itself until backward uses it
+        return t
+
+    def _close(self) -> None:
+        """Bytes autograd still holds when the window closes, each storage once: a tensor
+        autograd already let go (a pipeline's shape-inference pass) does not count, nor a
+        layer FSDP freed (resized to nothing) after its forward although autograd saved a
+        view of it."""
+        if self.counting:
+            self.counting = False
+            live = {}
+            for ref in self.saved:
+                t = ref()
+                if t is not None:
+                    st = _storage(t)
+                    if st.data_ptr() not in self.param_ptrs:
+                        live[st.data_ptr()] = st.nbytes()
+            self.bytes = sum(live.values())
+            self.saved.clear()
+
+    def _unpack(self, t):
+        self._close()
+        return t
+
+    def __enter__(self) -> "ActivationCounter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._close()
+        self._hooks.__exit__(*exc)
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    local = getattr(t, "_local_tensor", t)  # DTensor: the shard this rank holds
+    return local.untyped_storage()

@@ -1,0 +1,323 @@
+"""`make plan`: predict every layout's memory per GPU before launch, recommend what fits.
+
+For each candidate layout (recipe and degrees) and activation-checkpointing mode, find
+the largest micro-batch whose predicted peak fits the GPU, then estimate the step's
+relative cost. The recommended row is the cheapest time per token among those that
+fit. The formulas are launcher/planner/memory.py's; docs/memory.md derives them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from launcher import jsonout
+from launcher.planner import memory as M
+from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig
+from launcher.planner.footprint import Layout, activations, model_states, numerics, param_share, start_up, temporaries
+from launcher.models.gpt import flops_per_token
+
+
+GiB = 2**30
+
+
+DEFAULT_TFLOPS = 989.0  # H100 SXM dense bf16
+
+
+@dataclass
+class Row:
+    layout: Layout
+    ac: ACMode
+    micro_batch: int
+    """The largest that fits (or 1 when nothing fits)."""
+    fits: bool
+    params: int
+    grads: int
+    optim: int
+    activations: int
+    temp: int
+    where: dict[str, str]
+    host: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The part of params/grads/optim kept in host memory (offload): not counted in total."""
+    step_time_s: float = math.nan
+    tokens_per_step: int = 0
+    cost: float = math.nan
+    """Time per token relative to the recommended row (1.0 = the cheapest)."""
+    recommended: bool = False
+    startup: int = 0
+    """Device bytes one rank holds when its engine is ready, before step 1 (start_up())."""
+    startup_host_node: int = 0
+    """Host bytes the ranks of one node hold then, beyond their processes' baseline."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optim - sum(self.host.values()) + self.activations + self.temp
+
+    @property
+    def peak(self) -> int:
+        """What the device must hold: the training step's total, or start-up when it is larger."""
+        return max(self.total, self.startup)
+
+
+@dataclass
+class Hardware:
+    gpu_bytes: int
+    gpus_per_node: int
+    nnodes: int
+    tflops: float
+    host_bytes: int | None = None
+    """Host memory of one node (plan.host_memory_gb); None: start-up's host bytes are shown, not checked."""
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nnodes
+
+
+# ----------------------------------------------------------------------------- cost
+def step_time(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode, b: int) -> tuple[float, int]:
+    """Seconds per optimizer step and tokens per step, for the global batch this
+    micro-batch gives with the configured accumulation."""
+    p = cfg.plan
+    m, s = cfg.model, cfg.train.seq_len
+    accum = cfg.train.grad_accum
+    tokens = b * accum * layout.dp * s
+    recompute = 1 + (2 / 6) * M.recomputed(m.n_layers, ac, cfg.train.ac_every) / m.n_layers
+    flops = tokens * flops_per_token(m, s) * recompute / (layout.dp * layout.tp * layout.pp)
+    compute = flops / (hw.tflops * 1e12 * p.mfu)
+    if layout.pp > 1:  # the pipeline bubble: (pp - 1) idle micro-batch slots per step
+        compute *= (accum + layout.pp - 1) / accum
+
+    def bandwidth(group: int, spans_nodes: bool) -> float:
+        return (p.inter_node_gbps if spans_nodes else p.intra_node_gbps) * 1e9
+
+    P = param_share(cfg, layout)
+    dp_spans = layout.dp * layout.tp * layout.pp > hw.gpus_per_node
+    ring = 2 * (layout.dp - 1) / layout.dp if layout.dp > 1 else 0.0
+    if layout.shard in ("zero3",):
+        volume = 1.5 * ring * 2 * P  # all-gather forward and backward, reduce-scatter grads
+    elif layout.shard in ("zero1", "zero2"):
+        volume = ring * 2 * P  # reduce-scatter bf16 grads, all-gather bf16 params
+    else:
+        volume = ring * 4 * P  # all-reduce fp32 grads
+    comm = volume / bandwidth(layout.dp, dp_spans)
+    if layout.tp > 1:  # 4 all-reduces of b*s*h activations per layer per micro-batch
+        act = b * s * m.dim * numerics(cfg.precision.name, layout).compute
+        comm += accum * m.n_layers / layout.pp * 4 * (2 * (layout.tp - 1) / layout.tp) * act / bandwidth(layout.tp, False)
+    if layout.pp > 1:  # activations forward and gradients back across each boundary
+        comm += accum * 2 * b * s * m.dim * numerics(cfg.precision.name, layout).compute / bandwidth(2, dp_spans)
+    offload = 0.0
+    if layout.offload_optim:
+        shard = P / layout.dp
+        offload += (4 * shard + 2 * shard) / (p.pcie_gbps * 1e9) + shard / p.cpu_adam_params_per_s
+    if layout.offload_params:
+        offload += 2 * 2 * (P / layout.dp) / (p.pcie_gbps * 1e9)
+    return compute + comm + offload, tokens
+
+
+# ----------------------------------------------------------------------------- candidates
+TP_DEGREES = (2, 4, 8)
+PP_DEGREES = (2, 4)
+
+
+def candidates(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig]) -> list[Layout]:
+    """Every layout of the given recipes (name -> its recipe config, conf/recipe/*.yaml)
+    that divides this world: each engine's RecipeSpec says which degrees it may use and how
+    it holds model states (its `holds`: the formula this planner applies). Data-parallel
+    layouts first, then tensor parallel by degree, then pipeline by degree."""
+    import recipes
+
+    m, world = cfg.model, hw.world
+    kv = m.n_kv_heads or m.n_heads
+    out: list[tuple[tuple, Layout]] = []
+    for name, rc in available.items():
+        spec = recipes.spec(rc.strategy)
+        h, can = spec.holds(rc), spec.parallelism
+        held = dict(shard=h.shard, fsdp=h.fsdp, offload_optim=h.offload_optim, offload_params=h.offload_params,
+                    grad_buckets=h.grad_buckets)
+        # Ties (the same step time) go to the first: replicated before sharded, ZeRO's stages
+        # in order before FSDP (the same states), offload last.
+        order = (h.offload_optim or h.offload_params, h.shard, h.fsdp, name)
+        if not (can.tp or can.pp):
+            out.append(((0, 0, *order), Layout(name, dp=world, **held)))
+        if can.tp:
+            for t in TP_DEGREES:
+                if not (world % t or t > hw.gpus_per_node or m.n_heads % t or kv % t):
+                    out.append(((1, t, *order), Layout(name, dp=world // t, tp=t, **held)))
+        if can.pp:
+            for pp in PP_DEGREES:
+                if world % pp == 0 and pp <= m.n_layers:
+                    out.append(((2, pp, *order), Layout(name, dp=world // pp, pp=pp, **held)))
+    return [layout for _, layout in sorted(out, key=lambda kv_: kv_[0])]
+
+
+def layout_for(cfg: Config, world: int) -> Layout:
+    """The layout a composed config runs: its recipe with its degrees on `world` ranks."""
+    tp = getattr(getattr(cfg, "parallel", None), "tp", 1) or 1
+    pp = getattr(getattr(cfg, "parallel", None), "pp", 1) or 1
+    hw = Hardware(gpu_bytes=0, gpus_per_node=world, nnodes=1, tflops=DEFAULT_TFLOPS)
+    for layout in candidates(cfg, hw, {cfg.recipe.name: cfg.recipe}):
+        if layout.tp == tp and layout.pp == pp:
+            return layout
+    raise ValueError(f"the planner has no layout for recipe {cfg.recipe.name} (tp={tp}, pp={pp}) on {world} ranks")
+
+
+def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | None = None) -> Row:
+    params, grads, optim, where, host = model_states(cfg, layout)
+    act = activations(cfg, layout, ac, b)
+    tmp = temporaries(cfg.model, cfg.precision.name, layout, ac, cfg.train.ac_every, b, cfg.train.seq_len)
+    device, host_rank = start_up(cfg, layout)
+    per_node = min(hw.gpus_per_node, hw.world) if hw is not None else 1
+    return Row(layout=layout, ac=ac, micro_batch=b, fits=False, params=params, grads=grads, optim=optim,
+               activations=act, temp=tmp, where=where, host=host, startup=device,
+               startup_host_node=host_rank * per_node)
+
+
+def fits(cfg: Config, hw: Hardware, row: Row) -> bool:
+    """The step and the start-up both fit the GPU (less plan.reserve_gb), and start-up fits
+    the node's host memory when it is known: a layout that cannot start never fits."""
+    budget = hw.gpu_bytes - int(cfg.plan.reserve_gb * GiB)
+    return row.peak <= budget and (hw.host_bytes is None or host_per_node(row, hw) <= hw.host_bytes)
+
+
+def host_per_node(row: Row, hw: Hardware) -> int:
+    """Host bytes the ranks of a node need: start-up's, or the offloaded states of the step."""
+    return max(row.startup_host_node, sum(row.host.values()) * min(hw.gpus_per_node, hw.world))
+
+
+def largest_fitting(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode) -> Row:
+    """Binary search on the micro-batch: memory grows with it, monotonically."""
+    fits_at = lambda b: fits(cfg, hw, memory_row(cfg, layout, ac, b, hw))  # noqa: E731
+    if not fits_at(1):
+        return memory_row(cfg, layout, ac, 1, hw)
+    lo, hi = 1, 2
+    while hi <= cfg.plan.max_micro_batch and fits_at(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, cfg.plan.max_micro_batch + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
+    row = memory_row(cfg, layout, ac, lo, hw)
+    row.fits = True
+    return row
+
+
+def plan(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig], micro_batch: int | None = None) -> list[Row]:
+    """One row per layout x activation-checkpointing mode. With `micro_batch` given the
+    rows are for that micro-batch; otherwise each row has its largest fitting one."""
+    cfg = planned_model(cfg)
+    rows = []
+    for layout in candidates(cfg, hw, available):
+        for ac in (ACMode.none, ACMode.selective, ACMode.full):
+            if micro_batch is None:
+                row = largest_fitting(cfg, hw, layout, ac)
+            else:
+                row = memory_row(cfg, layout, ac, micro_batch, hw)
+                row.fits = fits(cfg, hw, row)
+            row.step_time_s, row.tokens_per_step = step_time(cfg, hw, layout, ac, row.micro_batch)
+            rows.append(row)
+    fitting = [r for r in rows if r.fits]
+    if fitting:
+        best = min(fitting, key=lambda r: r.step_time_s / r.tokens_per_step)
+        best.recommended = True
+        unit = best.step_time_s / best.tokens_per_step
+        for r in rows:
+            r.cost = (r.step_time_s / r.tokens_per_step) / unit
+    return rows
+
+
+def planned_model(cfg: Config) -> Config:
+    """model=hf: the project decoder of the same shape (launcher.models.hf.gpt_shape), whose
+    formulas hold exactly for a Llama-layout model (its meta-device parameter count is
+    checked equal). Any other model type is refused: the activation formulas would give
+    wrong numbers for it."""
+    if cfg.model.kind != ModelKind.hf:
+        return cfg
+    from launcher.models import hf
+
+    shape = hf.gpt_shape(cfg.model)
+    params = hf.structure(cfg.model).num_params()
+    if not hf.is_llama_like(cfg.model) or M.ParamCounts.of(shape).total != params:
+        raise ConfigError("model", f"hf ({shape.name})", f"not a Llama-layout decoder ({params:,} parameters): the "
+                          "planner's memory formulas (docs/memory.md) do not apply; choose the recipe and micro-batch by hand")
+    return dataclasses.replace(cfg, model=shape)
+
+
+def recommended(rows: list[Row]) -> Row | None:
+    return next((r for r in rows if r.recommended), None)
+
+
+def no_fit_message(rows: list[Row], hw: Hardware, reserve_gb: float) -> str:
+    if not rows:
+        return f"no layout of the planned recipes divides {hw.world} GPU(s) for this model"
+    smallest = min(rows, key=lambda r: r.peak)
+    need = smallest.peak / GiB + reserve_gb
+    what = "at start-up" if smallest.startup > smallest.total else "at micro-batch 1"
+    return (f"nothing fits in {hw.gpu_bytes / GiB:.0f} GiB per GPU on {hw.world} GPU(s): the smallest is "
+            f"{smallest.layout.label} with activation checkpointing {smallest.ac.value} {what}, "
+            f"{smallest.peak / GiB:.1f} GiB + {reserve_gb:g} GiB reserve; it needs GPUs with at least "
+            f"{math.ceil(need)} GiB, or more GPUs, or a shorter train.seq_len")
+
+
+# ----------------------------------------------------------------------------- output
+def to_json(rows: list[Row], hw: Hardware) -> str:
+    def row(r: Row) -> dict:
+        d = asdict(r)
+        d["layout"] = asdict(r.layout) | {"label": r.layout.label, "overrides": r.layout.overrides()}
+        d["ac"] = r.ac.value
+        d["total"] = r.total
+        d["peak"] = r.peak
+        d["headroom"] = hw.gpu_bytes - r.peak
+        return d
+
+    return jsonout.dumps({"gpu_bytes": hw.gpu_bytes, "world": hw.world, "rows": [row(r) for r in rows]}, indent=1)
+
+
+def table(rows: list[Row], hw: Hardware, title: str):
+    from rich.table import Table
+
+    t = Table(title=title, show_lines=False)
+    for col in ("", "layout", "AC", "micro-batch", "params", "grads", "optim", "activations", "temp", "total",
+                "start-up", "host/node", "headroom", "cost"):
+        t.add_column(col, justify="left" if col in ("layout", "AC", "") else "right")
+    gb = lambda v: f"{v / GiB:,.2f}"  # noqa: E731
+    for r in rows:
+        mark = "★" if r.recommended else ("" if r.fits else "✗")
+        place = lambda k, v: gb(v) + ("*" if r.host.get(k) else "")  # noqa: E731
+        t.add_row(mark, r.layout.label, r.ac.value, str(r.micro_batch) if r.fits else "-",
+                  place("params", r.params), place("grads", r.grads), place("optim", r.optim), gb(r.activations),
+                  gb(r.temp), gb(r.total), gb(r.startup), gb(r.startup_host_node), gb(hw.gpu_bytes - r.peak),
+                  f"{r.cost:.2f}" if r.fits else "-",
+                  style="bold green" if r.recommended else (None if r.fits else "dim"))
+    t.caption = ("GiB per GPU. * = (partly) in host memory (offload); the host part is not counted in total. start-up = "
+                 "held when the engine is ready, before step 1; host/node = host memory of one node's ranks then; "
+                 "headroom = GPU memory less the larger of total and start-up. cost = time per token relative "
+                 "to ★, the recommended row (the cheapest that fits). ✗ = does not fit even at micro-batch 1, or cannot start.")
+    return t
+
+
+def chart(rows: list[Row], hw: Hardware, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.layout.label}\n{r.ac.value} mb={r.micro_batch}" for r in rows]
+    parts = [("params", lambda r: r.params - r.host.get("params", 0)),
+             ("grads", lambda r: r.grads - r.host.get("grads", 0)),
+             ("optim", lambda r: r.optim - r.host.get("optim", 0)),
+             ("activations", lambda r: r.activations), ("temp", lambda r: r.temp)]
+    fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(rows)), 6))
+    bottom = [0.0] * len(rows)
+    for name, get in parts:
+        values = [get(r) / GiB for r in rows]
+        ax.bar(range(len(rows)), values, bottom=bottom, label=name)
+        bottom = [a + b for a, b in zip(bottom, values)]
+    ax.axhline(hw.gpu_bytes / GiB, color="red", linestyle="--", label="GPU memory")
+    ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
+    ax.set_ylabel("GiB per GPU")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,192 @@
+"""Checkpoints that survive a kill at any moment (the folder's layout and its checks:
+launcher/manifest.py).
+
+A save writes into `step_X.tmp/`, waits for every rank; each rank then hashes and fsyncs
+the files it wrote (all ranks at once: `writer_of`), rank 0 gathers the digests into the
+manifest, fsyncs the folder's directories, renames the folder to `step_X` and replaces
+`latest` (both atomic renames), and deletes all but the newest `keep`. A resume checks the
+digests the same way, each rank its share. A crash at any point leaves the previous checkpoint and a
+`latest` that names it; a leftover `.tmp` folder is never read and is cleaned up on the
+next save. Loading uses `weights_only=True` everywhere.
+
+checkpoint.async_save: the save stops training only while each rank copies its state into
+host memory (`Engine.save(path, staging)`, launcher/rank/async_save.py); a writer thread per rank
+then writes the files, hashes them and publishes the checkpoint exactly as above, its
+collectives on a gloo group of their own. At most one save is in flight: the next save, a
+stop and the end of the run wait for it. A kill while it writes leaves a `.tmp` folder,
+never read, and the previous checkpoint and `latest` as they were.
+
+Every checkpoint names the run it belongs to (checkpoint.run_id, set by the launcher):
+resume=auto takes the newest whole checkpoint of this run, keep-K deletes only this run's.
+The launch side sees to it that a folder holds one run's checkpoints (launcher/launch/identity.py).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from launcher.manifest import (TrainerState, _fsync_dir, belongs, complete_checkpoints, digests, first_whole, step_name,
+                               verify, write_manifest)
+
+
+def verify_together(folder: Path, rank: int, world: int) -> str | None:
+    """verify() by every rank at once, each hashing its share; the same answer on every rank
+    (the first problem in rank order). Called on every rank."""
+    problems: list[str | None] = [None] * world
+    dist.all_gather_object(problems, verify(folder, rank=rank, world=world))
+    return next((p for p in problems if p is not None), None)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    """Owns CKPT_DIR for one job. Every method is called on every rank."""
+
+    def __init__(self, root: Path, keep: int, rank: int, world_size: int, debug=None, run_id: str | None = None,
+                 about: dict | None = None, async_save: bool = False, timeout: timedelta | None = None):
+        self.root, self.keep, self.rank, self.world_size = root, keep, rank, world_size
+        self.run_id = run_id
+        self.about = about  # rank 0: the model that writes (launcher/manifest.py::describe), into every manifest
+        self.debug = debug  # fault injection points (launcher/rank/faults.py); None in real runs
+        self.timing: dict[str, float] = {}  # the last save's phases, seconds (rank 0's view)
+        self.saver = None  # checkpoint.async_save: launcher/rank/async_save.py::Saver, made on every rank
+        if async_save:
+            from launcher.rank.async_save import Saver
+
+            self.saver = Saver(timeout)
+
+    def _fault(self, point: str, step: int) -> None:
+        from launcher.config import FaultPoint
+        from launcher.rank.faults import strike
+
+        strike(self.debug, FaultPoint(point), step, self.rank)
+
+    def save(self, step: int, samples_seen: int, engine) -> Path:
+        """Write checkpoint `step`; return its final folder. Without async_save it is
+        published when this returns; with it, the files are written and the folder published
+        in the background (`saver`), and `timing` holds the stall alone."""
+        if self.saver is not None:
+            self.saver.wait()
+        final = self.root / step_name(step)
+        tmp = self.root / (step_name(step) + ".tmp")
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob("*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink()
+            tmp.mkdir()
+            (tmp / "trainer").mkdir()
+        dist.barrier()
+        t0 = time.perf_counter()
+        write = engine.save(tmp / "engine", self.saver)
+        trainer = {"step": step, "samples_seen": samples_seen, "world_size": self.world_size, "rng": rng_state()}
+        mine = tmp / "trainer" / f"rank_{self.rank:05d}.pt"
+        if self.saver is None:
+            torch.save(trainer, mine)
+            dist.barrier()
+            self.timing = {"write_s": time.perf_counter() - t0, **self._publish(step, tmp, final, None)}
+            return final
+        self.timing = {"stage_s": time.perf_counter() - t0}
+
+        def finish() -> None:  # on the writer thread (the RNG states are copies already)
+            t0 = time.perf_counter()
+            self._fault("save_staged", step)
+            if self.debug is not None and self.debug.async_save_delay_s:
+                time.sleep(self.debug.async_save_delay_s)
+            write()
+            torch.save(trainer, mine)
+            dist.barrier(group=self.saver.group)  # every rank's files are on disk
+            self.timing = {**self.timing, "write_s": time.perf_counter() - t0,
+                           **self._publish(step, tmp, final, self.saver.group)}
+
+        self.saver.start(step, finish)
+        return final
+
+    def _publish(self, step: int, tmp: Path, final: Path, group) -> dict[str, float]:
+        """Every rank hashes and fsyncs its files (at once), rank 0 gathers the digests into
+        the manifest, renames the folder into place, replaces `latest` and deletes all but the
+        newest `keep`. Returns the phases' seconds."""
+        t1 = time.perf_counter()
+        mine = digests(tmp, self.rank, self.world_size)  # every rank its own files, at once
+        known: list[dict] | None = [{}] * self.world_size if self.rank == 0 else None
+        dist.gather_object(mine, known, dst=0, group=group)
+        t2 = time.perf_counter()
+        self._fault("save_engine_written", step)
+        if self.rank == 0:
+            write_manifest(tmp, step, self.run_id, self.about, {k: v for part in known for k, v in part.items()})
+            self._fault("save_manifest_written", step)
+            if final.exists():  # a save of the same step from an earlier attempt of this run
+                if belongs(final, self.run_id or ""):
+                    shutil.rmtree(final)
+                else:  # not this run's (or no readable manifest): kept, under another name
+                    os.replace(final, final.with_name(f"{final.name}.aside.{int(time.time())}"))
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            self._fault("save_renamed", step)
+            pointer = self.root / "latest.tmp"
+            pointer.write_text(final.name + "\n" + (f"run {self.run_id}\n" if self.run_id else ""))
+            os.replace(pointer, self.root / "latest")
+            _fsync_dir(self.root)
+            self._fault("save_latest_written", step)
+            for old in complete_checkpoints(self.root, self.run_id or "")[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier(group=group)
+        return {"digests_s": t2 - t1, "publish_s": time.perf_counter() - t2}
+
+    def discard_partial(self, step: int) -> None:
+        """After a failed save: remove its temporary folder (best effort, rank 0)."""
+        if self.rank == 0:
+            shutil.rmtree(self.root / (step_name(step) + ".tmp"), ignore_errors=True)
+
+    def resolve(self, resume: str) -> Path | None:
+        """Which checkpoint to start from, decided by all ranks together (each checks its share
+        of the digests; the same answer everywhere): this run's newest whole checkpoint when it has one (a relaunch, a requeue, command.sh run
+        again: whatever `resume` said at the run's first start), else what `resume` says."""
+        own = self.newest_whole(self.run_id) if self.run_id else None
+        if own is not None:
+            return own
+        if resume == "auto":
+            return self.newest_whole(None) if not self.run_id else None
+        if resume == "never":
+            return None
+        problem = verify_together(Path(resume), self.rank, self.world_size)
+        if problem is not None:
+            raise RuntimeError(f"checkpoint.resume={resume}: {problem}")
+        return Path(resume)
+
+    def newest_whole(self, run_id: str | None) -> Path | None:
+        """find_latest with every rank checking its share of the digests (the same folders
+        on every rank: rank 0 lists them)."""
+        folders: list[list[str]] = [[str(f) for f in complete_checkpoints(self.root, run_id)] if self.rank == 0 else []]
+        dist.broadcast_object_list(folders, src=0)
+        return first_whole([Path(f) for f in folders[0]], lambda f: verify_together(f, self.rank, self.world_size),
+                           say=self.rank == 0)
+
+    def load(self, folder: Path, engine) -> TrainerState:
+        engine.load(folder / "engine")
+        mine = folder / "trainer" / f"rank_{self.rank:05d}.pt"
+        if not mine.exists():  # resumed at a larger world size: new ranks take rank 0's
+            mine = folder / "trainer" / "rank_00000.pt"
+        state = torch.load(mine, map_location="cpu", weights_only=True)
+        set_rng_state(state["rng"])
+        return TrainerState(step=int(state["step"]), samples_seen=int(state["samples_seen"]))
+

@@ -1,0 +1,140 @@
+"""Hang detection: a rank that stops answering ends the job within `dist.timeout_s`, with
+a message that names the step and the silent rank.
+
+Each rank runs a daemon thread that publishes the rank's progress (the last step it
+finished, and whether it is now waiting for data or inside the next step) to the job's
+key-value store every few seconds. When a rank's own loop has made
+no progress for `dist.timeout_s`, its thread reads every rank's progress and exits the
+process with EXIT_HANG; rank 0 prints which ranks are behind (the silent ones) and
+leaves RUN_DIR/hang.json for the launcher. The thread keeps running while the main
+thread is stuck in a collective or asleep, so even a silent rank 0 reports.
+
+The process-group timeout is set longer than the watchdog's (see launcher/rank/entry.py), so
+this message comes first; the collective's own timeout is the backstop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from launcher.exits import EXIT_HANG, HANG_MARKER
+
+
+class Watchdog:
+    def __init__(self, timeout_s: float, rank: int, world_size: int, run_dir: Path):
+        self.timeout_s, self.rank, self.world_size, self.run_dir = timeout_s, rank, world_size, run_dir
+        self.interval = max(0.5, min(5.0, timeout_s / 6))
+        self.step = 0
+        self.phase = "data"  # "data": fetching the next batch; "step": inside train_step
+        self.last_progress = time.monotonic()
+        self.active = False  # only between steps of the loop: not during start-up or saves
+        self.prefix = "launcher/progress/"
+        self._store = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="launcher-watchdog", daemon=True)
+
+    # -------------------------------------------------------------------------- main thread
+    def start(self, step: int) -> "Watchdog":
+        self.step = step
+        self._store = job_store_client(self.world_size)
+        self._publish(0.0)  # a heartbeat from the start: a rank frozen in its first steps is seen as such
+        self._thread.start()
+        return self
+
+    def progress(self, step: int) -> None:
+        """Called by the loop after every step: cheap (a few assignments)."""
+        self.step = step
+        self.phase = "data"
+        self.last_progress = time.monotonic()
+        self.active = True
+
+    def in_step(self) -> None:
+        """The batch is here; the rank enters the step (and its collectives)."""
+        self.phase = "step"
+
+    @contextmanager
+    def paused(self):
+        """A checkpoint save may legitimately take longer than a step."""
+        self.active = False
+        try:
+            yield
+        finally:
+            self.last_progress = time.monotonic()
+            self.active = True
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -------------------------------------------------------------------------- thread
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            stalled = time.monotonic() - self.last_progress
+            self._publish(stalled)
+            if self.active and stalled > self.timeout_s:
+                self._report_and_exit(stalled)
+
+    def _publish(self, stalled: float) -> None:
+        try:
+            self._store.set(f"{self.prefix}{self.rank}", json.dumps(
+                {"step": self.step, "phase": self.phase, "stalled": stalled, "at": time.time()}))
+        except Exception:  # the store's host may be gone: nothing to publish to
+            pass
+
+    def _table(self) -> dict[int, dict]:
+        """Every rank's last heartbeat; {"step": None} for a rank that never published one
+        (frozen or dead before its first): looked up without waiting, as the store's get()
+        would wait its timeout for each such rank, and the collective's backstop would end
+        the job first, naming nobody."""
+        out = {}
+        for r in range(self.world_size):
+            try:
+                key = f"{self.prefix}{r}"
+                out[r] = json.loads(self._store.get(key)) if self._store.check([key]) else {"step": None}
+            except Exception:
+                out[r] = {"step": None, "stalled": None}
+        return out
+
+    def _report_and_exit(self, stalled: float) -> None:
+        table = self._table()
+        now = time.time()
+        order = {"data": 0, "step": 1}
+        position = {r: (t["step"], order.get(t.get("phase"), 0)) for r, t in table.items() if t["step"] is not None}
+        # Silent: no heartbeat at all (dead or frozen process), or furthest behind. A rank
+        # waiting for data while the others are inside the step is the one they wait for.
+        frozen = [r for r, t in table.items() if t["step"] is None or now - t.get("at", 0) > 3 * self.interval + 5]
+        behind = min(position.values()) if position else (self.step, 0)
+        lagging = [r for r, p in position.items() if p == behind] if len(set(position.values())) > 1 else []
+        silent = sorted(set(frozen) | set(lagging))
+        where = {r: f"{'waiting for data after' if p[1] == 0 else 'inside the step after'} step {p[0]}"
+                 for r, p in position.items()}
+        for r in frozen:  # its process does not run (stopped, swapped out, gone): not merely behind
+            where[r] = (f"no heartbeat for {now - table[r]['at']:.0f}s (process stopped or gone; last: {where[r]})"
+                        if r in where else "no heartbeat ever (process stopped or gone before its first)")
+        who = (f"rank(s) {', '.join(map(str, silent))}" if silent
+               else f"none behind: all {self.world_size} ranks are stuck inside step {behind[0] + 1}")
+        message = (f"hang: no progress for {stalled:.0f}s (dist.timeout_s={self.timeout_s:g}) in step "
+                   f"{self.step + 1}; silent: {who}; " + "; ".join(f"rank {r} {w}" for r, w in sorted(where.items())))
+        if self.rank == 0:
+            print(message, file=sys.stderr, flush=True)
+            try:
+                (self.run_dir / HANG_MARKER).write_text(json.dumps(
+                    {"message": message, "silent": silent, "frozen": sorted(frozen), "behind": lagging,
+                     "step": self.step + 1}) + "\n")
+            except OSError:
+                pass
+        else:
+            print(f"rank {self.rank}: {message}", file=sys.stderr, flush=True)
+        os._exit(EXIT_HANG)
+
+
+def job_store_client(world_size: int):
+    """A connection of this thread's own to the job's store, in this attempt's namespace."""
+    from launcher.rank.store import job_store
+
+    return job_store(rank=None, world_size=world_size, timeout_s=30)

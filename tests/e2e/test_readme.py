@@ -1,0 +1,231 @@
+"""Every command line the README shows, run the way a user types it, so that the README
+cannot drift from the program: a line that stops working, or a new line nobody runs, fails
+here.
+
+The lines are read from README.md itself: code-block lines that start a command, and
+inline commands that carry arguments. Placeholders (`outputs/<run>`, `path/to/folder`,
+`...`) become real things made here: a run trained by the README's own fsdp line
+(shortened to 2 steps), a tiny Llama saved with save_pretrained, a corpus. `make` lines go
+through the real Makefile (`make -n` prints the command it would run, which then runs in
+this process); a `make train`/`make submit` line runs as `--dry-run` (everything is
+composed, validated and planned; nothing starts), every other line runs for real. The one
+line that needs a Slurm cluster is run by tests/e2e/test_slurm_runs.py (ELSEWHERE)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runs import REPO
+from launcher.launch import cli
+
+README = REPO / "README.md"
+BIN = Path(sys.executable).parent  # the environment running the suite: `make test`'s .venv/bin
+STARTS = ("make ", ".venv/bin/", "cd RUN_DIR ", "RUN_DIR/")
+
+
+def shell_env() -> dict[str, str]:
+    """A user's shell, not the parent make of CI's `make test`: under MAKELEVEL a sub-make
+    prints "make[1]: Entering directory" on stdout, which the user never sees."""
+    return {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+
+
+def readme_commands() -> list[str]:
+    """The README's command lines, in order, without their trailing comments."""
+    text = README.read_text()
+    found = [re.sub(r"\s+# .*$", "", line.strip()) for line in text.splitlines()
+             if line.startswith("    ") and line.strip().startswith(STARTS)]
+    found += [span for span in re.findall(r"`((?:make |\.venv/bin/)[^`\n]*)`", text) if re.search(r" (\S+=|--|\|)", span)]
+    return list(dict.fromkeys(found))
+
+
+def readme_line(line: str) -> str:
+    """A command line as the README shows it (for the tests that run it elsewhere)."""
+    assert line in readme_commands(), f"the README no longer shows {line!r}"
+    return line
+
+
+# Lines that need more than this file has: run by the named test.
+ELSEWHERE = {"cd RUN_DIR && sbatch job.sbatch": "tests/e2e/test_slurm_runs.py::test_submitted_job_runs_to_completion"}
+
+FIXTURE_LINE = 'make train RECIPE=fsdp ARGS="hydra.run.dir=outputs/a"'
+SHORT = ["train.steps=2", "optim.warmup_steps=0", "checkpoint.every=2", "logger.mode=offline",
+         "logger.also=[tensorboard]"]
+"""The fixture's run: the README's fsdp line for 2 steps, with TensorBoard beside W&B (the
+README's TensorBoard and `wandb sync` lines read it)."""
+CKPT = "outputs/a/checkpoints/step_00000002"
+PLACES = {
+    "outputs/<run>": "outputs/a",
+    "outputs/a/checkpoints/step_00000200": CKPT,
+    "checkpoint.resume=...": f"checkpoint.resume={CKPT}",
+    "model.pretrained=...": "model.pretrained=tiny_llama",
+    "path/to/hf_folder": "tiny_llama",
+    "path/to/folder": "tiny_llama",
+    "path/to/config.json": "tiny_llama/config.json",
+    # node 0 must be this machine, and tests send nothing to other addresses
+    "cluster.master_addr=10.0.0.1": "cluster.master_addr=127.0.0.1",
+    "hydra.run.dir=/shared/runs/x": "hydra.run.dir=shared/runs/x",
+    "RUN_DIR": "outputs/a",
+}
+PLAN_LINE = 'make plan ARGS="model=gpt_7b cluster.gpus_per_node=8 cluster.gpu_memory_gb=80 train.seq_len=4096"'
+
+
+def concrete(line: str) -> list[str]:
+    """The commands a README line stands for here: placeholders filled in; an optional
+    `[x=y]` gives two commands (without it and with it)."""
+    for text, value in PLACES.items():
+        line = line.replace(text, value)
+    if line.startswith('make plan ARGS="... --json"'):
+        line = PLAN_LINE[:-1] + ' --json" | jq'
+    optional = re.search(r" \[(\S+)\]", line)
+    if optional:
+        return [line.replace(optional.group(0), ""), line.replace(optional.group(0), " " + optional.group(1))]
+    return [line]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    """A user's working folder: the README's fsdp run trained for 2 steps into outputs/a,
+    a tiny Llama saved by transformers, a JSON-lines corpus and a text file."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_models import TINY_LLAMA
+
+    home = tmp_path_factory.mktemp("home")
+    (home / "corpus").mkdir()
+    shutil.copy(REPO / "tests" / "data" / "hf" / "corpus.jsonl", home / "corpus" / "corpus.jsonl")
+    (home / "corpus.txt").write_text("a small corpus, byte by byte.\n" * 40)
+    torch.manual_seed(0)
+    fields = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    AutoModelForCausalLM.from_config(LlamaConfig(**fields)).save_pretrained(home / "tiny_llama")
+    argv = launcher_argv(FIXTURE_LINE)
+    proc = subprocess.run([sys.executable, "-m", "launcher", *argv, *SHORT], cwd=home, env=shell_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (home / CKPT / "manifest.json").is_file()
+    return home
+
+
+def launcher_argv(line: str, *more: str) -> list[str]:
+    """What the Makefile runs for a `make` line (`make -n` prints it): the launcher's argv.
+    `more` joins ARGS (a --dry-run)."""
+    words = shlex.split(line)
+    if more:
+        args = next((i for i, w in enumerate(words) if w.startswith("ARGS=")), None)
+        if args is None:
+            words.append("ARGS=" + " ".join(more))
+        else:
+            words[args] += " " + " ".join(more)
+    proc = subprocess.run(["make", "-s", "-n", "-o", ".venv/.installed", *words[1:]], cwd=REPO,
+                          env=shell_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    command = proc.stdout.strip().splitlines()[-1]
+    argv = shlex.split(command)
+    assert argv[:3] == [".venv/bin/python", "-m", "launcher"], command
+    return argv[3:]
+
+
+def shell(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    command = command.replace(".venv/bin/", f"{BIN}/").replace(" scripts/", f" {REPO}/scripts/")
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=shell_env(), capture_output=True, text=True, timeout=300)
+
+
+# ----------------------------------------------------------------------------- the list
+def test_the_readme_lines_are_found_and_each_one_has_a_way_to_run():
+    lines = readme_commands()
+    for line in ('make train', 'make test', FIXTURE_LINE, PLAN_LINE, 'make plan ARGS="... --json" | jq',
+                 '.venv/bin/launcher train recipe=ddp train.steps=300; echo "exit $?"',
+                 '.venv/bin/tensorboard --logdir outputs/<run>/tensorboard', *ELSEWHERE):
+        assert line in lines, line
+    assert len(lines) >= 40, lines
+    assert not [line for line in lines if "#" in line], "a trailing comment was kept"
+    for text in PLACES:
+        assert any(text in line for line in lines), f"placeholder {text!r} is in no README line any more"
+
+
+# ----------------------------------------------------------------------------- every line
+@pytest.mark.slow
+@pytest.mark.parametrize("line", [line for line in readme_commands() if line not in ELSEWHERE])
+def test_the_readme_line_does_what_it_says(line, home, monkeypatch, capsys):
+    monkeypatch.chdir(home)
+    for command in concrete(line):
+        out = run(command, home, capsys)
+        check(command, out, home)
+
+
+def run(command: str, home: Path, capsys) -> str:
+    """Runs one concrete command; returns what it printed. Fails on a non-zero exit."""
+    head = command.split()[:2]
+    if head in (["make", "train"], ["make", "submit"]):
+        argv = launcher_argv(command, *([] if "--dry-run" in command else ["--dry-run"]))
+        return in_process(argv, command, capsys)
+    if head in (["make", "plan"], ["make", "export"]) and "|" not in command:
+        return in_process(launcher_argv(command), command, capsys)
+    if "| jq" in command:  # make itself, to show it prints only what the program prints
+        proc = subprocess.run(shlex.split(command.split(" | ")[0]) + [f"PY={sys.executable}", "-o", ".venv/.installed"],
+                              cwd=REPO, env=shell_env(), capture_output=True, text=True, timeout=300)
+    elif head == ["make", "test"]:  # this suite: make runs pytest over tests/, which holds this file
+        proc = subprocess.run(["make", "-s", "-n", "-o", ".venv/.installed", "test"], cwd=REPO, env=shell_env(), capture_output=True,
+                              text=True, timeout=60)
+        assert proc.stdout.split() == [".venv/bin/python", "-m", "pytest", "-q", "tests"], proc.stdout
+        assert REPO / "tests" in Path(__file__).parents
+    elif head[0] == "make":
+        proc = subprocess.run(shlex.split(command), cwd=REPO, env=shell_env(), capture_output=True, text=True, timeout=60)
+    elif "/launcher train" in command:  # the console script, for its own exit code
+        proc = shell(command.replace("; echo", " --dry-run; echo"), home)
+    elif "wandb sync" in command:  # uploading needs the network: say what would be synced
+        proc = shell(command + " --dry-run", home)
+    elif "tensorboard --logdir" in command:  # a server: read the event files it would serve instead
+        proc = shell(command + " --inspect", home)
+    else:
+        proc = shell(command, home)
+    assert proc.returncode == 0, f"{command}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout + proc.stderr
+
+
+def in_process(argv: list[str], command: str, capsys) -> str:
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, f"{command}: exit {code}\n{out[-3000:]}\n{err[-3000:]}"
+    return out + err
+
+
+def check(command: str, out: str, home: Path) -> None:
+    """What the line says it does, read back."""
+    run_a = home / "outputs" / "a"
+    if command.startswith(("make train", "make submit")):
+        points = 2 if " -m " in command or '"-m ' in command else 1
+        marker = "#!/bin/bash" if command.startswith("make submit") else "# command"
+        assert out.count(marker) == points, out[-2000:]
+        assert "planner chose: " in out if "RECIPE=auto" in command else True
+    elif command.startswith("make export"):
+        suffix = "-hf" if "format=hf" in command else "-bf16" if "dtype=bf16" in command else ""
+        folder = run_a / "export" / f"step_00000002{suffix}"
+        assert (folder / ("config.json" if suffix == "-hf" else "model.safetensors")).is_file(), out
+    elif command.startswith("make plan"):
+        if "--json" in command:
+            assert sum(row["recommended"] for row in json.loads(out)["rows"]) == 1, out[:500]
+        else:
+            assert "recommended: make train" in out, out[-2000:]
+    elif command == "make help":
+        assert all(f"make {t}" in out for t in ("train", "plan", "submit", "export", "test")), out
+    elif command.startswith(".venv/bin/launcher"):
+        assert out.rstrip().endswith("exit 0"), out[-500:]
+    elif "wandb sync" in command:
+        assert "offline-run-" in out, out
+    elif "tensorboard" in command:
+        assert "loss" in out, out[-2000:]
+    elif "prepare_data.py" in command:
+        assert (home / "data" / "corpus.bin").stat().st_size == 2 * len((home / "corpus.txt").read_bytes())
+    elif command == "outputs/a/command.sh":  # the run is finished: it says so and rewrites nothing
+        assert "nothing to train: " in out, out
+        assert json.loads((run_a / "summary.json").read_text())["steps_this_launch"] == 2

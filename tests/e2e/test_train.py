@@ -1,0 +1,449 @@
+"""End to end: real torchrun, 2 gloo processes, the tiny model, real W&B offline files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import wandb_file
+from runs import REPO, assert_same_training, launch, processes_of, rank_process, read_metrics, token_file
+from runs import start as _start
+from runs import wait_for_step as _wait_for_step
+from launcher.launch import cli
+from launcher import config as C
+from launcher.manifest import verify
+from launcher.rank.metrics import STEP_METRICS
+
+pytestmark = pytest.mark.slow
+
+
+def test_default_run_learns_logs_and_checkpoints(run_dir):
+    proc = launch("train.steps=100", "optim.warmup_steps=10", "logger.log_every=1", "logger.mode=offline",
+                  "checkpoint.every=50", run_dir=run_dir)
+    assert f"run directory: {run_dir}" in proc.stdout
+
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 101))
+    for row in rows:
+        for name in STEP_METRICS:
+            assert isinstance(row[name], (int, float)), f"{name} missing or not a number in {row}"
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"], (rows[0]["loss"], rows[-1]["loss"])
+    # 16Ψ for mixed-precision Adam (fp32 params 4Ψ, grads 4Ψ, moments 8Ψ), plus Adam's
+    # 4-byte step counter on each of the 38 parameter tensors.
+    assert all(r["mem/model_state_bytes"] == 16 * 885_888 + 4 * 38 for r in rows)
+    assert rows[-1]["mem/params_bytes"] == rows[-1]["mem/grads_bytes"] == 4 * 885_888
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    digests = summary["weights_digest_per_rank"]
+    assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights"
+    assert summary["final_loss"] > summary["loss_floor"] > 1.0
+
+    # The run directory: frozen config, the exact command, checkpoints behind `latest`.
+    frozen = C.load_frozen(run_dir)
+    assert frozen.train.steps == 100 and frozen.recipe.name == "ddp"
+    assert str(run_dir) in (run_dir / "command.sh").read_text()
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "latest").read_text().splitlines()[0] == "step_00000100"
+    for step in (50, 100):
+        assert verify(ckpts / f"step_{step:08d}") is None
+    state = torch.load(ckpts / "step_00000100" / "engine" / "model.pt", weights_only=True)
+    assert state["tok_embeddings.weight"].shape == (256, 128)
+
+    # W&B: one offline run whose history holds the same numbers as metrics.jsonl.
+    runs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    info = wandb_file.run_info(runs[0])
+    assert info["id"] == (run_dir / "wandb_id").read_text().strip()
+    assert info["config"]["train"]["steps"] == 100
+    history = {h["_step"]: h for h in wandb_file.history(runs[0])}
+    assert sorted(history) == list(range(1, 101))
+    for row in rows:
+        logged = history[row["step"]]
+        for name in ("loss", "tokens_per_s", "mfu", "mem/peak_bytes", "mem/model_state_bytes"):
+            assert logged[name] == pytest.approx(row[name], rel=1e-12), name
+
+    # Start-up per rank in summary.json; the worst rank in W&B's summary and on the console.
+    startup = summary["startup"]
+    assert len(startup["host_peak_bytes"]) == 2 and startup["device_peak_bytes"] == [None, None]
+    for peak, base, built in zip(startup["host_peak_bytes"], startup["host_base_bytes"],
+                                 startup["host_built_peak_bytes"]):
+        assert peak >= built >= base > 0
+    assert all(0 < s < 120 for s in startup["seconds"])
+    in_wandb = wandb_file.summary(runs[0])
+    assert in_wandb["startup/host_peak_bytes"] == max(startup["host_peak_bytes"])
+    assert in_wandb["startup/seconds"] == max(startup["seconds"])
+    assert "startup/host_peak_bytes" in proc.stdout
+
+
+def test_resume_continues_bit_identically(tmp_path):
+    common = ["train.steps=20", "optim.warmup_steps=4", "logger=none", "logger.log_every=1", "checkpoint.every=10"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    launch(*common, run_dir=straight)
+    # The split run also logs to W&B (offline): the resumed launch must continue that run.
+    wandb_on = ["logger=wandb", "logger.mode=offline"]
+    launch(*common, *wandb_on, "train.stop_at=10", run_dir=split)
+    assert (split / "checkpoints" / "latest").read_text().splitlines()[0] == "step_00000010"
+    assert not (split / "checkpoints" / "step_00000020").exists()
+    # RUN_DIR/command.sh, run again, resumes (its config.yaml still says stop_at=10).
+    proc = subprocess.run(["bash", str(split / "command.sh")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "at step 10" in proc.stdout
+    assert "train.stop_at=10 is behind the checkpoint (step 10): training on to train.steps=20" in proc.stdout
+
+    runs = sorted((split / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 2 and len({wandb_file.run_info(r)["id"] for r in runs}) == 1, "resume started a new W&B run"
+    assert [h["_step"] for h in wandb_file.history(runs[1])] == list(range(11, 21))
+
+    assert_same_training(straight, split, 20)
+    oa = torch.load(straight / "checkpoints/step_00000020/engine/optim.pt", weights_only=True)
+    ob = torch.load(split / "checkpoints/step_00000020/engine/optim.pt", weights_only=True)
+    for pid, st in oa["optimizer"]["state"].items():
+        assert torch.equal(st["exp_avg_sq"], ob["optimizer"]["state"][pid]["exp_avg_sq"])
+
+
+def test_rank_entry_by_hand_with_a_token_file(tmp_path):
+    """`python -m launcher.rank RUN_DIR/config.yaml` without the launcher: one process."""
+    tokens = token_file(tmp_path, "the quick brown fox jumps over the lazy dog. " * 400)
+    cfg, _, _ = cli.compose_config(["data=memmap", f"data.path={tokens}", "train.steps=30", "optim.warmup_steps=3",
+                                    "logger=none", "logger.log_every=5", "train.micro_batch=4"])
+    run = tmp_path / "byhand"
+    run.mkdir()
+    (run / "config.yaml").write_text(C.to_yaml(cfg))
+    proc = subprocess.run([sys.executable, "-m", "launcher.rank", str(run / "config.yaml")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
+    assert rows[-1]["loss"] < 0.6 * rows[0]["loss"]  # English bytes: learnable fast
+    assert (run / "checkpoints" / "step_00000030" / "manifest.json").exists()
+
+
+def test_dry_run_prints_and_starts_nothing(run_dir):
+    proc = launch("--dry-run", "model=gpt_small", run_dir=run_dir)
+    assert "name: gpt_small" in proc.stdout and "torch.distributed.run" in proc.stdout
+    assert not run_dir.exists()
+    assert "\ndry_run:" not in proc.stdout  # a flag, never a key of config.yaml
+    refused = launch("dry_run=true", run_dir=run_dir, check=False)
+    assert refused.returncode == 2 and "dry_run" in refused.stderr and not run_dir.exists()
+    refused = launch("--json", run_dir=run_dir, check=False)  # plan's flag, not train's
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "error: unknown flag '--json' for train; allowed: --dry-run, -m/--multirun, or key=value overrides"]
+
+
+def test_multirun_makes_one_run_dir_per_point(tmp_path):
+    proc = launch("-m", "optim.lr=1e-3,2e-3", "--dry-run", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert proc.stdout.count("lr: 0.001") == 1 and proc.stdout.count("lr: 0.002") == 1
+    assert f"{tmp_path / 'sweep'}/0" in proc.stdout and f"{tmp_path / 'sweep'}/1" in proc.stdout
+
+
+def test_a_sweep_keeps_its_points_in_one_folder(tmp_path, capsys, monkeypatch):
+    """The default sweep folder names the time: resolved once, not per point (a clock that
+    moves on between points used to scatter them over several folders)."""
+    from omegaconf import OmegaConf
+
+    ticks = iter(range(100))
+    OmegaConf.register_new_resolver("now", lambda pattern: f"t{next(ticks)}", replace=True)
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert cli.main(["train", "-m", "optim.lr=1e-3,2e-3,3e-3", "--dry-run"]) == 0
+    finally:
+        from datetime import datetime
+
+        OmegaConf.register_new_resolver("now", lambda pattern: datetime.now().strftime(pattern), replace=True)
+    lead = "# The exact command that trains "
+    dirs = {line[len(lead):].rstrip(".") for line in capsys.readouterr().out.splitlines() if line.startswith(lead)}
+    parents = {str(Path(d).parent) for d in dirs}
+    assert len(dirs) == 3 and len(parents) == 1, dirs
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
+    import signal
+
+    from launcher.exits import EXIT_PREEMPTED
+
+    run = tmp_path / "run"
+    args = ["train.steps=60", "optim.warmup_steps=5", "logger=none", "logger.log_every=1", "checkpoint.every=1000",
+            "checkpoint.save_final=true"]
+    if sig == "SIGUSR1":  # async saves every 2 steps, each held back 1 s: the marker waits for them
+        args += ["checkpoint.async_save=true", "checkpoint.every=2", "debug.async_save_delay_s=1"]
+    proc = _start(run, *args)
+    _wait_for_step(run, 3, proc)
+    proc.send_signal(getattr(signal, sig))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    marker = json.loads((run / "preempted.json").read_text())
+    assert marker["signal"] == sig and 3 <= marker["step"] < 60
+    assert (run / "checkpoints" / "latest").read_text().splitlines()[0] == f"step_{marker['step']:08d}"
+    assert verify(run / "checkpoints" / f"step_{marker['step']:08d}") is None
+    assert marker["checkpoint"] == str(run / "checkpoints" / f"step_{marker['step']:08d}")
+    assert (run / "checkpoints" / "latest").stat().st_mtime <= marker["time"]  # published before it was named
+    assert read_metrics(run)[-1]["step"] == marker["step"]  # the step it was in finished
+    assert f"preempted by {sig}" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["preempted"] and summary["weights_digest_per_rank"] is None  # no full read of the weights now
+    if sig == "SIGTERM":  # the next launch of the same run directory resumes and finishes
+        proc2 = launch(*args, run_dir=run)
+        assert f"at step {marker['step']}" in proc2.stdout
+        assert [r["step"] for r in read_metrics(run)] == list(range(1, 61))
+        assert not (run / "preempted.json").exists()
+
+
+def test_ctrl_c_saves_the_step_writes_the_summary_and_exits_130(tmp_path):
+    """Ctrl-C as a terminal sends it: SIGINT to the launcher's whole process group. One line
+    says what happens, the step in flight finishes and is saved, the summary is written,
+    no traceback, exit 130."""
+    import os
+    import signal
+
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}", "train.steps=200",
+            "optim.warmup_steps=5", "logger=none", "logger.log_every=1", "checkpoint.every=1000"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    _wait_for_step(run, 3, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # the terminal's foreground group: the launcher (torchrun has its own)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    marker = json.loads((run / "preempted.json").read_text())
+    step = marker["step"]
+    assert marker["signal"] == "SIGINT" and 3 <= step < 200
+    assert verify(run / "checkpoints" / f"step_{step:08d}") is None
+    assert read_metrics(run)[-1]["step"] == step
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["preempted"] == 1 and summary["weights_digest_per_rank"] is None  # not read on the way out
+    assert "Ctrl-C: the ranks finish this step, save and stop (Ctrl-C again to stop at once)" in out
+    assert out.strip().splitlines()[-1] == (f"interrupted (Ctrl-C) after step {step}; checkpoint "
+                                            f"{run / 'checkpoints' / f'step_{step:08d}'}. Launch the same run "
+                                            f"directory again to resume.")
+    for noise in ("Traceback", "KeyboardInterrupt", "SignalException", "ChildFailedError"):
+        assert noise not in out, out[-3000:]
+
+
+def rank_started(run: Path) -> bool:
+    """A rank process of this run exists (not torchrun, whose command line names the module too)."""
+    for pid in processes_of(run):
+        try:
+            line = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+        if b"launcher.rank" in line and b"torch.distributed.run" not in line:
+            return True
+    return False
+
+
+def test_ctrl_c_before_the_ranks_start(tmp_path):
+    """Ctrl-C while the launcher imports: one line, nothing started, exit 130. Ctrl-C once
+    the run directory is written, while torchrun and the ranks start: the launcher hands it
+    to each rank as soon as it takes signals; they stop at once (nothing trained, nothing to
+    save), with no KeyboardInterrupt traceback from torchrun or a rank."""
+    import os
+    import signal
+    import time
+
+    def popen(run):
+        argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}", "optim.warmup_steps=5",
+                "logger=none", "checkpoint.every=1000"]
+        return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    proc = popen(tmp_path / "a")
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and out == "interrupted (Ctrl-C) before training started\n", out
+    assert not (tmp_path / "a").exists()
+
+    run = tmp_path / "b"
+    proc = popen(run)
+    deadline = time.monotonic() + 60
+    while not rank_started(run):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # a rank has started: torch is still importing
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert json.loads((run / "preempted.json").read_text())["step"] is None
+    assert not (run / "checkpoints").exists() and not processes_of(run)
+    assert out.strip().splitlines()[-1] == ("interrupted (Ctrl-C) before the first step; no complete checkpoint yet. "
+                                            "Launch the same run directory again to resume."), out
+
+
+def test_a_ctrl_c_while_torchrun_starts_is_held_and_handed_on(tmp_path, monkeypatch, capfd):
+    """The Ctrl-C lands after the launcher's handlers are in and before torchrun runs (sent
+    from inside the launcher's Popen of torchrun, in process): it is held, then handed to the
+    ranks once they take signals; they stop at once, nothing trained, exit 130."""
+    import os
+    import signal
+
+    from launcher.launch import supervise
+
+    real, sent = subprocess.Popen, []
+
+    def popen(argv, *args, **kwargs):
+        if "torch.distributed.run" in argv and not sent:
+            sent.append(argv)
+            os.kill(os.getpid(), signal.SIGINT)  # its handler runs here, before torchrun exists
+        return real(argv, *args, **kwargs)
+
+    monkeypatch.setattr(supervise.subprocess, "Popen", popen)
+    run = tmp_path / "run"
+    rc = cli.main(["train", f"hydra.run.dir={run}", "optim.warmup_steps=5", "logger=none"])
+    out, err = capfd.readouterr()
+    assert sent and rc == 130, out[-2000:] + err[-3000:]
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err[-3000:]
+    assert json.loads((run / "preempted.json").read_text())["step"] is None
+    assert not (run / "checkpoints").exists() and not processes_of(run)
+    assert err.count("Ctrl-C: the ranks finish this step") == 1, err[-3000:]
+    assert out.strip().splitlines()[-1] == ("interrupted (Ctrl-C) before the first step; no complete checkpoint "
+                                            "yet. Launch the same run directory again to resume."), out[-3000:]
+
+
+def test_a_stop_signal_reaches_a_rank_blocked_in_cpp(tmp_path):
+    """Rank 1 frozen as it starts, so rank 0 waits inside init_process_group (C++, where no
+    Python handler runs until the call returns: here after the collective backstop, 90 s).
+    SIGTERM to rank 0 ends it within seconds all the same: the signal module's wakeup fd
+    wakes a thread of the rank (Preemption.install), which leaves preempted.json and exits 75."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    run = tmp_path / "run"
+    proc = _start(run, "optim.warmup_steps=5", "logger=none", "dist.timeout_s=60")
+
+    deadline = time.monotonic() + 60
+    while (r1 := rank_process(run, 1)) is None:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    r1.suspend()
+    try:
+        r0 = rank_process(run, 0)
+        # rank 0 has joined the job's store (a connection to it) and waits for rank 1's key
+        while not any(c.status == psutil.CONN_ESTABLISHED for c in r0.net_connections(kind="tcp")):
+            assert time.monotonic() < deadline and r0.is_running()
+            time.sleep(0.1)
+        time.sleep(2)
+        assert r0.status() == psutil.STATUS_SLEEPING  # blocked, not importing
+        t0 = time.monotonic()
+        os.kill(r0.pid, signal.SIGTERM)
+        r0.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        r1.kill()
+    out = proc.communicate(timeout=120)[0]
+    assert took < 5, took
+    assert "exitcode  : 75" in out, out[-3000:]  # torchrun's report of rank 0 (rank 1 was killed)
+    marker = json.loads((run / "preempted.json").read_text())
+    assert marker["step"] is None and marker["signal"] == "SIGTERM", marker
+
+
+def test_a_stop_signal_before_the_first_step_stops_at_once(tmp_path):
+    """SIGTERM (a scheduler) while the ranks start: they end at once, nothing to save;
+    rank 0 leaves preempted.json without a step (a warned Slurm job requeues on it); exit 75."""
+    import os
+    import signal
+    import time
+
+    from launcher.launch.supervise import listening
+
+    run = tmp_path / "run"
+    proc = _start(run, "optim.warmup_steps=5", "logger=none")
+    deadline = time.monotonic() + 60
+    while len([pid for pid in processes_of(run) if listening(pid)]) < 2:  # both ranks take signals (torch imports)
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 75, out[-3000:]
+    marker = json.loads((run / "preempted.json").read_text())
+    assert marker["step"] is None and marker["signal"] == "SIGTERM", marker
+    assert not (run / "checkpoints").exists() and not processes_of(run)
+    assert out.strip().splitlines()[-1] == ("preempted by SIGTERM before the first step; no complete checkpoint "
+                                            "yet. Launch the same run directory again to resume."), out[-3000:]
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    """Ctrl-C, then Ctrl-C again while a rank is still inside its step (here stuck:
+    debug.fault=hang): the launcher says so, torchrun and every rank end within seconds
+    without saving and without tracebacks, the last checkpoint stays the newest and whole,
+    exit 130."""
+    import os
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}", "train.steps=200",
+            "optim.warmup_steps=5", "logger=none", "logger.log_every=1", "checkpoint.every=2",
+            "debug.fault=hang", "debug.fault_step=4", "debug.fault_rank=0"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    _wait_for_step(run, 3, proc)
+    time.sleep(1)  # rank 0 sleeps in step 4 for good
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(1.5)  # a repeat within a second is one Ctrl-C delivered twice (preempt.AGAIN_S)
+    os.killpg(proc.pid, signal.SIGINT)
+    t0 = time.monotonic()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.monotonic() - t0 < 30, out[-3000:]
+    assert "Ctrl-C again: stopping now" in out and "Traceback" not in out, out[-3000:]
+    assert not processes_of(run)
+    assert not (run / "preempted.json").exists()  # nothing saved on the way out
+    assert (run / "checkpoints" / "latest").read_text().splitlines()[0] == "step_00000002"
+    assert verify(run / "checkpoints" / "step_00000002") is None
+    assert not list((run / "checkpoints").glob("step_00000004*"))
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_export_loads_into_the_model_with_the_same_logits(tmp_path):
+    from launcher.launch.export import load_exported
+    from launcher.models.gpt import GPT
+
+    run = tmp_path / "run"
+    launch("train.steps=8", "optim.warmup_steps=2", "logger=none", run_dir=run)
+    proc = launch(str(run), command="export")
+    path = run / "export" / "step_00000008" / "model.safetensors"
+    assert str(path) in proc.stdout
+    exported = load_exported(path)
+    trained = GPT(C.load_frozen(run).model)
+    trained.load_state_dict(torch.load(run / "checkpoints/step_00000008/engine/model.pt", weights_only=True))
+    x = torch.randint(0, 256, (2, 64))
+    with torch.no_grad():
+        assert torch.equal(exported(x), trained(x))
+    fp32_bytes = path.read_bytes()
+    proc = launch(str(run), "export.dtype=bf16", command="export")  # beside the fp32 export, not over it
+    half_path = run / "export" / "step_00000008-bf16" / "model.safetensors"
+    assert f"exported {half_path} (bf16)" in proc.stdout and path.read_bytes() == fp32_bytes
+    assert {oct(p.stat().st_mode & 0o777) for p in (path, half_path)} == {oct(0o666 & ~_umask())}
+    half = load_exported(half_path)
+    with torch.no_grad():
+        assert torch.allclose(half(x), trained(x), atol=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (fp16's loss scaler)")
+@pytest.mark.parametrize("recipe", ["ddp", "zero2"])
+def test_fp16_overflow_steps_are_counted(recipe, tmp_path):
+    """A loss scale far too large (2^40) makes the first steps overflow: each is skipped and
+    halves the scale; metrics.jsonl and summary.json count them (`skipped_steps`)."""
+    run = tmp_path / "run"
+    launch(f"recipe={recipe}", "precision=fp16", "precision.initial_scale=1099511627776", "cluster.nproc_per_node=1",
+           "train.steps=30", "optim.warmup_steps=2", "logger=none", "logger.log_every=1", run_dir=run)
+    rows = read_metrics(run)
+    counts = [r["skipped_steps"] for r in rows]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] < 30, counts
+    assert rows[-1]["loss_scale"] < 2**40
+    assert json.loads((run / "summary.json").read_text())["skipped_steps"] == counts[-1]

@@ -1,0 +1,275 @@
+"""Bad input: one line naming the key, the value and what is allowed; exit code 2; no
+traceback; no rank started and no run directory made."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from runs import REPO
+from hf_models import bad_hf_files, bad_hf_weights
+from launcher.launch import cli
+
+HF = bad_hf_files()  # small config folders for the model=hf rows
+W = bad_hf_weights()  # save_pretrained folders, one good and four broken
+CORPUS = REPO / "tests" / "data" / "hf" / "corpus.jsonl"  # fields: id, text
+
+# (overrides, words the one line must contain)
+CASES = [
+    (["recipe=nope"], ["recipe=nope", "allowed: ddp"]),
+    (["recipe.strategy=nope"], ["recipe.strategy=nope", "no engine recipes/nope.py", "allowed: ddp, fsdp, pp, tp, tp_fsdp, zero"]),
+    (["model=gpt_huge"], ["model=gpt_huge", "gpt_tiny"]),
+    (["data=nope"], ["data=nope", "synthetic"]),
+    (["precision=fp8"], ["precision=fp8", "bf16", "fp32"]),
+    (["logger=tensorboardx"], ["logger=tensorboardx", "wandb"]),
+    (["cluster=nope"], ["cluster=nope", "local"]),
+    (["optim=sgdx"], ["optim=sgdx", "adamw"]),
+    (["train.nope=1"], ["train.nope", "unknown key", "micro_batch"]),
+    (["nope=1"], ["nope", "unknown key"]),
+    (["model.heads=4"], ["model.heads", "unknown key", "n_heads"]),
+    (["train.steps=abc"], ["train.steps=abc", "expected int"]),
+    (["train.compile=maybe"], ["train.compile=maybe", "expected bool"]),
+    (["optim.lr=fast"], ["optim.lr=fast", "expected float"]),
+    (["train.activation_checkpointing=sometimes"], ["train.activation_checkpointing=sometimes", "full"]),
+    (["train.steps=0"], ["train.steps=0", ">= 1"]),
+    (["train.micro_batch=-1"], ["train.micro_batch=-1", ">= 1"]),
+    (["train.seq_len=0"], ["train.seq_len=0"]),
+    (["model.dim=0"], ["model.dim=0"]),
+    (["train.seq_len=4096"], ["train.seq_len=4096", "max_seq_len=512"]),
+    (["train.global_batch=10"], ["train.global_batch=10", "multiple of", "16"]),
+    (["precision=fp16"], ["precision=fp16", "CUDA"]),
+    (["dist.backend=nccl"], ["dist.backend=nccl", "CUDA"]),
+    (["cluster.nproc_per_node=64"], ["cluster.nproc_per_node=64", "allowed 1.."]),
+    (["cluster.nproc_per_node=0"], ["cluster.nproc_per_node=0"]),
+    (["cluster.node_rank=1"], ["cluster.node_rank=1", "nnodes=1"]),
+    (["data=memmap"], ["data.path", "missing"]),
+    (["data=memmap", "data.path=/no/such/file.bin"], ["data.path=/no/such/file.bin", "no such file"]),
+    (["optim.lr=-1"], ["optim.lr=-1", "> 0"]),
+    (["optim.warmup_steps=-1"], ["optim.warmup_steps=-1", ">= 0"]),
+    (["optim.beta2=1.5"], ["optim.beta2=1.5", "[0, 1)"]),
+    (["checkpoint.keep=0"], ["checkpoint.keep=0"]),
+    (["checkpoint.resume=/no/such/ckpt"], ["checkpoint.resume=/no/such/ckpt", "auto, never"]),
+    (["checkpoint.on_existing=delete"], ["checkpoint.on_existing=delete", "refuse, archive"]),
+    (["checkpoint.run_id=../other"], ["checkpoint.run_id=../other", "letters, digits"]),
+    (["model.n_heads=3"], ["model.n_heads=3", "divide model.dim=128"]),
+    (["data.vocab_size=1000"], ["data.vocab_size=1000", "model.vocab_size=256"]),
+    (["logger.log_every=0"], ["logger.log_every=0"]),
+    (["train.stop_at=500"], ["train.stop_at=500", "train.steps=200"]),
+    (["hydra.run.dir=/proc/launcher-test"], ["hydra.run.dir=/proc/launcher-test", "cannot write"]),
+    (["checkpoint.dir=/proc/launcher-ckpt"], ["checkpoint.dir=/proc/launcher-ckpt", "cannot write"]),
+    (["train.steps=[1"], ["train.steps=[1"]),
+    (["--bogus"], ["--bogus", "--dry-run"]),
+    # Slurm submission and multi-node
+    (["submit", "cluster.time=forever"], ["cluster.time=forever", "HH:MM:SS"]),
+    (["submit", "cluster.partition=gpu/a100"], ["cluster.partition=gpu/a100", "Slurm name"]),
+    (["submit", "cluster.mem=lots"], ["cluster.mem=lots", "K/M/G/T"]),
+    (["submit", "cluster.constraint=a b"], ["cluster.constraint=a b", "node features"]),
+    (["submit", "cluster.cpus_per_task=0"], ["cluster.cpus_per_task=0", ">= 1"]),
+    (["submit", "cluster.preempt_grace_s=70000"], ["cluster.preempt_grace_s=70000", "1..65535"]),
+    (["submit", "cluster.preempt_grace_s=60"], ["cluster.preempt_grace_s=60", "shutdown_timeout_s=180"]),
+    (["submit", "cluster.max_requeues=-1"], ["cluster.max_requeues=-1", ">= 0"]),
+    (["submit", "checkpoint.resume=never"], ["checkpoint.resume=never", "use auto"]),
+    (["submit", "cluster.sbatch_extra=[hold]"], ["cluster.sbatch_extra=hold", "one sbatch option"]),
+    (["submit", "cluster.nnodes=0"], ["cluster.nnodes=0", ">= 1"]),
+    (["submit", "cluster=local"], ["cluster.scheduler=none", "cluster=slurm"]),
+    (["cluster=slurm"], ["cluster.scheduler=slurm", "make submit"]),
+    (["+cluster.env.BAD-NAME=x"], ["cluster.env.BAD-NAME=x", "environment variable"]),
+    (["cluster.join_timeout_s=0"], ["cluster.join_timeout_s=0", ">= 1"]),
+    (["cluster.nnodes=2"], ["cluster.master_port", "same explicit port"]),
+    (["cluster.nnodes=2", "cluster.master_port=29400", "cluster.master_addr=no-such-node.invalid"],
+     ["cluster.master_addr=no-such-node.invalid", "does not resolve"]),
+    (["frobnicate"], ["frobnicate", "allowed: train"]),
+    # parallel degrees: the numbers are in the message
+    (["recipe=tp", "parallel.tp=4"], ["parallel.tp=4", "world size 2", "tp(4)", "= 4"]),
+    (["recipe=fsdp", "parallel.dp_shard=4"], ["parallel.dp_shard=4", "world size 2", "dp_shard(4)", "= 4"]),
+    (["recipe=tp_fsdp", "parallel.dp_shard=2"], ["parallel.tp=2", "world size 2", "dp_shard(2) x tp(2)", "= 4"]),
+    (["recipe=fsdp", "parallel.dp_replicate=3"], ["parallel.dp_replicate=3", "world size 2", "= 3"]),
+    (["recipe=tp", "parallel.tp=3", "cluster.nproc_per_node=3"], ["parallel.tp=3", "model.n_heads=4"]),
+    (["recipe=tp", "parallel.tp=4", "cluster.nproc_per_node=4", "model.n_kv_heads=2"],
+     ["parallel.tp=4", "model.n_kv_heads=2"]),
+    (["recipe=tp", "model.ffn_dim=385"], ["parallel.tp=2", "ffn_dim", "=385"]),
+    (["recipe=tp", "model.tie_embeddings=false", "model.vocab_size=255", "data.vocab_size=255"],
+     ["parallel.tp=2", "model.vocab_size=255"]),
+    (["recipe=tp", "parallel.sequence_parallel=true", "train.seq_len=127"],
+     ["parallel.sequence_parallel=true", "train.seq_len=127"]),
+    (["recipe=pp", "parallel.pp=5"], ["parallel.pp=5", "model.n_layers=4"]),
+    (["recipe=pp", "parallel.pp=4", "cluster.nproc_per_node=4", "parallel.pp_schedule=interleaved_1f1b"],
+     ["parallel.pp=4", "8 stages", "model.n_layers=4"]),
+    (["recipe=pp", "parallel.pp_microbatches=16"], ["parallel.pp_microbatches=16", "micro_batch(8) x grad_accum(1) = 8"]),
+    (["recipe=pp", "parallel.pp_microbatches=1"], ["parallel.pp_microbatches=1", "1f1b", "pp=2"]),
+    (["recipe=pp", "parallel.pp_schedule=zigzag"], ["parallel.pp_schedule=zigzag", "gpipe, 1f1b, interleaved_1f1b"]),
+    (["recipe=pp", "parallel.pp_split=[3,1]"], ["parallel.pp_split=[3, 1]", "[1, 3]"]),
+    (["recipe=ddp", "parallel.tp=2"], ["parallel.tp=2", "recipe ddp", "recipe=tp"]),
+    (["recipe=fsdp", "parallel.pp=2"], ["parallel.pp=2", "recipe fsdp", "recipe=pp"]),
+    (["recipe=tp", "parallel.dp_shard=2"], ["parallel.dp_shard=2", "does not shard"]),
+    (["recipe=pp", "parallel.pp=1"], ["parallel.pp=1", ">= 2"]),
+    (["parallel.nope=1"], ["parallel.nope", "unknown key", "pp_schedule"]),
+    # ZeRO recipes (launcher/launch/validate.py::validate_zero, launcher/parallel/ds_config.py)
+    (["recipe=zero1", "recipe.zero.stage=4"], ["recipe.zero.stage=4", "allowed: 0, 1, 2, 3"]),
+    (["recipe=zero1", "recipe.zero.stage=-1"], ["recipe.zero.stage=-1", "allowed: 0, 1, 2, 3"]),
+    (["recipe.zero.offload_optimizer=cpu"], ["recipe.zero.offload_optimizer=cpu", "recipe ddp", "cannot offload"]),
+    (["recipe=zero2", "recipe.zero.offload_param=cpu"], ["recipe.zero.offload_param=cpu", "stage=3"]),
+    (["recipe=zero2_offload", "recipe.zero.stage=0"], ["recipe.zero.offload_optimizer=cpu", "stage 1, 2 or 3"]),
+    (["recipe=zero2", "recipe.zero.offload_optimizer=nvme"], ["recipe.zero.offload_optimizer=nvme", "none, cpu"]),
+    (["recipe=zero2", "+recipe.zero.extra.no_such_key=1"], ["recipe.zero.extra.no_such_key=1", "DeepSpeed does not know"]),
+    (["recipe=zero2", "++recipe.zero.extra.zero_optimization.round_robin_gradientz=true"],
+     ["recipe.zero.extra.zero_optimization.round_robin_gradientz=true", "DeepSpeed refuses it"]),
+    (["recipe=zero2", "+recipe.zero.extra.train_batch_size=64"],
+     ["recipe.zero.extra.train_batch_size=64", "contradicts", "16", "train.global_batch"]),
+    (["recipe=zero3", "++recipe.zero.extra.zero_optimization.stage=2"],
+     ["recipe.zero.extra.zero_optimization.stage=2", "contradicts", "recipe.zero.stage"]),
+    (["recipe=zero2", "++recipe.zero.extra.bf16.enabled=false"], ["recipe.zero.extra.bf16.enabled=false", "precision"]),
+    (["recipe=zero2", "+recipe.zero.extra.scheduler.type=WarmupCosineLR"],
+     ["recipe.zero.extra.scheduler", "lr_factor"]),
+    (["cluster.runner=deepspeed"], ["cluster.runner=deepspeed", "recipe.strategy=zero", "cluster.runner=torchrun"]),
+    (["cluster.runner=mpirun"], ["cluster.runner=mpirun", "torchrun, deepspeed"]),
+    (["recipe=zero2", "cluster.runner=deepspeed", "cluster.nnodes=2", "cluster.master_port=29400"],
+     ["cluster.hosts=[]", "2 hostnames"]),
+    (["recipe=zero2", "cluster.runner=deepspeed", "cluster.nnodes=2", "cluster.master_port=29400",
+      "cluster.hosts=[a,b]", "cluster.node_rank=1"], ["cluster.node_rank=1", "node_rank=0"]),
+    (["recipe=zero2", "cluster.runner=deepspeed", "cluster.nnodes=2", "cluster.master_port=29400",
+      "cluster.hosts=['a b',c]"], ["cluster.hosts=a b", "hostname"]),
+    # A value that reaches a script: one line (a newline would start an #SBATCH line of its own)
+    (["submit", "run_name='x\n#SBATCH --uid=0'"], ["run_name='x\\n#SBATCH --uid=0'", "control characters"]),
+    (["+cluster.env.NCCL_DEBUG='INFO\n#SBATCH --uid=0'"], ["cluster.env.NCCL_DEBUG=", "control characters"]),
+    (["submit", "cluster.setup=['module load x\rtouch y']"], ["cluster.setup[0]=", "control characters"]),
+    (["model.name='gpt\ttiny'"], ["model.name='gpt\\ttiny'", "control characters"]),
+    (["run_name='a\x1b[31mb\x7f'"], ["run_name='a\\x1b[31mb\\x7f'", "control characters"]),  # ESC, DEL (NUL cannot be in argv)
+    # DeepSpeed's multi-node runner sends its command to a remote shell without quoting it
+    (["recipe=zero2", "cluster.runner=deepspeed", "cluster.nnodes=2", "cluster.master_port=29400",
+      "cluster.hosts=[a,b]", "+cluster.env.NCCL_SOCKET_IFNAME='eth0;touch x'"],
+     ["cluster.env.NCCL_SOCKET_IFNAME=eth0;touch x", "remote shell unquoted"]),
+    # model=hf: paths, weights, what transformers builds offline, what the recipe needs
+    (["model=hf"], ["model.config=None", "exactly one of model.config"]),
+    (["model=hf", f"model.config={HF['llama']}", "model.pretrained=/x"], ["model.pretrained=/x", "exactly one"]),
+    (["model=hf", "model.config=/no/such/config.json"], ["model.config=/no/such/config.json", "no such file"]),
+    (["model=hf", "model.pretrained=/no/such/dir"], ["model.pretrained=/no/such/dir", "no such folder"]),
+    (["model=hf", f"model.pretrained={HF['llama']}"], [f"model.pretrained={HF['llama']}", "no *.safetensors"]),
+    (["model=hf", f"model.config={HF['empty']}"], [f"model.config={HF['empty']}", "no config.json"]),
+    # pretrained weights that do not match the config: the tensor and the file are named
+    (["model=hf", f"model.pretrained={W['missing']}", "recipe=fsdp"],
+     ["model.layers.1.mlp.up_proj.weight: missing from", str(W["missing"])]),
+    (["model=hf", f"model.pretrained={W['extra']}", "recipe=tp"],
+     ["model.layers.0.mlp.extra.weight in", f"{W['extra']}/model.safetensors", "not a parameter of the model"]),
+    (["model=hf", f"model.pretrained={W['shape']}", "recipe=zero3"],
+     ["model.norm.weight in", f"{W['shape']}/model.safetensors", "shape (32,)", "(64,)"]),
+    (["model=hf", f"model.pretrained={W['truncated']}", "recipe=pp"],
+     [f"{W['truncated']}/model.safetensors", "model."]),
+    (["model=hf", f"model.config={HF['no_such_model']}"], ["'no_such_model'", "not a model transformers", "offline"]),
+    (["model=hf", f"model.config={HF['t5']}"], ["'t5'", "no causal-LM class"]),
+    (["model=hf", f"model.config={HF['llama']}", "train.seq_len=512"], ["train.seq_len=512", "max_position_embeddings=256"]),
+    (["model=hf", f"model.config={HF['llama']}", "data.vocab_size=400"], ["data.vocab_size=400", "model.vocab_size=300"]),
+    (["model=hf", f"model.config={HF['llama']}", "recipe=tp", "parallel.tp=4", "cluster.nproc_per_node=4"],
+     ["parallel.tp=4", "model.n_kv_heads=2"]),
+    (["model=hf", f"model.config={HF['llama']}", "recipe=tp", "parallel.sequence_parallel=true"],
+     ["parallel.sequence_parallel=true", "not with model=hf"]),
+    (["model=hf", f"model.config={HF['gpt2']}", "recipe=tp"], ["parallel.tp=2", "'gpt2'", "tensor-parallel plan"]),
+    (["model=hf", f"model.config={HF['gpt2']}", "recipe=pp"], ["parallel.pp=2", "'gpt2'", "pipeline plan"]),
+    # data=hf_text, the profiler, more loggers
+    (["data=hf_text"], ["data.files", "missing"]),
+    (["data=hf_text", "data.files=/no/such/dir/*.jsonl"], ["data.files=/no/such/dir/*.jsonl", "matches no file"]),
+    (["data=hf_text", f"data.files={CORPUS}", "data.text_field=body"],
+     ["data.text_field=body", "corpus.jsonl", "its fields: id, text"]),
+    (["data=hf_text", f"data.files={CORPUS}", "data.tokenizer=/no/such/tokenizer"],
+     ["data.tokenizer=/no/such/tokenizer", "no such folder"]),
+    (["data=hf_text", f"data.files={CORPUS}", "model.vocab_size=200"],
+     ["data.tokenizer=byte", "256 tokens", "model.vocab_size=200"]),
+    (["data=hf_text", f"data.files={CORPUS}", "data.format=xml"], ["data.format=xml", "json, parquet, text"]),
+    (["profile.enabled=true", "profile.steps=[8,5]"], ["profile.steps=[8, 5]", "first <= last"]),
+    (["profile.enabled=true", "profile.steps=[5,500]"], ["profile.steps=[5, 500]", "train.steps=200"]),
+    (["profile.enabled=true", "profile.steps=[5]"], ["profile.steps=[5]", "[first, last]"]),
+    (["logger.also=[tensorboard,nope]"], ["logger.also", "nope", "tensorboard"]),
+]
+
+
+def case_id(overrides: list[str]) -> str:
+    """The same on every collection (pytest-xdist's workers compare them): the session's
+    temporary folders by name."""
+    text = " ".join(overrides)
+    for name, folder in {"<hf>": next(iter(HF.values())).parent, "<weights>": next(iter(W.values())).parent}.items():
+        text = text.replace(str(folder), name)
+    return text
+
+
+@pytest.mark.parametrize("overrides,words", CASES, ids=[case_id(c[0]) for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(overrides, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = list(overrides)
+    if not any(o.startswith("hydra.run.dir") for o in overrides) and overrides[0] != "frobnicate":
+        argv.append(f"hydra.run.dir={tmp_path / 'run'}")
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, f"exit {code}; stderr={err!r}"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for w in words:
+        assert w in lines[0], f"{w!r} not in {lines[0]!r}"
+    assert "Traceback" not in err + out
+    assert not (tmp_path / "run").exists(), "a run directory was made for bad input"
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("overrides", [["recipe=nope"], ["train.steps=abc"], ["precision=fp16"],
+                                       ["recipe=zero2", "+recipe.zero.extra.train_batch_size=64"]])
+def test_bad_input_from_a_real_process(overrides, tmp_path):
+    """The same through `python -m launcher`: exit code 2 from the launcher process itself."""
+    proc = subprocess.run([sys.executable, "-m", "launcher", "train", f"hydra.run.dir={tmp_path / 'run'}", *overrides],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_at_least_thirty_cases():
+    assert len(CASES) >= 30
+
+
+def test_node_0_with_an_address_that_is_not_its_own_is_refused_at_once(tmp_path, capsys, monkeypatch):
+    """Node 0 hosts the rendezvous at cluster.master_addr: a name that resolves to another
+    machine (here made so by the resolver, for a name under .invalid; the check only binds,
+    it sends nothing) is refused before anything starts, not after the join timeout."""
+    import socket
+
+    real = socket.getaddrinfo
+
+    def resolve(host, *args, **kwargs):
+        if host == "node0.invalid":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.0.2.10", 29400))]
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["train", "cluster.nnodes=2", "cluster.master_port=29400", "cluster.master_addr=node0.invalid",
+                     f"hydra.run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "cluster.master_addr=node0.invalid: resolves to 192.0.2.10, none of which is this machine's" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_ctrl_c_while_the_launch_side_imports_is_held_then_said(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C that lands while validation runs (where the launch side imports torch, the
+    engines, DeepSpeed lazily) does not interrupt it there, where a library's bare `except:`
+    could swallow it; it is raised when validation ends: one line, exit 130, nothing written."""
+    import os
+    import signal
+
+    from launcher.launch import validate as V
+
+    real, finished = V.validate, []
+
+    def validate(cfg, host):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered here, in the middle of validation
+        notes = real(cfg, host)
+        finished.append(True)
+        return notes
+
+    monkeypatch.setattr(cli, "validate", validate)
+    run = tmp_path / "run"
+    code = cli.main(["train", f"hydra.run.dir={run}"])
+    out, err = capsys.readouterr()
+    assert finished == [True] and code == 130, (code, err)
+    assert err == "interrupted (Ctrl-C) before training started\n" and not run.exists(), err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -1,0 +1,119 @@
+"""Golden tests of the pure command builders: nothing is launched.
+
+Regenerate after an intended change with `UPDATE_GOLDEN=1 make test-quick` and review the diff.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from golden import check_golden
+from launcher.launch import cli
+from launcher.launch.commands import (LaunchPlan, command_script, deepspeed_argv, hostfile_text, launch_argv, rank_env,
+                                      sbatch_quote, sbatch_script, torchrun_argv)
+
+PLAN = LaunchPlan(python="/opt/venv/bin/python", nproc_per_node=2, master_port=29512, threads_per_rank=1,
+                  workdir="/home/me/launcher")
+
+
+CASES = {
+    "torchrun_default.txt": ([], PLAN, "/runs/a"),
+    "torchrun_restarts.txt": (["cluster.max_restarts=3", "dist.timeout_s=120"], PLAN, "/runs/b"),
+    "torchrun_multinode.txt": (["cluster.nnodes=2", "cluster.node_rank=1", "cluster.master_addr=10.0.0.1",
+                                "cluster.master_port=29400"],
+                               LaunchPlan("/opt/venv/bin/python", 8, 29400, 4, "/home/me/launcher"), "/runs/c"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_torchrun_argv(name):
+    overrides, plan, run_dir = CASES[name]
+    cfg, _, _ = cli.compose_config(overrides)
+    check_golden(name, " \\\n  ".join(torchrun_argv(cfg, run_dir, plan)) + "\n")
+
+
+def test_command_script_quotes_everything():
+    cfg, _, _ = cli.compose_config([])
+    run_dir = "/runs/x; touch pwned $(touch pwned2) 'q'"
+    script = command_script(torchrun_argv(cfg, run_dir, PLAN), rank_env(PLAN), "/home/me/my repo", run_dir)
+    check_golden("command_quoted.sh", script)
+    # The exec line parses back to exactly the argv: no word of it is shell syntax.
+    exec_line = [line for line in script.splitlines() if line.startswith("exec ")][0]
+    assert shlex.split(exec_line)[1:] == torchrun_argv(cfg, run_dir, PLAN)
+
+
+def test_rendezvous_id_is_stable_per_run_dir():
+    cfg, _, _ = cli.compose_config([])
+    a = torchrun_argv(cfg, "/runs/a", PLAN)
+    assert a == torchrun_argv(cfg, "/runs/a", PLAN)
+    assert a != torchrun_argv(cfg, "/runs/b", PLAN)
+
+
+def test_rank_env_holds_no_secrets(monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "planted-secret-123")
+    assert "planted-secret-123" not in str(rank_env(PLAN))
+
+
+def test_sbatch_script_quotes_everything():
+    """A run directory and settings full of shell syntax: every value in a shell line is
+    shlex-quoted, every #SBATCH value quoted the way sbatch parses it."""
+    run_dir = "/runs/x; touch pwned $(touch pwned2) 'q' \"dq\""
+    cfg, _, _ = cli.compose_config(["cluster=slurm", "cluster.nnodes=2", "cluster.partition=gpu", "cluster.qos=low",
+                                    "cluster.sbatch_extra=['--hold']"])
+    cfg.cluster.env = {"NCCL_DEBUG": "INFO; touch pwned3"}
+    cfg.run_name = "my 'run' \"x\""
+    plan = LaunchPlan("/opt/my venv/bin/python", 2, 0, 1, "/home/me/my repo")
+    script = sbatch_script(cfg, run_dir, plan)
+    check_golden("sbatch_quoted.sbatch", script)
+    # bash parses it; the step's inner command parses back to torchrun's argv, with the
+    # per-node values left for the task's shell.
+    import subprocess
+
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    step = [line for line in script.replace("\\\n", " ").splitlines() if line.startswith("srun ")][0]
+    words = shlex.split(step.removesuffix(" &"))
+    assert words[:4] == ["srun", "--ntasks-per-node=1", "--wait=60", "bash"] and words[4] == "-c"
+    inner = shlex.split(words[5].replace("\\\n", " "))
+    assert inner[0] == "exec" and inner[1] == plan.python and inner[-1] == run_dir
+    assert "--nnodes=$SLURM_NNODES" in inner and "--rdzv-endpoint=$HEAD_NODE:$MASTER_PORT" in inner
+    assert "export NCCL_DEBUG='INFO; touch pwned3'" in script
+    assert '#SBATCH --job-name="my \'run\' \\"x\\""' in script
+    assert "#SBATCH --hold" in script and f"RUN_DIR={shlex.quote(run_dir)}" in script
+
+
+@pytest.mark.parametrize("value,quoted", [
+    ("gpu", "gpu"), ("24:00:00", "24:00:00"), ("a b", '"a b"'), ('say "hi"', '"say \\"hi\\""'),
+    ("back\\slash", '"back\\\\slash"'), ("it's", '"it\'s"'),
+])
+def test_sbatch_quote(value, quoted):
+    assert sbatch_quote(value) == quoted
+DS_CASES = {
+    "deepspeed_single.txt": (["recipe=zero2", "cluster.runner=deepspeed"], PLAN, "/runs/d"),
+    "deepspeed_multinode.txt": (["recipe=zero3", "cluster.runner=deepspeed", "cluster.nnodes=2",
+                                 "cluster.master_port=29400", "cluster.hosts=[node-a,node-b]"],
+                                LaunchPlan("/opt/venv/bin/python", 8, 29400, 4, "/home/me/launcher"), "/runs/e"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DS_CASES))
+def test_deepspeed_argv(name):
+    overrides, plan, run_dir = DS_CASES[name]
+    cfg, _, _ = cli.compose_config(overrides)
+    argv = deepspeed_argv(cfg, run_dir, plan)
+    assert launch_argv(cfg, run_dir, plan) == argv  # cluster.runner=deepspeed picks it
+    check_golden(name, " \\\n  ".join(argv) + "\n")
+
+
+def test_hostfile_lists_every_node_with_its_slots():
+    overrides, plan, _ = DS_CASES["deepspeed_multinode.txt"]
+    cfg, _, _ = cli.compose_config(overrides)
+    check_golden("hostfile_multinode.txt", hostfile_text(cfg, plan))
+    assert hostfile_text(cfg, plan) == "node-a slots=8\nnode-b slots=8\n"
+
+
+def test_default_runner_is_torchrun_for_every_recipe():
+    for recipe in ("ddp", "zero1", "zero3_offload"):
+        cfg, _, _ = cli.compose_config([f"recipe={recipe}"])
+        assert launch_argv(cfg, "/runs/a", PLAN) == torchrun_argv(cfg, "/runs/a", PLAN)

@@ -1,0 +1,130 @@
+"""DeepSpeed's JSON from the Hydra config: golden files for the pure generator, the merge of
+recipe.zero.extra, and DeepSpeed's own parser on the result (no ranks started).
+
+Regenerate the golden files after an intended change with `UPDATE_GOLDEN=1 make test-quick`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from launcher.launch import cli
+from launcher import config as C
+from launcher.parallel import ds_config as D
+from launcher.host import deepspeed_env
+from golden import check_golden
+
+deepspeed_env()
+
+ZERO_RECIPES = ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"]
+
+GOLDEN = {
+    "ds_zero1.json": (["recipe=zero1"], 2, False),
+    "ds_zero3_offload_accum.json": (["recipe=zero3_offload", "model=gpt_small", "train.global_batch=64",
+                                     "train.micro_batch=4", "optim.grad_clip=0.5", "precision=fp32"], 4, False),
+    "ds_zero2_fp16_cuda.json": (["recipe=zero2", "precision=fp16", "precision.initial_scale=1024",
+                                 "train.activation_checkpointing=selective", "recipe.zero.reduce_bucket_size=200000000"],
+                                8, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_generated_config_is_golden(name):
+    overrides, world, cuda = GOLDEN[name]
+    cfg, _, _ = cli.compose_config(overrides)
+    check_golden(name, D.text(D.deepspeed_config(cfg, world, cuda)))
+
+
+def test_generated_values_come_from_the_hydra_config():
+    cfg, _, _ = cli.compose_config(["recipe=zero3", "model=gpt_small", "train.global_batch=48", "train.micro_batch=4",
+                                    "optim.lr=2e-4", "optim.beta2=0.99", "optim.weight_decay=0.05", "precision=fp32"])
+    ds = D.deepspeed_config(cfg, 3, cuda=False)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (48, 4, 4)
+    assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.9, 0.99], "eps": 1e-8,
+                                                           "weight_decay": 0.05, "torch_adam": True}}
+    assert ds["bf16"] == {"enabled": False} and ds["fp16"] == {"enabled": False}
+    z = ds["zero_optimization"]
+    assert z["stage"] == 3 and z["overlap_comm"] is True
+    # Buckets follow the model (dim 384) unless set; persistence keeps the norms (384 elements) whole.
+    assert z["reduce_bucket_size"] == 384 * 384 and z["stage3_param_persistence_threshold"] == 3840
+    assert "scheduler" not in ds  # the schedule is launcher.rank.engine.lr_factor, handed over as a client scheduler
+
+
+@pytest.mark.parametrize("recipe,precision,world", list(itertools.product(ZERO_RECIPES, ["bf16", "fp32", "fp16"], [1, 2, 8])))
+def test_deepspeed_parses_every_generated_config_and_reads_every_key(recipe, precision, world):
+    """DeepSpeed's parser accepts what we generate, and reads every key we write (a key it
+    ignored would be a setting that silently does nothing)."""
+    cfg, _, _ = cli.compose_config([f"recipe={recipe}", f"precision={precision}", "train.global_batch=64",
+                                    "train.micro_batch=2", "train.activation_checkpointing=full"])
+    ds = D.deepspeed_config(cfg, world, cuda=precision == "fp16")
+    D.check(ds, ds, world)  # everything generated, checked as if a user had written it
+
+
+def test_extra_keys_merge_and_conflicts_are_refused():
+    cfg, _, _ = cli.compose_config(["recipe=zero2"])
+    gen = D.deepspeed_config(cfg, 2, cuda=False)
+    merged = D.merge_extra(gen, {"zero_optimization": {"round_robin_gradients": True}, "wall_clock_breakdown": False,
+                                 "train_batch_size": 16})  # equal to the generated value: fine
+    assert merged["zero_optimization"]["round_robin_gradients"] is True
+    assert merged["zero_optimization"]["stage"] == 2 and gen["zero_optimization"].get("round_robin_gradients") is None
+    bad = [
+        ({"train_batch_size": 64}, "recipe.zero.extra.train_batch_size=64", "train.global_batch"),
+        ({"gradient_accumulation_steps": 3}, "gradient_accumulation_steps=3", "train.grad_accum"),
+        ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3", "recipe.zero.stage"),
+        ({"optimizer": {"params": {"lr": 1.0}}}, "optimizer.params.lr=1.0", "optim"),
+        ({"bf16": {"enabled": False}}, "bf16.enabled=false", "precision"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "offload_optimizer.device=cpu",
+         "recipe.zero.offload_optimizer"),
+        ({"scheduler": {"type": "WarmupCosineLR"}}, "recipe.zero.extra.scheduler", "lr_factor"),
+    ]
+    for extra, key, owner in bad:
+        with pytest.raises(C.ConfigError) as e:
+            D.merge_extra(gen, extra)
+        assert key in str(e.value) and owner in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("extra,words", [
+    ({"no_such_key": 1}, ["recipe.zero.extra.no_such_key=1", "does not know"]),
+    ({"checkpoint": {"tag_validashun": "Warn"}}, ["checkpoint.tag_validashun", "does not know"]),
+    ({"zero_optimization": {"round_robin_gradientz": True}}, ["zero_optimization.round_robin_gradientz",
+                                                               "DeepSpeed refuses it"]),
+    ({"zero_optimization": {"sub_group_size": -5}}, ["zero_optimization.sub_group_size=-5", "DeepSpeed refuses it"]),
+    ({"optimizer": {"params": {"amsgradd": True}}}, ["optimizer.params.amsgradd", "does not take it", "amsgrad"]),
+])
+def test_deepspeed_parser_refuses_what_it_does_not_know(extra, words):
+    cfg, _, _ = cli.compose_config(["recipe=zero2"])
+    cfg.recipe.zero.extra = extra
+    with pytest.raises(C.ConfigError) as e:
+        D.launch_config(cfg, 2, cuda=False)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_known_extra_keys_pass_and_reach_the_file():
+    cfg, _, _ = cli.compose_config(["recipe=zero2", "++recipe.zero.extra.zero_optimization.round_robin_gradients=true",
+                                    "+recipe.zero.extra.checkpoint.tag_validation=Fail",
+                                    "+recipe.zero.extra.optimizer.params.amsgrad=true"])
+    merged = D.launch_config(cfg, 2, cuda=False)
+    assert merged["zero_optimization"]["round_robin_gradients"] is True
+    assert merged["checkpoint"] == {"tag_validation": "Fail"} and merged["optimizer"]["params"]["amsgrad"] is True
+
+
+def test_ranks_refuse_a_file_of_another_world_size(tmp_path):
+    cfg, _, _ = cli.compose_config(["recipe=zero1"])
+    (tmp_path / D.FILE).write_text(D.text(D.deepspeed_config(cfg, 2, cuda=False)))
+    assert D.read(tmp_path, 2)["train_batch_size"] == 16
+    with pytest.raises(RuntimeError, match="another world size"):
+        D.read(tmp_path, 4)
+    with pytest.raises(FileNotFoundError, match="launcher train"):
+        D.read(tmp_path / "nowhere", 2)
+
+
+def test_dry_run_prints_the_deepspeed_config(tmp_path, capsys):
+    assert cli.main(["recipe=zero3", "--dry-run", f"hydra.run.dir={tmp_path / 'run'}"]) == 0
+    out = capsys.readouterr().out
+    text = out.split("# ds_config.json\n", 1)[1].split("# command", 1)[0]
+    assert json.loads(text)["zero_optimization"]["stage"] == 3
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,209 @@
+"""The import graph: no cycle among the project's modules (lazy imports inside functions
+included), launcher/config/ imports nothing else of the project, and no module changes
+the environment when it is imported (the hub's offline switches are set by the entry
+points: the launcher, a rank)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+
+from runs import REPO
+
+PACKAGES = ("launcher", "recipes")
+
+
+def modules() -> dict[str, ast.Module]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            out[name] = (path, ast.parse(path.read_text()))
+    return out
+
+
+def import_graph(at_import: bool = False) -> dict[str, set[str]]:
+    """module -> the project's modules it imports anywhere in its text (`from pkg import
+    sub` counts as importing pkg.sub when that is a module, else pkg). at_import: only
+    what importing it runs at once (module level, class bodies; never a function's body),
+    each target with the packages above it, whose __init__ runs first."""
+    mods = modules()
+
+    def project(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, (path, tree) in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        if at_import:
+            tree = ast.Module(body=[n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))],
+                              type_ignores=[])
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            else:
+                continue
+            for t in targets:
+                if t.split(".")[0] in PACKAGES and (found := project(t)) and found != name:
+                    parts = found.split(".")
+                    edges |= ({".".join(parts[:i]) for i in range(1, len(parts) + 1)} & set(mods)) if at_import else {found}
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_among_the_projects_modules():
+    graph = import_graph()
+    assert len(graph) > 40 and graph["launcher.rank.entry"]  # the walk sees the project
+    found = cycles(graph)
+    assert not found, "import cycles: " + "; ".join(
+        " / ".join(f"{m} -> {sorted(graph[m] & set(c))}" for m in c) for c in found)
+
+
+def test_the_cycle_check_finds_a_lazy_cycle():
+    graph = import_graph()
+    graph["launcher.config"] = {"launcher.models.hf"}  # the lazy import config once had (model=hf's shape)
+    assert any({"launcher.config", "launcher.models.hf"} <= set(c) for c in cycles(graph))
+
+
+def test_config_imports_nothing_else_of_the_project():
+    inside = lambda name: name == "launcher.config" or name.startswith("launcher.config.")  # noqa: E731
+    config = {name: edges for name, edges in import_graph().items() if inside(name)}
+    assert len(config) > 5 and all(inside(e) for edges in config.values() for e in edges), config
+
+
+def third_party_imports() -> list[str]:
+    """The other packages' modules the project imports at module level (dotted names)."""
+    out = set()
+    for _, tree in modules().values():
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                out.add(node.module)
+    return sorted(n for n in out if n.split(".")[0] not in PACKAGES + ("__future__",))
+
+
+def test_no_module_changes_the_environment_when_imported():
+    """Other packages may set variables when imported (DeepSpeed, torch's inductor do):
+    they are imported first, so what changes after is the project's own doing."""
+    names = sorted(n for n in modules() if not n.endswith("__main__"))
+    code = ("import contextlib, importlib, json, os, sys\n"
+            f"for name in {third_party_imports()!r}:\n"
+            "    with contextlib.suppress(ImportError):\n"
+            "        importlib.import_module(name)\n"
+            "import torch._inductor.config\n"
+            "before = dict(os.environ)\n"
+            f"for name in {names!r}:\n"
+            "    importlib.import_module(name)\n"
+            "changed = sorted(k for k in set(os.environ) | set(before) if os.environ.get(k) != before.get(k))\n"
+            "print(json.dumps({'changed': changed, 'hub': 'huggingface_hub' in sys.modules}))\n")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["changed"] == [], result
+
+
+def reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def side_crossings(graph: dict[str, set[str]]) -> list[str]:
+    """'a -> b' for every launch-side module that imports a rank-side one at import time
+    (directly or through others), and the reverse."""
+    out = []
+    for mine, theirs in (("launcher.launch", "launcher.rank"), ("launcher.rank", "launcher.launch")):
+        for name in sorted(graph):
+            if name == mine or name.startswith(mine + "."):
+                out += [f"{name} -> {m}" for m in sorted(reach(graph, name)) if m == theirs or m.startswith(theirs + ".")]
+    return out
+
+
+def test_neither_side_imports_the_other_when_imported():
+    """The launch side (launcher/launch/) and the rank side (launcher/rank/) meet in the
+    shared packages (config, models, parallel, planner, data, the top-level modules) and
+    in the frozen config.yaml; a call across is a lazy import, never an import-time one."""
+    graph = import_graph(at_import=True)
+    assert reach(graph, "launcher.rank.entry") >= {"launcher.rank.loop", "launcher.config"}
+    assert side_crossings(graph) == []
+    graph["launcher.launch.rundir"] |= {"launcher.rank.checkpoint"}  # the import rundir once had
+    assert "launcher.launch.rundir -> launcher.rank.checkpoint" in side_crossings(graph)
+    assert "launcher.launch.cli -> launcher.rank.checkpoint" in side_crossings(graph)
+
+
+def test_the_launch_side_imports_no_torch_when_imported():
+    """`launcher --help` and composing a config import no torch, CUDA or torch.distributed:
+    every launch-side module and the console entry, imported in a fresh interpreter."""
+    names = sorted(n for n in modules() if n.startswith("launcher.launch")) + ["launcher.__main__"]
+    code = (f"import importlib, sys\nfor name in {names!r}:\n    importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'deepspeed', 'transformers'))))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout[:2000]
+
+
+def test_the_suite_is_split_by_what_it_starts():
+    """tests/e2e/ holds the tests that start real multi-process runs (marked slow) and
+    `make test-quick` runs tests/unit/ alone: a slow test in unit/ would make the quick
+    suite slow, an unmarked one in e2e/ would escape `-m "not slow"`."""
+    wrong = []
+    for folder, slow in (("unit", False), ("e2e", True)):
+        for path in sorted((REPO / "tests" / folder).glob("test_*.py")):
+            tree = ast.parse(path.read_text())
+            everywhere = any(isinstance(n, ast.Assign) and "pytestmark" in ast.unparse(n.targets[0])
+                             and "slow" in ast.unparse(n.value) for n in tree.body)
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                    marked = everywhere or any("slow" in ast.unparse(d) for d in node.decorator_list)
+                    if marked != slow and not (path.name == "test_readme.py" and not marked):
+                        wrong.append(f"{folder}/{path.name}::{node.name}")
+    assert len(list((REPO / "tests" / "e2e").glob("test_*.py"))) > 10
+    assert wrong == [], wrong
