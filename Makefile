@@ -47,8 +47,8 @@ test: setup ## the full test suite: tests/unit and tests/e2e (real processes; ab
 test-quick: setup ## tests/unit only: in-process checks and quick commands, no multi-process runs (about 2 minutes)
 	@$(PY) -m pytest -q tests/unit
 
-bench: setup ## throughput benchmarks; writes bench/results.md
-	@$(PY) scripts/bench.py
+bench: setup ## recipes against hand-written loops, interleaved, and start-up; writes bench/results.md (ARGS="--models llama_5m --only ddp zero2")
+	@$(PY) scripts/bench.py $(ARGS)
 
 clean: ## remove outputs/ and multirun/ (runs and checkpoints!)
 	rm -rf outputs multirun

@@ -1,7 +1,7 @@
 """What this machine has, asked without torch or a CUDA context: read by the launch side
 (validation, `make plan`, the command's process count) and by the ranks' device layer
-(launcher/device.py). torch is imported only by `HostInfo.detect` and `deepspeed_env`,
-when called."""
+(launcher/device.py). torch is imported only by `HostInfo.detect` (on a host with a GPU
+driver) and `deepspeed_env`, when called."""
 
 from __future__ import annotations
 
@@ -34,10 +34,22 @@ class HostInfo:
 
     @staticmethod
     def detect() -> "HostInfo":
+        cpus = len(os.sched_getaffinity(0))
+        if not gpu_driver():  # torch could see no GPU either: a second of importing it saved
+            return HostInfo(cuda=False, gpus=0, cpus=cpus)
         import torch  # counting GPUs creates no CUDA context
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return HostInfo(cuda=gpus > 0, gpus=gpus, cpus=len(os.sched_getaffinity(0)))
+        return HostInfo(cuda=gpus > 0, gpus=gpus, cpus=cpus)
+
+
+def gpu_driver() -> bool:
+    """Whether a GPU driver shows on this host (NVIDIA's device files or /proc entry, ROCm's
+    /dev/kfd, WSL's /dev/dxg). Without one, torch.cuda finds no device."""
+    import glob
+
+    return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/proc/driver/nvidia/gpus/*")
+                or any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")))
 
 
 def _nvidia_smi(field: str) -> str | None:

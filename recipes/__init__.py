@@ -67,7 +67,6 @@ class RecipeSpec:
     preload: Callable | None = None
     """Imports a rank makes before its memory baseline (the library's, not the model's)."""
 
-
     @property
     def meshed(self) -> bool:
         """It splits more than the data: its ranks form a device mesh (parallel.*)."""

@@ -67,10 +67,13 @@ class DDPEngine:
             self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         if self.scaler:
-            scale = self.scaler.get_scale()
+            # The scale as a device tensor (get_scale() would read it to the host, a sync
+            # every step): the scaler lowers it exactly when it skips the step.
+            before = self.scaler._get_scale_async().clone()
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            skipped = self.scaler.get_scale() < scale
+            scale = self.scaler._get_scale_async()
+            skipped = scale < before
         else:
             self.optimizer.step()
         # With bucket views the gradients stay allocated (they are the buckets): zero them.

@@ -83,7 +83,8 @@ class ShardedEngine:
         if self.dp_group is not None:
             allreduce_grads(self.params, self.dp_group, self.deg.dp)
         grad_norm = clip_grad_norm(self.params, self.clip)
-        self.grad_bytes = tensor_bytes(p.grad for p in self.params)  # held from backward to here
+        if not self.grad_bytes:  # held from backward to here; the same shards every step: counted once
+            self.grad_bytes = tensor_bytes(p.grad for p in self.params)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()

@@ -135,7 +135,8 @@ class ZeroEngine:
             total += loss.detach().float()
         norm = self.engine.get_global_grad_norm()
         norm = own_norm if norm is None else norm  # stage 0 in fp32 does not keep it
-        grad_norm = torch.tensor(float(norm) if norm is not None else float("nan"))
+        # A tensor stays a tensor (no host read each step: the loop reads it when it logs).
+        grad_norm = norm.detach() if torch.is_tensor(norm) else torch.tensor(float("nan") if norm is None else norm)
         scale = skipped = None
         if self.config["fp16"]["enabled"]:
             scale = float(self.optimizer.loss_scale)  # fp16 (CUDA only): the dynamic loss scale after this step

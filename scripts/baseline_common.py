@@ -1,12 +1,20 @@
-"""What the hand-written baselines share: the timed loop and the result file (the loops
-themselves stay in each script, written out as a user would)."""
+"""What the hand-written baselines share: the arguments, the timed loop and the result file
+(the loops themselves stay in each script, written out as a user would).
+
+A baseline does what a user's own script does and nothing else: random tokens made up
+front, no data loader, no logging, no checkpoints, no watchdog; the learning rate set by
+hand each step. Timing starts after `--warmup` untimed steps and ends after `--steps`,
+each end behind a barrier.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -17,29 +25,96 @@ from launcher.device import memory_stats
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="gpt_tiny")
+    ap.add_argument("--model", nargs="+", default=["model=gpt_tiny"],
+                    help="the model's config overrides, as make train takes them (model=gpt_small model.dim=256 ...)")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
     ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10, help="steps not timed")
     ap.add_argument("--out", required=True)
     return ap
 
 
-def timed_loop(args, optimizer, step_fn) -> float:
+def model_config(args):
+    """The model's config from the same overrides the recipe's run gets (model=NAME reads
+    conf/model/NAME.yaml, model.KEY=VALUE sets a field), read as a user's script would:
+    with PyYAML, not Hydra."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    from launcher.config.model import ModelConfig
+
+    fields: dict = {}
+    for override in args.model:
+        key, _, value = override.partition("=")
+        if key == "model":
+            path = Path(__file__).resolve().parent.parent / "conf" / "model" / f"{value}.yaml"
+            fields.update(yaml.safe_load(path.read_text()))
+        elif key.startswith("model."):
+            fields[key.removeprefix("model.")] = yaml.safe_load(value)
+        else:
+            raise SystemExit(f"--model {override}: expected model=NAME or model.KEY=VALUE")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in fields.items() if k in known})
+
+
+def start():
+    """What every hand-written loop starts with: its arguments, a gloo process group, the
+    model's config and the model, drawn from seed 0. Returns (args, model config, model)."""
+    from launcher.models.gpt import GPT
+
+    args = parser().parse_args()
+    dist.init_process_group("gloo")
+    mcfg = model_config(args)
+    torch.manual_seed(0)
+    return args, mcfg, GPT(mcfg)
+
+
+def adamw(model) -> torch.optim.AdamW:
+    """AdamW as the recipes build it: weight decay on the matrices only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                             lr=3e-3, betas=(0.9, 0.95))
+
+
+def compute(args, device_type: str = "cpu"):
+    """The autocast context of --dtype (none in fp32)."""
+    if args.dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.bfloat16)
+
+
+def timed_loop(args, optimizer, step_fn, vocab_size: int) -> float:
     """`args.steps` steps of `step_fn(batch)` on random tokens made up front, cosine lr set by
     hand; returns the seconds of the steps after `args.warmup`."""
-    batches = torch.randint(0, 256, (16, args.micro_batch, args.seq_len + 1))
+    if args.steps <= args.warmup:
+        raise SystemExit(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batches = torch.randint(0, vocab_size, (16, args.micro_batch, args.seq_len + 1), generator=g)
     for step in range(args.steps):
         if step == args.warmup:
             dist.barrier()
             t0 = time.perf_counter()
         lr = 3e-3 * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for g in optimizer.param_groups:
-            g["lr"] = lr
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         step_fn(batches[step % 16])
     dist.barrier()
     return time.perf_counter() - t0
+
+
+def finish() -> None:
+    """Leave as the project's ranks do (launcher/rank/__main__.py): with gloo, C++ threads
+    torn down during interpreter finalization can abort a process that already finished
+    ("terminate called without an active exception"), and torchrun would report a failure."""
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def report(args, elapsed: float, model_state_bytes: int) -> None:

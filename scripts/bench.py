@@ -1,11 +1,19 @@
 #!/usr/bin/env python
-"""`make bench`: recipe throughput against a hand-written loop, measured in one run.
+"""`make bench`: each recipe against a hand-written loop on the same model, interleaved.
 
-For each case the recipe runs through the real launcher (torchrun, the data loader, the
-loop, metrics; no checkpoints, no W&B) and the baseline through torchrun as well, on the
-same model, batch, precision and threads. They alternate, several rounds; the median of
-each is compared. Then the parallel recipes (fsdp, tp, pp, tp_fsdp) run beside ddp on the
-same model and global batch: tokens/s, peak memory and model-state bytes per rank.
+Steps: each recipe runs through the real launcher (torchrun, the data loader, the loop,
+metrics; no checkpoints, no W&B) and its yardstick (scripts/bench_*_baseline.py: the
+shortest loop a user would write) through torchrun as well, on the same model, batch,
+precision and threads. Round after round every case runs both sides back to back, the
+order alternating, so a slow spell of the machine hits both alike; medians, min-max and
+the per-round ratios are reported. Start-up: the whole `make train` of a 2-step run
+against torchrun of the hand-written 2-step loop, and `--dry-run`. Then the parallel
+recipes (tp, pp, tp_fsdp) beside ddp and fsdp on one model and global batch.
+
+Precision: bf16 autocast where the device computes bf16 natively (a CUDA GPU from Ampere
+on; a CPU with AVX-512 BF16 or AMX), else fp32: emulated bf16 is about 20x slower, and its
+matmuls would hide every overhead the ratios are meant to show. `--dtype` overrides.
+
 Results go to bench/results.md (and bench/results.json, bench/parallel.json).
 """
 
@@ -25,29 +33,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench"
 
-
-def _run(cmd: list[str], env: dict | None = None) -> None:
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-
-
-def run_recipe(recipe: str, model: str, steps: int, nproc: int, extra: list[str]) -> dict:
-    run = OUT / "runs" / f"{recipe}-{model}"
-    shutil.rmtree(run, ignore_errors=True)
-    cmd = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}", f"recipe={recipe}", f"model={model}",
-           f"train.steps={steps}", "optim.warmup_steps=5", "logger=none", "logger.log_every=10",
-           "checkpoint.every=0", "checkpoint.save_final=false", f"cluster.nproc_per_node={nproc}", *extra]
-    _run(cmd)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steady = rows[1:]  # the first interval holds start-up
-    tokens_per_step = rows[0]["tokens_per_s"] * rows[0]["step_time_s"]
-    return {"tokens_per_s": tokens_per_step / statistics.mean(r["step_time_s"] for r in steady),
-            "peak_bytes": max(r["mem/peak_bytes"] for r in rows),
-            "model_state_bytes": rows[-1]["mem/model_state_bytes"]}
-
-
-# The parallel recipes beside ddp: (recipe, overrides). Same model, global batch, precision.
+# The two model sizes: the 5.3M-parameter Llama-style model (Llama shape at a CPU's
+# scale) and gpt_small (12.2M). Both sides compose the model from these overrides.
+MODELS = {
+    "llama_5m": ["model=gpt_small", "model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.vocab_size=8192"],
+    "gpt_small": ["model=gpt_small"],
+}
+# recipe -> (its hand-written loop, that loop's arguments, target ratio)
+CASES = {
+    "ddp": ("bench_ddp_baseline.py", [], 0.98),
+    "zero1": ("bench_deepspeed_baseline.py", ["--stage", "1"], 0.98),
+    "zero2": ("bench_deepspeed_baseline.py", ["--stage", "2"], 0.98),
+    "zero3": ("bench_deepspeed_baseline.py", ["--stage", "3"], 0.97),
+    "fsdp": ("bench_fsdp_baseline.py", [], 0.97),
+}
+# The parallel recipes beside ddp and fsdp: (recipe, overrides). Same model, global batch, precision.
 PARALLEL_CASES = [
     ("ddp", []),
     ("fsdp", []),
@@ -55,131 +55,233 @@ PARALLEL_CASES = [
     ("pp", ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=4"]),
     ("tp_fsdp", ["parallel.tp=2"]),
 ]
+STARTUP_TARGET = 1.2
 
 
-def bench_parallel(model: str, steps: int, nproc: int, rounds: int) -> list[dict]:
-    """Each recipe `rounds` times, interleaved (a slow spell of the machine hits all alike)."""
-    from launcher.launch.compose import compose_config
-    from launcher.models.gpt import num_params
-
-    cfg, _, _ = compose_config([f"model={model}"])
-    psi = num_params(cfg.model)
-    batch = ["train.global_batch=16", "train.micro_batch=8"]
-    seen: dict[str, list[dict]] = {name: [] for name, _ in PARALLEL_CASES}
-    for i in range(rounds):
-        for name, extra in (PARALLEL_CASES if i % 2 == 0 else PARALLEL_CASES[::-1]):
-            seen[name].append(run_recipe(name, model, steps, nproc, [*batch, *extra]))
-    out = []
-    for name, extra in PARALLEL_CASES:
-        runs = seen[name]
-        r = {"recipe": name, "overrides": extra, "model": model, "nproc": nproc, "steps": steps,
-             "tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs),
-             "peak_bytes": statistics.median(x["peak_bytes"] for x in runs),
-             "model_state_bytes": runs[-1]["model_state_bytes"], "model_state_x_16psi": runs[-1]["model_state_bytes"] / (16 * psi),
-             "runs": runs}
-        out.append(r)
-        print(f"{name:8} {model:10} {r['tokens_per_s']:10,.0f} tok/s  peak {r['peak_bytes'] / 2**20:7.0f} MiB  "
-              f"model state {r['model_state_bytes'] / 2**20:7.1f} MiB/rank ({r['model_state_x_16psi']:.2f} x 16Ψ)", flush=True)
-    return out
+def model_args(name: str) -> list[str]:
+    """A bench model's overrides; any other name is a conf/model file."""
+    return MODELS.get(name, [f"model={name}"])
 
 
-def run_baseline(script: str, model: str, steps: int, nproc: int, threads: int, args: list[str] = ()) -> dict:
-    out = OUT / "runs" / f"baseline-{model}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"scripts/{script}", "--model", model, "--steps", str(steps), "--out", str(out), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    _run(cmd, env)
-    return json.loads(out.read_text())
+def native_bf16() -> tuple[bool, str]:
+    """Whether this machine's training device computes bf16 natively, and how that is known."""
+    import torch
+
+    if torch.cuda.is_available():
+        ok = torch.cuda.is_bf16_supported(including_emulation=False)
+        return ok, f"{torch.cuda.get_device_name()} {'supports' if ok else 'does not support'} bf16"
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return False, "the CPU's flags could not be read"
+    have = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    if have:
+        return True, f"the CPU has {' and '.join(have)}"
+    return False, "the CPU has neither avx512_bf16 nor amx_bf16 (bf16 is emulated, about 20x slower)"
+
+
+def _run(cmd: list[str], env: dict | None = None) -> float:
+    """Run `cmd` in the repository; its wall seconds. Any failure ends the bench with its output."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return time.perf_counter() - t0
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        self.runs = OUT / "runs"
+        self.runs.mkdir(parents=True, exist_ok=True)
+
+    def train_args(self, recipe: str, model: str, steps: int, extra: list[str], run: Path) -> list[str]:
+        a = self.args
+        return [f"hydra.run.dir={run}", f"recipe={recipe}", *model_args(model), f"precision={a.dtype}",
+                f"train.steps={steps}", "optim.warmup_steps=5", f"train.seq_len={a.seq_len}",
+                f"train.micro_batch={a.micro_batch}", f"train.global_batch={a.micro_batch * a.nproc}",
+                "logger=none", "logger.log_every=10", "checkpoint.every=0", "checkpoint.save_final=false",
+                f"cluster.nproc_per_node={a.nproc}", *extra]
+
+    def recipe(self, recipe: str, model: str, extra: list[str] = ()) -> dict:
+        run = self.runs / f"{recipe}-{model}"
+        shutil.rmtree(run, ignore_errors=True)
+        _run([sys.executable, "-m", "launcher", "train",
+              *self.train_args(recipe, model, self.args.steps, list(extra), run)], self.env)
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        steady = rows[1:]  # the first interval holds start-up
+        tokens_per_step = rows[0]["tokens_per_s"] * rows[0]["step_time_s"]
+        return {"tokens_per_s": tokens_per_step / statistics.mean(r["step_time_s"] for r in steady),
+                "peak_bytes": max(r["mem/peak_bytes"] for r in rows),
+                "model_state_bytes": rows[-1]["mem/model_state_bytes"]}
+
+    def baseline(self, recipe: str, model: str, steps: int | None = None, warmup: int = 10) -> tuple[dict, float]:
+        script, extra, _ = CASES[recipe]
+        a, out = self.args, self.runs / f"baseline-{recipe}-{model}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}",
+               f"scripts/{script}", "--model", *model_args(model), "--dtype", a.dtype, "--steps", str(steps or a.steps),
+               "--warmup", str(warmup), "--micro-batch", str(a.micro_batch), "--seq-len", str(a.seq_len),
+               "--out", str(out), *extra]
+        wall = _run(cmd, self.env)
+        return json.loads(out.read_text()), wall
+
+    # ------------------------------------------------------------------ the three parts
+    def steps(self, cases: list[tuple[str, str]]) -> list[dict]:
+        seen = {c: ([], []) for c in cases}
+        for i in range(self.args.rounds):
+            for recipe, model in cases:
+                ours, theirs = seen[(recipe, model)]
+                pair = [lambda: ours.append(self.recipe(recipe, model)),
+                        lambda: theirs.append(self.baseline(recipe, model)[0])]
+                for run in (pair if i % 2 == 0 else pair[::-1]):
+                    run()
+                print(f"round {i + 1}: {recipe:6} {model:9} {ours[-1]['tokens_per_s']:9,.0f} vs "
+                      f"{theirs[-1]['tokens_per_s']:9,.0f} tok/s", flush=True)
+        results = []
+        for (recipe, model), (ours, theirs) in seen.items():
+            ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)]
+            results.append({
+                "recipe": recipe, "model": model, "target": CASES[recipe][2],
+                "recipe_tokens_per_s": [r["tokens_per_s"] for r in ours],
+                "baseline_tokens_per_s": [r["tokens_per_s"] for r in theirs],
+                "ratios": ratios, "ratio": statistics.median(ratios),
+                "recipe_peak_bytes": max(r["peak_bytes"] for r in ours),
+                "baseline_peak_bytes": max(r.get("peak_bytes", 0) for r in theirs),
+                "recipe_model_state_bytes": ours[-1]["model_state_bytes"],
+                "baseline_model_state_bytes": theirs[-1].get("model_state_bytes")})
+        return results
+
+    def startup(self) -> dict:
+        """Wall seconds of a whole 2-step run of gpt_tiny: `make train` (like for like: no W&B,
+        no checkpoint, as the loop has none; then with the defaults) against torchrun of the
+        hand-written DDP loop; and `make train ... --dry-run`."""
+        run = self.runs / "startup"
+        like = self.train_args("ddp", "gpt_tiny", 2, [], run)
+        default = [f"hydra.run.dir={run}", "train.steps=2", f"cluster.nproc_per_node={self.args.nproc}"]
+        make = ["make", "-s", "train"]
+        seen = {"make train, 2 steps (no W&B, no checkpoint)": [], "torchrun, hand-written 2-step loop": [],
+                "make train, 2 steps (defaults: W&B offline, final checkpoint)": [], "make train --dry-run": []}
+        names = list(seen)
+        for i in range(self.args.rounds):
+            order = [0, 1, 2, 3] if i % 2 == 0 else [1, 0, 3, 2]
+            for k in order:
+                shutil.rmtree(run, ignore_errors=True)
+                if k == 0:
+                    seen[names[k]].append(_run([*make, f"ARGS={' '.join(like)}"], self.env))
+                elif k == 1:
+                    seen[names[k]].append(self.baseline("ddp", "gpt_tiny", steps=2, warmup=1)[1])
+                elif k == 2:
+                    seen[names[k]].append(_run([*make, f"ARGS={' '.join(default)}"], {**self.env, "WANDB_MODE": "offline"}))
+                else:
+                    seen[names[k]].append(_run([*make, f"ARGS={' '.join(like)} --dry-run"], self.env))
+            print(f"round {i + 1}: start-up " + ", ".join(f"{v[-1]:.2f}" for v in seen.values()) + " s", flush=True)
+        return seen
+
+    def parallel(self) -> list[dict]:
+        model = "gpt_small"
+        seen: dict[str, list[dict]] = {name: [] for name, _ in PARALLEL_CASES}
+        for i in range(self.args.rounds):
+            for name, extra in (PARALLEL_CASES if i % 2 == 0 else PARALLEL_CASES[::-1]):
+                seen[name].append(self.recipe(name, model, extra))
+        return [{"recipe": name, "overrides": extra, "model": model,
+                 "tokens_per_s": [x["tokens_per_s"] for x in seen[name]],
+                 "peak_bytes": statistics.median(x["peak_bytes"] for x in seen[name]),
+                 "model_state_bytes": seen[name][-1]["model_state_bytes"]} for name, extra in PARALLEL_CASES]
+
+
+def spread(values: list[float], fmt: str = ",.0f") -> str:
+    """median (min-max)"""
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:,.1f}" if n else "n/a"
+
+
+def write(args, why: str, results: list[dict], startup: dict | None, parallel: list[dict], threads: int) -> None:
+    import torch
+
+    machine = (f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
+               f"torch {torch.__version__}, {args.nproc} processes x {threads} thread(s), gloo")
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Written by `make bench` on {time.strftime('%Y-%m-%d %H:%M')}; {machine}. Precision **{args.dtype}**: {why}.",
+        f"Every case ran {args.rounds} rounds, interleaved: each round runs every case's recipe and its "
+        "hand-written loop back to back, the order alternating. Tokens/s over the steady steps "
+        f"(steps 11-{args.steps}: the first 10 hold start-up), micro-batch {args.micro_batch} x {args.seq_len} "
+        "tokens per rank; median (min-max) over the rounds; the ratio is the median of the per-round ratios.",
+        "",
+        "| recipe | model | recipe tokens/s | hand-written tokens/s | ratio (min-max) | target | "
+        "peak MiB recipe / hand-written | model states MiB/rank recipe / hand-written |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        ok = "ok" if r["ratio"] >= r["target"] else "**missed**"
+        lines.append(f"| {r['recipe']} | {r['model']} | {spread(r['recipe_tokens_per_s'])} | "
+                     f"{spread(r['baseline_tokens_per_s'])} | {spread(r['ratios'], '.3f')} | >= {r['target']} {ok} | "
+                     f"{_mib(r['recipe_peak_bytes'])} / {_mib(r['baseline_peak_bytes'])} | "
+                     f"{_mib(r['recipe_model_state_bytes'])} / {_mib(r['baseline_model_state_bytes'])} |")
+    run = dict.fromkeys(r["model"] for r in results)
+    lines += ["", "Models: " + "; ".join(f"`{k}` = `{' '.join(model_args(k))}`" for k in run),
+              "Hand-written loops: scripts/bench_ddp_baseline.py (DDP), scripts/bench_deepspeed_baseline.py "
+              "(DeepSpeed, the same ZeRO stage and buckets), scripts/bench_fsdp_baseline.py (FSDP2)."]
+    if startup:
+        base = statistics.median(startup["torchrun, hand-written 2-step loop"])
+        lines += ["", "## Start-up: a whole 2-step run", "",
+                  f"gpt_tiny on {args.nproc} processes, wall seconds of the whole command, {args.rounds} rounds interleaved; "
+                  f"target: `make train` like for like at most {STARTUP_TARGET}x torchrun of the hand-written loop.", "",
+                  "| command | seconds, median (min-max) | x hand-written |", "|---|---:|---:|"]
+        for name, values in startup.items():
+            lines.append(f"| {name} | {spread(values, '.2f')} | {statistics.median(values) / base:.2f} |")
+    if parallel:
+        ddp = statistics.median(parallel[0]["tokens_per_s"])
+        lines += ["", "## Parallel recipes beside ddp", "",
+                  f"Same bench: {parallel[0]['model']}, {args.nproc} processes, the same batch and precision, "
+                  f"median (min-max) of {args.rounds} rounds (interleaved). Model state is what rank 0 holds.", "",
+                  "| recipe | overrides | tokens/s | vs ddp | peak memory/rank | model state/rank |", "|---|---|---:|---:|---:|---:|"]
+        for r in parallel:
+            lines.append(f"| {r['recipe']} | {' '.join(r['overrides']) or '-'} | {spread(r['tokens_per_s'])} | "
+                         f"{statistics.median(r['tokens_per_s']) / ddp:.2f} | {_mib(r['peak_bytes'])} MiB | "
+                         f"{_mib(r['model_state_bytes'])} MiB |")
+    (OUT / "results.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {OUT / 'results.md'}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30, help="steps per run; the first 10 are not timed")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--only", nargs="*", default=None, help="recipes to run against a baseline (default: all)")
-    ap.add_argument("--models", nargs="*", default=None, help="models to run against a baseline (default: all)")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
+    ap.add_argument("--only", nargs="*", default=None, help=f"recipes to run against their loops (default: {' '.join(CASES)})")
+    ap.add_argument("--models", nargs="*", default=None, help=f"models (default: {' '.join(MODELS)})")
+    ap.add_argument("--no-startup", action="store_true", help="skip the 2-step start-up runs")
     ap.add_argument("--no-parallel", action="store_true", help="skip the parallel recipes beside ddp")
     args = ap.parse_args()
-    threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
-    cases = [("ddp", "gpt_tiny", 300, "bench_ddp_baseline.py", []),
-             ("ddp", "gpt_small", 60, "bench_ddp_baseline.py", [])]
-    # ZeRO against a hand-written DeepSpeed loop with the same stage and buckets.
-    cases += [(f"zero{stage}", model, steps, "bench_deepspeed_baseline.py", ["--stage", str(stage)])
-              for model, steps in (("gpt_tiny", 300), ("gpt_small", 60)) for stage in (1, 2, 3)]
-    cases = [c for c in cases if (args.only is None or c[0] in args.only) and (args.models is None or c[1] in args.models)]
-    results = []
-    for recipe, model, steps, baseline, baseline_args in cases:
-        ours, theirs = [], []
-        for i in range(args.rounds):
-            # Alternate who goes first: a slow spell of the machine hits both sides alike.
-            pair = [lambda: ours.append(run_recipe(recipe, model, steps, args.nproc, [])),
-                    lambda: theirs.append(run_baseline(baseline, model, steps, args.nproc, threads, baseline_args))]
-            for run in (pair if i % 2 == 0 else pair[::-1]):
-                run()
-        ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)]
-        r = {"recipe": recipe, "model": model, "steps": steps,
-             "recipe_tokens_per_s": statistics.median(a["tokens_per_s"] for a in ours),
-             "baseline_tokens_per_s": statistics.median(b["tokens_per_s"] for b in theirs),
-             "recipe_peak_bytes": max(a["peak_bytes"] for a in ours),
-             "baseline_peak_bytes": max((b.get("peak_bytes", 0) for b in theirs), default=0),
-             "recipe_model_state_bytes": ours[-1]["model_state_bytes"],
-             "baseline_model_state_bytes": theirs[-1].get("model_state_bytes"),
-             "recipe_runs": ours, "baseline_runs": theirs, "round_ratios": ratios, "ratio": statistics.median(ratios)}
-        results.append(r)
-        print(f"{recipe:6} {model:10} recipe {r['recipe_tokens_per_s']:10,.0f} tok/s  "
-              f"hand-written {r['baseline_tokens_per_s']:10,.0f} tok/s  ratio {r['ratio']:.3f}", flush=True)
-
-    parallel = [] if args.no_parallel else bench_parallel("gpt_small", 40, args.nproc, args.rounds)
-
-    OUT.mkdir(exist_ok=True)
-    (OUT / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    native, why = native_bf16()
+    if args.dtype == "auto":
+        args.dtype = "bf16" if native else "fp32"
+        why = f"{why}, so {args.dtype}"
+    else:
+        why = f"chosen with --dtype ({why})"
+    print(f"precision {args.dtype}: {why}", flush=True)
+    bench = Bench(args)
+    cases = [(r, m) for m in (args.models or list(MODELS))
+             for r in (args.only if args.only is not None else CASES)]
+    results = bench.steps(cases)
+    startup = None if args.no_startup else bench.startup()
+    parallel = [] if args.no_parallel else bench.parallel()
+    (OUT / "results.json").write_text(json.dumps({"dtype": args.dtype, "why": why, "steps": results,
+                                                  "startup": startup}, indent=1) + "\n")
     (OUT / "parallel.json").write_text(json.dumps(parallel, indent=1) + "\n")
-    lines = [
-        "# Benchmark results",
-        "",
-        f"Written by `make bench` on {time.strftime('%Y-%m-%d %H:%M')}; {platform.processor() or platform.machine()}, "
-        f"{len(os.sched_getaffinity(0))} cores, {args.nproc} processes x {threads} thread(s), gloo, bf16 autocast, "
-        f"micro-batch 8 x 128 tokens per rank. Median of {args.rounds} rounds (recipe and hand-written back to back, order alternating); "
-        f"the ratio is the median of the per-round ratios; steady-state steps only.",
-        "",
-        "Peak memory: the process's peak RSS on CPU (CUDA: max allocated), largest over the rounds. Model "
-        "states: bytes one rank holds at the peak of a step (params, grads, optimizer states), counted "
-        "from the engine's tensors the same way on both sides.",
-        "",
-        "| recipe | model | recipe tokens/s | hand-written tokens/s | ratio (target >= 0.97) "
-        "| peak MiB recipe / hand-written | model states MiB per rank recipe / hand-written |",
-        "|---|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        lines.append(f"| {r['recipe']} | {r['model']} | {r['recipe_tokens_per_s']:,.0f} | "
-                     f"{r['baseline_tokens_per_s']:,.0f} | {r['ratio']:.3f} | {_mib(r['recipe_peak_bytes'])} / "
-                     f"{_mib(r['baseline_peak_bytes'])} | {_mib(r['recipe_model_state_bytes'])} / "
-                     f"{_mib(r['baseline_model_state_bytes'])} |")
-    if parallel:
-        ddp = parallel[0]
-        lines += [
-            "",
-            "## Parallel recipes beside ddp",
-            "",
-            f"Same run: {ddp['model']}, {args.nproc} processes, global batch 16 x 128 tokens, bf16, "
-            f"{ddp['steps']} steps; median of {args.rounds} rounds (interleaved). Peak memory is the process's "
-            "peak RSS on CPU (CUDA: max allocated); model state is what rank 0 holds, counted from its tensors.",
-            "",
-            "| recipe | overrides | tokens/s | vs ddp | peak memory/rank | model state/rank | x 16Ψ |",
-            "|---|---|---:|---:|---:|---:|---:|",
-        ]
-        for r in parallel:
-            lines.append(f"| {r['recipe']} | {' '.join(r['overrides']) or '-'} | {r['tokens_per_s']:,.0f} | "
-                         f"{r['tokens_per_s'] / ddp['tokens_per_s']:.2f} | {_mib(r['peak_bytes'])} MiB | "
-                         f"{_mib(r['model_state_bytes'])} MiB | {r['model_state_x_16psi']:.2f} |")
-    (OUT / "results.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {OUT / 'results.md'}")
+    write(args, why, results, startup, parallel, bench.threads)
     return 0
-
-
-def _mib(n) -> str:
-    return f"{n / 2**20:,.1f}" if n else "n/a"
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ model, batch, precision and threads, with the ZeRO settings the recipe files res
 (stage, overlap_comm, buckets of dim^2 elements). No data loader (random tokens made up
 front), no logging, no checkpoints: the fastest honest DeepSpeed loop.
 
-    torchrun --nproc-per-node 2 scripts/bench_deepspeed_baseline.py --stage 2 --model gpt_tiny --steps 150 --out b.json
+    torchrun --nproc-per-node 2 scripts/bench_deepspeed_baseline.py --stage 2 --model model=gpt_tiny --steps 30 --out b.json
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from baseline_common import parser, report, timed_loop
-from launcher.launch.compose import compose_config
+from baseline_common import finish, model_config, parser, report, timed_loop
 from launcher.host import deepspeed_env
 from launcher.models.gpt import GPT
 
@@ -28,19 +27,19 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    cfg, _, _ = compose_config([f"model={args.model}"])
+    mcfg = model_config(args)
     torch.manual_seed(0)
-    model = GPT(cfg.model)
-    dim2 = cfg.model.dim ** 2
+    model = GPT(mcfg)
+    dim2 = mcfg.dim ** 2
     zero = {"stage": args.stage, "overlap_comm": args.stage >= 2, "contiguous_gradients": True,
             "reduce_bucket_size": dim2, "allgather_bucket_size": dim2}
     if args.stage == 3:
         zero.update({"stage3_prefetch_bucket_size": int(0.9 * dim2),
-                     "stage3_param_persistence_threshold": 10 * cfg.model.dim})
+                     "stage3_param_persistence_threshold": 10 * mcfg.dim})
     config = {
         "train_batch_size": args.micro_batch * world, "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 2**31 - 1,
-        "bf16": {"enabled": True}, "zero_optimization": zero,
+        "bf16": {"enabled": args.dtype == "bf16"}, "zero_optimization": zero,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,
                                                   "torch_adam": True}},
     }
@@ -54,18 +53,18 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
 
-    elapsed = timed_loop(args, optimizer, step)
+    elapsed = timed_loop(args, optimizer, step, mcfg.vocab_size)
     # One more (untimed) step, its model-state bytes counted the way the recipe counts them.
     from recipes.zero import ZeroMemory
 
     memory = ZeroMemory(optimizer, engine.module, torch.device("cpu"))
     memory.start_step()
-    b = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1))
+    b = torch.randint(0, mcfg.vocab_size, (args.micro_batch, args.seq_len + 1))
     engine.backward(engine(b[:, :-1], b[:, 1:]))
     memory.sample()
     engine.step()
     report(args, elapsed, memory.breakdown().total)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

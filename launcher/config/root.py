@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from launcher.config.recipe import ParallelConfig, RecipeConfig
@@ -54,7 +53,10 @@ GROUPS = {
 
 
 def register_configs() -> None:
-    """Register the schema so `conf/config.yaml` (defaults: `- schema`) is typed."""
+    """Register the schema so `conf/config.yaml` (defaults: `- schema`) is typed. Hydra is
+    imported here, by the launch side's composition: the ranks read config.yaml without it."""
+    from hydra.core.config_store import ConfigStore
+
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Config)
 

@@ -185,6 +185,10 @@ class DebugConfig:
     """Add summary.json's startup.weights_digest: sha256 of the consolidated fp32 weights
     when the engine is ready (step 0), equal at every layout for one train.seed. Gathers the
     whole model on every rank: for tests and small models only."""
+    final_digest: bool = False
+    """Add summary.json's weights_digest_per_rank: sha256 of each rank's own weights after
+    the last step. Every rank copies and hashes all it holds (seconds per GB, at the end of
+    the run): for tests that compare runs bit for bit."""
 
 
 @dataclass

@@ -119,12 +119,11 @@ def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
 def resolve_auto(overrides: list[str], host: HostInfo) -> tuple[list[str], str | None]:
     """`recipe=auto` and `train.micro_batch=auto`: ask the planner, return the overrides
     with its choice filled in, and the plan (json) to keep in the run directory."""
-    from launcher.planner import plan as planner
-
     auto_recipe = "recipe=auto" in overrides
     auto_mb = "train.micro_batch=auto" in overrides
     if not (auto_recipe or auto_mb):
         return overrides, None
+    from launcher.planner import plan as planner  # imports torch (meta-device counts): only when asked
     rest = [o for o in overrides if o not in ("recipe=auto", "train.micro_batch=auto")]
     cfg, _, _ = compose_config(rest)
     hw = hardware(cfg, host, world_from_launch=True)

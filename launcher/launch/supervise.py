@@ -78,7 +78,7 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
             return
         if sig == signal.SIGINT:
             interrupts.append(time.monotonic())
-            print("Ctrl-C: the ranks finish this step, save and stop (Ctrl-C again to stop at once)"
+            print("Ctrl-C: the ranks finish this step (within about a second), save and stop (Ctrl-C again to stop at once)"
                   if len(interrupts) == 1 else "Ctrl-C again: stopping now", file=sys.stderr, flush=True)
         if sig == signal.SIGINT and len(interrupts) > 1:
             stop_now(proc, own_group)

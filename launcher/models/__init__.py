@@ -4,16 +4,21 @@ Two kinds (`model.kind`): the project's decoder (gpt.py) and a Hugging Face caus
 (hf.py, model=hf). Both take token batches and return logits, or the mean loss given
 targets; the recipes find their parts by name through a `Layout` (which modules are the
 decoder layers, the embedding, the final norm, the head; which matmuls tensor parallel
-splits). Functions here dispatch on the kind; transformers is imported only for model=hf.
+splits). Functions here dispatch on the kind; transformers is imported only for model=hf,
+and torch only by the functions that build or change a model: the launch side reads a
+model's shape (`model_shape`, `param_count`) without either for the project's decoder.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from launcher.config import Config, ModelConfig, ModelKind
 from launcher.models.layout import Layout
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 def layout(cfg: Config) -> Layout:
@@ -42,6 +47,8 @@ def build(cfg: Config, device: torch.device) -> nn.Module:
 
 def on_meta(cfg: Config) -> nn.Module:
     """The model's structure on the meta device: names and shapes, no storage."""
+    import torch
+
     return skeleton(cfg, torch.device("meta"))
 
 
@@ -50,6 +57,8 @@ def skeleton(cfg: Config, device: torch.device) -> nn.Module:
     (torch's and transformers' own init skipped: materialize fills them). On meta
     nothing is allocated; under deepspeed.zero.Init each module is partitioned as soon
     as it is built."""
+    import torch
+
     from launcher.models.init import skip_torch_init
 
     with skip_torch_init(), torch.device(device):
@@ -78,6 +87,8 @@ def materialize(model: nn.Module, cfg: Config, device: torch.device, storage: to
 def cast_params(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """The parameters (not the buffers: the rotary table stays fp32) in `dtype`, ties kept.
     Meant for a model still on meta, where it costs nothing."""
+    from torch import nn
+
     new: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):

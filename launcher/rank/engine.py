@@ -30,10 +30,12 @@ class StepResult:
     across ranks only when it logs, to keep the device unsynchronised in between)."""
     grad_norm: torch.Tensor
     """Global gradient norm before clipping (the same on every rank)."""
-    skipped: bool = False
+    skipped: bool | torch.Tensor = False
     """fp16: the step was skipped because gradients overflowed (the loop counts them:
-    `skipped_steps` in metrics.jsonl and summary.json)."""
-    loss_scale: float | None = None
+    `skipped_steps` in metrics.jsonl and summary.json). A 0-d bool tensor where reading it
+    would synchronise the device."""
+    loss_scale: float | torch.Tensor | None = None
+    """fp16: the loss scale after this step (a float, or a 0-d tensor the loop reads when it logs)."""
     loss_owner: bool = True
     """This rank reports the loss of its data-parallel slice. Exactly one rank per slice
     does (the loop averages over data-parallel slices): ranks that hold the same loss

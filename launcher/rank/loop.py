@@ -97,7 +97,7 @@ def run(job: Job) -> int:
     saved_at, preempted = None, False
     measured: dict[str, int] = {}
     skipped_steps = 0  # fp16: steps the loss scaler skipped on overflow, this launch
-    job.preemption.started()
+    job.preemption.started(step)
     while step < last:
         strike(cfg.debug, FaultPoint.hang, step + 1, job.rank)
         profiler.begin(step + 1)
@@ -125,7 +125,7 @@ def run(job: Job) -> int:
                      "error": str(err).splitlines()[0][:300]}) + "\n")
             raise
         step += 1
-        skipped_steps += bool(result.skipped)
+        skipped_steps = skipped_steps + result.skipped  # a device tensor stays one: read when logged
         profiler.end(step)
         if step == first_step + 1 and ckpt.saver is not None:
             # After the first step, when the optimizer's state exists (staging it before
@@ -147,8 +147,8 @@ def run(job: Job) -> int:
                        "grad_norm": float(result.grad_norm), **meter.rates(), **memory_stats(device),
                        **engine.state_bytes().as_metrics(), **measured}
             if result.loss_scale is not None:
-                metrics["loss_scale"] = result.loss_scale
-                metrics["skipped_steps"] = skipped_steps
+                metrics["loss_scale"] = float(result.loss_scale)
+                metrics["skipped_steps"] = int(skipped_steps)
             log.log(metrics)
 
         if ckpt.saver is not None and not settle(ckpt, watchdog, job, log, block=False):
@@ -161,7 +161,7 @@ def run(job: Job) -> int:
                 return EXIT_CHECKPOINT_FAILED
             meter.start = time.perf_counter()  # keep save time out of the step time
 
-        if job.preemption.requested():  # every rank agrees, so all stop after this step
+        if job.preemption.requested(step):  # every rank agrees, so all stop after this step
             if saved_at is None or saved_at.name != step_name(step):
                 saved_at = save(ckpt, step, samples_seen, engine, watchdog, job, log)
                 if saved_at is None:
@@ -183,8 +183,8 @@ def run(job: Job) -> int:
         return EXIT_CHECKPOINT_FAILED
     watchdog.stop()
     profiler.finish()  # stopped inside the window (preempted, train.stop_at): keep what was recorded
-    summary = summarize(job, log.history, step - first_step, digest=not preempted,
-                        skipped_steps=skipped_steps if cfg.precision.name.value == "fp16" else None)
+    summary = summarize(job, log.history, step - first_step, digest=cfg.debug.final_digest and not preempted,
+                        skipped_steps=int(skipped_steps) if cfg.precision.name.value == "fp16" else None)
     summary["preempted"] = preempted
     log.finish(summary)
     # After Ctrl-C the ranks end as if done (exit 0): torchrun neither restarts them nor
@@ -290,15 +290,15 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or " out of memory" in text or "can't allocate memory" in text
 
 
-def summarize(job: Job, history: list[dict], steps_run: int, digest: bool = True,
+def summarize(job: Job, history: list[dict], steps_run: int, digest: bool = False,
               skipped_steps: int | None = None) -> dict:
-    """Final figures (rank 0's view) plus a digest of each rank's weights (not when the job
-    is being stopped: reading every weight would eat the grace period; the checkpoint's
-    manifest holds digests) and every rank's start-up figures."""
-    digests = [None] * job.world_size
-    dist.all_gather_object(digests, weights_digest(job.engine) if digest else None)
-    startups = [None] * job.world_size
-    dist.all_gather_object(startups, job.startup)
+    """Final figures (rank 0's view), every rank's start-up figures and, with `digest`
+    (debug.final_digest, and never when the job is being stopped: reading every weight
+    would eat the grace period; the checkpoint's manifest holds digests), a digest of each
+    rank's weights."""
+    gathered = [None] * job.world_size  # one collective: (digest, start-up figures) of every rank
+    dist.all_gather_object(gathered, (weights_digest(job.engine) if digest else None, job.startup))
+    digests, startups = [g[0] for g in gathered], [g[1] for g in gathered]
     if job.rank != 0:
         return {"steps": job.cfg.train.steps}
     # Skip the first interval (start-up, allocator warm-up) when there are more.

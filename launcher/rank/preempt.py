@@ -1,13 +1,17 @@
 """Preemption: SIGTERM or SIGUSR1 (what schedulers send before they stop a job) makes every
-rank finish its current step, save a checkpoint and exit with EXIT_PREEMPTED.
+rank finish its current step (and the few up to the next agreement), save a checkpoint and
+exit with EXIT_PREEMPTED.
 
 Ranks: `Preemption.install()` turns the signals into a flag; after every step the loop
-asks `requested()`, which agrees across ranks (a max all-reduce of the flag on a CPU
-group, so a GPU job is not synchronised for it): all ranks stop after the same step.
-Rank 0 then writes RUN_DIR/preempted.json. The launch side (`supervise`) forwards
-signals to torchrun and, when that file appeared during this launch, exits with
-EXIT_PREEMPTED instead of torchrun's generic failure code (likewise for the other
-markers in launcher/exits.py).
+asks `requested(step)`, which agrees across ranks, so all ranks stop after the same step.
+The agreement is a max all-reduce of the flag on a CPU group (a GPU job is not
+synchronised for it), and only on agreed steps, about every CHECK_S seconds: each check
+also reduces the slowest rank's step time, from which every rank computes the same next
+check step. A signal is acted on at the first check after it, within about CHECK_S plus a
+step; the steps between checks pay nothing. Rank 0 then writes RUN_DIR/preempted.json.
+The launch side (`supervise`) forwards signals to torchrun and, when that file appeared
+during this launch, exits with EXIT_PREEMPTED instead of torchrun's generic failure code
+(likewise for the other markers in launcher/exits.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 AGAIN_S = 1.0
 """A second SIGINT this long after the first stop signal stops the rank at once (a repeat
 within it is the same Ctrl-C delivered twice)."""
+CHECK_S = 1.0
+"""About how often the ranks agree on whether to stop (seconds of training between checks)."""
 
 
 class Preemption:
@@ -41,6 +47,8 @@ class Preemption:
         self.group = group  # a gloo group; None = the default group
         self.run_dir = run_dir
         self.training = False  # set by the loop before its first step (`started`)
+        self.next_check: int | None = None  # the step after which the ranks next agree
+        self.checked: tuple[int, float] | None = None  # (step, time.perf_counter()) of the last check
 
     def install(self, early: list[int] = ()) -> "Preemption":
         """The handlers; `early`: stop signals recorded before this (launcher/rank/__main__.py::EARLY_STOPS).
@@ -68,9 +76,11 @@ class Preemption:
         self.watch_launcher()
         return self
 
-    def started(self) -> None:
-        """The loop is about to run its first step: from now on a stop signal saves."""
+    def started(self, step: int) -> None:
+        """The loop is about to run the step after `step`: from now on a stop signal saves.
+        The first check is after that step."""
         self.training = True
+        self.next_check, self.checked = step + 1, (step, time.perf_counter())
 
     def _stop_before_training(self, signum: int) -> None:
         """Exit now, as the loop would after a stop (0 after Ctrl-C, EXIT_PREEMPTED after
@@ -123,16 +133,32 @@ class Preemption:
         """Stopped by Ctrl-C (SIGINT), not by a scheduler's signal."""
         return self.signal == signal.SIGINT
 
-    def requested(self) -> bool:
-        """True on every rank when any rank has received a stop signal."""
-        flag = torch.tensor([0 if self.signal is None else int(self.signal)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if flag.item() and self.signal is None:
-            self.signal, self.since = int(flag.item()), time.monotonic()
-        return bool(flag.item())
+    def requested(self, step: int) -> bool:
+        """After `step`: True on every rank when any rank had received a stop signal by the
+        last agreed check. Between checks: False at no cost."""
+        if step < self.next_check:
+            return False
+        last_step, last_time = self.checked
+        now = time.perf_counter()
+        step_us = int(1e6 * (now - last_time) / max(1, step - last_step))
+        both = torch.tensor([0 if self.signal is None else int(self.signal), step_us], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        flag, slowest_us = both.tolist()
+        if flag and self.signal is None:
+            self.signal, self.since = flag, time.monotonic()
+        # Every rank has the same `slowest_us`, so every rank picks the same next check.
+        self.next_check = step + next_check_in(slowest_us)
+        self.checked = (step, now)
+        return bool(flag)
 
     def write_marker(self, run_dir: Path, step: int | None, checkpoint: Path | None) -> None:
         """preempted.json; no step (and no checkpoint) when the stop came before the first step."""
         name = signal.Signals(self.signal).name if self.signal else "unknown"
         (run_dir / MARKER).write_text(json.dumps({"step": step, "signal": name, "time": time.time(),
                                                   "checkpoint": str(checkpoint) if checkpoint else None}) + "\n")
+
+
+def next_check_in(step_us: int) -> int:
+    """Steps until the next agreement: about CHECK_S of steps of `step_us` microseconds,
+    at least 1 (a step slower than CHECK_S: every step) and at most 1000."""
+    return max(1, min(1000, int(CHECK_S * 1e6 // max(step_us, 1))))

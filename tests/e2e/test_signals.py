@@ -76,7 +76,7 @@ def test_ctrl_c_saves_the_step_writes_the_summary_and_exits_130(tmp_path):
     assert read_metrics(run)[-1]["step"] == step
     summary = json.loads((run / "summary.json").read_text())
     assert summary["preempted"] == 1 and summary["weights_digest_per_rank"] is None  # not read on the way out
-    assert "Ctrl-C: the ranks finish this step, save and stop (Ctrl-C again to stop at once)" in out
+    assert "Ctrl-C: the ranks finish this step (within about a second), save and stop (Ctrl-C again to stop at once)" in out
     assert out.strip().splitlines()[-1] == (f"interrupted (Ctrl-C) after step {step}; checkpoint "
                                             f"{run / 'checkpoints' / f'step_{step:08d}'}. Launch the same run "
                                             f"directory again to resume.")

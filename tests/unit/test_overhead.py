@@ -1,0 +1,75 @@
+"""Per-step costs a hand-written loop does not pay, and start-up work nobody asked for
+(docs/ARCHITECTURE.md, "Step overhead"): each test fails when the cost comes back."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from runs import REPO
+from launcher.rank import preempt
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A real gloo process group of one rank (a file store in tmp_path)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_stop_agreement_is_a_collective_about_once_a_second_not_every_step(one_rank_group, monkeypatch):
+    """Steps of 10 ms: over 2,000 steps (20 s) the ranks agree about 20 times, not 2,000;
+    a signal is acted on at the first check after it, within CHECK_S of steps."""
+    clock = [0.0]
+    monkeypatch.setattr(preempt.time, "perf_counter", lambda: clock[0])
+    calls = []
+    real = dist.all_reduce
+    monkeypatch.setattr(preempt.dist, "all_reduce", lambda t, **kw: (calls.append(t.clone()), real(t, **kw))[1])
+    p = preempt.Preemption()
+    p.training = True  # the handler would otherwise end the process: a stop before training
+    p.started(0)
+    stopped_at = None
+    for step in range(1, 2001):
+        clock[0] += 0.010
+        if step == 1500:
+            p._handler(signal.SIGTERM, None)
+        if p.requested(step):
+            stopped_at = step
+            break
+    checks_before_signal = sum(1 for c in calls if c[0] == 0)
+    assert 15 <= checks_before_signal <= 25, checks_before_signal  # 15 s of steps, one check a second
+    assert 1500 <= stopped_at <= 1500 + preempt.CHECK_S / 0.010 + 1, stopped_at
+    flag, step_us = calls[-1].tolist()
+    assert flag == signal.SIGTERM and abs(step_us - 10_000) <= 2  # the slowest rank's step time (µs) rides along
+
+
+def test_slow_steps_agree_after_every_step(one_rank_group, monkeypatch):
+    """Steps longer than CHECK_S (a large model): a check after each, so a stop is never
+    more than one step late."""
+    clock = [0.0]
+    monkeypatch.setattr(preempt.time, "perf_counter", lambda: clock[0])
+    p = preempt.Preemption()
+    p.training = True
+    p.started(10)
+    seen = []
+    for step in range(11, 16):
+        clock[0] += 3.0
+        p.requested(step)
+        seen.append(p.next_check)
+    assert seen == [12, 13, 14, 15, 16]
+
+
+def test_ranks_import_only_what_their_recipe_and_logger_use():
+    """A rank of a ddp run with logger=none imports neither DeepSpeed, transformers, W&B,
+    TensorBoard nor Hydra (it reads config.yaml; the launch side composed it)."""
+    code = ("import sys\nimport launcher.rank.entry, recipes\nrecipes.module('ddp')\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'deepspeed', 'transformers', 'wandb', 'tensorboard', 'hydra', 'datasets'}))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
