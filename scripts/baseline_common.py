@@ -73,12 +73,15 @@ def start():
     return args, mcfg, GPT(mcfg)
 
 
-def adamw(model) -> torch.optim.AdamW:
-    """AdamW as the recipes build it: weight decay on the matrices only."""
+def param_groups(model) -> list[dict]:
+    """Weight decay on the matrices only, as the recipes group them."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                             lr=3e-3, betas=(0.9, 0.95))
+    return [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
+
+
+def adamw(model) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
 
 
 def compute(args, device_type: str = "cpu"):

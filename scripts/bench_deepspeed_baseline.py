@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from baseline_common import finish, model_config, parser, report, timed_loop
+from baseline_common import finish, model_config, param_groups, parser, report, timed_loop
 from launcher.host import deepspeed_env
 from launcher.models.gpt import GPT
 
@@ -43,10 +43,7 @@ def main() -> None:
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,
                                                   "torch_adam": True}},
     }
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
 
     def step(b):
         loss = engine(b[:, :-1], b[:, 1:])

@@ -5,8 +5,8 @@ Two kinds (`model.kind`): the project's decoder (gpt.py) and a Hugging Face caus
 targets; the recipes find their parts by name through a `Layout` (which modules are the
 decoder layers, the embedding, the final norm, the head; which matmuls tensor parallel
 splits). Functions here dispatch on the kind; transformers is imported only for model=hf,
-and torch only by the functions that build or change a model: the launch side reads a
-model's shape (`model_shape`, `param_count`) without either for the project's decoder.
+and torch only by the functions that build or change a model: the launch side reads the
+project's decoder's shape (`model_shape`, `model_vocab_size`) without either.
 """
 
 from __future__ import annotations
