@@ -1,13 +1,17 @@
-"""The registry of engines: one module per engine, recipes/<strategy>.py, each declaring
-its `SPEC` (a RecipeSpec) beside `build(ctx)` and `consolidate(cfg, engine_dir)`.
+"""The registry of engines: one module (or package) per engine, recipes/<strategy>, each
+declaring its `SPEC` (a RecipeSpec). The spec is the launch side's whole view of an
+engine and imports no torch; the code that builds the engine, `build(ctx)` and
+`consolidate(cfg, engine_dir)`, lives in the module the spec names (`SPEC.engine`, e.g.
+recipes/ddp/engine.py), imported only by a rank or by `make export`.
 
 A recipe is a YAML file, conf/recipe/<name>.yaml: its name, the engine it runs
 (`recipe.strategy`, a module of this package) and that engine's options (zero1/2/3 and
-their offload variants are one engine, recipes/zero.py, with other options). A new recipe
+their offload variants are one engine, recipes/zero/, with other options). A new recipe
 on an existing engine is one YAML; a new engine is one module here plus its YAML.
 Validation, the planner, the launch side and the ranks read the specs through `spec()`;
-nothing else lists the engines. A module is imported when its spec is first asked for; its
-heavy imports (DeepSpeed) wait until it builds an engine.
+nothing else lists the engines. So `make train` decides, writes the run directory and
+starts the ranks without importing torch (about 1.5 s), and a ddp rank never imports
+DeepSpeed.
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ class RecipeSpec:
     parallelism: Parallelism = Parallelism()
     """The degrees it may use beyond data parallel; validation refuses the others, the
     planner tries tp in 2, 4, 8 and pp in 2, 4 where it may."""
+    engine: str = ""
+    """The module that builds it: `build(ctx)` and `consolidate(cfg, engine_dir)` (the
+    recipe's own module when empty). Imported by a rank and by export, never by the
+    launch side, so it may import torch and the engine's libraries at the top."""
     builds_on_meta: bool = False
     """It shards the meta-device model, then each rank materializes only its part."""
     writes: str = "ddp"
@@ -79,7 +87,7 @@ def names() -> list[str]:
 
 
 def module(strategy: str):
-    """The engine's module, imported on first use (a ddp run never imports DeepSpeed)."""
+    """The recipe's module (its SPEC), imported on first use; it imports no torch."""
     strategy = getattr(strategy, "value", strategy)
     if strategy not in names():
         raise ConfigError("recipe.strategy", strategy, f"no engine recipes/{strategy}.py; allowed: {', '.join(names())}")
@@ -94,11 +102,17 @@ def specs() -> dict[str, RecipeSpec]:
     return {name: spec(name) for name in names()}
 
 
+def engine(strategy: str):
+    """The module with the engine's build and consolidate (SPEC.engine)."""
+    name = spec(strategy).engine
+    return importlib.import_module(name) if name else module(strategy)
+
+
 def build(ctx):
     """The engine for `ctx.cfg.recipe.strategy` (see launcher.rank.engine.Engine)."""
-    return module(ctx.cfg.recipe.strategy).build(ctx)
+    return engine(ctx.cfg.recipe.strategy).build(ctx)
 
 
 def consolidate(cfg, engine_dir):
     """Full fp32 weights from a checkpoint's engine/ folder, on one process (export)."""
-    return module(cfg.recipe.strategy).consolidate(cfg, engine_dir)
+    return engine(cfg.recipe.strategy).consolidate(cfg, engine_dir)

@@ -9,6 +9,6 @@ is in launcher/parallel/plan.py; the engine is fsdp's ShardedEngine (no FSDP her
 """
 
 from recipes import Parallelism, RecipeSpec
-from recipes.fsdp import build, consolidate  # noqa: F401  (the registry's interface)
 
-SPEC = RecipeSpec(Parallelism(tp=True), builds_on_meta=True, writes="dcp", reads=("ddp", "dcp"))
+SPEC = RecipeSpec(Parallelism(tp=True), engine="recipes.fsdp.engine", builds_on_meta=True, writes="dcp",
+                  reads=("ddp", "dcp"))

@@ -6,7 +6,7 @@ applies tensor parallel, then FSDP.
 """
 
 from recipes import Parallelism, RecipeSpec
-from recipes.fsdp import build, consolidate, fsdp_holds  # noqa: F401  (build, consolidate: the registry's interface)
+from recipes.fsdp import fsdp_holds
 
-SPEC = RecipeSpec(Parallelism(shards=True, tp=True), builds_on_meta=True, writes="dcp", reads=("ddp", "dcp"),
-                  holds=fsdp_holds)
+SPEC = RecipeSpec(Parallelism(shards=True, tp=True), engine="recipes.fsdp.engine", builds_on_meta=True, writes="dcp",
+                  reads=("ddp", "dcp"), holds=fsdp_holds)

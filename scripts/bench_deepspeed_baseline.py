@@ -52,7 +52,7 @@ def main() -> None:
 
     elapsed = timed_loop(args, optimizer, step, mcfg.vocab_size)
     # One more (untimed) step, its model-state bytes counted the way the recipe counts them.
-    from recipes.zero import ZeroMemory
+    from recipes.zero.engine import ZeroMemory
 
     memory = ZeroMemory(optimizer, engine.module, torch.device("cpu"))
     memory.start_step()

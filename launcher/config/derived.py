@@ -1,15 +1,18 @@
 """Figures derived from a config alone, shared by the launch side and the ranks: the FFN
-width, the pipeline's stage count, the processes per node. The degrees and the batch
-arithmetic need the recipe's engine (what it may split): launcher/parallel/degrees.py.
+width, the decoder's parameter counts, the learning-rate schedule, the pipeline's stage
+count, the processes per node. The degrees and the batch arithmetic need the recipe's
+engine (what it may split): launcher/parallel/degrees.py.
 """
 
 from __future__ import annotations
 
+import math
 
 from launcher.config.enums import PPSchedule
 from launcher.config.recipe import ParallelConfig
 from launcher.config.model import ModelConfig
 from launcher.config.root import Config
+from launcher.config.train import OptimConfig
 
 
 def ffn_dim(m: ModelConfig) -> int:
@@ -17,6 +20,37 @@ def ffn_dim(m: ModelConfig) -> int:
         return m.ffn_dim
     hidden = int(8 * m.dim / 3)
     return m.multiple_of * ((hidden + m.multiple_of - 1) // m.multiple_of)
+
+
+def block_matmul_params(cfg: ModelConfig) -> int:
+    """Matmul weights of one block: q, k, v, o and the three SwiGLU projections."""
+    head_dim = cfg.dim // cfg.n_heads
+    kv = (cfg.n_kv_heads or cfg.n_heads) * head_dim
+    attn = cfg.dim * cfg.dim * 2 + cfg.dim * kv * 2
+    mlp = 3 * cfg.dim * ffn_dim(cfg)
+    return attn + mlp
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    return cfg.n_layers * block_matmul_params(cfg) + cfg.dim * cfg.vocab_size
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """Parameter count from the config alone (matches GPT(cfg).num_params())."""
+    embed = cfg.vocab_size * cfg.dim
+    norms = cfg.dim * (2 * cfg.n_layers + 1)
+    untied_head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+    return matmul_params(cfg) - cfg.dim * cfg.vocab_size + embed + untied_head + norms
+
+
+def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Linear warm-up over warmup_steps, then cosine from 1 down to min_lr_ratio.
+    `step` counts optimizer steps already taken (0 for the first)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def pipeline_stages(p: ParallelConfig) -> int:

@@ -56,8 +56,11 @@ def check_writable(run_dir: Path) -> None:
 
 def checkpoint_bound(cfg: C.Config) -> int:
     """Upper bound of one checkpoint's bytes: fp32 weights, Adam's two moments and a
-    low-precision copy, 16 bytes for each parameter of the model as it will be built
-    (its meta-device build: model=hf counts the Hugging Face model itself)."""
+    low-precision copy, 16 bytes for each parameter of the model as it will be built:
+    the project's decoder counted from its shape (C.num_params, equal to the built
+    model's count), model=hf from its meta-device build (the Hugging Face model itself)."""
+    if cfg.model.kind != C.ModelKind.hf:
+        return 16 * C.num_params(cfg.model)
     from launcher import models
 
     return 16 * sum(p.numel() for p in models.on_meta(cfg).parameters())
@@ -86,13 +89,12 @@ def schedule_change(cfg: C.Config, run_dir: Path) -> str | None:
     more steps for a run whose warm-up was clamped to its length) changes the learning
     rate at the step it resumes from: said in one line, None when it stays the same."""
     from launcher.manifest import manifest_step, resumable
-    from launcher.rank.engine import lr_factor
 
     frozen, folders = run_dir / "config.yaml", resumable(cfg, run_dir)
     if not folders or not frozen.is_file():
         return None
     step, old = manifest_step(folders[-1]), C.load_frozen(frozen)
-    was, now = lr_factor(step, old.train.steps, old.optim), lr_factor(step, cfg.train.steps, cfg.optim)
+    was, now = C.lr_factor(step, old.train.steps, old.optim), C.lr_factor(step, cfg.train.steps, cfg.optim)
     if abs(was - now) <= 0.01 * max(was, now):
         return None
     return (f"the learning rate where this launch resumes (step {step}) changes from {was:.3g} to {now:.3g} x "

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from launcher.config import ACMode, ModelConfig, ffn_dim
+from launcher.config import ACMode, ModelConfig, ffn_dim, matmul_params
 from launcher.models.init import InitSpec, init_skipped
 
 
@@ -222,27 +222,6 @@ def run_layers(layers, h: torch.Tensor, rope: torch.Tensor, checkpointed: set[in
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy, computed in fp32."""
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def block_matmul_params(cfg: ModelConfig) -> int:
-    """Matmul weights of one block: q, k, v, o and the three SwiGLU projections."""
-    head_dim = cfg.dim // cfg.n_heads
-    kv = (cfg.n_kv_heads or cfg.n_heads) * head_dim
-    attn = cfg.dim * cfg.dim * 2 + cfg.dim * kv * 2
-    mlp = 3 * cfg.dim * ffn_dim(cfg)
-    return attn + mlp
-
-
-def matmul_params(cfg: ModelConfig) -> int:
-    return cfg.n_layers * block_matmul_params(cfg) + cfg.dim * cfg.vocab_size
-
-
-def num_params(cfg: ModelConfig) -> int:
-    """Parameter count from the config alone (matches GPT(cfg).num_params())."""
-    embed = cfg.vocab_size * cfg.dim
-    norms = cfg.dim * (2 * cfg.n_layers + 1)
-    untied_head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
-    return matmul_params(cfg) - cfg.dim * cfg.vocab_size + embed + untied_head + norms
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

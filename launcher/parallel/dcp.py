@@ -119,7 +119,7 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config) -> Non
         group["lr"] = lr
 
 
-DDP_MODEL, DDP_OPTIM = "model.pt", "optim.pt"  # recipes/ddp.py's files
+DDP_MODEL, DDP_OPTIM = "model.pt", "optim.pt"  # recipes/ddp/engine.py's files
 
 
 def _load_ddp_files(path: Path, cfg: Config, wanted: dict[str, dict[str, torch.Tensor]]) -> None:

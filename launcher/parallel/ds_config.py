@@ -14,12 +14,12 @@ their own. Every conflict is a `ConfigError`: one line, exit code 2, before any 
 
 Two things are deliberately *not* in the JSON:
 - the learning-rate schedule: the engine hands DeepSpeed the project's own schedule
-  (launcher.rank.engine.lr_factor through LambdaLR), so ddp and zero follow the same curve step
+  (launcher.config.lr_factor through LambdaLR), so ddp and zero follow the same curve step
   for step. DeepSpeed's WarmupCosineLR would run the first two steps at lr 0 and its warm-up
   would never reach the peak (it uses (s-1)/W where lr_factor uses (s+1)/W); a `scheduler`
   key in recipe.zero.extra is refused.
 - `checkpoint.load_universal`: the engine switches it on for the one load that resumes a
-  checkpoint written at another world size (recipes/zero.py), and only then.
+  checkpoint written at another world size (recipes/zero/engine.py), and only then.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ OWNERS = {
     "optimizer": "optim",
     "bf16": "precision",
     "fp16": "precision",
-    "scheduler": "optim (warmup_steps, min_lr_ratio: the schedule is launcher.rank.engine.lr_factor)",
+    "scheduler": "optim (warmup_steps, min_lr_ratio: the schedule is launcher.config.lr_factor)",
     "activation_checkpointing": "train.activation_checkpointing",
     "zero_optimization.stage3_prefetch_bucket_size": "recipe.zero.prefetch_bucket_size",
     "zero_optimization.stage3_param_persistence_threshold": "recipe.zero.param_persistence_threshold",

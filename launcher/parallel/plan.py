@@ -17,9 +17,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from launcher.config import ModelConfig
+from launcher.config import ModelConfig, block_matmul_params
 from launcher.models import Layout, model_layout
-from launcher.models.gpt import block_matmul_params
 
 
 # ----------------------------------------------------------------------------- tensor parallel

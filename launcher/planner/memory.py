@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from launcher.config import ACMode, ModelConfig, ffn_dim
+from launcher.config import ACMode, ModelConfig, block_matmul_params, ffn_dim
 
 
 @dataclass(frozen=True)
@@ -36,12 +36,10 @@ class Shape:
     L: int
     max_seq: int
     block_params: int
-    """Matmul weights of one block (launcher.models.gpt.block_matmul_params)."""
+    """Matmul weights of one block (launcher.config.block_matmul_params)."""
 
     @staticmethod
     def of(m: ModelConfig, micro_batch: int, seq_len: int) -> "Shape":
-        from launcher.models.gpt import block_matmul_params
-
         head = m.dim // m.n_heads
         return Shape(b=micro_batch, s=seq_len, h=m.dim, a=m.n_heads, h_kv=(m.n_kv_heads or m.n_heads) * head,
                      f=ffn_dim(m), V=m.vocab_size, L=m.n_layers, max_seq=m.max_seq_len,
@@ -263,7 +261,7 @@ def zero_states(stage: int, psi: float, world: int, grad_accum: int = 1, offload
     """What DeepSpeed 0.19 really holds per rank at the peak of a step with Adam:
     {"params" | "grads" | "optim": (device bytes, host bytes)}. w = weight_bytes: 2 for
     bf16/fp16 weights, 4 in fp32. Measured in every cell by tests/e2e/test_plan_runs.py (the
-    planner's matrix) and tests/e2e/test_zero.py (recipes/zero.py::model_state_bytes sums it).
+    planner's matrix) and tests/e2e/test_zero.py (recipes/zero/engine.py::model_state_bytes sums it).
 
     The paper's terms, plus two it leaves out. For the update DeepSpeed makes an fp32 copy
     of the rank's gradient shard (4Ψ/N) next to the shard it reduced into (wΨ/N); and it

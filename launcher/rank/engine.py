@@ -8,7 +8,6 @@ loop only calls it. Recipes share these helpers, not a base class.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -16,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from launcher.config import Config, OptimConfig
+from launcher.config import Config, OptimConfig, lr_factor
 from launcher.models.init import is_dtensor
 
 
@@ -128,16 +127,6 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, fused=fused or None)
-
-
-def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
-    """Linear warm-up over warmup_steps, then cosine from 1 down to min_lr_ratio.
-    `step` counts optimizer steps already taken (0 for the first)."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    span = max(1, total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:

@@ -18,7 +18,8 @@ import torch
 from runs import launch, read_metrics
 from launcher.launch import cli
 from launcher import config as C
-from launcher.models.gpt import GPT, block_matmul_params, num_params
+from launcher.config import block_matmul_params, num_params
+from launcher.models.gpt import GPT
 
 pytestmark = pytest.mark.slow
 

@@ -100,7 +100,7 @@ def test_global_batch_derives_accumulation():
 def test_a_warmup_longer_than_the_run_is_clamped_with_a_note(steps):
     """The default warm-up is 20 steps; `train.steps=10` (a smoke test) trains, warming up
     throughout, as torchtitan does; config.yaml records the warm-up it ran with."""
-    from launcher.rank.engine import lr_factor
+    from launcher.config import lr_factor
 
     cfg, _, _ = cli.compose_config([f"train.steps={steps}"])
     assert cfg.optim.warmup_steps == 20
@@ -159,8 +159,8 @@ def test_a_config_yaml_of_an_earlier_version_still_loads(tmp_path):
 
 def test_every_engine_is_one_module_with_its_spec():
     """recipes/ is the one list of engines: each module declares a RecipeSpec (reading the
-    format it writes) beside build and consolidate, importing it imports no DeepSpeed, and
-    every conf/recipe/*.yaml names one of them."""
+    format it writes) and names the module with build and consolidate; reading every spec
+    imports neither torch nor DeepSpeed, and every conf/recipe/*.yaml names one of them."""
     import subprocess
     import sys
 
@@ -169,12 +169,12 @@ def test_every_engine_is_one_module_with_its_spec():
     assert recipes.names() == ["ddp", "fsdp", "pp", "tp", "tp_fsdp", "zero"]
     for name, spec in recipes.specs().items():
         assert spec.writes in spec.reads, name
-        engine = recipes.module(name)
+        engine = recipes.engine(name)
         assert callable(engine.build) and callable(engine.consolidate), name
     assert [n for n, s in recipes.specs().items() if s.meshed] == ["fsdp", "pp", "tp", "tp_fsdp"]
-    proc = subprocess.run([sys.executable, "-c", "import sys, recipes; recipes.specs(); print('deepspeed' in sys.modules)"],
+    proc = subprocess.run([sys.executable, "-c", "import sys, recipes; recipes.specs(); print('torch' in sys.modules, 'deepspeed' in sys.modules)"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.stdout.strip() == "False", proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False False", proc.stderr[-2000:]
     names = sorted(p.stem for p in (compose.CONF_DIR / "recipe").glob("*.yaml"))
     assert len(names) >= 10 and set(compose.recipe_configs()) == set(names)
     for name in names:
@@ -184,7 +184,7 @@ def test_every_engine_is_one_module_with_its_spec():
 
 
 def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
-    """In a copy of the project, recipes/mine.py (ddp's engine, fsdp's sharding declared) and
+    """In a copy of the project, recipes/mine.py (ddp's engine, ZeRO-2's sharding declared) and
     conf/recipe/mine.yaml, and nothing else: `make plan` offers it, a dry run composes,
     validates and writes its command, and a strategy with no module is refused in one line."""
     import shutil
@@ -197,9 +197,8 @@ def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
         shutil.copytree(REPO / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "recipes" / "mine.py").write_text(
         '"""A test engine: ddp\'s, planned as ZeRO-2."""\n'
-        "from recipes import Holding, RecipeSpec\n"
-        "from recipes.ddp import build, consolidate  # noqa: F401\n\n"
-        "SPEC = RecipeSpec(reads=('ddp', 'dcp'), holds=lambda recipe: Holding(shard='zero2'))\n")
+        "from recipes import Holding, RecipeSpec\n\n"
+        "SPEC = RecipeSpec(engine='recipes.ddp.engine', reads=('ddp', 'dcp'), holds=lambda recipe: Holding(shard='zero2'))\n")
     (tmp_path / "conf" / "recipe" / "mine.yaml").write_text("name: mine\nstrategy: mine\n")
     run = lambda *args: subprocess.run([sys.executable, "-m", "launcher", *args], cwd=tmp_path,  # noqa: E731
                                        capture_output=True, text=True, timeout=300)

@@ -50,7 +50,7 @@ def test_generated_values_come_from_the_hydra_config():
     assert z["stage"] == 3 and z["overlap_comm"] is True
     # Buckets follow the model (dim 384) unless set; persistence keeps the norms (384 elements) whole.
     assert z["reduce_bucket_size"] == 384 * 384 and z["stage3_param_persistence_threshold"] == 3840
-    assert "scheduler" not in ds  # the schedule is launcher.rank.engine.lr_factor, handed over as a client scheduler
+    assert "scheduler" not in ds  # the schedule is launcher.config.lr_factor, handed over as a client scheduler
 
 
 @pytest.mark.parametrize("recipe,precision,world", list(itertools.product(ZERO_RECIPES, ["bf16", "fp32", "fp16"], [1, 2, 8])))

@@ -57,7 +57,8 @@ def compose(*overrides: str) -> C.Config:
 
 def test_layout_flops_and_shape_come_from_the_hf_config(tmp_path):
     from launcher.models import hf
-    from launcher.models.gpt import flops_per_token, num_params
+    from launcher.config import num_params
+    from launcher.models.gpt import flops_per_token
 
     cfg = compose("model=hf", f"model.config={tiny_llama_config(tmp_path)}")
     lay = models.layout(cfg)

@@ -190,6 +190,23 @@ def test_the_launch_side_imports_no_torch_when_imported():
     assert proc.stdout.strip() == "[]", proc.stdout[:2000]
 
 
+def test_deciding_a_run_imports_no_torch(tmp_path):
+    """`launcher train --dry-run` of every engine outside DeepSpeed (compose, validate, the
+    disk check on the real shape, the schedule, the run files, the command) imports no
+    torch: the recipes' specs are read without their engines. ZeRO's launch side imports
+    DeepSpeed (and so torch) to check its JSON with DeepSpeed's own parser."""
+    runs = [["train", f"recipe={r}", "model=gpt_tiny", "train.steps=2", f"hydra.run.dir={tmp_path / r}", "--dry-run"]
+            for r in ("ddp", "fsdp", "tp", "pp", "tp_fsdp")]
+    code = ("import contextlib, io, sys\nfrom launcher.launch.cli import main\n"
+            f"for argv in {runs!r}:\n"
+            "    with contextlib.redirect_stdout(io.StringIO()):\n"
+            "        assert main(argv) == 0, argv\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'deepspeed', 'transformers'))))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout[:2000]
+
+
 def test_the_suite_is_split_by_what_it_starts():
     """tests/e2e/ holds the tests that start real multi-process runs (marked slow) and
     `make test-quick` runs tests/unit/ alone: a slow test in unit/ would make the quick

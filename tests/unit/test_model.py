@@ -7,7 +7,8 @@ import torch
 
 from launcher.launch import cli
 from launcher.config import ACMode
-from launcher.models.gpt import GPT, flops_per_token, num_params, set_activation_checkpointing
+from launcher.config import num_params
+from launcher.models.gpt import GPT, flops_per_token, set_activation_checkpointing
 
 
 @pytest.mark.parametrize("name", ["gpt_tiny", "gpt_small", "gpt_125m", "gpt_350m", "gpt_1b", "gpt_7b"])

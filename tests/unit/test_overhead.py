@@ -67,7 +67,7 @@ def test_slow_steps_agree_after_every_step(one_rank_group, monkeypatch):
 def test_ranks_import_only_what_their_recipe_and_logger_use():
     """A rank of a ddp run with logger=none imports neither DeepSpeed, transformers, W&B,
     TensorBoard nor Hydra (it reads config.yaml; the launch side composed it)."""
-    code = ("import sys\nimport launcher.rank.entry, recipes\nrecipes.module('ddp')\n"
+    code = ("import sys\nimport launcher.rank.entry, recipes\nrecipes.engine('ddp')\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'deepspeed', 'transformers', 'wandb', 'tensorboard', 'hydra', 'datasets'}))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -16,7 +16,8 @@ from launcher.launch import cli, compose
 from launcher.config import ACMode
 from launcher.planner import plan as planner
 from launcher.planner.memory import ActivationCounter, Numerics, ParamCounts, activation_bytes
-from launcher.models.gpt import GPT, num_params, set_activation_checkpointing
+from launcher.config import num_params
+from launcher.models.gpt import GPT, set_activation_checkpointing
 
 
 REGIMES = {  # name -> (how the model runs, what the formula is told)

@@ -1,19 +1,7 @@
-"""`zero1`, `zero2`, `zero3` and their offload variants: DeepSpeed ZeRO.
-
-One engine for every stage; RUN_DIR/ds_config.json (written by the launch side from the
-Hydra config, launcher/parallel/ds_config.py) says which. DeepSpeed owns the micro-batch loop's
-gradient reduction, the sharded optimizer step and the checkpoint files; this module adds
-what the launcher needs around it:
-
-- the project's optimizer groups (decay on matrices only) and learning-rate schedule
-  (launcher.rank.engine.lr_factor, handed to DeepSpeed as a client scheduler, so the curve is
-  the one ddp follows);
-- `state_bytes()`: the model-state tensors this rank really holds, counted from DeepSpeed's
-  own buffers at the moment of the step where most of them are alive;
-- checkpoints under the Checkpointer's folder, loaded with weights_only=True, and resumed
-  at another world size through DeepSpeed's universal checkpoint;
-- `consolidate()`: full fp32 weights from the shards on one process, for `make export`.
-"""
+"""The ZeRO engine (the recipes' spec and design: recipes/zero/__init__.py): DeepSpeed
+built from RUN_DIR/ds_config.json with the project's parameter groups and schedule, the
+memory count from DeepSpeed's own buffers, checkpoints loaded with weights_only=True (and
+through the universal checkpoint at another world size), and `consolidate()` for export."""
 
 from __future__ import annotations
 
@@ -34,7 +22,7 @@ from launcher import models
 from launcher.rank.engine import BuildContext, MemoryBreakdown, StepResult, build_scheduler, param_groups
 from launcher.planner.memory import zero_states
 from launcher.untrusted import weights_only_loads
-from recipes import Holding, RecipeSpec
+from recipes.zero import import_deepspeed
 
 # DeepSpeed 0.19 calls torch collectives torch 2.13 deprecates; one warning per rank per call
 # site, on every launch. Nothing the user can act on.
@@ -55,31 +43,6 @@ def cpu_info_once() -> None:
 
     if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
         cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
-
-
-def import_deepspeed():
-    """DeepSpeed, told its accelerator first (it reads DS_ACCELERATOR when imported, and
-    would probe and warn on a CPU machine), with torch.distributed.tensor, which it imports
-    while it builds an engine. A rank imports both before it takes its memory baseline
-    (SPEC.preload): about 100 MB that are the process's, not the model's."""
-    from launcher.host import deepspeed_env
-
-    deepspeed_env()
-    import deepspeed
-    import torch.distributed.tensor  # noqa: F401
-
-    return deepspeed
-
-
-def holds(recipe) -> Holding:
-    """The planner's formula: stage k shards the first k of optimizer states, gradients and
-    parameters over the data-parallel ranks; offload moves them to the host."""
-    z = recipe.zero
-    return Holding(shard=f"zero{z.stage}" if z.stage else "none", offload_optim=z.offload_optimizer.value != "none",
-                   offload_params=z.offload_param.value != "none")
-
-
-SPEC = RecipeSpec(writes="deepspeed", reads=("deepspeed",), holds=holds, fp16=True, deepspeed=True, preload=import_deepspeed)
 
 
 class ZeroEngine:

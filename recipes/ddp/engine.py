@@ -1,9 +1,6 @@
-"""`ddp`: DistributedDataParallel. Every rank holds the whole model, gradients and
-optimizer state; gradients are all-reduced in buckets that overlap with backward.
-
-Model states per rank (mixed-precision Adam under autocast): fp32 parameters 4Ψ, fp32
-gradients 4Ψ, Adam moments 8Ψ: 16Ψ bytes, the same on every rank.
-"""
+"""The `ddp` engine (the recipe's spec is recipes/ddp/__init__.py): DDP over the whole
+model, gradient accumulation without all-reduce until the last micro-batch, the fp16
+scaler, and the plain model.pt/optim.pt checkpoint."""
 
 from __future__ import annotations
 
@@ -19,11 +16,6 @@ from launcher import models
 from launcher.device import autocast_dtype
 from launcher.rank.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
                                   optimizer_state_bytes, tensor_bytes)
-from recipes import Holding, RecipeSpec
-
-
-SPEC = RecipeSpec(reads=("ddp", "dcp"), fp16=True, holds=lambda recipe: Holding(grad_buckets=True))
-"""Replicated: the whole model, its gradients and optimizer states on every rank."""
 
 
 class DDPEngine:

@@ -1,0 +1,24 @@
+"""`pp`: pipeline parallel with torch.distributed.pipelining. The layers are cut into
+stages at block boundaries (launcher/parallel/plan.py: balanced by parameter count, or
+parallel.pp_split); each rank holds its stage (interleaved_1f1b: pp_virtual_stages of
+them, rank r holding stages r, r+pp, ...). Every rank cuts the model while it is still on
+the meta device, then allocates and fills only its layers; the values are those every
+other recipe draws for the same names (launcher/models/init.py), so each stage starts
+from exactly the weights ddp starts from.
+
+The data-parallel rank's batch (micro_batch x grad_accum sequences) goes through the
+schedule as parallel.pp_microbatches micro-batches; the schedule scales gradients by
+1/micro-batches, so the step equals one over the whole batch. Ranks left over
+(world / pp) are data-parallel replicas that average gradients after the schedule.
+
+A tied embedding and head live on the first and the last stage: two copies that start
+equal, get the sum of both gradients (one all-reduce between those two ranks) and the
+same Adam update, so they stay equal. Model states per rank: 16 bytes x the stage's
+parameters (the first stage adds the embedding, the last the norm and head).
+"""
+
+from recipes import Parallelism, RecipeSpec
+
+SPEC = RecipeSpec(Parallelism(pp=True), engine="recipes.pp.engine", builds_on_meta=True, writes="dcp",
+                  reads=("ddp", "dcp"))
+"""Each pipeline rank holds its stages' layers whole (the planner's param_share by stage)."""
