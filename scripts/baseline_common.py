@@ -4,7 +4,8 @@
 A baseline does what a user's own script does and nothing else: random tokens made up
 front, no data loader, no logging, no checkpoints, no watchdog; the learning rate set by
 hand each step. Timing starts after `--warmup` untimed steps and ends after `--steps`,
-each end behind a barrier.
+each end behind a barrier. On a machine with GPUs each rank takes its own (LOCAL_RANK)
+and NCCL, as the project's ranks do, so the same scripts give the GPU's yardstick.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from launcher.device import memory_stats
+from launcher.device import backend_for, local_device, memory_stats, synchronize
 
 
 def parser() -> argparse.ArgumentParser:
@@ -61,16 +62,25 @@ def model_config(args):
     return ModelConfig(**{k: v for k, v in fields.items() if k in known})
 
 
+def start_process_group(args) -> torch.device:
+    """This rank's device (its GPU, else the CPU), kept as args.device, and the process
+    group on it (NCCL, else gloo)."""
+    args.device = local_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend_for(args.device))
+    return args.device
+
+
 def start():
-    """What every hand-written loop starts with: its arguments, a gloo process group, the
-    model's config and the model, drawn from seed 0. Returns (args, model config, model)."""
+    """What every hand-written loop starts with: its arguments, the process group, the
+    model's config and the model on this rank's device, drawn from seed 0. Returns (args,
+    model config, model)."""
     from launcher.models.gpt import GPT
 
     args = parser().parse_args()
-    dist.init_process_group("gloo")
+    device = start_process_group(args)
     mcfg = model_config(args)
     torch.manual_seed(0)
-    return args, mcfg, GPT(mcfg)
+    return args, mcfg, GPT(mcfg).to(device)
 
 
 def param_groups(model) -> list[dict]:
@@ -84,11 +94,16 @@ def adamw(model) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
 
 
-def compute(args, device_type: str = "cpu"):
+def compute(args):
     """The autocast context of --dtype (none in fp32)."""
     if args.dtype == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=torch.bfloat16)
+    return torch.autocast(args.device.type, dtype=torch.bfloat16)
+
+
+def batch(args, vocab_size: int) -> torch.Tensor:
+    """One more random batch on the rank's device (the untimed step that counts memory)."""
+    return torch.randint(0, vocab_size, (args.micro_batch, args.seq_len + 1)).to(args.device)
 
 
 def timed_loop(args, optimizer, step_fn, vocab_size: int) -> float:
@@ -97,15 +112,17 @@ def timed_loop(args, optimizer, step_fn, vocab_size: int) -> float:
     if args.steps <= args.warmup:
         raise SystemExit(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     g = torch.Generator().manual_seed(dist.get_rank())
-    batches = torch.randint(0, vocab_size, (16, args.micro_batch, args.seq_len + 1), generator=g)
+    batches = torch.randint(0, vocab_size, (16, args.micro_batch, args.seq_len + 1), generator=g).to(args.device)
     for step in range(args.steps):
         if step == args.warmup:
+            synchronize(args.device)
             dist.barrier()
             t0 = time.perf_counter()
         lr = 3e-3 * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in optimizer.param_groups:
             group["lr"] = lr
         step_fn(batches[step % 16])
+    synchronize(args.device)
     dist.barrier()
     return time.perf_counter() - t0
 
@@ -127,6 +144,6 @@ def report(args, elapsed: float, model_state_bytes: int) -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"tokens_per_s": tokens / elapsed, "step_time_s": elapsed / timed,
-                       "peak_bytes": memory_stats(torch.device("cpu"))["mem/peak_bytes"],
+                       "peak_bytes": memory_stats(args.device)["mem/peak_bytes"],
                        "model_state_bytes": model_state_bytes,
                        "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS")}, f)

@@ -14,7 +14,9 @@ Precision: bf16 autocast where the device computes bf16 natively (a CUDA GPU fro
 on; a CPU with AVX-512 BF16 or AMX), else fp32: emulated bf16 is about 20x slower, and its
 matmuls would hide every overhead the ratios are meant to show. `--dtype` overrides.
 
-Results go to bench/results.md (and bench/results.json, bench/parallel.json).
+Results go to bench/results.md and bench/results.json. A run of some cases (--only, --models,
+--no-startup, --no-parallel) replaces those cases' figures and keeps the others, with the
+date each was measured, while the machine and the settings stay the same.
 """
 
 from __future__ import annotations
@@ -201,49 +203,85 @@ def _mib(n) -> str:
     return f"{n / 2**20:,.1f}" if n else "n/a"
 
 
-def write(args, why: str, results: list[dict], startup: dict | None, parallel: list[dict], threads: int) -> None:
+def settings(args, threads: int) -> dict:
+    """What makes two runs' figures comparable: the machine and the bench's own settings."""
     import torch
 
-    machine = (f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
-               f"torch {torch.__version__}, {args.nproc} processes x {threads} thread(s), gloo")
+    gpu = f"{torch.cuda.get_device_name()}, nccl" if torch.cuda.is_available() else "gloo"
+    return {"machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
+                       f"torch {torch.__version__}, {args.nproc} processes x {threads} thread(s), {gpu}",
+            "dtype": args.dtype, "steps": args.steps, "micro_batch": args.micro_batch, "seq_len": args.seq_len}
+
+
+def merge(args, why: str, threads: int, results: list[dict], startup: dict | None, parallel: list[dict]) -> dict:
+    """This run's sections over bench/results.json's: a run of some cases (--only, --models,
+    --no-startup, --no-parallel) replaces those and keeps the others, each with the date
+    it was measured, as long as the machine and settings are the same (else it starts over)."""
+    now = {"date": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds}
+    data = {"settings": settings(args, threads), "why": why, "steps": [], "startup": None, "parallel": None}
+    try:
+        old = json.loads((OUT / "results.json").read_text())
+    except (OSError, ValueError):
+        old = {}
+    if old.get("settings") == data["settings"]:
+        data.update({k: old.get(k) for k in ("steps", "startup", "parallel")})
+    ran = {(r["recipe"], r["model"]) for r in results}
+    data["steps"] = [r for r in data["steps"] or [] if (r["recipe"], r["model"]) not in ran] + [{**r, **now} for r in results]
+    order = {(r, m): i for i, (m, r) in enumerate((m, r) for m in MODELS for r in CASES)}
+    data["steps"].sort(key=lambda r: order.get((r["recipe"], r["model"]), len(order)))
+    if startup:
+        data["startup"] = {**now, "commands": startup}
+    if parallel:
+        data["parallel"] = {**now, "rows": parallel}
+    return data
+
+
+def write(data: dict) -> None:
+    st = data["settings"]
     lines = [
         "# Benchmark results",
         "",
-        f"Written by `make bench` on {time.strftime('%Y-%m-%d %H:%M')}; {machine}. Precision **{args.dtype}**: {why}.",
-        f"Every case ran {args.rounds} rounds, interleaved: each round runs every case's recipe and its "
+        f"Written by `make bench`; {st['machine']}. Precision **{st['dtype']}**: {data['why']}.",
+        "Each case ran its rounds interleaved: each round runs every case's recipe and its "
         "hand-written loop back to back, the order alternating. Tokens/s over the steady steps "
-        f"(steps 11-{args.steps}: the first 10 hold start-up), micro-batch {args.micro_batch} x {args.seq_len} "
-        "tokens per rank; median (min-max) over the rounds; the ratio is the median of the per-round ratios.",
+        f"(steps 11-{st['steps']}: the first 10 hold start-up), micro-batch {st['micro_batch']} x {st['seq_len']} "
+        "tokens per rank; median (min-max) over the rounds; the ratio is the median of the per-round ratios. "
+        "A run of some cases (`--only`, `--models`) keeps the others' rows: each row says when it was measured.",
         "",
         "| recipe | model | recipe tokens/s | hand-written tokens/s | ratio (min-max) | target | "
-        "peak MiB recipe / hand-written | model states MiB/rank recipe / hand-written |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "peak MiB recipe / hand-written | model states MiB/rank recipe / hand-written | measured |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for r in results:
+    for r in data["steps"]:
         ok = "ok" if r["ratio"] >= r["target"] else "**missed**"
         lines.append(f"| {r['recipe']} | {r['model']} | {spread(r['recipe_tokens_per_s'])} | "
                      f"{spread(r['baseline_tokens_per_s'])} | {spread(r['ratios'], '.3f')} | >= {r['target']} {ok} | "
                      f"{_mib(r['recipe_peak_bytes'])} / {_mib(r['baseline_peak_bytes'])} | "
-                     f"{_mib(r['recipe_model_state_bytes'])} / {_mib(r['baseline_model_state_bytes'])} |")
-    run = dict.fromkeys(r["model"] for r in results)
+                     f"{_mib(r['recipe_model_state_bytes'])} / {_mib(r['baseline_model_state_bytes'])} | "
+                     f"{r['date']}, {r['rounds']} rounds |")
+    run = dict.fromkeys(r["model"] for r in data["steps"])
     lines += ["", "Models: " + "; ".join(f"`{k}` = `{' '.join(model_args(k))}`" for k in run),
               "Hand-written loops: scripts/bench_ddp_baseline.py (DDP), scripts/bench_deepspeed_baseline.py "
               "(DeepSpeed, the same ZeRO stage and buckets), scripts/bench_fsdp_baseline.py (FSDP2)."]
-    if startup:
-        base = statistics.median(startup["torchrun, hand-written 2-step loop"])
+    if data["startup"]:
+        s = data["startup"]
+        base = statistics.median(s["commands"]["torchrun, hand-written 2-step loop"])
         lines += ["", "## Start-up: a whole 2-step run", "",
-                  f"gpt_tiny on {args.nproc} processes, wall seconds of the whole command, {args.rounds} rounds interleaved; "
-                  f"target: `make train` like for like at most {STARTUP_TARGET}x torchrun of the hand-written loop.", "",
+                  f"gpt_tiny on 2 processes, wall seconds of the whole command, {s['rounds']} rounds interleaved, "
+                  f"measured {s['date']}; target: `make train` like for like at most {STARTUP_TARGET}x torchrun of "
+                  "the hand-written loop.", "",
                   "| command | seconds, median (min-max) | x hand-written |", "|---|---:|---:|"]
-        for name, values in startup.items():
+        for name, values in s["commands"].items():
             lines.append(f"| {name} | {spread(values, '.2f')} | {statistics.median(values) / base:.2f} |")
-    if parallel:
-        ddp = statistics.median(parallel[0]["tokens_per_s"])
+    if data["parallel"]:
+        rows = data["parallel"]["rows"]
+        ddp = statistics.median(rows[0]["tokens_per_s"])
         lines += ["", "## Parallel recipes beside ddp", "",
-                  f"Same bench: {parallel[0]['model']}, {args.nproc} processes, the same batch and precision, "
-                  f"median (min-max) of {args.rounds} rounds (interleaved). Model state is what rank 0 holds.", "",
+                  f"Same bench: {rows[0]['model']}, the same batch and precision, median (min-max) of "
+                  f"{data['parallel']['rounds']} rounds (interleaved), measured {data['parallel']['date']}. "
+                  "Model state is what rank 0 holds.", "",
                   "| recipe | overrides | tokens/s | vs ddp | peak memory/rank | model state/rank |", "|---|---|---:|---:|---:|---:|"]
-        for r in parallel:
+        for r in rows:
             lines.append(f"| {r['recipe']} | {' '.join(r['overrides']) or '-'} | {spread(r['tokens_per_s'])} | "
                          f"{statistics.median(r['tokens_per_s']) / ddp:.2f} | {_mib(r['peak_bytes'])} MiB | "
                          f"{_mib(r['model_state_bytes'])} MiB |")
@@ -255,7 +293,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30, help="steps per run; the first 10 are not timed")
-    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--nproc", type=int, default=None, help="ranks (default: the GPUs there are, else 2 CPU processes)")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
@@ -264,6 +302,10 @@ def main() -> int:
     ap.add_argument("--no-startup", action="store_true", help="skip the 2-step start-up runs")
     ap.add_argument("--no-parallel", action="store_true", help="skip the parallel recipes beside ddp")
     args = ap.parse_args()
+    if args.nproc is None:
+        import torch
+
+        args.nproc = torch.cuda.device_count() or 2
     native, why = native_bf16()
     if args.dtype == "auto":
         args.dtype = "bf16" if native else "fp32"
@@ -277,10 +319,9 @@ def main() -> int:
     results = bench.steps(cases)
     startup = None if args.no_startup else bench.startup()
     parallel = [] if args.no_parallel else bench.parallel()
-    (OUT / "results.json").write_text(json.dumps({"dtype": args.dtype, "why": why, "steps": results,
-                                                  "startup": startup}, indent=1) + "\n")
-    (OUT / "parallel.json").write_text(json.dumps(parallel, indent=1) + "\n")
-    write(args, why, results, startup, parallel, bench.threads)
+    data = merge(args, why, bench.threads, results, startup, parallel)
+    (OUT / "results.json").write_text(json.dumps(data, indent=1) + "\n")
+    write(data)
     return 0
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from baseline_common import finish, model_config, param_groups, parser, report, timed_loop
+from baseline_common import batch, finish, model_config, param_groups, parser, report, start_process_group, timed_loop
 from launcher.host import deepspeed_env
 from launcher.models.gpt import GPT
 
@@ -25,11 +25,11 @@ def main() -> None:
     deepspeed_env()
     import deepspeed
 
-    dist.init_process_group("gloo")
+    device = start_process_group(args)
     world = dist.get_world_size()
     mcfg = model_config(args)
     torch.manual_seed(0)
-    model = GPT(mcfg)
+    model = GPT(mcfg).to(device)
     dim2 = mcfg.dim ** 2
     zero = {"stage": args.stage, "overlap_comm": args.stage >= 2, "contiguous_gradients": True,
             "reduce_bucket_size": dim2, "allgather_bucket_size": dim2}
@@ -54,9 +54,9 @@ def main() -> None:
     # One more (untimed) step, its model-state bytes counted the way the recipe counts them.
     from recipes.zero.engine import ZeroMemory
 
-    memory = ZeroMemory(optimizer, engine.module, torch.device("cpu"))
+    memory = ZeroMemory(optimizer, engine.module, device)
     memory.start_step()
-    b = torch.randint(0, mcfg.vocab_size, (args.micro_batch, args.seq_len + 1))
+    b = batch(args, mcfg.vocab_size)
     engine.backward(engine(b[:, :-1], b[:, 1:]))
     memory.sample()
     engine.step()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from baseline_common import adamw, finish, report, start, timed_loop
+from baseline_common import adamw, batch, finish, report, start, timed_loop
 from launcher.rank.engine import local_shard, optimizer_state_bytes
 
 
@@ -33,7 +33,7 @@ def main() -> None:
 
     elapsed = timed_loop(args, opt, step, mcfg.vocab_size)
     # One more (untimed) backward, its gradient shards counted as the recipe counts them.
-    b = torch.randint(0, mcfg.vocab_size, (args.micro_batch, args.seq_len + 1))
+    b = batch(args, mcfg.vocab_size)
     model(b[:, :-1], b[:, 1:]).backward()
     grad_bytes = sum(local_shard(p.grad).nbytes for p in model.parameters() if p.grad is not None)
     params = sum(local_shard(p.detach()).nbytes for p in model.parameters())

@@ -30,7 +30,9 @@ class FSDPOptions:
     reshard_after_forward: bool = True
     """Free each block's gathered parameters after its forward and gather them again in
     backward: parameters cost Ψ/N between layers, for one more all-gather per block. False
-    keeps them gathered from forward to backward (less communication, more memory)."""
+    keeps them gathered from forward to backward (less communication, more memory). The
+    root (embedding, final norm, head) is gathered through both passes either way and
+    never reshards (launcher/parallel/mesh.py::apply_fsdp)."""
     cpu_offload: bool = False
     """Keep the sharded parameters, gradients and optimizer states in host memory and run
     the optimizer step on the CPU: device memory holds only what one block needs, at the

@@ -61,14 +61,19 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, deg: D.Degrees, cfg: C
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, cfg: C.Config, device_type: str) -> None:
     """FSDP2: bf16 parameters for compute (fp32 kept sharded for the optimizer), gradients
-    reduced in fp32 (a sum over many ranks in bf16 loses bits)."""
+    reduced in fp32 (a sum over many ranks in bf16 loses bits). The blocks reshard after
+    forward as recipe.fsdp.reshard_after_forward says; the root (embedding, final norm,
+    head) never does: it is gathered before the first block's forward and its head is the
+    first thing backward needs, so its parameters are held gathered through forward and
+    backward either way, and resharding would only add an all-gather of the largest
+    group each step (torch's own default for the root; torchtitan's too)."""
     opts = cfg.recipe.fsdp
     mp = MixedPrecisionPolicy(param_dtype=autocast_dtype(cfg.precision.name.value), reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if opts.cpu_offload else OffloadPolicy()
-    kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=opts.reshard_after_forward, offload_policy=offload)
+    kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
     for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(layer, reshard_after_forward=opts.reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
 
 
 # ----------------------------------------------------------------------------- gradients

@@ -73,3 +73,25 @@ def test_ranks_import_only_what_their_recipe_and_logger_use():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_fsdp_gathers_the_root_once_a_step(one_rank_group):
+    """The blocks reshard after forward (recipe.fsdp.reshard_after_forward); the root
+    (embedding, final norm, head), which is held gathered through forward and backward
+    either way, does not: resharding it cost an all-gather of the largest group every
+    step, which the hand-written FSDP2 loop (torch's default for the root) does not pay."""
+    import torch
+
+    from launcher.launch.compose import compose_config
+    from launcher.models import decoder_layers, on_meta
+    from launcher.parallel import degrees as D
+    from launcher.parallel.mesh import build_mesh, parallelize
+
+    for blocks in (True, False):
+        cfg = compose_config(["recipe=fsdp", "model=gpt_tiny", f"recipe.fsdp.reshard_after_forward={blocks}"])[0]
+        model = on_meta(cfg)
+        deg = D.degrees(cfg, 1)
+        parallelize(model, build_mesh(deg, torch.device("cpu")), deg, cfg)
+        resharded = lambda m: m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None  # noqa: E731
+        assert [resharded(b) for b in decoder_layers(model)] == [blocks] * cfg.model.n_layers
+        assert not resharded(model)
