@@ -1,7 +1,8 @@
 """What this machine has, asked without torch or a CUDA context: read by the launch side
 (validation, `make plan`, the command's process count) and by the ranks' device layer
-(launcher/device.py). torch is imported only by `HostInfo.detect` (on a host with a GPU
-driver) and `deepspeed_env`, when called."""
+(launcher/device.py). torch is imported only by `HostInfo.detect` (on a host whose GPUs
+only CUDA can count: ROCm, WSL, CUDA_VISIBLE_DEVICES by UUID) and `deepspeed_env`, when
+called."""
 
 from __future__ import annotations
 
@@ -37,9 +38,11 @@ class HostInfo:
         cpus = len(os.sched_getaffinity(0))
         if not gpu_driver():  # torch could see no GPU either: a second of importing it saved
             return HostInfo(cuda=False, gpus=0, cpus=cpus)
-        import torch  # counting GPUs creates no CUDA context
+        gpus = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), nvidia_gpus())
+        if gpus is None:  # only CUDA can tell (ROCm, WSL, devices named by UUID): ask torch
+            import torch  # counting GPUs creates no CUDA context
 
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return HostInfo(cuda=gpus > 0, gpus=gpus, cpus=cpus)
 
 
@@ -50,6 +53,39 @@ def gpu_driver() -> bool:
 
     return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/proc/driver/nvidia/gpus/*")
                 or any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")))
+
+
+def nvidia_gpus() -> int | None:
+    """NVIDIA GPUs this process can reach: the fewer of the driver's (/proc/driver/nvidia/gpus/,
+    one folder each) and the device files (/dev/nvidia0, 1, ...: a container gets only its
+    own), or None where neither shows one (ROCm, WSL, no NVIDIA driver)."""
+    import glob
+    import re
+
+    counts = [n for n in (len(glob.glob("/proc/driver/nvidia/gpus/*")),
+                          sum(1 for f in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", f))) if n]
+    return min(counts) if counts else None
+
+
+def visible_gpus(cuda_visible_devices: str | None, installed: int | None) -> int | None:
+    """The GPUs CUDA will show this process, counted as torch.cuda.device_count() counts
+    them, without importing torch (on a CUDA host, seconds of every launch): all
+    `installed` ones, or the CUDA_VISIBLE_DEVICES ordinals up to the first that is not a
+    valid, new ordinal (CUDA ignores the rest). None where only CUDA can tell: the driver's
+    count unknown, or devices named by UUID (GPU-..., MIG-...)."""
+    if installed is None:
+        return None
+    if cuda_visible_devices is None:
+        return installed
+    seen: list[int] = []
+    for item in cuda_visible_devices.split(","):
+        item = item.strip()
+        if item.startswith(("GPU-", "MIG-")):
+            return None
+        if not item.isdigit() or int(item) >= installed or int(item) in seen:
+            break
+        seen.append(int(item))
+    return len(seen)
 
 
 def _nvidia_smi(field: str) -> str | None:

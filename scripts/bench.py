@@ -184,14 +184,28 @@ class Bench:
 
     def parallel(self) -> list[dict]:
         model = "gpt_small"
-        seen: dict[str, list[dict]] = {name: [] for name, _ in PARALLEL_CASES}
+        cases = [(name, extra) for name, extra in PARALLEL_CASES if self.args.nproc % degree(extra) == 0]
+        if len(cases) < len(PARALLEL_CASES):
+            print(f"parallel: {self.args.nproc} rank(s) cannot split tp or pp; "
+                  f"{', '.join(n for n, _ in cases)} only", flush=True)
+        seen: dict[str, list[dict]] = {name: [] for name, _ in cases}
         for i in range(self.args.rounds):
-            for name, extra in (PARALLEL_CASES if i % 2 == 0 else PARALLEL_CASES[::-1]):
+            for name, extra in (cases if i % 2 == 0 else cases[::-1]):
                 seen[name].append(self.recipe(name, model, extra))
         return [{"recipe": name, "overrides": extra, "model": model,
                  "tokens_per_s": [x["tokens_per_s"] for x in seen[name]],
                  "peak_bytes": statistics.median(x["peak_bytes"] for x in seen[name]),
-                 "model_state_bytes": seen[name][-1]["model_state_bytes"]} for name, extra in PARALLEL_CASES]
+                 "model_state_bytes": seen[name][-1]["model_state_bytes"]} for name, extra in cases]
+
+
+def degree(overrides: list[str]) -> int:
+    """Ranks a parallel case needs at least: its tensor-parallel times pipeline degree."""
+    n = 1
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key in ("parallel.tp", "parallel.pp"):
+            n *= int(value)
+    return n
 
 
 def spread(values: list[float], fmt: str = ",.0f") -> str:
@@ -267,7 +281,7 @@ def write(data: dict) -> None:
         s = data["startup"]
         base = statistics.median(s["commands"]["torchrun, hand-written 2-step loop"])
         lines += ["", "## Start-up: a whole 2-step run", "",
-                  f"gpt_tiny on 2 processes, wall seconds of the whole command, {s['rounds']} rounds interleaved, "
+                  f"gpt_tiny on the processes above, wall seconds of the whole command, {s['rounds']} rounds interleaved, "
                   f"measured {s['date']}; target: `make train` like for like at most {STARTUP_TARGET}x torchrun of "
                   "the hand-written loop.", "",
                   "| command | seconds, median (min-max) | x hand-written |", "|---|---:|---:|"]

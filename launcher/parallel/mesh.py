@@ -66,7 +66,8 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, cfg: C.Config, device_t
     head) never does: it is gathered before the first block's forward and its head is the
     first thing backward needs, so its parameters are held gathered through forward and
     backward either way, and resharding would only add an all-gather of the largest
-    group each step (torch's own default for the root; torchtitan's too)."""
+    group each step (torch's own default for the root; torchtitan keeps its final norm and
+    head unit gathered the same way)."""
     opts = cfg.recipe.fsdp
     mp = MixedPrecisionPolicy(param_dtype=autocast_dtype(cfg.precision.name.value), reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if opts.cpu_offload else OffloadPolicy()

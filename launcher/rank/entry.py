@@ -72,7 +72,8 @@ def start(cfg: C.Config, device: torch.device, rank: int, world_size: int, local
     """From a process group to a ready engine: (engine, this rank's start-up figures,
     launcher.device.startup_peaks). scripts/bench_startup.py measures start-up through here."""
     spec = recipes.spec(cfg.recipe.strategy)
-    if spec.preload:  # the engine's libraries (DeepSpeed) belong to the baseline, not to the model
+    recipes.engine(cfg.recipe.strategy)  # its imports (DCP, FSDP, pipelining) belong to the baseline, not to the model
+    if spec.preload:  # the engine's libraries (DeepSpeed) too
         spec.preload()
     seed_everything(cfg.train.seed)
     model = models.prepare(models.on_meta(cfg), cfg)  # its imports too (transformers); no storage

@@ -90,7 +90,7 @@ def test_the_launcher_of_a_real_run_never_imports_torch(tmp_path):
 
     run = tmp_path / "run"
     argv = ["train", "model=gpt_tiny", "train.steps=1", "optim.warmup_steps=1", "logger=none",
-            "checkpoint.save_final=false", "cluster.nproc_per_node=2", f"hydra.run.dir={run}"]
+            "checkpoint.save_final=false", f"hydra.run.dir={run}"]  # the default ranks: 2 CPU processes, or one per GPU
     code = ("import sys\nfrom launcher.launch.cli import main\n"
             f"rc = main({argv!r})\nprint('torch imported:', 'torch' in sys.modules)\nsys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)

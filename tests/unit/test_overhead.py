@@ -95,3 +95,55 @@ def test_fsdp_gathers_the_root_once_a_step(one_rank_group):
         resharded = lambda m: m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None  # noqa: E731
         assert [resharded(b) for b in decoder_layers(model)] == [blocks] * cfg.model.n_layers
         assert not resharded(model)
+
+
+def test_fsdp_holds_an_untied_embedding_gathered_and_the_planner_counts_it(one_rank_group):
+    """After forward the root unit's parameters are the gathered ones (an untied embedding
+    too, which autograd does not save) while a block's are shards again; the planner's
+    temporaries hold the embedding's gathered copy for untied models only."""
+    import dataclasses
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from launcher import models
+    from launcher.launch.compose import compose_config
+    from launcher.parallel import degrees as D
+    from launcher.parallel.mesh import build_mesh, parallelize
+    from launcher.planner import plan as planner
+    from launcher.planner.footprint import temporaries
+
+    cfg = compose_config(["recipe=fsdp", "model=gpt_tiny", "model.tie_embeddings=false", "precision=fp32"])[0]
+    model = models.prepare(models.on_meta(cfg), cfg)
+    deg = D.degrees(cfg, 1)
+    parallelize(model, build_mesh(deg, torch.device("cpu")), deg, cfg)
+    models.materialize(model, cfg, torch.device("cpu"))
+    x = torch.randint(0, cfg.model.vocab_size, (2, 17))
+    loss = model(x[:, :-1], x[:, 1:])
+    assert not isinstance(model.tok_embeddings.weight, DTensor)  # gathered, held until backward
+    assert isinstance(models.decoder_layers(model)[0].attention.wq.weight, DTensor)  # resharded
+    loss.backward()
+    assert isinstance(model.tok_embeddings.weight, DTensor)  # resharded after backward
+
+    layout = planner.layout_for(cfg, 1)
+    m, b, s = cfg.model, 2, 16
+    untied = temporaries(m, cfg.precision.name, layout, cfg.train.activation_checkpointing, 2, b, s)
+    tied = temporaries(dataclasses.replace(m, tie_embeddings=True), cfg.precision.name, layout,
+                       cfg.train.activation_checkpointing, 2, b, s)
+    assert untied - tied == 4 * m.vocab_size * m.dim  # fp32: the gathered embedding in fp32
+
+
+@pytest.mark.parametrize("visible, installed, want", [
+    (None, 8, 8), ("0,1", 8, 2), ("3", 8, 1), ("", 8, 0), ("-1", 8, 0),
+    ("0,9,1", 8, 1),  # CUDA stops at the first ordinal it does not have
+    ("1,1", 8, 1),  # or sees again
+    ("GPU-8d9c7c6e-0f5e-4c6a-9b1e-0123456789ab", 8, None),  # by UUID: only CUDA can tell
+    ("0,1", None, None),  # no /proc/driver/nvidia/gpus: ROCm, WSL
+])
+def test_the_launch_side_counts_gpus_without_torch(visible, installed, want):
+    """HostInfo.detect on a host with a GPU driver: the GPUs CUDA will show, from the
+    driver's count and CUDA_VISIBLE_DEVICES, so a launch on a GPU host imports no torch
+    either; None sends it to torch.cuda.device_count()."""
+    from launcher.host import visible_gpus
+
+    assert visible_gpus(visible, installed) == want
