@@ -60,10 +60,8 @@ def nvidia_gpus() -> int | None:
     one folder each) and the device files (/dev/nvidia0, 1, ...: a container gets only its
     own), or None where neither shows one (ROCm, WSL, no NVIDIA driver)."""
     import glob
-    import re
 
-    counts = [n for n in (len(glob.glob("/proc/driver/nvidia/gpus/*")),
-                          sum(1 for f in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", f))) if n]
+    counts = [n for n in (len(glob.glob("/proc/driver/nvidia/gpus/*")), len(glob.glob("/dev/nvidia[0-9]*"))) if n]
     return min(counts) if counts else None
 
 
