@@ -6,7 +6,8 @@ engine really holds and autograd really saves, beside launcher.planner.plan's pr
     torchrun --nproc-per-node 2 scripts/measure_memory.py --out mem.json [--table]
 
 One process group per world size, every cell on it. A layout's config is composed from
-conf/ as a user would (`recipe=... parallel.tp=... precision=...`), each cell adds
+conf/ as a user would (`recipe=... parallel.tp=...`), each precision is its own
+conf/precision/ file on it, each cell adds
 `train.grad_accum` and `train.activation_checkpointing` and is validated as the launch side
 does; a refused cell (fp16 without CUDA) is recorded with its one-line reason. Engines
 (launcher.rank.entry.build_engine) are shared by the cells whose build reads nothing that
@@ -37,7 +38,7 @@ import recipes
 from launcher.parallel import ds_config
 from launcher import models
 from launcher.planner import plan as planner
-from launcher.launch.compose import CONF_DIR, compose_config, recipe_configs
+from launcher.launch.compose import CONF_DIR, compose_config, group_configs, recipe_configs
 from launcher.config import ACMode, ConfigError
 from launcher.launch.validate import validate
 from launcher.data.read import build_dataset
@@ -56,14 +57,14 @@ def offered(model: str, world: int, recipes: list[str]) -> list[planner.Layout]:
     return planner.candidates(cfg, hw, recipe_configs(set(recipes)))
 
 
-def compose(layout: planner.Layout, model: str, mb: int, seq: int, precision: str, world: int):
+def compose(layout: planner.Layout, model: str, mb: int, seq: int, world: int):
     """A layout's config as `make train` composes it. A pipeline cuts each step's batch into
     parallel.pp_microbatches, at least one per stage under 1F1B: pp of them, and a
-    micro-batch of at least pp sequences."""
+    micro-batch of at least pp sequences. Composed once per layout: each precision is its
+    own conf/precision/ file on it (nothing in conf/ interpolates the precision group)."""
     extra = [f"parallel.pp_microbatches={layout.pp}"] if layout.pp > 1 else []
     cfg, _, _ = compose_config([*layout.overrides(), f"model={model}", f"train.micro_batch={max(mb, layout.pp)}",
-                                f"train.seq_len={seq}", f"precision={precision}", "logger=none",
-                                f"cluster.nproc_per_node={world}", *extra])
+                                f"train.seq_len={seq}", "logger=none", f"cluster.nproc_per_node={world}", *extra])
     return cfg
 
 
@@ -148,26 +149,36 @@ def run(args, rank: int, world: int) -> list[dict]:
 def _run(args, rank: int, world: int, device, scratch: Path) -> list[dict]:
     recipes = args.recipes.split(",") if args.recipes else sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
     precisions = args.precisions.split(",") if args.precisions else ["fp32", "bf16", "fp16"]
+    typed = group_configs("precision", set(precisions))
     rows = []
     for model in args.models.split(","):
         for layout in offered(model, world, recipes):
-            for mb, precision in itertools.product([int(b) for b in args.micro_batches.split(",")], precisions):
-                key = {"recipe": layout.recipe, "layout": layout.label, "model": model, "micro_batch": mb,
-                       "precision": precision, "world": world, "rank": rank}
-                base = compose(layout, model, mb, args.seq_len, precision, world)
-                engines: dict = {}
-                for accum, ac in itertools.product([int(g) for g in args.grad_accums.split(",")], args.ac.split(",")):
-                    try:
-                        cfg = cell(base, accum, ac)
-                    except ConfigError as e:
-                        rows.append({**key, "grad_accum": accum, "ac": ac, "refused": str(e)})
-                        continue
-                    shared = cfg.recipe.strategy not in ("zero", "pp")
-                    engines.setdefault(None if shared else accum, []).append(cfg)
-                for cells in engines.values():
-                    measured = measure_engine(cells, layout, rank, world, device, scratch)
-                    rows += [{**key, "grad_accum": c.train.grad_accum, "ac": c.train.activation_checkpointing.value, **r}
-                             for c, r in zip(cells, measured)]
+            for mb in [int(b) for b in args.micro_batches.split(",")]:
+                composed = compose(layout, model, mb, args.seq_len, world)
+                for precision in precisions:
+                    rows += measure_precision(dataclasses.replace(composed, precision=typed[precision]), args,
+                                              layout, rank, world, device, scratch,
+                                              {"recipe": layout.recipe, "layout": layout.label, "model": model,
+                                               "micro_batch": mb, "precision": precision, "world": world, "rank": rank})
+    return rows
+
+
+def measure_precision(base, args, layout, rank, world, device, scratch, key) -> list[dict]:
+    """One layout at one precision: every accumulation x checkpointing cell."""
+    rows = []
+    engines: dict = {}
+    for accum, ac in itertools.product([int(g) for g in args.grad_accums.split(",")], args.ac.split(",")):
+        try:
+            cfg = cell(base, accum, ac)
+        except ConfigError as e:
+            rows.append({**key, "grad_accum": accum, "ac": ac, "refused": str(e)})
+            continue
+        shared = cfg.recipe.strategy not in ("zero", "pp")
+        engines.setdefault(None if shared else accum, []).append(cfg)
+    for cells in engines.values():
+        measured = measure_engine(cells, layout, rank, world, device, scratch)
+        rows += [{**key, "grad_accum": c.train.grad_accum, "ac": c.train.activation_checkpointing.value, **r}
+                 for c, r in zip(cells, measured)]
     return rows
 
 

@@ -51,16 +51,23 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def recipe_configs(names: set[str] | None = None) -> dict[str, C.RecipeConfig]:
-    """conf/recipe/<name>.yaml as typed recipe configs (the `recipe` node alone: the degrees
-    a file takes from conf/parallel/ are the planner's to choose), for `make plan`."""
+def group_configs(group: str, names: set[str] | None = None) -> dict:
+    """conf/<group>/<name>.yaml as typed configs of that group (the node alone, without the
+    files its defaults list takes from other groups): the planner reads the recipes this way
+    (the degrees a recipe takes from conf/parallel/ are the planner's to choose), and
+    scripts/measure_memory.py swaps precisions on one composed config."""
     out = {}
-    for name in group_options("recipe"):
+    for name in group_options(group):
         if names is None or name in names:
-            node = OmegaConf.load(CONF_DIR / "recipe" / f"{name}.yaml")
+            node = OmegaConf.load(CONF_DIR / group / f"{name}.yaml")
             node.pop("defaults", None)
-            out[name] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(C.RecipeConfig), node))
+            out[name] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(C.GROUPS[group]), node))
     return out
+
+
+def recipe_configs(names: set[str] | None = None) -> dict[str, C.RecipeConfig]:
+    """conf/recipe/<name>.yaml as typed recipe configs, for `make plan`."""
+    return group_configs("recipe", names)
 
 
 def describe(e: BaseException) -> str:

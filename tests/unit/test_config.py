@@ -183,6 +183,17 @@ def test_every_engine_is_one_module_with_its_spec():
         assert compose.recipe_configs({name})[name] == cfg.recipe, name
 
 
+def test_a_group_file_read_alone_is_what_composition_gives():
+    """compose.group_configs reads conf/<group>/<name>.yaml without Hydra: the planner's
+    recipes and scripts/measure_memory.py's precisions (swapped on one composed config)
+    equal what `precision=<name>` composes."""
+    names = compose.group_options("precision")
+    assert names == ["bf16", "fp16", "fp32"]
+    for name in names:
+        cfg, _, _ = cli.compose_config([f"precision={name}", "recipe=zero2"])
+        assert compose.group_configs("precision", {name}) == {name: cfg.precision}, name
+
+
 def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
     """In a copy of the project, recipes/mine.py (ddp's engine, ZeRO-2's sharding declared) and
     conf/recipe/mine.yaml, and nothing else: `make plan` offers it, a dry run composes,
