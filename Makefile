@@ -13,7 +13,7 @@ ARGS   ?=
 RUN    ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train plan submit export test test-quick bench clean
+.PHONY: help setup train plan rehearse submit export test test-quick bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -33,6 +33,9 @@ train: setup ## train: RECIPE=<name> ARGS="<overrides>" (--dry-run in ARGS print
 
 plan: setup ## memory per GPU of every recipe, the largest micro-batch that fits, the recommendation (ARGS="... --json")
 	@$(PY) -m launcher plan $(ARGS)
+
+rehearse: setup ## ranks of a cluster-sized layout built here on meta under a fake process group, against the plan (ARGS="model=llama3_70b recipe=tp_fsdp parallel.tp=8 cluster.nnodes=32 cluster.gpus_per_node=8")
+	@$(PY) -m launcher rehearse $(ARGS)
 
 submit: setup ## Slurm batch job: RECIPE=<name> ARGS="cluster.nnodes=2 cluster.partition=gpu ..." (--dry-run prints the script)
 	@$(PY) -m launcher submit $(if $(RECIPE),recipe=$(RECIPE)) $(ARGS)

@@ -25,7 +25,7 @@ from launcher.launch.commands import command_script, launch_argv, LaunchPlan, ra
 from launcher.launch.compose import compose_config, describe, expand_sweep, UsageError
 from launcher.host import HostInfo
 from launcher.exits import EXIT_INTERRUPTED
-from launcher.launch.planning import cmd_plan, planned_host, resolve_auto
+from launcher.launch.planning import cmd_plan, cmd_rehearse, planned_host, resolve_auto
 from launcher.launch.supervise import interrupts_held, supervise
 from launcher.launch.rundir import (check_checkpoint_space, check_resume_is_data, check_run_dir_name, check_writable,
                                     make_plan, nothing_to_train, prepare_run, run_files, schedule_change, write_run_dir,
@@ -33,13 +33,14 @@ from launcher.launch.rundir import (check_checkpoint_space, check_resume_is_data
 from launcher.launch.validate import validate
 
 
-COMMANDS = ("train", "export", "plan", "submit")
+COMMANDS = ("train", "export", "plan", "submit", "rehearse")
 
 
 USAGE = """usage: launcher train [key=value ...] [--dry-run] [-m|--multirun]
        launcher plan [key=value ...] [--json]
        launcher submit [key=value ...] [--dry-run] [-m|--multirun]   (a Slurm batch job; cluster=slurm)
-       launcher export RUN_DIR [export.key=value ...]"""
+       launcher export RUN_DIR [export.key=value ...]
+       launcher rehearse [key=value ...] [--ranks R,R,...] [--json]   (ranks of a cluster's layout, built here on meta)"""
 
 
 class Args(NamedTuple):
@@ -48,6 +49,7 @@ class Args(NamedTuple):
     dry_run: bool = False
     multirun: bool = False
     as_json: bool = False
+    ranks: str | None = None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,15 +70,19 @@ def parse_args(argv: list[str]) -> Args:
     if command in ("train", "submit"):
         parser.add_argument("--dry-run", action="store_true", help="print the run's files and command; start nothing")
         parser.add_argument("-m", "--multirun", action="store_true", help="a sweep: one run per point")
-    if command == "plan":
+    if command in ("plan", "rehearse"):
         parser.add_argument("--json", action="store_true", dest="as_json", help="the table as JSON")
+    if command == "rehearse":
+        parser.add_argument("--ranks", default=None, help="comma-separated ranks (default: first, last, each stage's "
+                            "first, each tensor-parallel position)")
     parsed, unknown = parser.parse_known_intermixed_args(argv)
     if unknown:
-        flags = {"train": "--dry-run, -m/--multirun", "submit": "--dry-run, -m/--multirun", "plan": "--json"}
+        flags = {"train": "--dry-run, -m/--multirun", "submit": "--dry-run, -m/--multirun", "plan": "--json",
+                 "rehearse": "--ranks, --json"}
         raise UsageError(f"unknown flag '{unknown[0]}' for {command}; allowed: {flags.get(command, 'none')}, "
                          "or key=value overrides")
     args = Args(command, parsed.overrides, getattr(parsed, "dry_run", False), getattr(parsed, "multirun", False),
-                getattr(parsed, "as_json", False))
+                getattr(parsed, "as_json", False), getattr(parsed, "ranks", None))
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
@@ -101,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             with interrupts_held():
                 return cmd_plan(args.overrides, args.as_json)
+        if args.command == "rehearse":
+            return cmd_rehearse(args.overrides, args.as_json, args.ranks)
         if args.command == "submit":
             return cmd_submit(args.overrides, args.multirun, args.dry_run)
         return cmd_train(args.overrides, args.multirun, args.dry_run)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from launcher import config as C
 from launcher.launch import slurm
-from launcher.launch.compose import compose_config, recipe_configs
+from launcher.launch.compose import UsageError, compose_config, recipe_configs
 from launcher.host import HostInfo
 from launcher.launch.validate import validate
 
@@ -78,6 +78,64 @@ def recommended_command(overrides: list[str], best) -> str:
     return f'make train RECIPE={best.layout.recipe} ARGS="{args}"'
 
 
+def validate_for_cluster(cfg: C.Config, world: int, host: HostInfo) -> None:
+    """Validate against the cluster being planned for, not this machine: one node with all
+    its `world` GPUs stands for it (the same data-parallel size, no rendezvous to check)."""
+    import dataclasses
+
+    as_one_node = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, nnodes=1, node_rank=0,
+                                                                       nproc_per_node=None, gpus_per_node=world))
+    for note in validate(as_one_node, HostInfo(cuda=True, gpus=world, cpus=host.cpus)):
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+
+
+def cmd_rehearse(overrides: list[str], as_json: bool = False, ranks: str | None = None) -> int:
+    """`launcher rehearse`: chosen ranks of the configured layout on cluster.nnodes x
+    cluster.gpus_per_node ranks, each built as a real rank builds it, on the meta device
+    under a fake process group, beside the planner (launcher/planner/rehearse.py)."""
+    cfg, _, _ = compose_config(overrides)
+    c = cfg.cluster
+    per_node = c.nproc_per_node or c.gpus_per_node
+    if per_node is None:
+        raise C.ConfigError("cluster.gpus_per_node", None, "needed: the ranks per node of the layout to rehearse (e.g. 8)")
+    world = per_node * c.nnodes
+    # Validated as a launch on that cluster's nodes would be (its GPUs, its node count: the
+    # messages name them); the rendezvous is not rehearsed, so no port is asked for.
+    import dataclasses
+
+    on_nodes = dataclasses.replace(cfg, cluster=dataclasses.replace(c, master_port=c.master_port or 29500))
+    for note in validate(on_nodes, HostInfo(cuda=True, gpus=per_node, cpus=HostInfo.detect().cpus)):
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+    from launcher.parallel import degrees as D
+    from launcher.planner import rehearse as R
+    from launcher.planner.plan import layout_of
+
+    R.rehearsable(cfg)
+    chosen = None
+    if ranks is not None:
+        try:
+            chosen = sorted({int(r) for r in ranks.split(",")})
+        except ValueError:
+            chosen = [-1]
+        if not all(0 <= r < world for r in chosen):
+            raise UsageError(f"--ranks {ranks}: comma-separated ranks in [0, {world - 1}] (the world is "
+                             f"cluster.nnodes x cluster.gpus_per_node = {c.nnodes} x {per_node})")
+    deg = D.degrees(cfg, world)
+    layout = layout_of(cfg, deg)
+    gpu_bytes = int(c.gpu_memory_gb * 2**30) if c.gpu_memory_gb else None
+    if not as_json:
+        print(f"rehearsal: model={cfg.model.name}, {layout.label} on {world} ranks ({c.nnodes} node(s) x {per_node}), "
+              f"{cfg.precision.name.value}; ranks {' '.join(map(str, chosen or R.chosen_ranks(deg)))} "
+              "built one at a time on the meta device under a fake process group", flush=True)
+    show = None if as_json else (lambda r: print("\n".join(R.rank_lines(r)), flush=True))
+    result = R.rehearse(cfg, world, per_node, gpu_bytes, chosen, progress=show)
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        print("\n".join(R.summary_lines(result)))
+    return 0
+
+
 def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
     """`launcher plan`: the table (or --json), optionally a chart; validates the config
     against the planned cluster, not this machine."""
@@ -86,14 +144,7 @@ def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
     cfg, _, _ = compose_config(overrides)
     host = HostInfo.detect()
     hw = hardware(cfg, host, world_from_launch=False)
-    # Checked against the cluster being planned for, not this machine: one node with all
-    # its GPUs stands for it (the same data-parallel size, no rendezvous to check).
-    import dataclasses
-
-    as_one_node = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, nnodes=1, node_rank=0,
-                                                                       nproc_per_node=None, gpus_per_node=hw.world))
-    for note in validate(as_one_node, HostInfo(cuda=True, gpus=hw.world, cpus=host.cpus)):
-        print(f"warning: {note}", file=sys.stderr, flush=True)
+    validate_for_cluster(cfg, hw.world, host)
     rows = planner.plan(cfg, hw, available_recipes())
     if as_json:
         print(planner.to_json(rows, hw))

@@ -256,7 +256,10 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
     """Storage on `storage` (default `device`) for what this rank holds (`to_empty`:
     untouched memory), its buffers computed (`init_buffers(model, device)`), its
     parameters drawn on `device` from `specs` or read from `pretrained`. No collective:
-    every rank fills its own part."""
+    every rank fills its own part. On the meta device (a rehearsal, launcher/planner/rehearse.py)
+    the shapes are all there is: nothing is allocated or drawn."""
+    if device.type == "meta":
+        return model
     if any(t.is_meta for t in model.parameters()) or any(b.is_meta for b in model.buffers()):
         shared: dict[int, list[str]] = {}  # a tied weight: one Parameter under two names
         for name, p in model.named_parameters(remove_duplicate=False):

@@ -29,7 +29,9 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def build_mesh(deg: D.Degrees, device: torch.device) -> DeviceMesh:
-    mesh = init_device_mesh(device.type, (deg.pp, deg.dp_replicate, deg.dp_shard, deg.tp), mesh_dim_names=MESH_DIMS)
+    """The mesh on the ranks' device type; a rehearsal's model lives on meta, under a fake
+    process group that serves the host's (launcher/planner/rehearse.py)."""
+    mesh = init_device_mesh("cpu" if device.type == "meta" else device.type, (deg.pp, deg.dp_replicate, deg.dp_shard, deg.tp), mesh_dim_names=MESH_DIMS)
     # The data slice (rank/entry.py) and the mesh must agree on who is who.
     assert tuple(mesh.get_coordinate()) == deg.coords(dist.get_rank()), (mesh.get_coordinate(), deg)
     return mesh

@@ -134,8 +134,7 @@ def candidates(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig]) ->
     for name, rc in available.items():
         spec = recipes.spec(rc.strategy)
         h, can = spec.holds(rc), spec.parallelism
-        held = dict(shard=h.shard, fsdp=h.fsdp, offload_optim=h.offload_optim, offload_params=h.offload_params,
-                    grad_buckets=h.grad_buckets)
+        held = holding(rc)
         # Ties (the same step time) go to the first: replicated before sharded, ZeRO's stages
         # in order before FSDP (the same states), offload last.
         order = (h.offload_optim or h.offload_params, h.shard, h.fsdp, name)
@@ -150,6 +149,21 @@ def candidates(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig]) ->
                 if world % pp == 0 and pp <= m.n_layers:
                     out.append(((2, pp, *order), Layout(name, dp=world // pp, pp=pp, **held)))
     return [layout for _, layout in sorted(out, key=lambda kv_: kv_[0])]
+
+
+def holding(rc: RecipeConfig) -> dict:
+    """A Layout's fields for how the recipe holds model states (its spec's `holds`)."""
+    import recipes
+
+    h = recipes.spec(rc.strategy).holds(rc)
+    return dict(shard=h.shard, fsdp=h.fsdp, offload_optim=h.offload_optim, offload_params=h.offload_params,
+                grad_buckets=h.grad_buckets)
+
+
+def layout_of(cfg: Config, deg) -> Layout:
+    """The layout of a composed config at resolved degrees (launcher.parallel.degrees):
+    any degree the recipe allows, not only those `make plan` compares (make rehearse)."""
+    return Layout(cfg.recipe.name, dp=deg.dp, tp=deg.tp, pp=deg.pp, **holding(cfg.recipe))
 
 
 def layout_for(cfg: Config, world: int) -> Layout:

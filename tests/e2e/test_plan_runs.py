@@ -104,6 +104,30 @@ def test_the_plan_holds_in_every_cell(matrix, capsys):
 
 
 @pytest.mark.slow
+def test_a_rehearsal_holds_what_real_ranks_hold(matrix):
+    """`make rehearse` (one process, a fake process group, the meta device) against the
+    engines of the matrix's real ranks: for every layout of a rehearsed recipe at 2 and 4
+    ranks, each rank's parameters, gradients and optimizer states to the byte."""
+    from launcher.planner import rehearse as R
+
+    real = {(r["world"], r["layout"], r["rank"]): r["measured"] for r in matrix
+            if r["precision"] == "fp32" and r["grad_accum"] == 1 and r["ac"] == "none" and "refused" not in r}
+    tiny, recipes = cli.compose_config(["model=gpt_tiny"])[0], compose.recipe_configs({"fsdp", "tp", "tp_fsdp", "pp"})
+    done = set()
+    for world in (2, 4):
+        for layout in planner.candidates(tiny, planner.Hardware(0, world, 1, planner.DEFAULT_TFLOPS), recipes):
+            label = layout.label
+            done.add((world, label))
+            extra = [f"parallel.pp_microbatches={layout.pp}"] if layout.pp > 1 else []
+            cfg, _, _ = cli.compose_config([*layout.overrides(), "model=gpt_tiny", f"train.micro_batch={max(2, layout.pp)}",
+                                            "train.seq_len=64", "precision=fp32", f"cluster.gpus_per_node={world}", *extra])
+            for r in R.rehearse(cfg, world, world, None, ranks=list(range(world))).ranks:
+                held = real[(world, label, r.rank)]
+                assert (r.params, r.grads, r.optim) == (held["params"], held["grads"], held["optim"]), (label, world, r.rank)
+    assert {label.split()[0] for _, label in done} == {"fsdp", "tp", "tp_fsdp", "pp"} and len(done) >= 7, done
+
+
+@pytest.mark.slow
 def test_auto_recipe_and_micro_batch_train(run_dir):
     proc = launch("recipe=auto", "train.micro_batch=auto", "cluster.gpu_memory_gb=0.2", "plan.reserve_gb=0",
                   "train.steps=6", "optim.warmup_steps=1", "logger=none", "logger.log_every=1", run_dir=run_dir)

@@ -181,6 +181,19 @@ CASES = [
     (["profile.enabled=true", "profile.steps=[5,500]"], ["profile.steps=[5, 500]", "train.steps=200"]),
     (["profile.enabled=true", "profile.steps=[5]"], ["profile.steps=[5]", "[first, last]"]),
     (["logger.also=[tensorboard,nope]"], ["logger.also", "nope", "tensorboard"]),
+    # make rehearse: a layout that cannot divide, named with its numbers, before anything is built
+    (["rehearse", "model=llama3_8b", "recipe=tp_fsdp", "parallel.tp=16", "cluster.nnodes=8", "cluster.gpus_per_node=8"],
+     ["parallel.tp=16", "must divide model.n_kv_heads=8"]),
+    (["rehearse", "model=llama3_70b", "recipe=tp_fsdp", "parallel.tp=6", "cluster.nnodes=32", "cluster.gpus_per_node=6"],
+     ["parallel.tp=6", "must divide model.n_heads=64"]),
+    (["rehearse", "model=llama3_8b", "recipe=pp", "parallel.pp=64", "cluster.nnodes=8", "cluster.gpus_per_node=8"],
+     ["parallel.pp=64", "64 stages", "model.n_layers=32"]),
+    (["rehearse", "model=llama3_70b", "recipe=tp_fsdp", "parallel.tp=8", "parallel.dp_shard=16", "cluster.nnodes=32",
+      "cluster.gpus_per_node=8"], ["world size 256", "8 x 32", "dp_shard(16) x tp(8)", "= 128"]),
+    (["rehearse", "model=llama3_8b", "recipe=zero3", "cluster.nnodes=8", "cluster.gpus_per_node=8"],
+     ["recipe=zero3", "not rehearsed", "rehearsed: fsdp, pp, tp, tp_fsdp"]),
+    (["rehearse", "model=llama3_8b", "recipe=fsdp"], ["cluster.gpus_per_node", "e.g. 8"]),
+    (["rehearse", "recipe=fsdp", "cluster.gpus_per_node=8", "--ranks", "3,8"], ["--ranks 3,8", "[0, 7]", "1 x 8"]),
 ]
 
 
@@ -212,10 +225,14 @@ def test_bad_input_is_one_line_and_exit_2(overrides, words, tmp_path, capsys, mo
 
 
 @pytest.mark.parametrize("overrides", [["recipe=nope"], ["train.steps=abc"], ["precision=fp16"],
-                                       ["recipe=zero2", "+recipe.zero.extra.train_batch_size=64"]])
+                                       ["recipe=zero2", "+recipe.zero.extra.train_batch_size=64"],
+                                       ["rehearse", "model=llama3_405b", "recipe=pp", "parallel.pp=16",
+                                        "parallel.pp_microbatches=16", "cluster.gpus_per_node=8"]])
 def test_bad_input_from_a_real_process(overrides, tmp_path):
     """The same through `python -m launcher`: exit code 2 from the launcher process itself."""
-    proc = subprocess.run([sys.executable, "-m", "launcher", "train", f"hydra.run.dir={tmp_path / 'run'}", *overrides],
+    command = ["rehearse"] if overrides[0] == "rehearse" else ["train"]
+    overrides = overrides[len(command):] if overrides[0] == "rehearse" else overrides
+    proc = subprocess.run([sys.executable, "-m", "launcher", *command, f"hydra.run.dir={tmp_path / 'run'}", *overrides],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

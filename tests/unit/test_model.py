@@ -11,7 +11,8 @@ from launcher.config import num_params
 from launcher.models.gpt import GPT, flops_per_token, set_activation_checkpointing
 
 
-@pytest.mark.parametrize("name", ["gpt_tiny", "gpt_small", "gpt_125m", "gpt_350m", "gpt_1b", "gpt_7b"])
+@pytest.mark.parametrize("name", ["gpt_tiny", "gpt_small", "gpt_125m", "gpt_350m", "gpt_1b", "gpt_7b", "llama3_8b",
+                                  "llama3_70b", "llama3_405b"])
 def test_param_count_formula_matches_the_module(name):
     cfg, _, _ = cli.compose_config([f"model={name}"])
     with torch.device("meta"):
@@ -21,7 +22,8 @@ def test_param_count_formula_matches_the_module(name):
 
 def test_sizes_are_what_their_names_say():
     counts = {}
-    for name in ["gpt_tiny", "gpt_small", "gpt_125m", "gpt_350m", "gpt_1b", "gpt_7b"]:
+    for name in ["gpt_tiny", "gpt_small", "gpt_125m", "gpt_350m", "gpt_1b", "gpt_7b", "llama3_8b", "llama3_70b",
+                 "llama3_405b"]:
         cfg, _, _ = cli.compose_config([f"model={name}"])
         counts[name] = num_params(cfg.model)
     assert counts["gpt_tiny"] < 10e6
@@ -29,6 +31,10 @@ def test_sizes_are_what_their_names_say():
     assert 300e6 < counts["gpt_350m"] < 420e6
     assert 1.0e9 < counts["gpt_1b"] < 1.2e9
     assert 6.5e9 < counts["gpt_7b"] < 7.0e9  # Llama-2-7B: 6.74B
+    # Meta's published counts: 8.03B, 70.6B, 405.9B (GQA with 8 KV heads, untied 128k vocabulary)
+    assert round(counts["llama3_8b"] / 1e9, 2) == 8.03
+    assert round(counts["llama3_70b"] / 1e9, 1) == 70.6
+    assert round(counts["llama3_405b"] / 1e9, 1) == 405.9
 
 
 def test_flops_per_token_is_six_n_plus_attention():

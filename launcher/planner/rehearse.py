@@ -1,0 +1,229 @@
+"""`make rehearse`: ranks of a cluster-sized layout built on this machine, as a real run
+builds them, beside the planner's prediction.
+
+For chosen ranks of the layout (the first and the last, the first of each pipeline
+stage, each position in a tensor-parallel group), this one process joins a process group
+of the layout's whole world size as that rank. The group is torch's "fake" backend
+(torch.testing._internal.distributed.fake_pg, torchtitan's COMM_MODE=fake_backend): every
+collective returns at once and nothing is sent. The model is built on the meta device and
+handed to the recipe's own engine through launcher.rank.entry.build_engine, the call a
+rank makes, with the meta device as the rank's device: the engine builds its mesh and
+parallelizes the model exactly as on GPUs (tensor parallel, FSDP2, the pipeline cut),
+and materialize keeps only the shapes (nothing is allocated or drawn on meta). Every
+parameter then has the shape this rank would hold. Start-up is what the engine holds
+then; a gradient in each parameter's own layout and dtype (what the engines hold at the
+optimizer step) and one step of the engine's own optimizer make Adam's states, and the
+engine's state_bytes() counts all three parts from those tensors as it does in a run.
+The planner's model_states for the same rank (launcher/planner/footprint.py) is set
+beside it.
+
+Rehearsed: the engines that shard a meta-device model (fsdp, tp, tp_fsdp, pp). ddp and
+ZeRO-1/2 hold the whole model on every rank (the plan's formula is the model's size);
+ZeRO-3 partitions inside DeepSpeed, which needs a real group.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from launcher import config as C
+from launcher.parallel import degrees as D
+from launcher.planner import footprint
+from launcher.planner.plan import GiB, Layout, layout_of
+
+TOLERANCE = 0.02
+"""The planner's model states must be within this of a rehearsed rank's (issue's target)."""
+
+
+@dataclass
+class Shard:
+    """Parameters with the same name pattern (layer index as *), shapes and placements."""
+
+    name: str
+    count: int
+    shape: tuple[int, ...]
+    local: tuple[int, ...]
+    placements: str
+
+
+@dataclass
+class RankReport:
+    rank: int
+    coords: dict[str, int]
+    params: int
+    grads: int
+    optim: int
+    startup: int
+    planned: dict[str, int]
+    seconds: float
+    shards: list[Shard] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optim
+
+    @property
+    def difference(self) -> float:
+        """Planned model states against rehearsed, relative to rehearsed."""
+        return self.planned["model_states"] / self.total - 1
+
+
+def rehearsable(cfg: C.Config) -> None:
+    import recipes
+
+    spec = recipes.spec(cfg.recipe.strategy)
+    if not spec.builds_on_meta:
+        on = [n for n, s in recipes.specs().items() if s.builds_on_meta]
+        raise C.ConfigError("recipe", cfg.recipe.name, "not rehearsed: it holds the whole model on every rank or "
+                            f"partitions inside DeepSpeed (make plan gives its figures); rehearsed: {', '.join(on)}")
+
+
+def chosen_ranks(deg: D.Degrees) -> list[int]:
+    """The first and the last rank, the first rank of each pipeline stage, and each
+    position in the first tensor-parallel group."""
+    per_stage = deg.world // deg.pp
+    return sorted({0, deg.world - 1} | {s * per_stage for s in range(deg.pp)} | set(range(deg.tp)))
+
+
+def rehearse_rank(cfg: C.Config, world: int, rank: int, local_rank: int) -> RankReport:
+    """Build rank `rank` of `world` under a fake process group (see the module's docstring)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from launcher import models
+    from launcher.rank.engine import local_shard, tensor_bytes
+    from launcher.rank.entry import build_engine
+
+    started = time.perf_counter()
+    deg = D.degrees(cfg, world)
+    layout = layout_of(cfg, deg)
+    pp_rank, dp_replicate, dp_shard, tp_rank = deg.coords(rank)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        with tempfile.TemporaryDirectory(prefix="rehearse-") as scratch:
+            engine = build_engine(cfg, models.prepare(models.on_meta(cfg), cfg), torch.device("meta"), rank, world,
+                                  local_rank, Path(scratch))
+        startup = engine.state_bytes().total
+        params = list(dict.fromkeys(p for p in engine.model.parameters() if p.requires_grad))
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        grads = tensor_bytes(p.grad for p in params)
+        engine.optimizer.step()
+        held = engine.state_bytes()
+        shards = group_shards((name, tuple(p.shape), tuple(local_shard(p).shape), placements(p))
+                              for name, p in engine.model.named_parameters())
+    finally:
+        dist.destroy_process_group()
+    p_, g_, o_, _, _ = footprint.model_states(cfg, layout, pp_rank)
+    planned = {"params": p_, "grads": g_, "optim": o_, "model_states": p_ + g_ + o_}
+    return RankReport(rank=rank, coords={"pp": pp_rank, "dp_replicate": dp_replicate, "dp_shard": dp_shard,
+                                         "tp": tp_rank},
+                      params=held.params, grads=grads, optim=held.optim, startup=startup, planned=planned,
+                      seconds=time.perf_counter() - started, shards=shards)
+
+
+def placements(p) -> str:
+    from launcher.models.init import is_dtensor
+
+    if not is_dtensor(p):
+        return "whole"
+    names = p.device_mesh.mesh_dim_names or ()
+    return ", ".join(f"{pl}@{names[i] if i < len(names) else i}" for i, pl in enumerate(p.placements))
+
+
+def group_shards(rows) -> list[Shard]:
+    """One line per name pattern (decoder layer index as *) and shapes."""
+    out: dict[tuple, Shard] = {}
+    for name, shape, local, where in rows:
+        key = (re.sub(r"\.\d+\.", ".*.", name), shape, local, where)
+        if key in out:
+            out[key].count += 1
+        else:
+            out[key] = Shard(key[0], 1, shape, local, where)
+    return list(out.values())
+
+
+@dataclass
+class Rehearsal:
+    model: str
+    layout: Layout
+    world: int
+    nnodes: int
+    precision: str
+    ranks: list[RankReport]
+    planned_startup: int
+    fits: bool | None
+    """The planner's verdict for the configured micro-batch and checkpointing on
+    cluster.gpu_memory_gb (None when it is not given)."""
+    peak: int | None
+    gpu_bytes: int | None
+
+    @property
+    def worst(self) -> RankReport:
+        return max(self.ranks, key=lambda r: abs(r.difference))
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "layout": {**asdict(self.layout), "label": self.layout.label},
+                "world": self.world, "nnodes": self.nnodes, "precision": self.precision,
+                "planned_startup": self.planned_startup, "fits": self.fits, "peak": self.peak,
+                "gpu_bytes": self.gpu_bytes,
+                "ranks": [{**asdict(r), "total": r.total, "difference": r.difference} for r in self.ranks],
+                "worst": {"rank": self.worst.rank, "difference": self.worst.difference}}
+
+
+def rehearse(cfg: C.Config, world: int, gpus_per_node: int, gpu_bytes: int | None,
+             ranks: list[int] | None = None, progress=None) -> Rehearsal:
+    """Rehearse `ranks` (default chosen_ranks) of the configured layout on `world` ranks."""
+    from launcher.planner import plan as planner
+
+    deg = D.degrees(cfg, world)
+    layout = layout_of(cfg, deg)
+    reports = []
+    for rank in ranks if ranks is not None else chosen_ranks(deg):
+        reports.append(rehearse_rank(cfg, world, rank, rank % gpus_per_node))
+        if progress:
+            progress(reports[-1])
+    fits = peak = None
+    if gpu_bytes is not None:
+        hw = planner.Hardware(gpu_bytes=gpu_bytes, gpus_per_node=gpus_per_node, nnodes=world // gpus_per_node,
+                              tflops=planner.DEFAULT_TFLOPS)
+        row = planner.memory_row(cfg, layout, cfg.train.activation_checkpointing, cfg.train.micro_batch, hw)
+        fits, peak = planner.fits(cfg, hw, row), row.peak
+    return Rehearsal(model=cfg.model.name, layout=layout, world=world, nnodes=world // gpus_per_node,
+                     precision=cfg.precision.name.value, ranks=reports,
+                     planned_startup=footprint.start_up(cfg, layout)[0], fits=fits, peak=peak, gpu_bytes=gpu_bytes)
+
+
+# ----------------------------------------------------------------------------- report
+def gib(b: int) -> str:
+    return f"{b / GiB:.2f} GiB" if b >= GiB else f"{b / 2**20:.2f} MiB"
+
+
+def rank_lines(r: RankReport) -> list[str]:
+    where = " ".join(f"{k} {v}" for k, v in r.coords.items())
+    out = [f"rank {r.rank} ({where}), built in {r.seconds:.1f} s: model states {gib(r.total)} "
+           f"(params {gib(r.params)}, grads {gib(r.grads)}, optimizer {gib(r.optim)}); planned "
+           f"{gib(r.planned['model_states'])} ({100 * r.difference:+.2f}%); start-up {gib(r.startup)}"]
+    for s in r.shards:
+        count = f" x{s.count}" if s.count > 1 else ""
+        out.append(f"    {s.name}{count}: {list(s.shape)} -> {list(s.local)}  [{s.placements}]")
+    return out
+
+
+def summary_lines(h: Rehearsal) -> list[str]:
+    out = []
+    if h.fits is not None:
+        verdict = "fits" if h.fits else "does not fit"
+        started = max(r.startup for r in h.ranks)
+        out.append(f"plan: the step {verdict} {h.gpu_bytes / GiB:.0f} GiB devices (peak {gib(h.peak)} a rank); "
+                   f"start-up planned {gib(h.planned_startup)}, rehearsed {gib(started)} (largest rank)")
+    w = h.worst
+    ok = "within" if abs(w.difference) <= TOLERANCE else "outside"
+    out.append(f"largest difference: {100 * w.difference:+.2f}% on rank {w.rank} of {h.layout.label} "
+               f"({h.world} ranks): the planner is {ok} {100 * TOLERANCE:.0f}% of the rehearsal")
+    return out

@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""The rehearsal matrix: Llama-3 8B, 70B and 405B layouts on 64, 256 and 512 ranks, each
+rank chosen by launcher.planner.rehearse built here (meta device, fake process group) and
+set beside the planner's model states and start-up.
+
+    python scripts/rehearse_matrix.py [--json OUT] [--only llama3_8b]
+
+Prints a markdown table (layout, rank, planned, rehearsed, difference) and the time each
+layout took; tests/e2e/test_rehearse.py runs it and holds every rank to the planner within
+launcher.planner.rehearse.TOLERANCE; docs/memory.md shows its table.
+
+Layouts are the ones the recipes build: fsdp, tp_fsdp (tp=8 inside a node) and pp (its
+ranks beyond the stages are data-parallel replicas). Each runs at sequence 8192 with full
+activation checkpointing and micro-batch 1 (pp: 2 x pp micro-batches a step) on 80 GiB
+devices, so the planner's verdict on the step is that of a real job's settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+COMMON = ["train.seq_len=8192", "train.micro_batch=1", "train.activation_checkpointing=full", "cluster.gpus_per_node=8",
+          "cluster.gpu_memory_gb=80"]
+
+
+def pipeline(pp: int) -> list[str]:
+    return ["recipe=pp", f"parallel.pp={pp}", f"parallel.pp_microbatches={2 * pp}", f"train.micro_batch={2 * pp}"]
+
+
+MATRIX: list[tuple[str, int, list[str]]] = [  # (model, nodes of 8, overrides)
+    ("llama3_8b", 8, ["recipe=fsdp"]),
+    ("llama3_8b", 8, ["recipe=tp_fsdp", "parallel.tp=8"]),
+    ("llama3_8b", 8, pipeline(4)),
+    ("llama3_70b", 32, ["recipe=tp_fsdp", "parallel.tp=8"]),
+    ("llama3_70b", 32, pipeline(8)),
+    ("llama3_405b", 64, ["recipe=tp_fsdp", "parallel.tp=8"]),
+    ("llama3_405b", 64, pipeline(16)),
+]
+
+
+def run(only: set[str] | None = None) -> list[dict]:
+    from launcher.launch.compose import compose_config
+    from launcher.launch.planning import validate_for_cluster
+    from launcher.host import HostInfo
+    from launcher.planner import rehearse as R
+
+    out = []
+    for model, nodes, overrides in MATRIX:
+        if only and model not in only:
+            continue
+        cfg, _, _ = compose_config([f"model={model}", f"cluster.nnodes={nodes}", *COMMON, *overrides])
+        world = 8 * nodes
+        validate_for_cluster(cfg, world, HostInfo.detect())
+        R.rehearsable(cfg)
+        started = time.perf_counter()
+        result = R.rehearse(cfg, world, 8, int(cfg.cluster.gpu_memory_gb * 2**30))
+        row = {**result.to_dict(), "seconds": time.perf_counter() - started}
+        for r in row["ranks"]:
+            r.pop("shards")
+        print(f"{model} {result.layout.label} on {world} ranks: {len(result.ranks)} ranks in {row['seconds']:.1f} s, "
+              f"largest difference {100 * result.worst.difference:+.2f}% (rank {result.worst.rank})", flush=True)
+        out.append(row)
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
+    lines = ["| model | layout | ranks | rank (pp, dp_replicate, dp_shard, tp) | model states planned / rehearsed (GiB) | difference "
+             "| start-up planned / rehearsed (GiB) | plan on 80 GiB |",
+             "|---|---|---:|---|---:|---:|---:|---|"]
+    for row in rows:
+        verdict = "fits" if row["fits"] else "does not fit"
+        for r in row["ranks"]:
+            c = r["coords"]
+            lines.append(f"| {row['model']} | {row['layout']['label']} | {row['world']} | {r['rank']} "
+                         f"({c['pp']}, {c['dp_replicate']}, {c['dp_shard']}, {c['tp']}) "
+                         f"| {gib(r['planned']['model_states'])} / {gib(r['total'])} | {100 * r['difference']:+.3f}% "
+                         f"| {gib(row['planned_startup'])} / {gib(r['startup'])} | {verdict} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--only", default="", help="comma-separated models")
+    args = ap.parse_args()
+    started = time.perf_counter()
+    rows = run(set(args.only.split(",")) if args.only else None)
+    print(table(rows))
+    print(f"matrix: {sum(len(r['ranks']) for r in rows)} ranks of {len(rows)} layouts in "
+          f"{time.perf_counter() - started:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

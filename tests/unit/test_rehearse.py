@@ -1,0 +1,52 @@
+"""`launcher rehearse` on a small layout, in a real process: ranks built on the meta
+device under a fake process group, with the local shapes tensor parallel and FSDP give
+each rank and the planner beside them (the cluster-sized matrix: tests/e2e/test_rehearse.py;
+the rehearsal against real ranks' engines: tests/e2e/test_plan_runs.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from runs import REPO
+from launcher.parallel import degrees as D
+from launcher.planner import rehearse as R
+
+
+def test_the_chosen_ranks_cover_ends_stages_and_tensor_parallel_positions():
+    assert R.chosen_ranks(D.Degrees(dp_shard=64)) == [0, 63]
+    assert R.chosen_ranks(D.Degrees(dp_shard=32, tp=8)) == [0, 1, 2, 3, 4, 5, 6, 7, 255]
+    assert R.chosen_ranks(D.Degrees(pp=4, dp_replicate=16)) == [0, 16, 32, 48, 63]
+
+
+def test_a_rehearsal_reports_each_ranks_shards_and_the_plan():
+    """gpt_tiny (dim 128, 4 heads, ffn 384, vocabulary 256, tied) as tp_fsdp with tp=2 on 2
+    nodes of 4: 8 ranks, FSDP over 4. Rank 0 and rank 1 are the two tensor-parallel
+    positions; rank 7 the last."""
+    proc = subprocess.run([sys.executable, "-m", "launcher", "rehearse", "model=gpt_tiny", "recipe=tp_fsdp",
+                           "parallel.tp=2", "cluster.nnodes=2", "cluster.gpus_per_node=4", "cluster.gpu_memory_gb=8",
+                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert (out["world"], out["layout"]["label"], out["fits"]) == (8, "tp_fsdp (dp4 tp2)", True)
+    assert [r["rank"] for r in out["ranks"]] == [0, 1, 7]
+    for r in out["ranks"]:
+        shards = {s["name"]: s for s in r["shards"]}
+        # q: rows split by tensor parallel (128 -> 64), then by FSDP over 4 (-> 16)
+        assert shards["layers.*.attention.wq.weight"]["local"] == [16, 128]
+        assert shards["layers.*.attention.wq.weight"]["count"] == 4
+        # the output projection: columns by tensor parallel, rows by FSDP
+        assert shards["layers.*.attention.wo.weight"]["local"] == [32, 64]
+        # the norms are replicated by tensor parallel, sharded by FSDP; so is the tied embedding
+        assert shards["norm.weight"]["local"] == [32]
+        assert shards["tok_embeddings.weight"]["local"] == [64, 128]
+        # fp32 master weights, fp32 gradients in their layout, two Adam moments (and a step each)
+        assert r["grads"] == r["params"] and 2 * r["params"] <= r["optim"] < 2 * r["params"] + 4 * 100
+        assert r["startup"] == r["params"]
+        assert abs(r["difference"]) < R.TOLERANCE, r
+    assert out["worst"]["rank"] in (0, 1, 7)
+    text = subprocess.run([sys.executable, "-m", "launcher", "rehearse", "model=gpt_tiny", "recipe=fsdp",
+                           "cluster.gpus_per_node=4"], cwd=REPO, capture_output=True, text=True, timeout=300).stdout
+    assert text.splitlines()[0].startswith("rehearsal: model=gpt_tiny, fsdp (dp4) on 4 ranks (1 node(s) x 4)")
+    assert text.splitlines()[-1].startswith("largest difference: ") and "within 2%" in text.splitlines()[-1]
