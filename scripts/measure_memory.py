@@ -31,7 +31,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 import recipes
@@ -121,18 +120,10 @@ def measure_engine(cells: list, layout: planner.Layout, rank: int, world: int, d
               f"measured in {time.perf_counter() - built:.1f} s", flush=True)
     del engine, net, runs
     if recipes.spec(cfg.recipe.strategy).deepspeed:
-        unpatch_linear()
+        from recipes.zero.engine import restore_linear
+
+        restore_linear()
     return rows
-
-
-def unpatch_linear() -> None:
-    """zero.Init replaces torch.nn.functional.linear with DeepSpeed's own for the rest of the
-    process ("This will persist unless manually reset"); it changes what autograd saves.
-    A rank runs one engine, so every later cell here gets torch's own back."""
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
-
-    if hasattr(patcher, "linear_bk"):
-        torch.nn.functional.linear = patcher.linear_bk
 
 
 def run(args, rank: int, world: int) -> list[dict]:

@@ -6,11 +6,12 @@ set beside the planner's model states and start-up.
     python scripts/rehearse_matrix.py [--json OUT] [--only llama3_8b]
 
 Prints a markdown table (layout, rank, planned, rehearsed, difference) and the time each
-layout took; tests/e2e/test_rehearse.py runs it and holds every rank to the planner within
+layout took; tests/e2e/test_rehearse_runs.py runs it and holds every rank to the planner within
 launcher.planner.rehearse.TOLERANCE; docs/memory.md shows its table.
 
-Layouts are the ones the recipes build: fsdp, tp_fsdp (tp=8 inside a node) and pp (its
-ranks beyond the stages are data-parallel replicas). Each runs at sequence 8192 with full
+Layouts are the ones the recipes build: fsdp, tp_fsdp (tp=8 inside a node), pp (its
+ranks beyond the stages are data-parallel replicas) and zero3 (DeepSpeed builds it on the
+host: its parameter partition against the plan). Each runs at sequence 8192 with full
 activation checkpointing and micro-batch 1 (pp: 2 x pp micro-batches a step) on 80 GiB
 devices, so the planner's verdict on the step is that of a real job's settings.
 """
@@ -34,6 +35,7 @@ MATRIX: list[tuple[str, int, list[str]]] = [  # (model, nodes of 8, overrides)
     ("llama3_8b", 8, ["recipe=fsdp"]),
     ("llama3_8b", 8, ["recipe=tp_fsdp", "parallel.tp=8"]),
     ("llama3_8b", 8, pipeline(4)),
+    ("llama3_8b", 8, ["recipe=zero3"]),
     ("llama3_70b", 32, ["recipe=tp_fsdp", "parallel.tp=8"]),
     ("llama3_70b", 32, pipeline(8)),
     ("llama3_405b", 64, ["recipe=tp_fsdp", "parallel.tp=8"]),
@@ -75,10 +77,15 @@ def table(rows: list[dict]) -> str:
         verdict = "fits" if row["fits"] else "does not fit"
         for r in row["ranks"]:
             c = r["coords"]
+            if r["compared"] == "params":  # ZeRO-3: the partition; DeepSpeed takes no step on a fake group
+                held = f"partition {gib(r['planned']['params'])} / {gib(r['params'])}"
+                startup = f"{gib(row['planned_startup'])} / (real ranks)"
+            else:
+                held = f"{gib(r['planned']['model_states'])} / {gib(r['total'])}"
+                startup = f"{gib(row['planned_startup'])} / {gib(r['startup'])}"
             lines.append(f"| {row['model']} | {row['layout']['label']} | {row['world']} | {r['rank']} "
                          f"({c['pp']}, {c['dp_replicate']}, {c['dp_shard']}, {c['tp']}) "
-                         f"| {gib(r['planned']['model_states'])} / {gib(r['total'])} | {100 * r['difference']:+.3f}% "
-                         f"| {gib(row['planned_startup'])} / {gib(r['startup'])} | {verdict} |")
+                         f"| {held} | {100 * r['difference']:+.3f}% | {startup} | {verdict} |")
     return "\n".join(lines)
 
 

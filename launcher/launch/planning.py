@@ -126,7 +126,8 @@ def cmd_rehearse(overrides: list[str], as_json: bool = False, ranks: str | None 
     if not as_json:
         print(f"rehearsal: model={cfg.model.name}, {layout.label} on {world} ranks ({c.nnodes} node(s) x {per_node}), "
               f"{cfg.precision.name.value}; ranks {' '.join(map(str, chosen or R.chosen_ranks(deg)))} "
-              "built one at a time on the meta device under a fake process group", flush=True)
+              f"built one at a time under a fake process group, "
+              f"{'by DeepSpeed on the host (zero.Init)' if R.partitioned(cfg) else 'on the meta device'}", flush=True)
     show = None if as_json else (lambda r: print("\n".join(R.rank_lines(r)), flush=True))
     result = R.rehearse(cfg, world, per_node, gpu_bytes, chosen, progress=show)
     if as_json:

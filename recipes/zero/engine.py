@@ -34,6 +34,17 @@ UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 
 
 
 # ----------------------------------------------------------------------------- engine
+def restore_linear() -> None:
+    """zero.Init replaces torch.nn.functional.linear with DeepSpeed's own for the rest of the
+    process ("This will persist unless manually reset"); it changes what autograd saves.
+    A rank runs one engine; a process that builds several (scripts/measure_memory.py, a
+    rehearsal) gives later engines torch's own back."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
+
+    if hasattr(patcher, "linear_bk"):
+        torch.nn.functional.linear = patcher.linear_bk
+
+
 def cpu_info_once() -> None:
     """DeepSpeedCPUAdam asks py-cpuinfo for the CPU's vendor each time one is built, and
     each call runs a Python subprocess (1.2 s here). The answer cannot change within a

@@ -190,8 +190,8 @@ CASES = [
      ["parallel.pp=64", "64 stages", "model.n_layers=32"]),
     (["rehearse", "model=llama3_70b", "recipe=tp_fsdp", "parallel.tp=8", "parallel.dp_shard=16", "cluster.nnodes=32",
       "cluster.gpus_per_node=8"], ["world size 256", "8 x 32", "dp_shard(16) x tp(8)", "= 128"]),
-    (["rehearse", "model=llama3_8b", "recipe=zero3", "cluster.nnodes=8", "cluster.gpus_per_node=8"],
-     ["recipe=zero3", "not rehearsed", "rehearsed: fsdp, pp, tp, tp_fsdp"]),
+    (["rehearse", "model=llama3_8b", "recipe=zero2", "cluster.nnodes=8", "cluster.gpus_per_node=8"],
+     ["recipe=zero2", "not rehearsed", "rehearsed: fsdp, pp, tp, tp_fsdp, and zero3, zero3_offload"]),
     (["rehearse", "model=llama3_8b", "recipe=fsdp"], ["cluster.gpus_per_node", "e.g. 8"]),
     (["rehearse", "recipe=fsdp", "cluster.gpus_per_node=8", "--ranks", "3,8"], ["--ranks 3,8", "[0, 7]", "1 x 8"]),
 ]

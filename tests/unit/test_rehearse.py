@@ -1,6 +1,6 @@
 """`launcher rehearse` on a small layout, in a real process: ranks built on the meta
 device under a fake process group, with the local shapes tensor parallel and FSDP give
-each rank and the planner beside them (the cluster-sized matrix: tests/e2e/test_rehearse.py;
+each rank and the planner beside them (the cluster-sized matrix: tests/e2e/test_rehearse_runs.py;
 the rehearsal against real ranks' engines: tests/e2e/test_plan_runs.py)."""
 
 from __future__ import annotations
