@@ -36,6 +36,35 @@ def test_dry_run_prints_the_script_and_submits_nothing(capsys, monkeypatch):
     assert subprocess.run(["bash", "-n"], input=out, text=True).returncode == 0, "the script is not valid bash"
 
 
+def test_the_rehearsed_405b_layout_renders_as_a_64_node_job(capsys, monkeypatch):
+    """The layout scripts/rehearse_matrix.py rehearses at 512 ranks (docs/memory.md 5),
+    submitted: 64 nodes of 8 GPUs, one torchrun agent a node, the c10d rendezvous (the
+    ranks' store) hosted on the allocation's first node, every node given
+    cluster.join_timeout_s to join; the same overrides `make rehearse` took."""
+    monkeypatch.chdir(REPO)
+    # A 405B run keeps 4 checkpoints of 6 TB on the cluster's parallel filesystem; this
+    # machine's disk stands in for it with that filesystem's free space (1 PiB).
+    from launcher.launch import rundir
+
+    class ParallelFilesystem:
+        free = 2**50
+
+    monkeypatch.setattr(rundir.shutil, "disk_usage", lambda path: ParallelFilesystem)
+    run_dir = Path("/tmp/launcher-golden/llama3-405b")  # fixed: the rendezvous id hashes it
+    code = cli.main(["submit", "model=llama3_405b", "recipe=tp_fsdp", "parallel.tp=8", "cluster=slurm",
+                     "cluster.nnodes=64", "cluster.gpus_per_node=8", "cluster.cpus_per_task=96", "cluster.partition=gpu",
+                     "cluster.time=48:00:00", "cluster.mem=0", "cluster.exclusive=true", "cluster.join_timeout_s=900",
+                     "train.seq_len=8192", "train.micro_batch=1", "train.activation_checkpointing=full",
+                     "+cluster.env.NCCL_SOCKET_IFNAME=ib0", f"hydra.run.dir={run_dir}", "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0 and not run_dir.exists()
+    text = out.replace(sys.executable, "/venv/bin/python").replace(str(REPO), "/repo")
+    check_golden("submit_dry_run_64_nodes_405b.sbatch", text)
+    assert "#SBATCH --nodes=64" in text and "--nproc-per-node=8" in text and "--rdzv-conf=join_timeout=900" in text
+    assert 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
+    assert subprocess.run(["bash", "-n"], input=out, text=True).returncode == 0, "the script is not valid bash"
+
+
 def test_submit_without_sbatch_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no Slurm client tools
     monkeypatch.chdir(REPO)
