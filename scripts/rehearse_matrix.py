@@ -71,7 +71,7 @@ def run(only: set[str] | None = None) -> list[dict]:
 def table(rows: list[dict]) -> str:
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
     lines = ["| model | layout | ranks | rank (pp, dp_replicate, dp_shard, tp) | model states planned / rehearsed (GiB) | difference "
-             "| start-up planned / rehearsed (GiB) | plan on 80 GiB |",
+             "| start-up planned / held when ready (GiB) | plan on 80 GiB |",
              "|---|---|---:|---|---:|---:|---:|---|"]
     for row in rows:
         verdict = "fits" if row["fits"] else "does not fit"

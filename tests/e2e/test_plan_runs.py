@@ -107,12 +107,13 @@ def test_the_plan_holds_in_every_cell(matrix, capsys):
 def test_a_rehearsal_holds_what_real_ranks_hold(matrix):
     """`make rehearse` (one process, a fake process group, the meta device) against the
     engines of the matrix's real ranks: for every layout of a rehearsed recipe at 2 and 4
-    ranks, each rank's parameters, gradients and optimizer states to the byte; ZeRO-3's
+    ranks, in each precision measured there, each rank's parameters, gradients and
+    optimizer states to the byte; ZeRO-3's
     parameter partition (DeepSpeed builds it for real and takes no step on a fake group)."""
     from launcher.planner import rehearse as R
 
-    real = {(r["world"], r["layout"], r["rank"]): r["measured"] for r in matrix
-            if r["precision"] == "fp32" and r["grad_accum"] == 1 and r["ac"] == "none" and "refused" not in r}
+    real = {(r["world"], r["layout"], r["precision"], r["rank"]): r["measured"] for r in matrix
+            if r["grad_accum"] == 1 and r["ac"] == "none" and "refused" not in r}
     tiny, recipes = cli.compose_config(["model=gpt_tiny"])[0], compose.recipe_configs({"fsdp", "tp", "tp_fsdp", "pp", "zero3"})
     done = set()
     for world in (2, 4):
@@ -120,14 +121,18 @@ def test_a_rehearsal_holds_what_real_ranks_hold(matrix):
             label = layout.label
             done.add((world, label))
             extra = [f"parallel.pp_microbatches={layout.pp}"] if layout.pp > 1 else []
-            cfg, _, _ = cli.compose_config([*layout.overrides(), "model=gpt_tiny", f"train.micro_batch={max(2, layout.pp)}",
-                                            "train.seq_len=64", "precision=fp32", f"cluster.gpus_per_node={world}", *extra])
-            for r in R.rehearse(cfg, world, world, None, ranks=list(range(world))).ranks:
-                held = real[(world, label, r.rank)]
-                if r.compared == "params":
-                    assert r.params == held["params"], (label, world, r.rank)
-                else:
-                    assert (r.params, r.grads, r.optim) == (held["params"], held["grads"], held["optim"]), (label, world, r.rank)
+            for precision in MATRIX_AT[world]["precision"]:
+                if precision == "fp16":
+                    continue
+                cfg, _, _ = cli.compose_config([*layout.overrides(), "model=gpt_tiny", f"train.micro_batch={max(2, layout.pp)}",
+                                                "train.seq_len=64", f"precision={precision}", f"cluster.gpus_per_node={world}",
+                                                *extra])
+                for r in R.rehearse(cfg, world, world, None, ranks=list(range(world))).ranks:
+                    held, where = real[(world, label, precision, r.rank)], (label, precision, world, r.rank)
+                    if r.compared == "params":
+                        assert r.params == held["params"], where
+                    else:
+                        assert (r.params, r.grads, r.optim) == (held["params"], held["grads"], held["optim"]), where
     assert {label.split()[0] for _, label in done} == {"fsdp", "tp", "tp_fsdp", "pp", "zero3"} and len(done) >= 9, done
 
 

@@ -43,12 +43,9 @@ def test_the_planner_holds_at_64_256_and_512_ranks(tmp_path, capsys):
             if r["compared"] == "params":  # ZeRO-3, as built: bf16 partition, fp32 master partition
                 assert r["optim"] == 2 * r["params"] and r["grads"] >= r["params"], (where, r)
                 continue
-            assert r["compared"] == "model_states" and r["grads"] == r["params"], (where, r)
-            assert r["optim"] >= 2 * r["params"], (where, r)
-        if row["fits"] and row["layout"]["recipe"] != "zero3":
-            budget = row["gpu_bytes"]
-            assert max(r["startup"] for r in row["ranks"]) < budget, where
-            assert row["peak"] < budget, where
+            assert r["compared"] == "model_states" and r["optim"] >= 2 * r["params"], (where, r)
+        if row["fits"] and row["layout"]["recipe"] != "zero3":  # what a rank holds when its engine is ready
+            assert max(r["startup"] for r in row["ranks"]) < row["gpu_bytes"], where
     assert any(row["fits"] for row in rows) and not all(row["fits"] for row in rows)
     seconds = sum(row["seconds"] for row in rows)
     with capsys.disabled():
