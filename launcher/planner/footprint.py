@@ -208,14 +208,16 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
 
 def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode, ac_every: int, b: int, s: int) -> int:
     """Transient buffers at the step's peak: the logits (low-precision output and the
-    fp32 copy the loss takes), one block's activations while it is recomputed,
+    fp32 copy the loss takes; whole on every tensor-parallel rank), one block's activations while it is recomputed,
     ZeRO-3/FSDP's gathered layers (the current and the prefetched one, bf16), and under
     FSDP an untied embedding: the root unit is held gathered through forward and backward
     (launcher/parallel/mesh.py::apply_fsdp), and autograd saves the head's weight
     (activations count it: Numerics.gathered_head) but not the embedding's."""
     n = numerics(precision, layout)
     x = M.Shape.of(m, b, s)
-    logits = (n.compute + 4) * b * s * x.V // layout.tp
+    # Tensor parallel gathers the head's output (launcher/parallel/plan.py: ColwiseParallel to
+    # Replicate): every rank holds the whole vocabulary's logits, not a 1/tp slice.
+    logits = (n.compute + 4) * b * s * x.V
     recompute = M.block_activations(x, n, layout.tp) if M.recomputed(x.L, ac, ac_every) else 0
     gathered = 2 * 2 * x.block_params // layout.tp if layout.shard == "zero3" else 0
     embedding = n.compute * x.V * x.h // layout.tp if layout.fsdp and not m.tie_embeddings else 0

@@ -285,8 +285,9 @@ def test_a_ctrl_c_while_the_launch_side_imports_is_held_then_said(tmp_path, caps
 
     monkeypatch.setattr(cli, "validate", validate)
     run = tmp_path / "run"
+    before = signal.getsignal(signal.SIGINT)  # Python's handler; SIG_IGN under a shell's `cmd &` or nohup
     code = cli.main(["train", f"hydra.run.dir={run}"])
     out, err = capsys.readouterr()
     assert finished == [True] and code == 130, (code, err)
     assert err == "interrupted (Ctrl-C) before training started\n" and not run.exists(), err
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # the launcher's own handler is gone again

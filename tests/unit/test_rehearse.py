@@ -66,3 +66,32 @@ def test_a_hugging_face_llama_is_rehearsed_against_the_plan_of_its_shape(tmp_pat
     assert all(abs(r["difference"]) < R.TOLERANCE and r["params"] > 0 for r in out["ranks"]), out["ranks"]
     names = {s["name"] for s in out["ranks"][0]["shards"]}
     assert "model.layers.*.self_attn.q_proj.weight" in names, names
+
+
+def test_tensor_parallel_ranks_hold_the_whole_vocabularys_logits():
+    """The planner's logits term is not divided by tp: a rank of a tp=2 layout, built as a
+    rehearsal builds it (meta device, fake process group), gathers the head's output to the
+    whole vocabulary before the loss, tied or untied."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from launcher import models
+    from launcher.launch import cli
+    from launcher.planner import footprint, plan as planner
+    from launcher.rank.entry import build_engine
+
+    for tied in ("true", "false"):
+        cfg, _, _ = cli.compose_config(["model=gpt_tiny", "recipe=tp", "parallel.tp=2", "cluster.gpus_per_node=2",
+                                        f"model.tie_embeddings={tied}"])
+        dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+        try:
+            engine = build_engine(cfg, models.prepare(models.on_meta(cfg), cfg), torch.device("meta"), 1, 2, 1, REPO)
+            x = torch.zeros(3, 16, dtype=torch.long, device="meta")
+            logits = engine.model(x)
+        finally:
+            dist.destroy_process_group()
+        assert not isinstance(logits, torch.distributed.tensor.DTensor) and tuple(logits.shape) == (3, 16, 256), tied
+    layout = planner.layout_of(cfg, D.degrees(cfg, 2))
+    assert footprint.temporaries(cfg.model, cfg.precision.name, layout, cfg.train.activation_checkpointing,
+                                 cfg.train.ac_every, 3, 16) >= (2 + 4) * 3 * 16 * 256
