@@ -281,7 +281,6 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
         from launcher.models import weights
 
         entries = weights.index(pretrained)
-    gen_device = device if device.type != "meta" else torch.device("cpu")
     with torch.no_grad():
         done: set[int] = set()
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -293,7 +292,7 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
             if entries is not None:
                 _read(entries, key, dst, shape, box, flat)
             else:
-                fill(dst, shape, box, flat, specs[key], seed, key, gen_device)
+                fill(dst, shape, box, flat, specs[key], seed, key, device)
     global BUILT_PEAK_RSS
     BUILT_PEAK_RSS = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return model
