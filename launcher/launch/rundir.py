@@ -66,21 +66,35 @@ def checkpoint_bound(cfg: C.Config) -> int:
     return 16 * sum(p.numel() for p in models.on_meta(cfg).parameters())
 
 
+def checkpoints_written(cfg: C.Config) -> int:
+    """The most checkpoints one launch writes: one every checkpoint.every steps and one
+    at the end (the last step, or the step where a preemption or train.stop_at stops
+    it early, which takes the place of every later one): ceil(steps / every), or 1 when
+    only the end saves. A resumed launch writes fewer; this counts from step 0."""
+    every, steps = cfg.checkpoint.every, cfg.train.steps
+    return max(1, -(-steps // every)) if every else 1
+
+
 def check_checkpoint_space(cfg: C.Config, run_dir: Path) -> None:
-    """The checkpoint folder is writable and its disk has room for keep + 1 checkpoints
-    (the newest is written before the oldest is deleted), found here, not mid-run."""
+    """The checkpoint folder is writable and its disk has room for the checkpoints that
+    can exist at once: keep + 1 (the newest is written before the oldest is deleted), or
+    fewer when the run's complete ones and the ones this launch writes are fewer; found
+    here, not mid-run."""
     from launcher.manifest import complete_checkpoints
 
     root = root_of(cfg, run_dir)
     probe = writable_parent(root, "checkpoint.dir")
     each = checkpoint_bound(cfg)
-    existing = sum(f.stat().st_size for d in complete_checkpoints(root) for f in d.rglob("*") if f.is_file())
-    need = max(each, each * (cfg.checkpoint.keep + 1) - existing)
+    done = complete_checkpoints(root)
+    existing = sum(f.stat().st_size for d in done for f in d.rglob("*") if f.is_file())
+    at_once = min(cfg.checkpoint.keep + 1, len(done) + checkpoints_written(cfg))
+    need = max(each, each * at_once - existing)
     free = shutil.disk_usage(probe).free
     if free < need:
         raise C.ConfigError("checkpoint.dir", str(root),
-                            f"{free / 2**30:.2f} GiB free, but keep={cfg.checkpoint.keep} checkpoints of up to "
-                            f"{each / 2**30:.2f} GiB need {need / 2**30:.2f} GiB; free space, lower checkpoint.keep, "
+                            f"{free / 2**30:.2f} GiB free, but {at_once} checkpoints at once (keep={cfg.checkpoint.keep}, "
+                            f"{checkpoints_written(cfg)} written by this run) of up to {each / 2**30:.2f} GiB need "
+                            f"{need / 2**30:.2f} GiB; free space, lower checkpoint.keep, raise checkpoint.every, "
                             f"or choose another checkpoint.dir")
 
 

@@ -251,15 +251,24 @@ def test_the_space_check_asks_for_keep_plus_one_checkpoints_of_16_bytes_per_para
     from launcher import models
 
     disk = small_disk(40)
-    cfg, _, _ = cli.compose_config(["model=gpt_tiny", f"checkpoint.dir={disk / 'ckpt'}"])
+    cfg, _, _ = cli.compose_config(["model=gpt_tiny", "checkpoint.every=1", f"checkpoint.dir={disk / 'ckpt'}"])
     each = 16 * sum(p.numel() for p in models.on_meta(cfg).parameters())
     keep = shutil.disk_usage(disk).free // each - 1
     assert keep >= 1, (each, shutil.disk_usage(disk).free)
     fits = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, keep=int(keep)))
     rundir.check_checkpoint_space(fits, tmp_path / "run")
     over = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, keep=int(keep) + 1))
-    with pytest.raises(cli.C.ConfigError, match=f"keep={keep + 1} checkpoints"):
+    with pytest.raises(cli.C.ConfigError, match=f"{keep + 2} checkpoints at once \\(keep={keep + 1},"):
         rundir.check_checkpoint_space(over, tmp_path / "run")
+    # A run that writes fewer checkpoints than keep + 1 needs room for those alone: two
+    # (every=100 of 200 steps) fit where keep + 2 would not.
+    short = dataclasses.replace(over, checkpoint=dataclasses.replace(over.checkpoint, every=cfg.train.steps // 2))
+    assert rundir.checkpoints_written(short) == 2 and keep + 2 > 2
+    rundir.check_checkpoint_space(short, tmp_path / "run")
+    assert rundir.checkpoints_written(dataclasses.replace(short, checkpoint=dataclasses.replace(
+        short.checkpoint, every=0))) == 1
+    assert rundir.checkpoints_written(dataclasses.replace(short, checkpoint=dataclasses.replace(
+        short.checkpoint, every=cfg.train.steps // 2 - 1))) == 3
 
 
 @pytest.mark.parametrize("saving", [["recipe=ddp"], ["recipe=fsdp"], ["recipe=fsdp", "checkpoint.async_save=true"]],
