@@ -19,13 +19,14 @@ help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 	@echo '  RECIPE=<conf/recipe name>  ARGS="<hydra overrides>"  e.g. make train RECIPE=ddp ARGS="train.steps=300"'
 
-setup: $(STAMP) ## make .venv and install the project (torch pinned; CPU wheel here, CUDA on GPU hosts)
+setup: $(STAMP) ## make .venv, install the project (torch pinned; CPU wheel here, CUDA on GPU hosts), compile DeepSpeed's JIT ops once
 
 $(STAMP): pyproject.toml
-	@echo 'setting up $(VENV) (once): python -m venv, pip install -e .[dev,hf,tb]' >&2
+	@echo 'setting up $(VENV) (once): python -m venv, pip install -e .[dev,hf,tb], scripts/build_ops.py' >&2
 	@$(PYTHON) -m venv $(VENV)
 	@$(VENV)/bin/pip install --quiet --upgrade pip >&2
 	@$(VENV)/bin/pip install --quiet -e '.[dev,hf,tb]' >&2
+	@$(PY) scripts/build_ops.py
 	@touch $(STAMP)
 
 train: setup ## train: RECIPE=<name> ARGS="<overrides>" (--dry-run in ARGS prints, starts nothing)

@@ -3,7 +3,7 @@
 rank chosen by launcher.planner.rehearse built here (meta device, fake process group) and
 set beside the planner's model states and start-up.
 
-    python scripts/rehearse_matrix.py [--json OUT] [--only llama3_8b]
+    python scripts/rehearse_matrix.py [--json OUT] [--only llama3_8b] [--jobs N]
 
 Prints a markdown table (layout, rank, planned, rehearsed, difference) and the time each
 layout took; tests/e2e/test_rehearse_runs.py runs it and holds every rank to the planner within
@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 COMMON = ["train.seq_len=8192", "train.micro_batch=1", "train.activation_checkpointing=full", "cluster.gpus_per_node=8",
@@ -43,29 +46,37 @@ MATRIX: list[tuple[str, int, list[str]]] = [  # (model, nodes of 8, overrides)
 ]
 
 
-def run(only: set[str] | None = None) -> list[dict]:
+def rehearse_one(model: str, nodes: int, overrides: list[str]) -> dict:
+    """One layout, in a process of its own (each rank joins a fake group of the layout's world)."""
     from launcher.launch.compose import compose_config
     from launcher.launch.planning import validate_for_cluster
     from launcher.host import HostInfo
     from launcher.planner import rehearse as R
 
-    out = []
-    for model, nodes, overrides in MATRIX:
-        if only and model not in only:
-            continue
-        cfg, _, _ = compose_config([f"model={model}", f"cluster.nnodes={nodes}", *COMMON, *overrides])
-        world = 8 * nodes
-        validate_for_cluster(cfg, world, HostInfo.detect())
-        R.rehearsable(cfg)
-        started = time.perf_counter()
-        result = R.rehearse(cfg, world, 8, int(cfg.cluster.gpu_memory_gb * 2**30))
-        row = {**result.to_dict(), "seconds": time.perf_counter() - started}
-        for r in row["ranks"]:
-            r.pop("shards")
-        print(f"{model} {result.layout.label} on {world} ranks: {len(result.ranks)} ranks in {row['seconds']:.1f} s, "
-              f"largest difference {100 * result.worst.difference:+.2f}% (rank {result.worst.rank})", flush=True)
-        out.append(row)
-    return out
+    cfg, _, _ = compose_config([f"model={model}", f"cluster.nnodes={nodes}", *COMMON, *overrides])
+    world = 8 * nodes
+    validate_for_cluster(cfg, world, HostInfo.detect())
+    R.rehearsable(cfg)
+    started = time.perf_counter()
+    result = R.rehearse(cfg, world, 8, int(cfg.cluster.gpu_memory_gb * 2**30))
+    row = {**result.to_dict(), "seconds": time.perf_counter() - started}
+    for r in row["ranks"]:
+        r.pop("shards")
+    print(f"{model} {result.layout.label} on {world} ranks: {len(result.ranks)} ranks in {row['seconds']:.1f} s, "
+          f"largest difference {100 * result.worst.difference:+.2f}% (rank {result.worst.rank})", flush=True)
+    return row
+
+
+def run(only: set[str] | None = None, jobs: int = 1) -> list[dict]:
+    """Every layout of MATRIX (of the `only` models), `jobs` at a time in processes of their
+    own; ZeRO-3's, built for real on the host and the slowest, start first. Rows in MATRIX's order."""
+    todo = [m for m in MATRIX if not only or m[0] in only]
+    if jobs <= 1:
+        return [rehearse_one(*m) for m in todo]
+    first = sorted(range(len(todo)), key=lambda i: "recipe=zero3" not in todo[i][2])
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {i: pool.submit(rehearse_one, *todo[i]) for i in first}
+        return [futures[i].result() for i in range(len(todo))]
 
 
 def table(rows: list[dict]) -> str:
@@ -93,9 +104,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--only", default="", help="comma-separated models")
+    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                    help="layouts rehearsed at once, each in its own process (default: the cores this process may use)")
     args = ap.parse_args()
     started = time.perf_counter()
-    rows = run(set(args.only.split(",")) if args.only else None)
+    rows = run(set(args.only.split(",")) if args.only else None, args.jobs)
     print(table(rows))
     print(f"matrix: {sum(len(r['ranks']) for r in rows)} ranks of {len(rows)} layouts in "
           f"{time.perf_counter() - started:.0f} s")
