@@ -32,6 +32,9 @@ class Parallelism:
     shards: bool = False
     tp: bool = False
     pp: bool = False
+    required: tuple[str, ...] = ()
+    """The degrees that must be at least 2 ("tp", "pp"): what the recipe is for (tp=1 under
+    recipe=tp is plain data parallel); the others it may use at 1."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,8 @@ class RecipeSpec:
 
     parallelism: Parallelism = Parallelism()
     """The degrees it may use beyond data parallel; validation refuses the others, the
-    planner tries tp in 2, 4, 8 and pp in 2, 4 where it may."""
+    planner tries tp in 2, 4, 8 and pp in 2, 4 where it may (and their products where it
+    may use both)."""
     engine: str = ""
     """The module that builds it: `build(ctx)` and `consolidate(cfg, engine_dir)` (the
     recipe's own module when empty). Imported by a rank and by export, never by the

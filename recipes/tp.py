@@ -10,5 +10,5 @@ is in launcher/parallel/plan.py; the engine is fsdp's ShardedEngine (no FSDP her
 
 from recipes import Parallelism, RecipeSpec
 
-SPEC = RecipeSpec(Parallelism(tp=True), engine="recipes.fsdp.engine", builds_on_meta=True, writes="dcp",
+SPEC = RecipeSpec(Parallelism(tp=True, required=("tp",)), engine="recipes.fsdp.engine", builds_on_meta=True, writes="dcp",
                   reads=("ddp", "dcp"))

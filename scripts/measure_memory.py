@@ -164,7 +164,8 @@ def measure_precision(base, args, layout, rank, world, device, scratch, key) -> 
         except ConfigError as e:
             rows.append({**key, "grad_accum": accum, "ac": ac, "refused": str(e)})
             continue
-        shared = cfg.recipe.strategy not in ("zero", "pp")
+        spec = recipes.spec(cfg.recipe.strategy)
+        shared = not (spec.deepspeed or spec.parallelism.pp)
         engines.setdefault(None if shared else accum, []).append(cfg)
     for cells in engines.values():
         measured = measure_engine(cells, layout, rank, world, device, scratch)

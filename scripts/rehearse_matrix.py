@@ -9,9 +9,10 @@ Prints a markdown table (layout, rank, planned, rehearsed, difference) and the t
 layout took; tests/e2e/test_rehearse_runs.py runs it and holds every rank to the planner within
 launcher.planner.rehearse.TOLERANCE; docs/memory.md shows its table.
 
-Layouts are the ones the recipes build: fsdp, tp_fsdp (tp=8 inside a node), pp (its
-ranks beyond the stages are data-parallel replicas) and zero3 (DeepSpeed builds it on the
-host: its parameter partition against the plan). Each runs at sequence 8192 with full
+Layouts are the ones the recipes build: fsdp, tp_fsdp (tp=8 inside a node), pp x tp
+(the ranks beyond the stages are data-parallel replicas), pp_fsdp (pp x fsdp, pp x tp x
+fsdp with sequence parallel) and zero3 (DeepSpeed builds it on the host: its parameter
+partition against the plan). Each runs at sequence 8192 with full
 activation checkpointing and micro-batch 1 (pp: 2 x pp micro-batches a step) on 80 GiB
 devices, so the planner's verdict on the step is that of a real job's settings.
 """
@@ -30,19 +31,21 @@ COMMON = ["train.seq_len=8192", "train.micro_batch=1", "train.activation_checkpo
           "cluster.gpu_memory_gb=80"]
 
 
-def pipeline(pp: int) -> list[str]:
-    return ["recipe=pp", f"parallel.pp={pp}", f"parallel.pp_microbatches={2 * pp}", f"train.micro_batch={2 * pp}"]
+def pipeline(pp: int, recipe: str = "pp", tp: int = 1) -> list[str]:
+    return [f"recipe={recipe}", f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.pp_microbatches={2 * pp}",
+            f"train.micro_batch={2 * pp}", *(["parallel.sequence_parallel=true"] if tp > 1 else [])]
 
 
 MATRIX: list[tuple[str, int, list[str]]] = [  # (model, nodes of 8, overrides)
     ("llama3_8b", 8, ["recipe=fsdp"]),
     ("llama3_8b", 8, ["recipe=tp_fsdp", "parallel.tp=8"]),
-    ("llama3_8b", 8, pipeline(4)),
+    ("llama3_8b", 8, pipeline(4, "pp_fsdp")),
     ("llama3_8b", 8, ["recipe=zero3"]),
     ("llama3_70b", 32, ["recipe=tp_fsdp", "parallel.tp=8"]),
-    ("llama3_70b", 32, pipeline(8)),
+    ("llama3_70b", 32, pipeline(8, tp=8)),
+    ("llama3_70b", 32, pipeline(4, "pp_fsdp")),
     ("llama3_405b", 64, ["recipe=tp_fsdp", "parallel.tp=8"]),
-    ("llama3_405b", 64, pipeline(16)),
+    ("llama3_405b", 64, pipeline(16, "pp_fsdp", tp=8)),
 ]
 
 

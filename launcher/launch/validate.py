@@ -218,14 +218,22 @@ def validate_parallel(cfg: Config, world: int) -> None:
     if p.tp > 1 and not can.tp:
         raise ConfigError("parallel.tp", p.tp, f"recipe {name} has no tensor parallel; use recipe=tp or recipe=tp_fsdp")
     if p.pp > 1 and not can.pp:
-        raise ConfigError("parallel.pp", p.pp, f"recipe {name} has no pipeline parallel; use recipe=pp")
+        raise ConfigError("parallel.pp", p.pp, f"recipe {name} has no pipeline parallel; use recipe=pp or recipe=pp_fsdp")
     if p.dp_shard > 1 and not can.shards:
         raise ConfigError("parallel.dp_shard", p.dp_shard,
                           f"recipe {name} does not shard; use recipe=fsdp or recipe=tp_fsdp, or parallel.dp_replicate")
-    if can.tp and p.tp < 2:
+    if "tp" in can.required and p.tp < 2:
         raise ConfigError("parallel.tp", p.tp, f"recipe {name} needs tp >= 2 (tp=1 is plain data parallel)")
-    if can.pp and p.pp < 2:
+    if "pp" in can.required and p.pp < 2:
         raise ConfigError("parallel.pp", p.pp, f"recipe {name} needs pp >= 2 (pp=1 is plain data parallel)")
+    if can.pp and can.shards and p.dp_replicate > 1:
+        raise ConfigError("parallel.dp_replicate", p.dp_replicate,
+                          f"recipe {name} shards each stage over all its data-parallel ranks (FSDP); HSDP under a "
+                          f"pipeline is not built: use dp_replicate=1, or recipe=pp for replicated stages")
+    if can.pp and can.shards and cfg.recipe.fsdp.cpu_offload:
+        raise ConfigError("recipe.fsdp.cpu_offload", "true",
+                          f"recipe {name} keeps each stage's gradients unsharded on the device through the step; "
+                          f"offload is for recipe=fsdp or tp_fsdp")
     if not spec.fp16 and cfg.precision.name == Precision.fp16:
         raise ConfigError("precision", "fp16", f"recipe {name} supports bf16 and fp32 (it has no fp16 loss scaler)")
 

@@ -22,8 +22,7 @@ from launcher import config as C
 from launcher.parallel import degrees as D
 from launcher.device import autocast_dtype
 from launcher.rank.engine import local_shard
-from launcher.models import decoder_layers
-from launcher.parallel.plan import apply_tp
+from launcher.parallel.plan import apply_tp, held_blocks
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -74,7 +73,7 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, cfg: C.Config, device_t
     mp = MixedPrecisionPolicy(param_dtype=autocast_dtype(cfg.precision.name.value), reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if opts.cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
-    for layer in decoder_layers(model):
+    for layer in held_blocks(model):
         fully_shard(layer, reshard_after_forward=opts.reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
 
@@ -110,25 +109,26 @@ def match_grad_layouts(params) -> None:
             p.grad = g.redistribute(g.device_mesh, p.placements)
 
 
-def clip_grad_norm(params, max_norm: float, copies=lambda p: 1) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float, copies=lambda p: 1, stages: int = 1) -> torch.Tensor:
     """The global gradient norm over shards, replicas and stages, with one all-reduce over
     all ranks; then every gradient is scaled by the same factor (torch's
     clip_grad_norm_ formula). Each rank adds the squares of its local gradient elements
     divided by the number of ranks that hold the same elements: for a DTensor the ranks
-    outside its mesh times its replicated mesh dimensions, for a plain tensor `copies(p)`
-    (0 leaves it out: a tied copy counted elsewhere)."""
+    outside its mesh, less the other `stages` of a pipeline (which hold other layers),
+    times its replicated mesh dimensions; for a plain tensor `copies(p)`. `copies(p) == 0`
+    leaves any tensor out (a tied copy counted on another stage)."""
     world = dist.get_world_size()
     grads, weights = [], []
     for p in params:
         g = p.grad
         if g is None:
             continue
-        if isinstance(g, DTensor):
+        n = copies(p)
+        if n and isinstance(g, DTensor):
             assert not any(pl.is_partial() for pl in g.placements), g.placements
             mesh = g.device_mesh
-            n = world // mesh.size() * math.prod(mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
-        else:
-            n = copies(p)
+            n = (world // (stages * mesh.size())
+                 * math.prod(mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate()))
         grads.append(local_shard(g))
         weights.append(1.0 / n if n else 0.0)
     device = grads[0].device if grads else torch.device("cpu")

@@ -84,14 +84,35 @@ def tp_plan(layout: Layout, sequence_parallel: bool) -> tuple[dict[str, Parallel
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shard `model` in place over the 1-D tensor-parallel mesh."""
+    """Shard `model` in place over the 1-D tensor-parallel mesh: the whole model, or a
+    pipeline Stage (the root modules it holds: the embedding on the first stage, the norm
+    and head on the last)."""
     layout = model_layout(model)
     root, block = tp_plan(layout, sequence_parallel)
-    parallelize_module(model, mesh, root)
-    for layer in model.get_submodule(layout.layers):
+    root = {name: style for name, style in root.items() if holds(model, name)}
+    if root:
+        parallelize_module(model, mesh, root)
+    for layer in held_blocks(model, layout):
         parallelize_module(layer, mesh, block)
-    if layout.tied:  # each style made its own Parameter: tie them again
+    if layout.tied and holds(model, layout.head) and holds(model, layout.embed):
+        # each style made its own Parameter: tie them again
         model.get_submodule(layout.head).weight = model.get_submodule(layout.embed).weight
+
+
+def holds(model: nn.Module, name: str) -> bool:
+    """`model` has the module `name` and it is not a stand-in for one another stage holds."""
+    try:
+        return not isinstance(model.get_submodule(name), nn.Identity)
+    except AttributeError:
+        return False
+
+
+def held_blocks(model: nn.Module, layout: Layout | None = None) -> list[nn.Module]:
+    """The transformer blocks `model` holds: all of a whole model's (a ModuleList), a
+    Stage's (a ModuleDict by layer index), without the stand-ins for other stages' layers."""
+    container = model.get_submodule((layout or model_layout(model)).layers)
+    found = container.values() if isinstance(container, nn.ModuleDict) else container
+    return [b for b in found if not isinstance(b, nn.Identity)]
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -149,6 +170,7 @@ class Stage(nn.Module):
             "run": model.run_blocks,
         }
         self.__dict__["blocks"] = nn.ModuleDict({str(i): blocks[i] for i in layers})
+        self.layout = layout  # model_layout(stage): the full model's names
         for name, part in ((layout.embed, "embed"), (layout.norm, "norm"), (layout.head, "head")):
             if self.parts[part] is not None:
                 _place(self, name, self.parts[part])

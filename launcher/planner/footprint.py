@@ -72,21 +72,21 @@ def param_share(cfg: Config, layout: Layout, pp_rank: int | None = None) -> int:
     or the worst rank."""
     m = cfg.model
     c = M.ParamCounts.of(m)
+    t = layout.tp
+    # Tensor parallel splits the matrices and leaves the norms whole; a tied embedding is
+    # whole too (one parameter shared with the head), an untied embedding and head split
+    # by vocabulary.
+    block = (c.block - 2 * m.dim) // t + 2 * m.dim
+    embed = c.embed if m.tie_embeddings else c.embed // t
+    head = c.embed if m.tie_embeddings else c.head // t
     if layout.pp > 1:
         # The first stage holds the embedding, the last the final norm and the head (a
         # tied head is a copy there).
-        head = c.embed if m.tie_embeddings else c.head
-        shares = [sum((end - first) * c.block + (c.embed if emb else 0) + (head + c.final_norm if last else 0)
+        shares = [sum((end - first) * block + (embed if emb else 0) + (head + c.final_norm if last else 0)
                       for first, end, emb, last in stages) for stages in stage_ranks(cfg, layout)]
         return max(shares) if pp_rank is None else shares[pp_rank]
-    if layout.tp > 1:
-        # The matrices are split; the norms are replicated; so is a tied embedding (one
-        # parameter shared with the head), while an untied embedding and head split by
-        # vocabulary.
-        norms = (2 * c.n_blocks + 1) * m.dim
-        matrices = c.n_blocks * (c.block - 2 * m.dim)
-        ends = c.embed if m.tie_embeddings else (c.embed + c.head) // layout.tp
-        return matrices // layout.tp + norms + ends
+    if t > 1:
+        return c.n_blocks * block + c.final_norm + (embed if m.tie_embeddings else embed + head)
     return c.total
 
 
@@ -176,7 +176,8 @@ def numerics(precision: Precision, layout: Layout) -> M.Numerics:
     if layout.shard.startswith("zero") and not layout.fsdp:
         return M.Numerics.of(precision.value, low_precision_params=True)
     if layout.fsdp:
-        return dataclasses.replace(M.Numerics.of(precision.value, low_precision_params=True), gathered_head=True)
+        return dataclasses.replace(M.Numerics.of(precision.value, low_precision_params=True), gathered_head=True,
+                                   gathered_blocks=layout.pp > 1)
     return M.Numerics.of(precision.value)
 
 
@@ -199,7 +200,7 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
             for k, (first, end, emb, last) in enumerate(stages):
                 stage = r + k * layout.pp
                 in_flight = n_mb if schedule == "gpipe" else min(n_mb, n_stages - stage)
-                total += M.activation_bytes(m, mb, s, n, ac, every, layers=end - first, with_head=last,
+                total += M.activation_bytes(m, mb, s, n, ac, every, layers=end - first, tp=layout.tp, with_head=last,
                                             with_embedding=emb, in_flight=in_flight, first_layer=first)
             per_rank.append(total)
         return max(per_rank) if pp_rank is None else per_rank[pp_rank]
@@ -219,6 +220,30 @@ def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode
     # Replicate): every rank holds the whole vocabulary's logits, not a 1/tp slice.
     logits = (n.compute + 4) * b * s * x.V
     recompute = M.block_activations(x, n, layout.tp) if M.recomputed(x.L, ac, ac_every) else 0
-    gathered = 2 * 2 * x.block_params // layout.tp if layout.shard == "zero3" else 0
+    # (a pipeline's FSDP stages hold all their layers gathered: pipeline_unsharded)
+    gathered = 2 * 2 * x.block_params // layout.tp if layout.shard == "zero3" and not pipelined_fsdp(layout) else 0
     embedding = n.compute * x.V * x.h // layout.tp if layout.fsdp and not m.tie_embeddings else 0
     return logits + recompute + gathered + embedding
+
+
+def pipelined_fsdp(layout: Layout) -> bool:
+    return layout.fsdp and layout.pp > 1
+
+
+def pipeline_unsharded(cfg: Config, layout: Layout, ac: ACMode, pp_rank: int | None = None) -> int:
+    """pp x FSDP (recipe pp_fsdp): torch.distributed.pipelining holds FSDP's reduce-scatter
+    and resharding back until the step's last micro-batch has run backward, so from the
+    first backward to the end of the schedule a rank holds its stages' parameters gathered
+    (compute dtype) and their gradients unsharded in fp32: (c + 4) bytes for each parameter
+    of its stages, split only by tensor parallel, less the gathered weights that autograd
+    saves and the activations count (blocks that do not recompute, the head:
+    M.weight_copies); the worst rank, or pipeline rank `pp_rank`. 0 for every other layout."""
+    if not pipelined_fsdp(layout):
+        return 0
+    n, x, every = numerics(cfg.precision.name, layout), M.Shape.of(cfg.model, 1, cfg.train.seq_len), cfg.train.ac_every
+    per_rank = []
+    for r, stages in enumerate(stage_ranks(cfg, layout)):
+        saved = sum(M.weight_copies(x, n, (end - first) - M.recomputed(end - first, ac, every, first), last, layout.tp)
+                    for first, end, _, last in stages)
+        per_rank.append((n.compute + 4) * param_share(cfg, layout, r) - saved)
+    return max(per_rank) if pp_rank is None else per_rank[pp_rank]

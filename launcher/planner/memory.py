@@ -151,6 +151,9 @@ class Numerics:
     """Bytes per element of the rotary table (bf16 when the whole module was cast)."""
     gathered_head: bool = False
     """FSDP: the root module's gathered (bf16) head weight stays for backward."""
+    gathered_blocks: bool = False
+    """FSDP under a pipeline: no block reshards until the step's end, so the gathered
+    weights its matmuls save for backward are held once per step, like autocast's copies."""
 
     @staticmethod
     def of(precision: str, low_precision_params: bool = False, rope_cast: bool = False) -> "Numerics":
@@ -209,9 +212,10 @@ def rope_table(x: Shape, n: Numerics) -> int:
 def weight_copies(x: Shape, n: Numerics, kept_blocks: int, head: bool, tp: int = 1) -> int:
     """Low-precision weights held for backward, once per step: autocast's cached copies
     of the matmul weights (blocks that recompute make theirs again in backward), or
-    FSDP's gathered head weight (the root is not resharded after forward)."""
+    FSDP's gathered head weight (the root is not resharded after forward), and under a
+    pipeline FSDP's gathered block weights (Numerics.gathered_blocks)."""
     head_bytes = n.compute * x.V * x.h if head and (n.autocast or n.gathered_head) else 0
-    blocks = n.compute * kept_blocks * x.block_params // tp if n.autocast else 0
+    blocks = n.compute * kept_blocks * x.block_params // tp if n.autocast or n.gathered_blocks else 0
     return blocks + head_bytes
 
 

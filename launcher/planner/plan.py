@@ -16,7 +16,8 @@ from pathlib import Path
 from launcher import jsonout
 from launcher.planner import memory as M
 from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig
-from launcher.planner.footprint import Layout, activations, model_states, numerics, param_share, start_up, temporaries
+from launcher.planner.footprint import (Layout, activations, model_states, numerics, param_share, pipeline,
+                                       pipeline_unsharded, start_up, temporaries)
 from launcher.models.gpt import flops_per_token
 
 
@@ -125,7 +126,8 @@ def candidates(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig]) ->
     """Every layout of the given recipes (name -> its recipe config, conf/recipe/*.yaml)
     that divides this world: each engine's RecipeSpec says which degrees it may use and how
     it holds model states (its `holds`: the formula this planner applies). Data-parallel
-    layouts first, then tensor parallel by degree, then pipeline by degree."""
+    layouts first, then tensor parallel by degree, then pipeline by degree (and tensor
+    parallel inside the stages where the recipe may: pp x tp, pp x tp x fsdp)."""
     import recipes
 
     m, world = cfg.model, hw.world
@@ -139,15 +141,16 @@ def candidates(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig]) ->
         # in order before FSDP (the same states), offload last.
         order = (h.offload_optim or h.offload_params, h.shard, h.fsdp, name)
         if not (can.tp or can.pp):
-            out.append(((0, 0, *order), Layout(name, dp=world, **held)))
-        if can.tp:
-            for t in TP_DEGREES:
-                if not (world % t or t > hw.gpus_per_node or m.n_heads % t or kv % t):
-                    out.append(((1, t, *order), Layout(name, dp=world // t, tp=t, **held)))
-        if can.pp:
-            for pp in PP_DEGREES:
-                if world % pp == 0 and pp <= m.n_layers:
-                    out.append(((2, pp, *order), Layout(name, dp=world // pp, pp=pp, **held)))
+            out.append(((0, 0, 0, *order), Layout(name, dp=world, **held)))
+        tps = ((1,) if "tp" not in can.required else ()) + (TP_DEGREES if can.tp else ())
+        pps = ((1,) if "pp" not in can.required else ()) + (PP_DEGREES if can.pp else ())
+        for pp in pps:
+            for t in tps:
+                if t == pp == 1 or world % (t * pp) or t > hw.gpus_per_node or m.n_heads % t or kv % t:
+                    continue
+                if pp > m.n_layers or (pp > 1 and h.fsdp and world // (t * pp) == 1):
+                    continue  # a pipeline whose stages have no ranks to shard over is recipe=pp
+                out.append(((1 if pp == 1 else 2, pp, t, *order), Layout(name, dp=world // (t * pp), tp=t, pp=pp, **held)))
     return [layout for _, layout in sorted(out, key=lambda kv_: kv_[0])]
 
 
@@ -168,19 +171,19 @@ def layout_of(cfg: Config, deg) -> Layout:
 
 def layout_for(cfg: Config, world: int) -> Layout:
     """The layout a composed config runs: its recipe with its degrees on `world` ranks."""
-    tp = getattr(getattr(cfg, "parallel", None), "tp", 1) or 1
-    pp = getattr(getattr(cfg, "parallel", None), "pp", 1) or 1
-    hw = Hardware(gpu_bytes=0, gpus_per_node=world, nnodes=1, tflops=DEFAULT_TFLOPS)
-    for layout in candidates(cfg, hw, {cfg.recipe.name: cfg.recipe}):
-        if layout.tp == tp and layout.pp == pp:
-            return layout
-    raise ValueError(f"the planner has no layout for recipe {cfg.recipe.name} (tp={tp}, pp={pp}) on {world} ranks")
+    from launcher.parallel import degrees as D
+
+    return layout_of(cfg, D.degrees(cfg, world))
 
 
 def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | None = None) -> Row:
     params, grads, optim, where, host = model_states(cfg, layout)
     act = activations(cfg, layout, ac, b)
-    tmp = temporaries(cfg.model, cfg.precision.name, layout, ac, cfg.train.ac_every, b, cfg.train.seq_len)
+    # A pipeline runs the loss and a recomputation on one of its micro-batches at a time
+    # (b x grad_accum sequences cut into parallel.pp_microbatches), the others on b.
+    at_once = b if layout.pp == 1 else max(1, b * cfg.train.grad_accum // pipeline(cfg)[0])
+    tmp = (temporaries(cfg.model, cfg.precision.name, layout, ac, cfg.train.ac_every, at_once, cfg.train.seq_len)
+           + pipeline_unsharded(cfg, layout, ac))
     device, host_rank = start_up(cfg, layout)
     per_node = min(hw.gpus_per_node, hw.world) if hw is not None else 1
     return Row(layout=layout, ac=ac, micro_batch=b, fits=False, params=params, grads=grads, optim=optim,

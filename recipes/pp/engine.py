@@ -1,6 +1,8 @@
-"""The `pp` engine (the recipe's spec and design: recipes/pp/__init__.py): the meta-device
-model cut into this rank's stages, a torch.distributed.pipelining schedule over them, the
-tied embedding's two copies kept equal, DCP checkpoints under the full model's names."""
+"""The `pp` and `pp_fsdp` engine (the recipes' specs and design: recipes/pp/__init__.py,
+recipes/pp_fsdp.py): the meta-device model cut into this rank's stages, each made tensor
+parallel and sharded with FSDP2 where the degrees say, a torch.distributed.pipelining
+schedule over them, the tied embedding's two copies kept equal, DCP checkpoints under the
+full model's names."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+import recipes
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -18,11 +22,12 @@ from launcher.parallel import dcp
 from launcher import models
 from launcher.device import autocast_dtype
 from launcher.rank.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
-                                  optimizer_state_bytes, tensor_bytes)
+                                  local_shard, optimizer_state_bytes, tensor_bytes)
 from launcher.models import Layout, model_layout, model_shape
 from launcher.models.gpt import lm_loss
-from launcher.parallel.plan import Stage, stage_bounds
-from launcher.parallel.mesh import allreduce_grads, build_mesh, clip_grad_norm
+from launcher.models.init import is_dtensor
+from launcher.parallel.plan import Stage, apply_tp, stage_bounds
+from launcher.parallel.mesh import allreduce_grads, apply_fsdp, build_mesh, clip_grad_norm, match_grad_layouts
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -42,34 +47,50 @@ class PipelineEngine:
         layers = [i for s in mine for i in range(*self.bounds[s])]
         self.first, self.last = 0 in mine, n_stages - 1 in mine
         _drop_the_rest(full, self.layout, layers, self.first, self.last)
-        models.materialize(full, cfg, ctx.device)
         self.model = Stage(full, layers)  # all this rank holds, under the full model's names
-        self.stages = [PipelineStage(Stage(full, range(*self.bounds[s])), s, n_stages, ctx.device,
-                                     group=mesh["pp"].get_group()) for s in mine]
+        # Each stage the schedule runs: tensor parallel inside it, then FSDP with the stage
+        # as its root (the schedule defers FSDP's gradient reduction to the step's last
+        # micro-batch only for a stage module that is an FSDP module).
+        chunks = [Stage(full, range(*self.bounds[s])) for s in mine]
+        self.sharded = recipes.spec(cfg.recipe.strategy).parallelism.shards
+        for chunk in chunks:
+            if self.deg.tp > 1:
+                apply_tp(chunk, mesh["tp"], p.sequence_parallel)
+            if self.sharded:
+                apply_fsdp(chunk, mesh["dp_shard"], cfg, mesh.device_type)
+        models.materialize(full, cfg, ctx.device)
+        self.stages = [PipelineStage(chunk, s, n_stages, ctx.device, group=mesh["pp"].get_group())
+                       for chunk, s in zip(chunks, mine)]
 
         schedule = SCHEDULES[p.pp_schedule.value]
         target = self.stages if schedule is ScheduleInterleaved1F1B else self.stages[0]
         self.schedule = schedule(target, n_microbatches=p.pp_microbatches, loss_fn=lm_loss)
-        self.dtype = autocast_dtype(cfg.precision.name.value)
-        self.dp_group = mesh["dp_replicate"].get_group() if self.deg.dp > 1 else None
+        # FSDP's mixed-precision policy casts the parameters; without FSDP, autocast does it.
+        self.dtype = None if self.sharded else autocast_dtype(cfg.precision.name.value)
+        self.dp_group = mesh["dp_replicate"].get_group() if self.deg.dp_replicate > 1 else None
         self.tied_group, self.head_copy = self._tie(cfg)
+        # The last stage's tensor-parallel ranks compute the same loss: one of them reports it.
+        self.loss_owner = self.last and mesh["tp"].get_local_rank() == 0
 
-        self.params = [q for q in self.model.parameters() if q.requires_grad]
+        self.params = list(dict.fromkeys(q for q in self.model.parameters() if q.requires_grad))
         self.optimizer = build_optimizer(self.model, cfg.optim, ctx.device)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         self.grad_bytes = 0
 
     def _tie(self, cfg: C.Config):
-        """The group joining the first and the last stage of each data-parallel replica
-        (every rank creates every group, in the same order), and the head copy."""
+        """The groups joining the first and the last stage of a tied embedding: one for each
+        position in a stage (data-parallel replica, FSDP shard, tensor-parallel rank), whose
+        two copies are sharded alike (every rank creates every group, in the same order);
+        and this rank's head copy."""
         if not self.layout.tied:
             return None, None
         mine = None
-        R = self.deg.dp_replicate
-        for r in range(R):
-            group = dist.new_group([r, (self.deg.pp - 1) * R + r])
-            if self.rank in (r, (self.deg.pp - 1) * R + r):
+        per_stage = self.deg.world // self.deg.pp
+        for i in range(per_stage):
+            pair = [i, (self.deg.pp - 1) * per_stage + i]
+            group = dist.new_group(pair)
+            if self.rank in pair:
                 mine = group
         tied = self._tied_weight()
         return (mine if tied is not None else None), (tied if self.last else None)
@@ -88,19 +109,22 @@ class PipelineEngine:
         kwargs = {"target": y, "losses": losses} if self.last else {}
         with autocast(self.device, self.dtype):
             self.schedule.step(*args, **kwargs)
+        if not self.sharded and self.deg.tp > 1:
+            match_grad_layouts(self.params)
         if self.tied_group is not None:  # embedding + head gradients: the tied weight's gradient
-            tied = self._tied_weight()
-            dist.all_reduce(tied.grad, group=self.tied_group)
+            dist.all_reduce(local_shard(self._tied_weight().grad), group=self.tied_group)
         if self.dp_group is not None:
-            allreduce_grads(self.params, self.dp_group, self.deg.dp)
-        # Each stage's parameters are held by the dp replicas; the head copy is counted on the first stage.
-        grad_norm = clip_grad_norm(self.params, self.clip, copies=lambda q: 0 if q is self.head_copy else self.deg.dp)
+            allreduce_grads(self.params, self.dp_group, self.deg.dp_replicate)
+        # A stage's plain tensors are held by its dp replicas (DTensors say their own
+        # copies); the head copy is counted on the first stage.
+        grad_norm = clip_grad_norm(self.params, self.clip, stages=self.deg.pp,
+                                   copies=lambda q: 0 if q is self.head_copy else self.deg.dp)
         self.grad_bytes = tensor_bytes(q.grad for q in self.params)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         loss = torch.stack([v.detach() for v in losses]).mean() if self.last else torch.zeros((), device=self.device)
-        return StepResult(loss=loss, grad_norm=grad_norm, loss_owner=self.last)
+        return StepResult(loss=loss, grad_norm=grad_norm, loss_owner=self.loss_owner)
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -122,8 +146,12 @@ class PipelineEngine:
         dcp.load(path, self.model, self.optimizer, self.scheduler, self.cfg)
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        # Each stage's shards gathered within the stage (every rank of it walks the same
+        # names in the same order), then the stages' tensors joined.
+        mine = {k: (v.full_tensor() if is_dtensor(v) else v).detach().float().cpu()
+                for k, v in self.model.state_dict().items()}
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()})
+        dist.all_gather_object(parts, mine)
         full = {k: v for part in parts for k, v in part.items()}
         if self.layout.tied:
             head, embed = self.layout.tied_names()

@@ -44,17 +44,26 @@ RUNS = {
     "pp": (["recipe=pp", "parallel.pp_schedule=1f1b", "train.activation_checkpointing=selective", ASYNC], None),
     "tp_fsdp4": (["recipe=tp_fsdp", "cluster.nproc_per_node=4", "parallel.sequence_parallel=true", ASYNC], None),
     # resharding: another layout picks up a step-10 checkpoint
-    "pp_interleaved4_from_ddp": (["recipe=pp", "cluster.nproc_per_node=4", "parallel.pp_schedule=interleaved_1f1b"],
-                                 "ddp"),
+    # pp x fsdp: two stages, each sharded over two ranks, two virtual stages per rank
+    "pp_fsdp_interleaved4_from_ddp": (["recipe=pp_fsdp", "cluster.nproc_per_node=4",
+                                       "parallel.pp_schedule=interleaved_1f1b"], "ddp"),
     "fsdp_from_tp": (["recipe=fsdp"], "tp"),
     "one_from_pp": (["recipe=ddp", "cluster.nproc_per_node=1"], "pp"),
-    "gpipe_from_tp_fsdp4": (["recipe=pp", "parallel.pp_schedule=gpipe", "parallel.pp_split=[1]"], "tp_fsdp4"),
+    # pp x tp with sequence parallel: each stage split over two ranks, uneven stages
+    "pp_tp_gpipe4_from_tp_fsdp4": (["recipe=pp", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                    "cluster.nproc_per_node=4", "parallel.pp_schedule=gpipe", "parallel.pp_split=[1]"],
+                                   "tp_fsdp4"),
     # untied embeddings: vocabulary-parallel embedding, column-parallel head, HSDP
     "ddp_untied": (["recipe=ddp", "model.tie_embeddings=false"], None),
     "tp4_untied": (["recipe=tp", "model.tie_embeddings=false", "cluster.nproc_per_node=4",
                     "parallel.sequence_parallel=true"], None),
     "hsdp4_from_tp4_untied": (["recipe=fsdp", "model.tie_embeddings=false", "cluster.nproc_per_node=4",
                                "parallel.dp_replicate=2"], "tp4_untied"),
+    # pp x tp x fsdp (dp_shard 1 on 4 processes): FSDP over tensor-parallel DTensors in each
+    # stage, two stage roots per rank, a vocabulary-parallel embedding and column head
+    "pp_tp_fsdp4_untied_from_tp4_untied": (["recipe=pp_fsdp", "parallel.tp=2", "model.tie_embeddings=false",
+                                            "cluster.nproc_per_node=4", "parallel.pp_schedule=interleaved_1f1b"],
+                                           "tp4_untied"),
     # one process: the weights at step 0 must be those of every layout above
     "fsdp1": (["recipe=fsdp", "cluster.nproc_per_node=1", "train.stop_at=1", "checkpoint.every=0"], None),
     # bf16: FSDP's mixed-precision policy; the first 8 of the 20 steps
@@ -62,7 +71,7 @@ RUNS = {
                    "recipe.fsdp.reshard_after_forward=false"], None),
 }
 FRESH = ["fsdp", "tp", "pp", "tp_fsdp4"]
-RESUMED = ["fsdp_from_tp", "one_from_pp", "gpipe_from_tp_fsdp4", "pp_interleaved4_from_ddp"]
+RESUMED = ["fsdp_from_tp", "one_from_pp", "pp_tp_gpipe4_from_tp_fsdp4", "pp_fsdp_interleaved4_from_ddp"]
 
 
 class Runs:
@@ -132,7 +141,7 @@ def test_initial_weights_do_not_depend_on_the_layout(runs):
     """train.seed alone decides the weights at step 0: every rank of every layout fills its
     own part (a shard, a stage, a tensor-parallel slice) with the values the whole model
     has there (launcher/models/init.py), so the consolidated weights are the same bytes at
-    1, 2 and 4 ranks under ddp, fsdp, tp, pp and tp_fsdp."""
+    1, 2 and 4 ranks under ddp, fsdp, tp, pp, tp_fsdp, pp x fsdp and pp x tp."""
     def digests(name):
         startup = json.loads((runs(name) / "summary.json").read_text())["startup"]
         assert startup["host_peak_bytes"] and all(s > 0 for s in startup["seconds"]), startup
@@ -140,10 +149,12 @@ def test_initial_weights_do_not_depend_on_the_layout(runs):
         return startup["weights_digest"]
 
     tied = {name: digests(name) for name in ("ddp", "fsdp1", "fsdp_from_tp", "fsdp", "tp", "pp", "tp_fsdp4",
-                                              "pp_interleaved4_from_ddp", "one_from_pp")}
+                                              "pp_fsdp_interleaved4_from_ddp", "pp_tp_gpipe4_from_tp_fsdp4",
+                                              "one_from_pp")}
     assert {len(d) for d in tied.values()} == {1, 2, 4}  # world sizes 1 (fsdp1, one_from_pp), 2 and 4
     assert len({x for d in tied.values() for x in d}) == 1, tied
-    untied = {name: digests(name) for name in ("ddp_untied", "tp4_untied", "hsdp4_from_tp4_untied")}
+    untied = {name: digests(name) for name in ("ddp_untied", "tp4_untied", "hsdp4_from_tp4_untied",
+                                               "pp_tp_fsdp4_untied_from_tp4_untied")}
     assert len({x for d in untied.values() for x in d}) == 1, untied
     assert untied["ddp_untied"] != tied["ddp"]
 
@@ -162,6 +173,9 @@ def test_untied_tensor_parallel_and_hsdp_match_ddp(runs):
     assert_same_losses(runs("tp4_untied"), ref, range(1, 21))
     assert_same_losses(runs("hsdp4_from_tp4_untied"), ref, range(11, 21))
     assert "mesh: pp 1 x dp_replicate 2 x dp_shard 2 x tp 1" in (runs("hsdp4_from_tp4_untied") / "stdout.txt").read_text()
+    three = runs("pp_tp_fsdp4_untied_from_tp4_untied")
+    assert_same_losses(three, ref, range(11, 21))
+    assert "mesh: pp 2 x dp_replicate 1 x dp_shard 1 x tp 2" in (three / "stdout.txt").read_text()
 
 
 def _model(*overrides):
@@ -209,7 +223,7 @@ def test_export_from_dcp_checkpoints_gives_the_same_model(runs, tmp_path):
     reference = GPT(C.load_frozen(runs("ddp")).model)
     reference.load_state_dict(ddp_final)
     x = torch.randint(0, 256, (2, 64))
-    for name in ("pp", "tp_fsdp4"):  # stage-wise files; 2-D (strided) shards
+    for name in ("pp", "tp_fsdp4", "pp_fsdp_interleaved4_from_ddp"):  # stage-wise files; 2-D (strided) shards
         run = runs(name)
         proc = launch(str(run), command="export")
         path = run / "export" / "step_00000020" / "model.safetensors"

@@ -28,7 +28,10 @@ def test_the_planner_holds_at_64_256_and_512_ranks(tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr[-5000:]
     rows = json.loads(out.read_text())
     assert {(r["model"], r["world"]) for r in rows} == {("llama3_8b", 64), ("llama3_70b", 256), ("llama3_405b", 512)}
-    assert {r["layout"]["recipe"] for r in rows} == {"fsdp", "tp_fsdp", "pp", "zero3"}
+    assert {r["layout"]["recipe"] for r in rows} == {"fsdp", "tp_fsdp", "pp", "pp_fsdp", "zero3"}
+    # the pipeline layouts: pp=4 x fsdp (8B), pp=8 x tp=8 (70B), pp=16 x tp=8 x fsdp (405B)
+    shapes = {(r["model"], r["layout"]["recipe"], r["layout"]["pp"], r["layout"]["tp"]) for r in rows}
+    assert {("llama3_8b", "pp_fsdp", 4, 1), ("llama3_70b", "pp", 8, 8), ("llama3_405b", "pp_fsdp", 16, 8)} <= shapes
     worst = 0.0
     for row in rows:
         layout = row["layout"]

@@ -19,7 +19,7 @@ CORPUS = REPO / "tests" / "data" / "hf" / "corpus.jsonl"  # fields: id, text
 # (overrides, words the one line must contain)
 CASES = [
     (["recipe=nope"], ["recipe=nope", "allowed: ddp"]),
-    (["recipe.strategy=nope"], ["recipe.strategy=nope", "no engine recipes/nope.py", "allowed: ddp, fsdp, pp, tp, tp_fsdp, zero"]),
+    (["recipe.strategy=nope"], ["recipe.strategy=nope", "no engine recipes/nope.py", "allowed: ddp, fsdp, pp, pp_fsdp, tp, tp_fsdp, zero"]),
     (["model=gpt_huge"], ["model=gpt_huge", "gpt_tiny"]),
     (["data=nope"], ["data=nope", "synthetic"]),
     (["precision=fp8"], ["precision=fp8", "bf16", "fp32"]),
@@ -105,6 +105,12 @@ CASES = [
     (["recipe=fsdp", "parallel.pp=2"], ["parallel.pp=2", "recipe fsdp", "recipe=pp"]),
     (["recipe=tp", "parallel.dp_shard=2"], ["parallel.dp_shard=2", "does not shard"]),
     (["recipe=pp", "parallel.pp=1"], ["parallel.pp=1", ">= 2"]),
+    (["recipe=pp_fsdp", "parallel.pp=1"], ["parallel.pp=1", ">= 2"]),
+    (["recipe=tp", "parallel.tp=1"], ["parallel.tp=1", ">= 2"]),
+    (["recipe=pp_fsdp", "cluster.nproc_per_node=4", "parallel.dp_replicate=2"], ["parallel.dp_replicate=2", "HSDP"]),
+    (["recipe=pp_fsdp", "cluster.nproc_per_node=4", "recipe.fsdp.cpu_offload=true"],
+     ["recipe.fsdp.cpu_offload=true", "pp_fsdp", "unsharded"]),
+    (["recipe=pp", "parallel.tp=3", "cluster.nproc_per_node=6"], ["parallel.tp=3", "model.n_heads=4"]),
     (["parallel.nope=1"], ["parallel.nope", "unknown key", "pp_schedule"]),
     # ZeRO recipes (launcher/launch/validate.py::validate_zero, launcher/parallel/ds_config.py)
     (["recipe=zero1", "recipe.zero.stage=4"], ["recipe.zero.stage=4", "allowed: 0, 1, 2, 3"]),
@@ -191,7 +197,7 @@ CASES = [
     (["rehearse", "model=llama3_70b", "recipe=tp_fsdp", "parallel.tp=8", "parallel.dp_shard=16", "cluster.nnodes=32",
       "cluster.gpus_per_node=8"], ["world size 256", "8 x 32", "dp_shard(16) x tp(8)", "= 128"]),
     (["rehearse", "model=llama3_8b", "recipe=zero2", "cluster.nnodes=8", "cluster.gpus_per_node=8"],
-     ["recipe=zero2", "not rehearsed", "rehearsed: fsdp, pp, tp, tp_fsdp, and zero3, zero3_offload"]),
+     ["recipe=zero2", "not rehearsed", "rehearsed: fsdp, pp, pp_fsdp, tp, tp_fsdp, and zero3, zero3_offload"]),
     (["rehearse", "model=llama3_8b", "recipe=fsdp"], ["cluster.gpus_per_node", "e.g. 8"]),
     (["rehearse", "recipe=fsdp", "cluster.gpus_per_node=8", "--ranks", "3,8"], ["--ranks 3,8", "[0, 7]", "1 x 8"]),
 ]

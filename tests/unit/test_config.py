@@ -166,12 +166,12 @@ def test_every_engine_is_one_module_with_its_spec():
 
     from runs import REPO
 
-    assert recipes.names() == ["ddp", "fsdp", "pp", "tp", "tp_fsdp", "zero"]
+    assert recipes.names() == ["ddp", "fsdp", "pp", "pp_fsdp", "tp", "tp_fsdp", "zero"]
     for name, spec in recipes.specs().items():
         assert spec.writes in spec.reads, name
         engine = recipes.engine(name)
         assert callable(engine.build) and callable(engine.consolidate), name
-    assert [n for n, s in recipes.specs().items() if s.meshed] == ["fsdp", "pp", "tp", "tp_fsdp"]
+    assert [n for n, s in recipes.specs().items() if s.meshed] == ["fsdp", "pp", "pp_fsdp", "tp", "tp_fsdp"]
     proc = subprocess.run([sys.executable, "-c", "import sys, recipes; recipes.specs(); print('torch' in sys.modules, 'deepspeed' in sys.modules)"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "False False", proc.stderr[-2000:]
@@ -221,4 +221,4 @@ def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
     assert dry.returncode == 0 and "-m launcher.rank" in dry.stdout, dry.stdout[-2000:] + dry.stderr[-2000:]
     bad = run("train", "recipe=mine", "recipe.strategy=nope", f"hydra.run.dir={tmp_path / 'bad'}", "--dry-run")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "error: recipe.strategy=nope: no engine recipes/nope.py; allowed: ddp, fsdp, mine, pp, tp, tp_fsdp, zero"], bad.stderr
+        "error: recipe.strategy=nope: no engine recipes/nope.py; allowed: ddp, fsdp, mine, pp, pp_fsdp, tp, tp_fsdp, zero"], bad.stderr

@@ -52,6 +52,25 @@ def test_a_rehearsal_reports_each_ranks_shards_and_the_plan():
     assert text.splitlines()[-1].startswith("largest difference: ") and "within 2%" in text.splitlines()[-1]
 
 
+def test_pipeline_stages_with_tensor_parallel_and_fsdp_are_rehearsed():
+    """pp=2 x tp=2 x fsdp=2 (recipe pp_fsdp) on 2 nodes of 4: every stage's first rank,
+    both tensor-parallel positions and the last rank, each holding its stage's layers
+    split by tensor parallel, then by FSDP, as the planner says."""
+    proc = subprocess.run([sys.executable, "-m", "launcher", "rehearse", "model=gpt_tiny", "recipe=pp_fsdp",
+                           "parallel.tp=2", "cluster.nnodes=2", "cluster.gpus_per_node=4", "--json"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert (out["world"], out["layout"]["label"]) == (8, "pp_fsdp (dp2 tp2 pp2)")
+    assert [r["rank"] for r in out["ranks"]] == [0, 1, 4, 7]
+    for r in out["ranks"]:
+        shards = {s["name"]: s for s in r["shards"]}
+        assert shards["layers.*.attention.wq.weight"]["local"] == [32, 128]  # 128 rows / tp 2 / fsdp 2
+        first = r["coords"]["pp"] == 0
+        assert ("tok_embeddings.weight" in shards) == first and ("output.weight" in shards) == (not first)
+        assert abs(r["difference"]) < R.TOLERANCE, r
+
+
 def test_a_hugging_face_llama_is_rehearsed_against_the_plan_of_its_shape(tmp_path):
     """model=hf (a tiny Llama's config.json): the engine builds transformers' model; the
     planner reads it as the project's decoder of the same shape, as `make plan` does."""
