@@ -37,8 +37,8 @@ def test_dry_run_prints_the_script_and_submits_nothing(capsys, monkeypatch):
 
 
 def test_the_rehearsed_405b_layout_renders_as_a_64_node_job(capsys, monkeypatch):
-    """The layout scripts/rehearse_matrix.py rehearses at 512 ranks (docs/memory.md 5),
-    submitted: 64 nodes of 8 GPUs, one torchrun agent a node, the c10d rendezvous (the
+    """The 405B layout scripts/rehearse_matrix.py rehearses at 512 ranks (docs/memory.md 5),
+    pp=16 x tp=8 x fsdp, submitted: 64 nodes of 8 GPUs, one torchrun agent a node, the c10d rendezvous (the
     ranks' store) hosted on the allocation's first node, every node given
     cluster.join_timeout_s to join; the same overrides `make rehearse` took."""
     monkeypatch.chdir(REPO)
@@ -51,10 +51,11 @@ def test_the_rehearsed_405b_layout_renders_as_a_64_node_job(capsys, monkeypatch)
 
     monkeypatch.setattr(rundir.shutil, "disk_usage", lambda path: ParallelFilesystem)
     run_dir = Path("/tmp/launcher-golden/llama3-405b")  # fixed: the rendezvous id hashes it
-    code = cli.main(["submit", "model=llama3_405b", "recipe=tp_fsdp", "parallel.tp=8", "cluster=slurm",
+    code = cli.main(["submit", "model=llama3_405b", "recipe=pp_fsdp", "parallel.pp=16", "parallel.tp=8",
+                     "parallel.sequence_parallel=true", "parallel.pp_microbatches=32", "train.micro_batch=32", "cluster=slurm",
                      "cluster.nnodes=64", "cluster.gpus_per_node=8", "cluster.cpus_per_task=96", "cluster.partition=gpu",
                      "cluster.time=48:00:00", "cluster.mem=0", "cluster.exclusive=true", "cluster.join_timeout_s=900",
-                     "train.seq_len=8192", "train.micro_batch=1", "train.activation_checkpointing=full",
+                     "train.seq_len=8192", "train.activation_checkpointing=full",
                      "+cluster.env.NCCL_SOCKET_IFNAME=ib0", f"hydra.run.dir={run_dir}", "--dry-run"])
     out = capsys.readouterr().out
     assert code == 0 and not run_dir.exists()
