@@ -145,3 +145,6 @@ class FaultPoint(str, enum.Enum):
     """SIGKILL after `latest` is updated, before old checkpoints are deleted."""
     hang = "hang"
     """The rank sleeps forever instead of fetching the batch of step `fault_step`."""
+    hang_in_step = "hang_in_step"
+    """The rank sleeps forever inside step `fault_step`, batch in hand, before its first
+    collective: the others wait inside one (a rank stuck in a kernel or a host call)."""

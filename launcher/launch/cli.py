@@ -197,7 +197,7 @@ def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> in
                 print(f"# {name}")
                 print(text, end="")
             print("# command")
-            print(command_script(launch_argv(cfg, str(run_dir), plan), rank_env(plan, cfg.cluster.env),
+            print(command_script(launch_argv(cfg, str(run_dir), plan), rank_env(cfg, plan, str(run_dir)),
                                  plan.workdir, str(run_dir)), end="")
             continue
         if nothing_to_train(cfg, run_dir):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.config import Config, Runner
+from launcher.exits import COMM_TRACE
 
 
 @dataclass(frozen=True)
@@ -132,10 +133,24 @@ def rendezvous_id(run_dir: str) -> str:
     return "run-" + hashlib.sha1(run_dir.encode()).hexdigest()[:12]
 
 
-def rank_env(plan: LaunchPlan, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment the launch side sets for the ranks (never secrets): threads, then the
-    config's cluster.env (network settings), which wins."""
-    return {"OMP_NUM_THREADS": str(plan.threads_per_rank), **(extra or {})}
+def rank_env(cfg: Config, plan: LaunchPlan, run_dir: str) -> dict[str, str]:
+    """Environment the launch side sets for the ranks (never secrets): threads, the
+    collectives' flight recorder, then the config's cluster.env (network settings), which wins."""
+    return {"OMP_NUM_THREADS": str(plan.threads_per_rank), **comm_env(cfg, run_dir), **cfg.cluster.env}
+
+
+def comm_env(cfg: Config, run_dir: str) -> dict[str, str]:
+    """torch's flight recorder (read by NCCL and gloo alike) keeps each rank's last
+    dist.flight_recorder collectives. The hang watchdog compares their counts and writes the
+    record (launcher/rank/watchdog.py); NCCL's own timeout, the backstop, dumps it too
+    (DUMP_ON_TIMEOUT, into the same folder and format). Async error handling 3 (skip clean-up:
+    torch's default, set so a site's 1 does not lose the dump, pytorch#121055) ends the process
+    on a timed-out collective without aborting communicators other ranks still use."""
+    n = cfg.dist.flight_recorder
+    env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(n), "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    if n:
+        env |= {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{run_dir}/{COMM_TRACE}/rank_"}
+    return env
 
 
 def command_script(argv: list[str], env: dict[str, str], workdir: str, run_dir: str) -> str:
@@ -236,7 +251,7 @@ def sbatch_script(cfg: Config, run_dir: str, plan: LaunchPlan, template: str | N
     sbatch-quoted, values in shell lines shlex-quoted; cluster.setup lines are shell code
     the user wrote and go in as they are."""
     c = cfg.cluster
-    env = {**rank_env(plan, c.env), "PYTHONUNBUFFERED": "1"}
+    env = {**rank_env(cfg, plan, run_dir), "PYTHONUNBUFFERED": "1"}
     port = str(c.master_port) if c.master_port is not None else "$((20000 + SLURM_JOB_ID % 20000))"
     values = {
         "title": f"Slurm job for the run directory {shlex.quote(run_dir)}",

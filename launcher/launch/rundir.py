@@ -147,7 +147,7 @@ def prepare_run(cfg: C.Config, run_dir: Path, plan: LaunchPlan,
     """Write RUN_DIR/config.yaml, command.sh and `files`; return the command and its
     environment. A failure here removes a run directory this call created."""
     argv = launch_argv(cfg, str(run_dir), plan)
-    env = rank_env(plan, cfg.cluster.env)
+    env = rank_env(cfg, plan, str(run_dir))
     # Several nodes share the run directory: node 0 writes command.sh, node k command.node<k>.sh.
     name = "command.sh" if cfg.cluster.node_rank == 0 else f"command.node{cfg.cluster.node_rank}.sh"
     write_run_dir(cfg, run_dir, {name: command_script(argv, env, plan.workdir, str(run_dir))}, files)

@@ -113,6 +113,7 @@ def validate(cfg: Config, host) -> list[str]:
     if cfg.dist.backend == Backend.nccl and not host.cuda:
         raise ConfigError("dist.backend", "nccl", "nccl needs CUDA GPUs; this machine has none: use auto or gloo")
     _positive("dist.timeout_s", cfg.dist.timeout_s)
+    _positive("dist.flight_recorder", cfg.dist.flight_recorder, zero_ok=True)
 
     # checkpoint
     _positive("checkpoint.every", cfg.checkpoint.every, zero_ok=True)

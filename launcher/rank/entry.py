@@ -26,6 +26,7 @@ import recipes
 from launcher import config as C
 from launcher.parallel import degrees as D
 from launcher import models, offline, runlock
+from launcher.exits import COMM_TRACE
 from launcher.manifest import describe, lock_folders, manifest_step, root_of
 from launcher.rank.checkpoint import Checkpointer
 from launcher.models import init
@@ -141,6 +142,8 @@ def train(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemption: 
     # The collectives' own timeout is the backstop; the watchdog (launcher/rank/watchdog.py)
     # fires first, at dist.timeout_s, and names the silent rank.
     backstop = cfg.dist.timeout_s + max(30, cfg.dist.timeout_s // 2)
+    if backend == "nccl" and cfg.dist.flight_recorder:  # where NCCL's own timeout dump goes (launch/commands.py)
+        (run_dir / COMM_TRACE).mkdir(exist_ok=True)
     dist.init_process_group(backend, store=job_store(rank, world_size, backstop), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=backstop),
                             device_id=device if device.type == "cuda" else None)

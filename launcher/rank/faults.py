@@ -15,7 +15,7 @@ def strike(debug: DebugConfig | None, point: FaultPoint, step: int, rank: int) -
     if debug is None or debug.fault != point or debug.fault_step != step or debug.fault_rank != rank:
         return
     print(f"rank {rank}: injected fault {point.value} at step {step}", file=sys.stderr, flush=True)
-    if point == FaultPoint.hang:
+    if point in (FaultPoint.hang, FaultPoint.hang_in_step):
         while True:
             time.sleep(3600)
     os.kill(os.getpid(), signal.SIGKILL)

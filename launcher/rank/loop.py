@@ -108,6 +108,7 @@ def run(job: Job) -> int:
             micro_batches.append((batch[:, :-1], batch[:, 1:]))
         meter.data_wait += time.perf_counter() - t0
         watchdog.in_step()
+        strike(cfg.debug, FaultPoint.hang_in_step, step + 1, job.rank)
 
         try:
             # The second step of a launch: the first also holds one-time work (a

@@ -9,6 +9,14 @@ process with EXIT_HANG; rank 0 prints which ranks are behind (the silent ones) a
 leaves RUN_DIR/hang.json for the launcher. The thread keeps running while the main
 thread is stuck in a collective or asleep, so even a silent rank 0 reports.
 
+When every rank is inside the same step, the step cannot tell who holds the others up:
+then the heartbeats' collective counts do. torch's flight recorder (dist.flight_recorder,
+set in the ranks' environment by the launch side) counts, per process group, the
+collectives each rank has entered; a rank that has entered fewer than the others in a
+group is the one they wait for (stuck in a kernel, a host call, a deadlock of its own)
+and is named. Each rank whose watchdog fires writes its record to RUN_DIR/comm_trace/rank_N,
+the format of NCCL's own timeout dump, for torch's analyzer.
+
 The process-group timeout is set longer than the watchdog's (see launcher/rank/entry.py), so
 this message comes first; the collective's own timeout is the backstop.
 """
@@ -23,7 +31,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from launcher.exits import EXIT_HANG, HANG_MARKER
+from launcher.exits import COMM_TRACE, EXIT_HANG, HANG_MARKER
 
 
 class Watchdog:
@@ -82,7 +90,8 @@ class Watchdog:
     def _publish(self, stalled: float) -> None:
         try:
             self._store.set(f"{self.prefix}{self.rank}", json.dumps(
-                {"step": self.step, "phase": self.phase, "stalled": stalled, "at": time.time()}))
+                {"step": self.step, "phase": self.phase, "stalled": stalled, "at": time.time(),
+                 "collectives": collectives_entered()}))
         except Exception:  # the store's host may be gone: nothing to publish to
             pass
 
@@ -102,35 +111,106 @@ class Watchdog:
 
     def _report_and_exit(self, stalled: float) -> None:
         table = self._table()
-        now = time.time()
-        order = {"data": 0, "step": 1}
-        position = {r: (t["step"], order.get(t.get("phase"), 0)) for r, t in table.items() if t["step"] is not None}
-        # Silent: no heartbeat at all (dead or frozen process), or furthest behind. A rank
-        # waiting for data while the others are inside the step is the one they wait for.
-        frozen = [r for r, t in table.items() if t["step"] is None or now - t.get("at", 0) > 3 * self.interval + 5]
-        behind = min(position.values()) if position else (self.step, 0)
-        lagging = [r for r, p in position.items() if p == behind] if len(set(position.values())) > 1 else []
-        silent = sorted(set(frozen) | set(lagging))
-        where = {r: f"{'waiting for data after' if p[1] == 0 else 'inside the step after'} step {p[0]}"
-                 for r, p in position.items()}
-        for r in frozen:  # its process does not run (stopped, swapped out, gone): not merely behind
-            where[r] = (f"no heartbeat for {now - table[r]['at']:.0f}s (process stopped or gone; last: {where[r]})"
-                        if r in where else "no heartbeat ever (process stopped or gone before its first)")
-        who = (f"rank(s) {', '.join(map(str, silent))}" if silent
-               else f"none behind: all {self.world_size} ranks are stuck inside step {behind[0] + 1}")
-        message = (f"hang: no progress for {stalled:.0f}s (dist.timeout_s={self.timeout_s:g}) in step "
-                   f"{self.step + 1}; silent: {who}; " + "; ".join(f"rank {r} {w}" for r, w in sorted(where.items())))
+        if self.rank in table:  # this rank's own counts, as of now
+            table[self.rank]["collectives"] = collectives_entered()
+        verdict = diagnose(table, self.step, self.world_size, time.time(), stale_s=3 * self.interval + 5)
+        message = f"hang: no progress for {stalled:.0f}s (dist.timeout_s={self.timeout_s:g}) in step {self.step + 1}; {verdict['text']}"
+        trace = write_flight_record(self.run_dir, self.rank)
         if self.rank == 0:
             print(message, file=sys.stderr, flush=True)
             try:
                 (self.run_dir / HANG_MARKER).write_text(json.dumps(
-                    {"message": message, "silent": silent, "frozen": sorted(frozen), "behind": lagging,
-                     "step": self.step + 1}) + "\n")
+                    {"message": message, "step": self.step + 1, **{k: v for k, v in verdict.items() if k != "text"},
+                     "comm_trace": str(trace.parent) if trace else None}) + "\n")
             except OSError:
                 pass
         else:
             print(f"rank {self.rank}: {message}", file=sys.stderr, flush=True)
         os._exit(EXIT_HANG)
+
+
+def diagnose(table: dict[int, dict], step: int, world_size: int, now: float, stale_s: float) -> dict:
+    """Who holds the job up, from every rank's last heartbeat: `silent` (the ranks named),
+    `frozen` (no heartbeat, or a stale one: the process does not run), `behind` (furthest
+    behind in steps, or waiting for data while the others are inside the step),
+    `behind_in_collectives` (entered fewer collectives of a process group than its other
+    members), and `text`, the sentence that says so rank by rank."""
+    order = {"data": 0, "step": 1}
+    position = {r: (t["step"], order.get(t.get("phase"), 0)) for r, t in table.items() if t["step"] is not None}
+    frozen = [r for r, t in table.items() if t["step"] is None or now - t.get("at", 0) > stale_s]
+    behind = min(position.values()) if position else (step, 0)
+    lagging = [r for r, p in position.items() if p == behind] if len(set(position.values())) > 1 else []
+    waiting, short = collective_positions({r: t.get("collectives") for r, t in table.items() if r not in frozen})
+    silent = sorted(set(frozen) | set(lagging) | set(short))
+    where = {r: f"{'waiting for data after' if p[1] == 0 else 'inside the step after'} step {p[0]}"
+             for r, p in position.items()}
+    for r, (group, entered, top) in short.items():
+        where[r] += f", has entered {entered} collectives of process group {group}, the others {top}"
+    for r, (group, pending) in waiting.items():
+        if r not in short:
+            where[r] += f", waiting in collective {pending} of process group {group}"
+    for r in frozen:  # its process does not run (stopped, swapped out, gone): not merely behind
+        where[r] = (f"no heartbeat for {now - table[r]['at']:.0f}s (process stopped or gone; last: {where[r]})"
+                    if r in where else "no heartbeat ever (process stopped or gone before its first)")
+    who = (f"rank(s) {', '.join(map(str, silent))}" if silent
+           else f"none behind: all {world_size} ranks are stuck inside step {behind[0] + 1}")
+    text = f"silent: {who}; " + "; ".join(f"rank {r} {w}" for r, w in sorted(where.items()))
+    return {"silent": silent, "frozen": sorted(frozen), "behind": lagging,
+            "behind_in_collectives": sorted(short), "text": text}
+
+
+def collective_positions(counts: dict[int, dict | None]) -> tuple[dict[int, tuple], dict[int, tuple]]:
+    """From each rank's {process group: [entered, completed]}: the ranks waiting inside a
+    collective ({rank: (group, its number)}), and the ranks that entered fewer collectives of
+    a group than the group's other members ({rank: (group, entered, the others' most)}).
+    Groups are torch's ids, the same on every rank (every rank creates every group, in order);
+    a rank reports only its own groups."""
+    members: dict[str, dict[int, tuple[int, int]]] = {}
+    for r, groups in counts.items():
+        for g, (entered, completed) in (groups or {}).items():
+            members.setdefault(g, {})[r] = (entered, completed)
+    waiting, short = {}, {}
+    for g in sorted(members, key=int):
+        top = max(e for e, _ in members[g].values())
+        for r, (entered, completed) in sorted(members[g].items()):
+            if entered < top and r not in short:
+                short[r] = (g, entered, top)
+            elif entered == top and completed < entered and r not in waiting:
+                waiting[r] = (g, entered)
+    return waiting, short
+
+
+def collectives_entered() -> dict[str, list[int]] | None:
+    """{process group id: [collectives entered, collectives completed]} on this rank, from
+    torch's flight recorder (0.2 ms); None when it is off or this torch has none."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        status = json.loads(_dump_fr_trace_json(includeCollectives=False)).get("pg_status") or {}
+        return {g: [int(s["last_enqueued_collective"]), int(s["last_completed_collective"])]
+                for g, s in status.items()} or None
+    except Exception:  # no recorder in this build, or a format this code does not know
+        return None
+
+
+def write_flight_record(run_dir: Path, rank: int) -> Path | None:
+    """RUN_DIR/comm_trace/rank_<rank>: this rank's flight record (its last collectives, with
+    their process groups, sizes, states and Python stacks), pickled by torch in the format of
+    NCCL's own timeout dump, which `python -m torch.distributed.flight_recorder.fr_trace
+    RUN_DIR/comm_trace` reads. Written for the user's tools; the launcher never loads it."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        if not collectives_entered():
+            return None
+        path = run_dir / COMM_TRACE / f"rank_{rank}"
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(_dump_fr_trace())
+        os.replace(tmp, path)
+        return path
+    except Exception:  # a diagnosis aid: the hang report goes on without it
+        return None
 
 
 def job_store_client(world_size: int):

@@ -170,19 +170,37 @@ def test_a_kill_while_an_async_save_writes_keeps_the_last_checkpoint(reference, 
 
 # ----------------------------------------------------------------------------- 3. a hang
 def test_a_silent_rank_ends_the_job_with_a_message_naming_it(tmp_path):
+    """Rank 1 stops inside step 6 before its first collective (a rank stuck in a kernel or a
+    host call): both ranks are inside the same step, so only the collectives tell them apart.
+    The flight recorder's counts name rank 1; each rank writes its record for torch's
+    analyzer (the record of rank 0 holds the all-reduce that rank 1 never entered). The
+    watchdog's message, from the step and the phase alone, is checked in tests/unit/test_watchdog.py."""
     run = tmp_path / "run"
     t0 = time.time()
     proc = launch("train.steps=40", "optim.warmup_steps=2", "logger=none", "logger.log_every=1",
-                  "dist.timeout_s=10", "debug.fault=hang", "debug.fault_step=6", "debug.fault_rank=1",
+                  "dist.timeout_s=10", "debug.fault=hang_in_step", "debug.fault_step=6", "debug.fault_rank=1",
                   run_dir=run, check=False, timeout=300)
     elapsed = time.time() - t0
     assert proc.returncode == EXIT_HANG, proc.stderr[-3000:]
     hang = json.loads((run / "hang.json").read_text())  # written by the watchdog, not the backstop
     assert hang["silent"] == [1] and hang["step"] == 6
-    assert hang["behind"] == [1] and hang["frozen"] == []  # asleep in Python: its watchdog still beats
+    assert hang["behind"] == [] and hang["frozen"] == []  # same step, same phase; its watchdog still beats
+    assert hang["behind_in_collectives"] == [1]
     found = re.search(r"hang: no progress for (\d+)s \(dist\.timeout_s=10\) in step 6; silent: rank\(s\) 1; "
-                      r"rank 0 inside the step after step 5; rank 1 waiting for data after step 5", proc.stderr)
+                      r"rank 0 inside the step after step 5, waiting in collective (\d+) of process group 0; "
+                      r"rank 1 inside the step after step 5, has entered (\d+) collectives of process group 0, "
+                      r"the others (\d+)", proc.stderr)
     assert found and 10 <= int(found.group(1)) <= 20, proc.stderr[-3000:]  # within a check interval of the timeout
+    waited, entered, top = map(int, found.groups()[1:])
+    assert entered < waited == top, found.group(0)
+    # Each rank's flight record, read by torch's own analyzer's loader.
+    from torch.distributed.flight_recorder.components.loader import read_dump
+
+    assert hang["comm_trace"] == str(run / "comm_trace")
+    records = {r: read_dump("rank_", str(run / "comm_trace" / f"rank_{r}")) for r in (0, 1)}
+    seq = {r: {e["collective_seq_id"] for e in d["entries"] if e["pg_id"] == 0} for r, d in records.items()}
+    assert max(seq[0]) == top and max(seq[1]) == entered, (max(seq[0]), max(seq[1]))
+    assert all(e["profiling_name"].startswith("gloo:") for d in records.values() for e in d["entries"])
     print(f"hang detected and job ended {elapsed:.0f}s after launch (dist.timeout_s=10)")
 
 

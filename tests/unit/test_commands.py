@@ -37,7 +37,7 @@ def test_torchrun_argv(name):
 def test_command_script_quotes_everything():
     cfg, _, _ = cli.compose_config([])
     run_dir = "/runs/x; touch pwned $(touch pwned2) 'q'"
-    script = command_script(torchrun_argv(cfg, run_dir, PLAN), rank_env(PLAN), "/home/me/my repo", run_dir)
+    script = command_script(torchrun_argv(cfg, run_dir, PLAN), rank_env(cfg, PLAN, run_dir), "/home/me/my repo", run_dir)
     check_golden("command_quoted.sh", script)
     # The exec line parses back to exactly the argv: no word of it is shell syntax.
     exec_line = [line for line in script.splitlines() if line.startswith("exec ")][0]
@@ -53,7 +53,23 @@ def test_rendezvous_id_is_stable_per_run_dir():
 
 def test_rank_env_holds_no_secrets(monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "planted-secret-123")
-    assert "planted-secret-123" not in str(rank_env(PLAN))
+    cfg, _, _ = cli.compose_config([])
+    assert "planted-secret-123" not in str(rank_env(cfg, PLAN, "/runs/a"))
+
+
+def test_the_ranks_get_the_flight_recorder_and_cluster_env_wins():
+    """The collectives' flight recorder is on by default, its dump folder in the run
+    directory; dist.flight_recorder=0 leaves only the size (0); a site's own setting in
+    cluster.env wins over the launcher's."""
+    cfg, _, _ = cli.compose_config([])
+    env = rank_env(cfg, PLAN, "/runs/a")
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/runs/a/comm_trace/rank_"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    cfg, _, _ = cli.compose_config(["dist.flight_recorder=0", "+cluster.env.TORCH_NCCL_ASYNC_ERROR_HANDLING=1"])
+    env = rank_env(cfg, PLAN, "/runs/a")
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in env and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env
 
 
 def test_sbatch_script_quotes_everything():
