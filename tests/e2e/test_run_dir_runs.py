@@ -110,7 +110,7 @@ def test_a_fresh_start_never_mixes_two_runs(tmp_path):
     # A relaunch whose model or recipe cannot load the checkpoint: refused, naming what differs.
     for change, words in ((["model.dim=96"], ["holds another model (model.dim=128 there, 96 here;", "tensors differ"]),
                           (["recipe=zero2"], ["is a ddp checkpoint", "recipe=zero2 cannot load",
-                                              "recipe.strategy ddp/fsdp/pp/tp/tp_fsdp"])):
+                                              "recipe.strategy ddp/fsdp/pp/pp_fsdp/tp/tp_fsdp"])):
         proc = launch(*base, *change, run_dir=run, check=False)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
