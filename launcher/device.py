@@ -136,13 +136,29 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "launcher"
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype | None) -> float:
-    """Peak FLOP/s of one device for MFU: a table on GPUs, measured once on CPU."""
+def use_tf32(device: torch.device, enabled: bool) -> None:
+    """precision.tf32: fp32 matmuls and convolutions on CUDA's tensor cores in TF32. The
+    CUDA switches only: torch.set_float32_matmul_precision would change CPU (oneDNN) matmuls too."""
     if device.type == "cuda":
-        tflops = table_tflops(torch.cuda.get_device_name(device))
-        if tflops is not None:
-            return tflops * 1e12 * (1.0 if dtype is not None else 0.5)
-        return measure_matmul_flops(device, dtype or torch.float32)
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype | None, tflops: float | None = None) -> tuple[float, str | None]:
+    """Peak FLOP/s of one device for MFU, and a warning when it is a guess. On GPUs:
+    `tflops` (cluster.peak_tflops), else the device table by name, else the measured matmul
+    rate (warned); halved in fp32 with TF32 (half the bf16 rate), measured in IEEE fp32
+    (no tensor cores). On CPU: measured once and cached."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        known = tflops or table_tflops(name)
+        if dtype is None and not torch.backends.cuda.matmul.allow_tf32:
+            return measure_matmul_flops(device, torch.float32), None
+        if known is not None:
+            return known * 1e12 * (1.0 if dtype is not None else 0.5), None
+        measured = measure_matmul_flops(device, dtype or torch.float32)
+        return measured, (f"warning: no peak FLOP/s known for the GPU {name!r}: MFU divides by its measured matmul "
+                          f"rate ({measured / 1e12:.0f} TFLOP/s), which overstates MFU; set cluster.peak_tflops")
     dtype = dtype or torch.float32
     key = f"{_cpu_model()}|threads={torch.get_num_threads()}|{dtype}"
     path = _cache_dir() / "cpu_peak_flops.json"
@@ -160,7 +176,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype | None) -> float:
             os.replace(tmp, path)
         except OSError:
             pass
-    return float(cache[key])
+    return float(cache[key]), None
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, seconds: float = 0.3) -> float:

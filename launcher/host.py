@@ -7,19 +7,45 @@ called."""
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 
-# Dense bf16/fp16 tensor-core peaks (FLOP/s, no sparsity) by device name.
-GPU_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,  # SXM; the PCIe card is lower, matched first below
-    "H100 PCIe": 756e12,
-    "A100": 312e12,
-    "A10G": 125e12,
-    "L4": 121e12,
-    "V100": 125e12,
-}
+# Dense (no 2:4 sparsity) bf16 tensor-core peak of one device in TFLOP/s, from the vendors'
+# data sheets; fp16 for parts without bf16 (V100, T4). Matched against the device's name
+# (torch.cuda.get_device_name / nvidia-smi: "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
+# "Tesla V100-SXM2-32GB", "AMD Instinct MI300X") by whole words, first match wins: the
+# variants (NVL, PCIe) before their family, so an L40S is never an L4 nor an H100 NVL an SXM.
+GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    (r"GB200", 2500.0),
+    (r"B200", 2250.0),
+    (r"B100", 1750.0),
+    (r"H200 NVL|H200.*PCIE", 835.0),
+    (r"H200|GH200", 989.0),
+    (r"H100 NVL", 835.0),
+    (r"H100.*PCIE", 756.0),
+    (r"H100", 989.0),  # SXM ("H100 80GB HBM3") and the SXM name without its memory
+    (r"H800.*PCIE", 756.0),
+    (r"H800", 989.0),
+    (r"H20", 148.0),
+    (r"A100|A800", 312.0),  # SXM and PCIe, 40 and 80 GB alike
+    (r"A30", 165.0),
+    (r"A40", 149.7),
+    (r"A10G", 70.0),  # AWS's A10 variant: fewer tensor FLOP/s than the A10
+    (r"A10", 125.0),
+    (r"L40S", 362.0),
+    (r"L40", 181.0),
+    (r"L4", 121.0),
+    (r"V100.*PCIE", 112.0),  # fp16: Volta has no bf16
+    (r"V100", 125.0),
+    (r"T4", 65.0),  # fp16
+    (r"MI355X?", 2500.0),
+    (r"MI325X?", 1307.0),
+    (r"MI300X", 1307.0),
+    (r"MI300A", 980.6),
+    (r"MI250X", 383.0),
+    (r"MI250", 362.0),
+)
 
 
 @dataclass(frozen=True)
@@ -112,12 +138,13 @@ def gpu_name() -> str | None:
 
 
 def table_tflops(name: str | None) -> float | None:
-    """Dense bf16 TFLOP/s of a GPU by name, from the table MFU uses."""
+    """Dense bf16 TFLOP/s of a GPU by its name (GPU_PEAK_TFLOPS), None for one not in the table."""
     if not name:
         return None
-    for key in sorted(GPU_PEAK_FLOPS, key=len, reverse=True):
-        if key in name:
-            return GPU_PEAK_FLOPS[key] / 1e12
+    words = re.sub(r"[^A-Z0-9]+", " ", name.upper())  # "A100-SXM4-80GB" -> "A100 SXM4 80GB"
+    for pattern, tflops in GPU_PEAK_TFLOPS:
+        if re.search(rf"\b(?:{pattern})\b", words):
+            return tflops
     return None
 
 

@@ -99,6 +99,11 @@ class ClusterConfig:
     gpu_memory_gb: Optional[float] = None
     """Memory of one GPU, for the planner (null: read from nvidia-smi; required on a
     machine without GPUs when planning for one)."""
+    peak_tflops: Optional[float] = None
+    """Dense bf16 peak of one GPU in TFLOP/s, the denominator of MFU and the planner's step
+    cost (null: the device table by the GPU's exact name, launcher/host.py; a GPU not in it
+    gets a one-line warning and its measured matmul rate for MFU; H100 989 for a plan made
+    on a machine without GPUs)."""
     scheduler: Scheduler = Scheduler.none
     """none: `make train` starts the ranks on this machine (several nodes: run it on each
     with nnodes, node_rank, master_addr, master_port). slurm: `make submit` renders
@@ -239,9 +244,6 @@ class PlanConfig:
 
     chart: Optional[str] = None
     """Also draw the plan as stacked bars against the GPU's memory line (a .png path)."""
-    gpu_tflops: Optional[float] = None
-    """Dense bf16 peak of one GPU in TFLOP/s (null: H100 989, the device table's entry
-    for the local GPU when there is one)."""
     mfu: float = 0.4
     """Fraction of peak the matmuls reach; scales compute time for every layout alike."""
     intra_node_gbps: float = 200.0

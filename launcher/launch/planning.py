@@ -47,7 +47,7 @@ def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "Hardwar
         mem = ram // gpn
     if mem is None:
         raise C.ConfigError("cluster.gpu_memory_gb", None, "needed to plan on a machine without GPUs (e.g. 80)")
-    tflops = cfg.plan.gpu_tflops or table_tflops(gpu_name()) or planner.DEFAULT_TFLOPS
+    tflops = cfg.cluster.peak_tflops or table_tflops(gpu_name()) or planner.DEFAULT_TFLOPS
     host_bytes = int(cfg.plan.host_memory_gb * 2**30) if cfg.plan.host_memory_gb else None
     if host_bytes is None and world_from_launch:  # planning for this machine: its memory
         host_bytes = ram

@@ -149,6 +149,8 @@ def validate(cfg: Config, host) -> list[str]:
     if c.join_timeout_s is not None:
         _positive("cluster.join_timeout_s", c.join_timeout_s)
     _positive("cluster.rdzv_timeout_s", c.rdzv_timeout_s)
+    if c.peak_tflops is not None and not c.peak_tflops > 0:
+        raise ConfigError("cluster.peak_tflops", c.peak_tflops, "must be > 0 (TFLOP/s), or null for the device table")
     for name in c.env:
         if not _ENV_NAME.fullmatch(name):
             raise ConfigError(f"cluster.env.{name}", c.env[name], "environment variable names are letters, digits, _")

@@ -32,7 +32,7 @@ from launcher.rank.checkpoint import Checkpointer
 from launcher.models import init
 from launcher.data.read import build_dataset
 from launcher.host import current_rss, process_start_time
-from launcher.device import autocast_dtype, backend_for, local_device, returned_to_the_os, startup_peaks
+from launcher.device import autocast_dtype, backend_for, local_device, returned_to_the_os, startup_peaks, use_tf32
 from launcher.rank.engine import BuildContext
 from launcher.rank.loop import Job, run
 from launcher.rank.preempt import Preemption
@@ -139,6 +139,7 @@ def train(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemption: 
     backend = backend_for(device) if cfg.dist.backend == C.Backend.auto else cfg.dist.backend.value
     if device.type == "cpu" and cfg.cluster.cpu_threads:
         torch.set_num_threads(cfg.cluster.cpu_threads)
+    use_tf32(device, cfg.precision.tf32)
     # The collectives' own timeout is the backstop; the watchdog (launcher/rank/watchdog.py)
     # fires first, at dist.timeout_s, and names the silent rank.
     backstop = cfg.dist.timeout_s + max(30, cfg.dist.timeout_s // 2)

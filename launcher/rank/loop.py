@@ -80,8 +80,10 @@ def run(job: Job) -> int:
 
     loader = build_loader(cfg, job.dataset, samples_seen, global_batch, job.dp_rank, job.dp_size, device)
     batches = iter(loader)
-    meter = Throughput(tokens_per_step, global_batch, job.flops_per_token,
-                       peak_flops(device, job.compute_dtype) * job.world_size)
+    peak, guessed = peak_flops(device, job.compute_dtype, cfg.cluster.peak_tflops)
+    if guessed:
+        log.print(guessed)
+    meter = Throughput(tokens_per_step, global_batch, job.flops_per_token, peak * job.world_size)
     reset_peak_memory(device)
     first_step = step
 

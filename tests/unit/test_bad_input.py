@@ -56,6 +56,8 @@ CASES = [
     (["model.n_heads=3"], ["model.n_heads=3", "divide model.dim=128"]),
     (["data.vocab_size=1000"], ["data.vocab_size=1000", "model.vocab_size=256"]),
     (["logger.log_every=0"], ["logger.log_every=0"]),
+    (["cluster.peak_tflops=0"], ["cluster.peak_tflops=0", "> 0", "device table"]),
+    (["dist.flight_recorder=-1"], ["dist.flight_recorder=-1", ">= 0"]),
     (["train.stop_at=500"], ["train.stop_at=500", "train.steps=200"]),
     (["hydra.run.dir=/proc/launcher-test"], ["hydra.run.dir=/proc/launcher-test", "cannot write"]),
     (["checkpoint.dir=/proc/launcher-ckpt"], ["checkpoint.dir=/proc/launcher-ckpt", "cannot write"]),

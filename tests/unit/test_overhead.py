@@ -147,3 +147,19 @@ def test_the_launch_side_counts_gpus_without_torch(visible, installed, want):
     from launcher.host import visible_gpus
 
     assert visible_gpus(visible, installed) == want
+
+
+@pytest.mark.parametrize("name,tflops", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0), ("NVIDIA GH200 480GB", 989.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100-PCIE-40GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0),
+    ("NVIDIA L40S", 362.0), ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0), ("NVIDIA A10G", 70.0), ("NVIDIA A10", 125.0),
+    ("NVIDIA A40", 149.7), ("NVIDIA A30", 165.0), ("Tesla V100-SXM2-32GB", 125.0), ("Tesla T4", 65.0),
+    ("NVIDIA B200", 2250.0), ("AMD Instinct MI300X", 1307.0), ("NVIDIA GeForce RTX 4090", None), ("", None)])
+def test_peak_flops_by_the_exact_device_name(name, tflops):
+    """MFU's denominator: an L40S is not an L4, an H100 NVL or PCIe not the SXM (the table
+    once matched by substring); a GPU not in the table is None (the rank warns, and
+    cluster.peak_tflops sets it)."""
+    from launcher.host import table_tflops
+
+    assert table_tflops(name) == tflops
