@@ -14,6 +14,8 @@ from launcher.config.model import ModelConfig
 from launcher.config.root import Config
 from launcher.config.train import OptimConfig
 
+LOSS_CHUNK_BYTES = 256 * 2**20  # train.loss_chunks=null: one slice's fp32 logits at most this
+
 
 def ffn_dim(m: ModelConfig) -> int:
     if m.ffn_dim is not None:
@@ -65,3 +67,23 @@ def nproc_per_node(cfg: Config, host) -> int:
     if c.gpus_per_node is not None:
         return c.gpus_per_node
     return host.gpus if host.cuda else 2
+
+
+def loss_chunks(cfg: Config, vocab_size: int, micro_batch: int, sliceable: bool) -> int:
+    """Slices of the sequence the loss is computed over: train.loss_chunks, or (null) the
+    fewest, a power of two, that keep one slice's fp32 logits within LOSS_CHUNK_BYTES; 1
+    where the layout cannot slice it (`sliceable` false: model=hf, a pipeline's last stage,
+    tensor parallel; launch/validate.py refuses an explicit N > 1 there)."""
+    if cfg.train.loss_chunks is not None:
+        return cfg.train.loss_chunks
+    s, chunks = cfg.train.seq_len, 1
+    while sliceable and 4 * micro_batch * math.ceil(s / chunks) * vocab_size > LOSS_CHUNK_BYTES and chunks < s:
+        chunks *= 2
+    return min(chunks, s)
+
+
+def sliceable_loss(cfg: Config, pp: int, tp: int) -> bool:
+    """Whether the loss can be sliced (train.loss_chunks) under these degrees."""
+    from launcher.config.enums import ModelKind
+
+    return cfg.model.kind != ModelKind.hf and pp == 1 and tp == 1

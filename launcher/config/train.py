@@ -77,6 +77,14 @@ class TrainConfig:
     ac_every-th block, a middle ground."""
     ac_every: int = 2
     """selective: recompute every N-th block."""
+    loss_chunks: Optional[int] = None
+    """The output projection and cross-entropy over N slices of the sequence, each slice's
+    logits made, turned into their gradients and freed before the next (in forward: no
+    extra FLOPs): the B x T x V logits (4 GiB in fp32 for V=128k, T=8k, one sample) never
+    exist at once; held instead until backward: dL/dweight in fp32 (V x dim). 1: off. null
+    (auto): the fewest slices, a power of two, that keep one slice's fp32 logits within
+    256 MiB (1 for small vocabularies). The project's decoder without tensor or pipeline
+    parallelism (elsewhere auto is 1 and N > 1 is refused)."""
     compile: bool = False
     """torch.compile each block: faster steps after a compile pause at the start."""
     measure_activations: bool = False

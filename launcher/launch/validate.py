@@ -267,6 +267,18 @@ def validate_parallel(cfg: Config, world: int) -> None:
                 raise ConfigError("parallel.pp_split", split, f"needs {stages - 1} increasing layer index(es) in "
                                   f"[1, {m.n_layers - 1}] (the first layer of {which}); null balances by parameters")
 
+    # the loss over slices of the sequence
+    chunks = cfg.train.loss_chunks
+    if chunks is not None and not 1 <= chunks <= cfg.train.seq_len:
+        raise ConfigError("train.loss_chunks", chunks, f"must be in 1..train.seq_len={cfg.train.seq_len}, or null (auto)")
+    if chunks is not None and chunks > 1:
+        why = ("model=hf computes its loss whole (slices: the project's decoder)" if cfg.model.kind == ModelKind.hf
+               else f"recipe {name}: a pipeline's last stage computes the loss whole" if can.pp
+               else f"parallel.tp={p.tp} splits the head by vocabulary (its logits are gathered whole)" if p.tp > 1
+               else None)
+        if why:
+            raise ConfigError("train.loss_chunks", chunks, f"{why}; use 1 or null (auto)")
+
     # the world
     fixed = p.dp_replicate * p.tp * p.pp
     shard = p.dp_shard if p.dp_shard != -1 else world // fixed

@@ -102,8 +102,13 @@ def cast_params(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 def prepare(model: nn.Module, cfg: Config) -> nn.Module:
     """What every recipe wants before it parallelizes: activation checkpointing marked,
     and each decoder layer compiled (lazily: traced at the first forward, after the
-    recipe sharded it)."""
+    recipe sharded it), and the loss's slices (train.loss_chunks)."""
     set_activation_checkpointing(model, cfg)
+    if cfg.model.kind != ModelKind.hf:
+        from launcher.config.derived import loss_chunks, sliceable_loss
+
+        sliceable = sliceable_loss(cfg, cfg.parallel.pp, cfg.parallel.tp)
+        model.loss_chunks = loss_chunks(cfg, cfg.model.vocab_size, cfg.train.micro_batch, sliceable)
     if cfg.train.compile:
         for layer in decoder_layers(model):
             layer.compile()

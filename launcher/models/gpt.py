@@ -119,11 +119,12 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.output = tied_head(self.tok_embeddings.weight)
         else:
-            self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            self.output = Head(cfg.dim, cfg.vocab_size, bias=False)
         # Not a parameter or persistent buffer: rebuilt on load, never checkpointed.
         self.register_buffer("rope", rotary_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta),
                              persistent=False)
         self.checkpointed: set[int] = set()  # block indices recomputed in backward
+        self.loss_chunks = 1  # train.loss_chunks (models.prepare): the loss over this many slices of the sequence
         # A GPT built on its own (tests, the hand-written bench loops) draws its weights from
         # torch's global RNG, as any nn.Module. The launcher builds it under skip_torch_init
         # on the meta device instead, and each rank fills only its part with values that do
@@ -155,10 +156,12 @@ class GPT(nn.Module):
         """Logits, or the mean cross-entropy when targets are given."""
         h = self.tok_embeddings(tokens)
         h = run_layers(enumerate(self.layers), h, self.rope, self.checkpointed)
-        logits = self.output(self.norm(h))
+        h = self.norm(h)
         if targets is None:
-            return logits
-        return lm_loss(logits, targets)
+            return self.output(h)
+        if self.loss_chunks > 1:
+            return self.output(h, targets, self.loss_chunks)
+        return lm_loss(self.output(h), targets)
 
     def run_blocks(self, layers, h: torch.Tensor) -> torch.Tensor:
         """(index, block) pairs in order: a pipeline stage's middle (launcher/parallel/plan.py's Stage)."""
@@ -177,11 +180,11 @@ class GPT(nn.Module):
         return flops_per_token(self.cfg, seq_len)
 
 
-def tied_head(weight: nn.Parameter) -> nn.Linear:
+def tied_head(weight: nn.Parameter) -> "Head":
     """An nn.Linear whose weight is `weight` (the embedding's), made without allocating a
     weight of its own first: under deepspeed.zero.Init that weight would be built and
     partitioned only to be dropped (vocab x dim bytes held through start-up)."""
-    head = nn.Linear.__new__(nn.Linear)
+    head = Head.__new__(Head)
     nn.Module.__init__(head)  # not nn.Linear's __init__, which allocates (and zero.Init would partition)
     head.out_features, head.in_features = tuple(getattr(weight, "ds_shape", weight.shape))  # ZeRO-3: the full shape
     head.weight = weight
@@ -222,6 +225,73 @@ def run_layers(layers, h: torch.Tensor, rope: torch.Tensor, checkpointed: set[in
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy, computed in fp32."""
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class Head(nn.Linear):
+    """The output projection. Called with targets and chunks > 1 it returns the loss
+    instead of logits, computed over slices of the sequence (SlicedLoss): called as a
+    module either way, so ZeRO-3 gathers its weight and tensor parallel sees an nn.Linear."""
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None, chunks: int = 1) -> torch.Tensor:
+        if targets is None:
+            return super().forward(h)
+        return SlicedLoss.apply(h, self.weight, targets, chunks)
+
+
+class SlicedLoss(torch.autograd.Function):
+    """Mean next-token cross-entropy of h @ weight.T over `chunks` slices of the sequence,
+    with its gradients computed slice by slice in forward (as Liger-Kernel's fused linear
+    cross-entropy): a slice's logits are made, turned into their gradient (softmax - one-hot)
+    and freed before the next, so the B x T x V logits never exist at once. What it keeps for
+    backward: dL/dh (h's size) and dL/dweight (the weight's size, accumulated in fp32: its
+    matmul runs in fp32, TF32 on CUDA, about 2% of a Llama step's FLOPs).
+    Matmuls run in autocast's dtype when autocast is on (as nn.Linear would), the softmax in
+    fp32. The same loss and gradients as lm_loss(head(h)) to rounding; no extra FLOPs."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else weight.dtype
+        with torch.autocast(h.device.type, enabled=False):
+            hd, wd = h.to(dtype), weight.to(dtype)
+            grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+            grad_h = torch.empty_like(h) if grads else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
+            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            count = (targets != -100).sum()
+            for sl in _slices(h.size(1), chunks):
+                hc, tc = hd[:, sl].reshape(-1, h.size(-1)), targets[:, sl].reshape(-1)
+                logits = (hc @ wd.t()).float()
+                lse = torch.logsumexp(logits, dim=-1)
+                keep = tc != -100
+                rows = torch.arange(tc.numel(), device=tc.device)
+                picked = logits[rows, tc.clamp(min=0)]
+                total += ((lse - picked) * keep).sum()
+                if not grads:
+                    continue
+                g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                g[rows, tc.clamp(min=0)] -= 1.0
+                g.mul_(keep[:, None])
+                grad_h[:, sl] = (g.to(dtype) @ wd).view(h.size(0), -1, h.size(-1)).to(h.dtype)
+                grad_w.addmm_(g.t(), hc.float())  # in fp32, in place: no weight-sized temporary
+                del logits, g
+        ctx.save_for_backward(grad_h, grad_w, count)
+        ctx.weight_dtype = weight.dtype
+        return total / count
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_h, grad_w, count = ctx.saved_tensors
+        scale = grad_out / count
+        # In place: at the start of backward every activation is still held, so a scaled
+        # copy of dL/dweight would land on the step's peak.
+        grad_h.mul_(scale.to(grad_h.dtype))
+        return grad_h, grad_w.mul_(scale).to(ctx.weight_dtype), None, None
+
+
+def _slices(length: int, chunks: int) -> list[slice]:
+    step = -(-length // chunks)
+    return [slice(i, min(i + step, length)) for i in range(0, length, step)]
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from launcher.parallel import ds_config
 from launcher.planner import memory as M
-from launcher.config import ACMode, Config, ModelConfig, Precision
+from launcher.config import ACMode, Config, ModelConfig, Precision, loss_chunks, sliceable_loss
 
 
 @dataclass(frozen=True)
@@ -204,10 +204,17 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
                                             with_embedding=emb, in_flight=in_flight, first_layer=first)
             per_rank.append(total)
         return max(per_rank) if pp_rank is None else per_rank[pp_rank]
-    return M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp)
+    return M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp, loss_chunks=loss_slices(cfg, layout, b))
 
 
-def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode, ac_every: int, b: int, s: int) -> int:
+def loss_slices(cfg: Config, layout: Layout, b: int) -> int:
+    """train.loss_chunks as this layout runs it on micro-batch b (1 on a pipeline, under
+    sequence parallel and for model=hf: launcher/config/derived.py::loss_chunks)."""
+    return loss_chunks(cfg, cfg.model.vocab_size, b, sliceable_loss(cfg, layout.pp, layout.tp))
+
+
+def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode, ac_every: int, b: int, s: int,
+                loss_chunks: int = 1) -> int:
     """Transient buffers at the step's peak: the logits (low-precision output and the
     fp32 copy the loss takes; whole on every tensor-parallel rank), one block's activations while it is recomputed,
     ZeRO-3/FSDP's gathered layers (the current and the prefetched one, bf16), and under
@@ -218,7 +225,7 @@ def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode
     x = M.Shape.of(m, b, s)
     # Tensor parallel gathers the head's output (launcher/parallel/plan.py: ColwiseParallel to
     # Replicate): every rank holds the whole vocabulary's logits, not a 1/tp slice.
-    logits = (n.compute + 4) * b * s * x.V
+    logits = M.loss_temporaries(x, n, loss_chunks)
     recompute = M.block_activations(x, n, layout.tp) if M.recomputed(x.L, ac, ac_every) else 0
     # (a pipeline's FSDP stages hold all their layers gathered: pipeline_unsharded)
     gathered = 2 * 2 * x.block_params // layout.tp if layout.shard == "zero3" and not pipelined_fsdp(layout) else 0

@@ -13,6 +13,7 @@ autograd really keeps.
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -193,10 +194,32 @@ def block_activations(x: Shape, n: Numerics, tp: int = 1) -> int:
     return 2 * _norm(x, n) + _linear_inputs(x, n, 3) + sdpa + _linear_inputs(x, n, 2) + mlp
 
 
-def head_activations(x: Shape, n: Numerics) -> int:
+def head_activations(x: Shape, n: Numerics, loss_chunks: int = 1) -> int:
     """After the last block: final norm, the output matmul's input, the fp32
-    log-softmax of the logits, the flat int64 targets."""
+    log-softmax of the logits, the flat int64 targets. With the loss in slices
+    (train.loss_chunks > 1, launcher/models/gpt.py::SlicedLoss): the final norm, and the
+    gradients the slices computed in forward: dL/dh in h's dtype and dL/dweight in fp32
+    (V x dim: 2.1 GB for Llama 3 8B, against the 4.2 GB fp32 log-softmax of one 8k sequence)."""
+    if loss_chunks > 1:
+        return _norm(x, n) + n.residual * x.b * x.s * x.h + 4 * x.V * x.h
     return _norm(x, n) + _linear_inputs(x, n, 1) + 4 * x.b * x.s * x.V + 8 * x.b * x.s
+
+
+def loss_temporaries(x: Shape, n: Numerics, loss_chunks: int = 1) -> int:
+    """The logits while the loss runs. Whole: 8 bytes a logit, the larger of forward's
+    low-precision output and the fp32 copy the loss takes (c + 4; the log-softmax is saved:
+    head_activations) and backward's fp32 gradients of the log-softmax and of the logits,
+    both alive while one is made from the other (4 + 4; bf16 was planned at c + 4 = 6 until
+    MemTracker showed 8). In slices, one slice of
+    m = b x ceil(T / N) positions at a time: its fp32 logits (turned into their gradient in
+    place) and their low-precision copies (the matmul's output, the gradient cast for dL/dh;
+    none in fp32), plus under autocast the low-precision copies of the weight and of h made
+    once for all slices (tests/unit/test_loss_chunks.py measures them with torch's MemTracker)."""
+    if loss_chunks == 1:
+        return max(n.compute + 4, 8) * x.b * x.s * x.V
+    m = x.b * math.ceil(x.s / loss_chunks)
+    once = n.compute * (x.V * x.h + x.b * x.s * x.h) if n.autocast else 0
+    return once + 4 * m * x.V + (n.compute * m * x.V if n.compute != 4 else 0)
 
 
 def token_ids(x: Shape) -> int:
@@ -209,12 +232,13 @@ def rope_table(x: Shape, n: Numerics) -> int:
     return n.rope * x.max_seq * (x.h // x.a)
 
 
-def weight_copies(x: Shape, n: Numerics, kept_blocks: int, head: bool, tp: int = 1) -> int:
+def weight_copies(x: Shape, n: Numerics, kept_blocks: int, head: bool, tp: int = 1, loss_chunks: int = 1) -> int:
     """Low-precision weights held for backward, once per step: autocast's cached copies
-    of the matmul weights (blocks that recompute make theirs again in backward), or
+    of the matmul weights (blocks that recompute make theirs again in backward; the head's
+    only when the loss is whole: in slices it keeps gradients, not the weight), or
     FSDP's gathered head weight (the root is not resharded after forward), and under a
     pipeline FSDP's gathered block weights (Numerics.gathered_blocks)."""
-    head_bytes = n.compute * x.V * x.h if head and (n.autocast or n.gathered_head) else 0
+    head_bytes = n.compute * x.V * x.h if head and ((n.autocast and loss_chunks == 1) or n.gathered_head) else 0
     blocks = n.compute * kept_blocks * x.block_params // tp if n.autocast or n.gathered_blocks else 0
     return blocks + head_bytes
 
@@ -232,7 +256,8 @@ def recomputed(L: int, ac: ACMode, every: int, first: int = 0) -> int:
 
 def activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, n: Numerics, ac: ACMode,
                      ac_every: int = 2, layers: int | None = None, tp: int = 1, with_head: bool = True,
-                     with_embedding: bool = True, in_flight: int = 1, first_layer: int = 0) -> int:
+                     with_embedding: bool = True, in_flight: int = 1, first_layer: int = 0,
+                     loss_chunks: int = 1) -> int:
     """What autograd holds on one rank at the end of forward: `in_flight` micro-batches'
     activations (a pipeline stage holds several), plus what is held once per step (the
     rotary table, weight copies).
@@ -245,8 +270,9 @@ def activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, n: Numerics
     n_layers = x.L if layers is None else layers
     r = recomputed(n_layers, ac, ac_every, first_layer)
     per_micro_batch = (r * n.residual * x.b * x.s * x.h + (n_layers - r) * block_activations(x, n, tp)
-                       + (head_activations(x, n) if with_head else 0) + (token_ids(x) if with_embedding else 0))
-    once = (rope_table(x, n) if n_layers else 0) + weight_copies(x, n, n_layers - r, with_head, tp)
+                       + (head_activations(x, n, loss_chunks) if with_head else 0)
+                       + (token_ids(x) if with_embedding else 0))
+    once = (rope_table(x, n) if n_layers else 0) + weight_copies(x, n, n_layers - r, with_head, tp, loss_chunks)
     return in_flight * per_micro_batch + once
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from launcher import jsonout
 from launcher.planner import memory as M
 from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig
-from launcher.planner.footprint import (Layout, activations, model_states, numerics, param_share, pipeline,
+from launcher.planner.footprint import (Layout, activations, loss_slices, model_states, numerics, param_share, pipeline,
                                        pipeline_unsharded, start_up, temporaries)
 from launcher.models.gpt import flops_per_token
 
@@ -182,8 +182,8 @@ def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | N
     # A pipeline runs the loss and a recomputation on one of its micro-batches at a time
     # (b x grad_accum sequences cut into parallel.pp_microbatches), the others on b.
     at_once = b if layout.pp == 1 else max(1, b * cfg.train.grad_accum // pipeline(cfg)[0])
-    tmp = (temporaries(cfg.model, cfg.precision.name, layout, ac, cfg.train.ac_every, at_once, cfg.train.seq_len)
-           + pipeline_unsharded(cfg, layout, ac))
+    tmp = (temporaries(cfg.model, cfg.precision.name, layout, ac, cfg.train.ac_every, at_once, cfg.train.seq_len,
+                       loss_slices(cfg, layout, b)) + pipeline_unsharded(cfg, layout, ac))
     device, host_rank = start_up(cfg, layout)
     per_node = min(hw.gpus_per_node, hw.world) if hw is not None else 1
     return Row(layout=layout, ac=ac, micro_batch=b, fits=False, params=params, grads=grads, optim=optim,

@@ -35,9 +35,10 @@ ASYNC = "checkpoint.async_save=true"
 # launch of the same run directory, which resumes it by itself])
 RUNS = {
     "ddp": (["recipe=ddp"], None),
-    # 2 ranks to step 10, then the same run directory relaunched on 4 (the command)
-    "fsdp": (["recipe=fsdp", "train.activation_checkpointing=full", "train.stop_at=10"], None,
-             ["recipe=fsdp", "cluster.nproc_per_node=4"]),
+    # 2 ranks to step 10, then the same run directory relaunched on 4 (the command);
+    # the loss in 4 slices of the sequence (train.loss_chunks), the head in FSDP's root unit
+    "fsdp": (["recipe=fsdp", "train.activation_checkpointing=full", "train.stop_at=10", "train.loss_chunks=4"], None,
+             ["recipe=fsdp", "cluster.nproc_per_node=4", "train.loss_chunks=4"]),
     # tp, pp and tp_fsdp save asynchronously (DCP's async_save): the runs resumed from them
     # prove those checkpoints whole
     "tp": (["recipe=tp", "parallel.tp=2", "train.activation_checkpointing=full", ASYNC], None),
