@@ -150,10 +150,10 @@ def peak_flops(device: torch.device, dtype: torch.dtype | None, tflops: float | 
     rate (warned); halved in fp32 with TF32 (half the bf16 rate), measured in IEEE fp32
     (no tensor cores). On CPU: measured once and cached."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        known = tflops or table_tflops(name)
         if dtype is None and not torch.backends.cuda.matmul.allow_tf32:
             return measure_matmul_flops(device, torch.float32), None
+        name = torch.cuda.get_device_name(device)
+        known = tflops or table_tflops(name)
         if known is not None:
             return known * 1e12 * (1.0 if dtype is not None else 0.5), None
         measured = measure_matmul_flops(device, dtype or torch.float32)

@@ -13,7 +13,7 @@ import math
 import re
 from pathlib import Path
 
-from launcher.config import (Backend, Config, ConfigError, DataKind, ModelKind, OffloadDevice, PPSchedule, Precision, Runner, Scheduler, TokenDtype, ffn_dim, nproc_per_node, pipeline_stages)
+from launcher.config import (Backend, Config, ConfigError, DataKind, ModelKind, OffloadDevice, PPSchedule, Precision, Runner, Scheduler, TokenDtype, ffn_dim, nproc_per_node, pipeline_stages, sliceable_loss)
 from launcher.parallel.degrees import data_parallel_size, grad_accum
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -271,13 +271,11 @@ def validate_parallel(cfg: Config, world: int) -> None:
     chunks = cfg.train.loss_chunks
     if chunks is not None and not 1 <= chunks <= cfg.train.seq_len:
         raise ConfigError("train.loss_chunks", chunks, f"must be in 1..train.seq_len={cfg.train.seq_len}, or null (auto)")
-    if chunks is not None and chunks > 1:
+    if chunks is not None and chunks > 1 and not sliceable_loss(cfg, p.pp, p.tp):
         why = ("model=hf computes its loss whole (slices: the project's decoder)" if cfg.model.kind == ModelKind.hf
-               else f"recipe {name}: a pipeline's last stage computes the loss whole" if can.pp
-               else f"parallel.tp={p.tp} splits the head by vocabulary (its logits are gathered whole)" if p.tp > 1
-               else None)
-        if why:
-            raise ConfigError("train.loss_chunks", chunks, f"{why}; use 1 or null (auto)")
+               else f"recipe {name}: a pipeline's last stage computes the loss whole" if p.pp > 1
+               else f"parallel.tp={p.tp} splits the head by vocabulary (its logits are gathered whole)")
+        raise ConfigError("train.loss_chunks", chunks, f"{why}; use 1 or null (auto)")
 
     # the world
     fixed = p.dp_replicate * p.tp * p.pp

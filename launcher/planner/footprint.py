@@ -209,14 +209,14 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
 
 def loss_slices(cfg: Config, layout: Layout, b: int) -> int:
     """train.loss_chunks as this layout runs it on micro-batch b (1 on a pipeline, under
-    sequence parallel and for model=hf: launcher/config/derived.py::loss_chunks)."""
+    tensor parallel and for model=hf: launcher/config/derived.py::loss_chunks)."""
     return loss_chunks(cfg, cfg.model.vocab_size, b, sliceable_loss(cfg, layout.pp, layout.tp))
 
 
 def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode, ac_every: int, b: int, s: int,
                 loss_chunks: int = 1) -> int:
-    """Transient buffers at the step's peak: the logits (low-precision output and the
-    fp32 copy the loss takes; whole on every tensor-parallel rank), one block's activations while it is recomputed,
+    """Transient buffers at the step's peak: the logits while the loss runs (whole, or one
+    slice of `loss_chunks`: M.loss_temporaries; whole on every tensor-parallel rank), one block's activations while it is recomputed,
     ZeRO-3/FSDP's gathered layers (the current and the prefetched one, bf16), and under
     FSDP an untied embedding: the root unit is held gathered through forward and backward
     (launcher/parallel/mesh.py::apply_fsdp), and autograd saves the head's weight

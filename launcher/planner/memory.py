@@ -207,14 +207,10 @@ def head_activations(x: Shape, n: Numerics, loss_chunks: int = 1) -> int:
 
 def loss_temporaries(x: Shape, n: Numerics, loss_chunks: int = 1) -> int:
     """The logits while the loss runs. Whole: 8 bytes a logit, the larger of forward's
-    low-precision output and the fp32 copy the loss takes (c + 4; the log-softmax is saved:
-    head_activations) and backward's fp32 gradients of the log-softmax and of the logits,
-    both alive while one is made from the other (4 + 4; bf16 was planned at c + 4 = 6 until
-    MemTracker showed 8). In slices, one slice of
-    m = b x ceil(T / N) positions at a time: its fp32 logits (turned into their gradient in
-    place) and their low-precision copies (the matmul's output, the gradient cast for dL/dh;
-    none in fp32), plus under autocast the low-precision copies of the weight and of h made
-    once for all slices (tests/unit/test_loss_chunks.py measures them with torch's MemTracker)."""
+    low-precision output and fp32 copy (c + 4) and backward's two fp32 gradients, of the
+    log-softmax and of the logits (4 + 4). In slices of m = b x ceil(T / N) positions: one
+    slice's fp32 logits and their low-precision copy (none in fp32), plus under autocast
+    the low-precision weight and h, made once (measured: tests/unit/test_loss_chunks.py)."""
     if loss_chunks == 1:
         return max(n.compute + 4, 8) * x.b * x.s * x.V
     m = x.b * math.ceil(x.s / loss_chunks)
