@@ -101,7 +101,7 @@ class DistConfig:
     """Collective timeout: a rank that stops answering ends the job after this long."""
     flight_recorder: int = 2000
     """torch's collective flight recorder: the last N collectives of each process group
-    (NCCL and gloo), per rank (TORCH_NCCL_TRACE_BUFFER_SIZE). A hang report compares the
+    (NCCL and gloo), per rank (TORCH_FR_BUFFER_SIZE). A hang report compares the
     ranks' counts of collectives entered and names the one that never entered the one the
     others wait in; each rank's record lands in RUN_DIR/comm_trace/ for torch's analyzer
     (`python -m torch.distributed.flight_recorder.fr_trace`). A few microseconds a collective;

@@ -139,7 +139,7 @@ def rank_env(cfg: Config, plan: LaunchPlan, run_dir: str) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(plan.threads_per_rank), **comm_env(cfg, run_dir), **cfg.cluster.env}
 
 
-def comm_env(cfg: Config, run_dir: str) -> dict[str, str]:
+def comm_env(cfg: Config, run_dir: str, torch_version: str | None = None) -> dict[str, str]:
     """torch's flight recorder (read by NCCL and gloo alike) keeps each rank's last
     dist.flight_recorder collectives. The hang watchdog compares their counts and writes the
     record (launcher/rank/watchdog.py); NCCL's own timeout, the backstop, dumps it too
@@ -147,10 +147,29 @@ def comm_env(cfg: Config, run_dir: str) -> dict[str, str]:
     torch's default, set so a site's 1 does not lose the dump, pytorch#121055) ends the process
     on a timed-out collective without aborting communicators other ranks still use."""
     n = cfg.dist.flight_recorder
-    env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(n), "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    size, dump_file = flight_recorder_names(torch_version or installed_torch())
+    env = {size: str(n), "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
     if n:
-        env |= {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{run_dir}/{COMM_TRACE}/rank_"}
+        env |= {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", dump_file: f"{run_dir}/{COMM_TRACE}/rank_"}
     return env
+
+
+def flight_recorder_names(torch_version: str) -> tuple[str, str]:
+    """The recorder's size and dump-file variables for that torch: TORCH_FR_BUFFER_SIZE and
+    TORCH_FR_DUMP_TEMP_FILE from 2.11 (the release the recorder was first read under these
+    names that we checked; from then on every process warns on stderr when it meets the old
+    names), TORCH_NCCL_TRACE_BUFFER_SIZE and TORCH_NCCL_DEBUG_INFO_TEMP_FILE before it."""
+    release = tuple(int(p) for p in re.findall(r"\d+", torch_version)[:2])
+    if release >= (2, 11):
+        return "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"
+    return "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+
+
+def installed_torch() -> str:
+    """The torch the ranks will import (the launch side's own environment), without importing it."""
+    from importlib.metadata import version
+
+    return version("torch")
 
 
 def command_script(argv: list[str], env: dict[str, str], workdir: str, run_dir: str) -> str:

@@ -5,14 +5,17 @@ Regenerate after an intended change with `UPDATE_GOLDEN=1 make test-quick` and r
 
 from __future__ import annotations
 
+import os
 import shlex
+import subprocess
+import sys
 
 import pytest
 
 from golden import check_golden
 from launcher.launch import cli
-from launcher.launch.commands import (LaunchPlan, command_script, deepspeed_argv, hostfile_text, launch_argv, rank_env,
-                                      sbatch_quote, sbatch_script, torchrun_argv)
+from launcher.launch.commands import (LaunchPlan, command_script, deepspeed_argv, flight_recorder_names,
+                                      hostfile_text, launch_argv, rank_env, sbatch_quote, sbatch_script, torchrun_argv)
 
 PLAN = LaunchPlan(python="/opt/venv/bin/python", nproc_per_node=2, master_port=29512, threads_per_rank=1,
                   workdir="/home/me/launcher")
@@ -63,13 +66,29 @@ def test_the_ranks_get_the_flight_recorder_and_cluster_env_wins():
     cluster.env wins over the launcher's."""
     cfg, _, _ = cli.compose_config([])
     env = rank_env(cfg, PLAN, "/runs/a")
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/runs/a/comm_trace/rank_"
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == "/runs/a/comm_trace/rank_"
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     cfg, _, _ = cli.compose_config(["dist.flight_recorder=0", "+cluster.env.TORCH_NCCL_ASYNC_ERROR_HANDLING=1"])
     env = rank_env(cfg, PLAN, "/runs/a")
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
-    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in env and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env
+    assert env["TORCH_FR_BUFFER_SIZE"] == "0" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in env and "TORCH_FR_DUMP_TEMP_FILE" not in env
+
+
+def test_the_flight_recorder_variables_follow_the_installed_torch(tmp_path):
+    """torch 2.11 and later read TORCH_FR_*, and every process warns on stderr for the old
+    names; an older site torch gets the names it reads. A gloo process of the installed torch
+    given rank_env prints no such warning (the CI failure of stop 34)."""
+    assert flight_recorder_names("2.13.0+cpu") == ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE")
+    assert flight_recorder_names("2.11.0a0+git1234") == ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE")
+    assert flight_recorder_names("2.6.0") == ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    cfg, _, _ = cli.compose_config([])
+    env = {**os.environ, **rank_env(cfg, PLAN, str(tmp_path)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    code = ("import torch.distributed as d, torch; d.init_process_group('gloo', rank=0, world_size=1);"
+            "t = torch.ones(1); d.all_reduce(t); d.destroy_process_group(); print(int(t.item()))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr
+    assert "deprecated" not in out.stderr, out.stderr
 
 
 def test_sbatch_script_quotes_everything():

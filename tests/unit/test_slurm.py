@@ -64,8 +64,8 @@ def test_the_rehearsed_405b_layout_renders_as_a_64_node_job(capsys, monkeypatch)
     assert "#SBATCH --nodes=64" in text and "--nproc-per-node=8" in text and "--rdzv-conf=join_timeout=900" in text
     assert 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
     # The collectives' flight recorder, dumped into the run directory on a hang or an NCCL timeout.
-    assert "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000" in text and "export TORCH_NCCL_DUMP_ON_TIMEOUT=1" in text
-    assert f"export TORCH_NCCL_DEBUG_INFO_TEMP_FILE={run_dir}/comm_trace/rank_" in text
+    assert "export TORCH_FR_BUFFER_SIZE=2000" in text and "export TORCH_NCCL_DUMP_ON_TIMEOUT=1" in text
+    assert f"export TORCH_FR_DUMP_TEMP_FILE={run_dir}/comm_trace/rank_" in text
     assert subprocess.run(["bash", "-n"], input=out, text=True).returncode == 0, "the script is not valid bash"
 
 
