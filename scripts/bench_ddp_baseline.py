@@ -13,11 +13,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from baseline_common import adamw, compute, finish, report, start, timed_loop
 from launcher.rank.engine import optimizer_state_bytes, tensor_bytes
+from recipes.ddp.engine import no_buffer_sync  # forward_sync_buffers=False, or broadcast_buffers=False before torch 2.13
 
 
 def main() -> None:
     args, mcfg, model = start()
-    ddp = DDP(model, gradient_as_bucket_view=True, forward_sync_buffers=False)
+    ddp = DDP(model, gradient_as_bucket_view=True, **no_buffer_sync())
     opt = adamw(model)
 
     def step(b):

@@ -4,6 +4,7 @@ prints exactly what would run."""
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 from dataclasses import dataclass
@@ -86,11 +87,24 @@ def torchrun_argv(cfg: Config, run_dir: str, plan: LaunchPlan, node: NodeArgs | 
         f"--max-restarts={c.max_restarts}",
         # Forward SIGUSR1 too (Slurm's warning signal); give ranks time to save.
         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-        f"--shutdown-timeout={c.shutdown_timeout_s}",
+        # torchrun before torch 2.13 has no such option: the ranks get its fixed 30 s.
+        *([f"--shutdown-timeout={c.shutdown_timeout_s}"] if torchrun_takes("--shutdown-timeout") else []),
     ]
     if c.local_addr:
         argv.append(f"--local-addr={c.local_addr}")
     return argv + ["-m", "launcher.rank", run_dir]
+
+
+@functools.cache
+def torchrun_takes(option: str) -> bool:
+    """Whether the installed torch's torchrun takes `option`, read from its source (a site's
+    older torch, TORCH=system, lacks the newer options), without importing torch."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        return f'"{option}"' in Path(distribution("torch").locate_file("torch/distributed/run.py")).read_text()
+    except (PackageNotFoundError, OSError):
+        return True
 
 
 def deepspeed_argv(cfg: Config, run_dir: str, plan: LaunchPlan) -> list[str]:

@@ -18,6 +18,16 @@ from launcher.rank.engine import (BuildContext, MemoryBreakdown, StepResult, aut
                                   optimizer_state_bytes, tensor_bytes)
 
 
+def no_buffer_sync() -> dict:
+    """DDP's keyword that skips syncing buffers before each forward: forward_sync_buffers
+    from torch 2.13, broadcast_buffers before it (a site's torch 2.11 has only that one)."""
+    import inspect
+
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 class DDPEngine:
     def __init__(self, ctx: BuildContext):
         cfg = ctx.cfg
@@ -30,7 +40,7 @@ class DDPEngine:
             bucket_cap_mb=opts.bucket_cap_mb,
             gradient_as_bucket_view=opts.gradient_as_bucket_view,
             static_graph=opts.static_graph,
-            forward_sync_buffers=False,  # the only buffer (the rotary table) is identical everywhere
+            **no_buffer_sync(),  # the only buffer (the rotary table) is identical everywhere
         )
         self.optimizer = build_optimizer(self.module, cfg.optim, ctx.device)
         self.scheduler = build_scheduler(self.optimizer, cfg)

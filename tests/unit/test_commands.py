@@ -152,3 +152,16 @@ def test_default_runner_is_torchrun_for_every_recipe():
     for recipe in ("ddp", "zero1", "zero3_offload"):
         cfg, _, _ = cli.compose_config([f"recipe={recipe}"])
         assert launch_argv(cfg, "/runs/a", PLAN) == torchrun_argv(cfg, "/runs/a", PLAN)
+
+
+def test_torchrun_options_follow_the_installed_torchrun(monkeypatch):
+    """torch 2.13's torchrun takes --shutdown-timeout; a site's torch 2.11 (seen on the H200,
+    bench/gpu.md) refuses it and every launch failed: the option is left out there."""
+    from launcher.launch import commands
+
+    assert commands.torchrun_takes("--shutdown-timeout") and not commands.torchrun_takes("--no-such-option")
+    cfg, _, _ = cli.compose_config([])
+    assert "--shutdown-timeout=300" in torchrun_argv(cfg, "/runs/a", PLAN)
+    monkeypatch.setattr(commands, "torchrun_takes", lambda option: option != "--shutdown-timeout")
+    argv = torchrun_argv(cfg, "/runs/a", PLAN)
+    assert not any(a.startswith("--shutdown-timeout") for a in argv) and "--max-restarts=0" in argv

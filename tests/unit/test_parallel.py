@@ -132,3 +132,19 @@ def test_a_tied_head_is_stored_once_under_the_embedding_name():
     assert set(got) == {"state.tok_embeddings.weight.exp_avg", "state.norm.weight.step"}
     assert _canonical({"output.weight": a, "tok_embeddings.weight": b}, tied=None) == {
         "output.weight": a, "tok_embeddings.weight": b}
+
+
+def test_ddp_skips_the_buffer_sync_on_either_torch(monkeypatch):
+    """forward_sync_buffers=False from torch 2.13; torch 2.11's DDP has only broadcast_buffers
+    (every ddp run failed on the H200 with the newer keyword, bench/gpu.md)."""
+    from recipes.ddp import engine
+
+    assert engine.no_buffer_sync() == {"forward_sync_buffers": False}
+
+    class OlderDDP:  # torch 2.11's signature, as far as these keywords go
+        def __init__(self, module, device_ids=None, broadcast_buffers=True, bucket_cap_mb=None,
+                     gradient_as_bucket_view=False, static_graph=False):
+            pass
+
+    monkeypatch.setattr(engine, "DDP", OlderDDP)
+    assert engine.no_buffer_sync() == {"broadcast_buffers": False}
