@@ -8,7 +8,7 @@ Each block all-reduces its activations twice in forward and twice in backward. T
 is in launcher/parallel/plan.py; the engine is fsdp's ShardedEngine (no FSDP here).
 """
 
-from recipes import Parallelism, RecipeSpec
+from recipes import Holding, Parallelism, RecipeSpec
 
 SPEC = RecipeSpec(Parallelism(tp=True, required=("tp",)), engine="recipes.fsdp.engine", builds_on_meta=True, writes="dcp",
-                  reads=("ddp", "dcp"))
+                  reads=("ddp", "dcp"), holds=lambda recipe: Holding(grads_freed=True))  # fsdp's engine frees them

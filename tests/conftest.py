@@ -19,3 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A real gloo process group of one rank (a file store in tmp_path)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -29,6 +29,8 @@ class Layout:
     fsdp: bool = False
     grad_buckets: bool = False
     """DDP: gradient buckets as big as the model, allocated at start-up."""
+    grads_freed: bool = False
+    """The engine frees the gradients after each step (recipes.Holding.grads_freed)."""
 
     @property
     def label(self) -> str:

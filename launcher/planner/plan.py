@@ -52,9 +52,17 @@ class Row:
     startup_host_node: int = 0
     """Host bytes the ranks of one node hold then, beyond their processes' baseline."""
 
+    grads_with_activations: bool = True
+    """The gradients exist while the forward's activations do (kept between steps, or
+    accumulated over micro-batches); False: backward makes them as it frees activations,
+    so the step holds the larger of the two, not their sum (Layout.grads_freed, one
+    micro-batch a step)."""
+
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optim - sum(self.host.values()) + self.activations + self.temp
+        grads = self.grads - self.host.get("grads", 0)
+        both = grads + self.activations if self.grads_with_activations else max(grads, self.activations)
+        return self.params + self.optim - self.host.get("params", 0) - self.host.get("optim", 0) + both + self.temp
 
     @property
     def peak(self) -> int:
@@ -160,7 +168,7 @@ def holding(rc: RecipeConfig) -> dict:
 
     h = recipes.spec(rc.strategy).holds(rc)
     return dict(shard=h.shard, fsdp=h.fsdp, offload_optim=h.offload_optim, offload_params=h.offload_params,
-                grad_buckets=h.grad_buckets)
+                grad_buckets=h.grad_buckets, grads_freed=h.grads_freed)
 
 
 def layout_of(cfg: Config, deg) -> Layout:
@@ -188,7 +196,8 @@ def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | N
     per_node = min(hw.gpus_per_node, hw.world) if hw is not None else 1
     return Row(layout=layout, ac=ac, micro_batch=b, fits=False, params=params, grads=grads, optim=optim,
                activations=act, temp=tmp, where=where, host=host, startup=device,
-               startup_host_node=host_rank * per_node)
+               startup_host_node=host_rank * per_node,
+               grads_with_activations=not (layout.grads_freed and cfg.train.grad_accum == 1))
 
 
 def fits(cfg: Config, hw: Hardware, row: Row) -> bool:

@@ -14,14 +14,6 @@ from runs import REPO
 from launcher.rank import preempt
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A real gloo process group of one rank (a file store in tmp_path)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_stop_agreement_is_a_collective_about_once_a_second_not_every_step(one_rank_group, monkeypatch):
     """Steps of 10 ms: over 2,000 steps (20 s) the ranks agree about 20 times, not 2,000;
     a signal is acted on at the first check after it, within CHECK_S of steps."""

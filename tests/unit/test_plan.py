@@ -79,7 +79,11 @@ def test_plan_table_json_and_chart(tmp_path):
         for k in ("params", "grads", "optim"):  # offload: which parts live in host memory, and how much
             assert (r["host"][k] == 0) == (r["where"][k] == "device")
             assert (r["host"][k] == r[k]) == (r["where"][k] == "cpu")
-        assert r["total"] == on_device + r["activations"] + r["temp"]
+        grads = r["grads"] - r["host"]["grads"]
+        both = grads + r["activations"] if r["grads_with_activations"] else max(grads, r["activations"])
+        assert r["total"] == on_device - grads + both + r["temp"]
+        # An engine that frees its gradients between steps holds the larger of them and the activations.
+        assert r["grads_with_activations"] == (not r["layout"]["grads_freed"])
         assert r["peak"] == max(r["total"], r["startup"]) and r["startup"] > 0 or r["layout"]["offload_params"]
         assert r["fits"] == (r["peak"] <= budget)
     if any(r["fits"] for r in rows):
