@@ -13,21 +13,44 @@ ARGS   ?=
 RUN    ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train plan rehearse submit export test test-quick bench clean
+.PHONY: help setup wheelhouse gpu-check train plan rehearse submit export test test-quick bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 	@echo '  RECIPE=<conf/recipe name>  ARGS="<hydra overrides>"  e.g. make train RECIPE=ddp ARGS="train.steps=300"'
 
-setup: $(STAMP) ## make .venv, install the project (torch pinned; CPU wheel here, CUDA on GPU hosts), compile DeepSpeed's JIT ops once
+setup: $(STAMP) ## make .venv, install the project (torch pinned; CPU wheel here, CUDA on GPU hosts), compile DeepSpeed's JIT ops once; offline: WHEELHOUSE=<dir> [TORCH=system]
 
+# Offline (make wheelhouse wrote <dir>): everything from <dir> with --no-index. TORCH=system keeps
+# the torch the system Python imports (a site's CUDA build; the venv reads its site-packages
+# after its own, through a .pth file), else the wheelhouse must hold torch==2.13.0 too.
+# BUILD_OPS=0 skips the DeepSpeed op compile (the first rank that needs an op compiles it).
 $(STAMP): pyproject.toml
-	@echo 'setting up $(VENV) (once): python -m venv, pip install -e .[dev,hf,tb], scripts/build_ops.py' >&2
+	@echo 'setting up $(VENV) (once): python -m venv, pip install -e .[dev,hf,tb]$(if $(WHEELHOUSE), from $(WHEELHOUSE) offline), scripts/build_ops.py' >&2
+	@case '$(TORCH)' in ''|system) ;; *) echo "error: TORCH=$(TORCH): allowed: system (keep the torch $(PYTHON) imports), or leave it out" >&2; exit 2;; esac
+	@test -n '$(WHEELHOUSE)' -o -z '$(TORCH)' || { echo 'error: TORCH=system goes with WHEELHOUSE=<dir> (make wheelhouse); online, make setup installs the pinned torch' >&2; exit 2; }
+ifdef WHEELHOUSE
+	@test -f '$(WHEELHOUSE)/requirements.txt' || { echo 'error: WHEELHOUSE=$(WHEELHOUSE) has no requirements.txt; make wheelhouse writes one' >&2; exit 2; }
+endif
 	@$(PYTHON) -m venv $(VENV)
+ifdef WHEELHOUSE
+ifeq ($(TORCH),system)
+	@$(PYTHON) -c 'import torch, pathlib; print(pathlib.Path(torch.__file__).parent.parent)' > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/system-torch.pth" \
+		|| { echo 'error: TORCH=system, but $(PYTHON) cannot import torch' >&2; exit 2; }
+else
+	@$(VENV)/bin/pip install --quiet --no-index --find-links '$(WHEELHOUSE)' 'torch==2.13.0' >&2
+endif
+	@$(VENV)/bin/pip install --quiet --no-index --find-links '$(WHEELHOUSE)' -r '$(WHEELHOUSE)/requirements.txt' >&2
+	@$(VENV)/bin/pip install --quiet --no-index --find-links '$(WHEELHOUSE)' --no-deps -e . >&2
+else
 	@$(VENV)/bin/pip install --quiet --upgrade pip >&2
 	@$(VENV)/bin/pip install --quiet -e '.[dev,hf,tb]' >&2
-	@$(PY) scripts/build_ops.py
+endif
+	@$(if $(filter 0,$(BUILD_OPS)),true,$(PY) scripts/build_ops.py)
 	@touch $(STAMP)
+
+wheelhouse: setup ## wheels of every dependency but torch for offline nodes: WHEELHOUSE=<dir> PYVER=3.12 [PLATFORM=manylinux2014_x86_64] [EXTRAS=dev,hf,tb]
+	@$(PY) scripts/wheelhouse.py --out '$(or $(WHEELHOUSE),wheelhouse)' $(if $(PYVER),--python '$(PYVER)') $(if $(PLATFORM),--platform '$(PLATFORM)') $(if $(filter undefined,$(origin EXTRAS)),,--extras '$(EXTRAS)')
 
 train: setup ## train: RECIPE=<name> ARGS="<overrides>" (--dry-run in ARGS prints, starts nothing)
 	@$(PY) -m launcher train $(if $(RECIPE),recipe=$(RECIPE)) $(ARGS)
@@ -46,10 +69,13 @@ export: setup ## consolidated weights: RUN=<run dir> [export.dtype=bf16] [export
 	@$(PY) -m launcher export "$(RUN)" $(foreach k,format dtype step out,$(if $(export.$(k)),export.$(k)=$(export.$(k)))) $(ARGS)
 
 test: setup ## the full test suite: tests/unit and tests/e2e (real processes; about 20 minutes on 2 cores)
-	@$(PY) -m pytest -q tests
+	@$(PY) -m pytest -q --durations=25 tests
 
 test-quick: setup ## tests/unit only: in-process checks and quick commands, no multi-process runs (about 2 minutes)
 	@$(PY) -m pytest -q tests/unit
+
+gpu-check: setup ## on a GPU machine: the GPU test set (pytest -m gpu) and the GPU bench, into bench/gpu.md; without a GPU it says so and exits 0
+	@$(PY) scripts/gpu_check.py $(ARGS)
 
 bench: setup ## recipes against hand-written loops, interleaved, and start-up; writes bench/results.md (ARGS="--models llama_5m --only ddp zero2")
 	@$(PY) scripts/bench.py $(ARGS)

@@ -33,6 +33,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10, help="steps not timed")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block (as train.compile=true does)")
     ap.add_argument("--out", required=True)
     return ap
 
@@ -80,7 +81,11 @@ def start():
     device = start_process_group(args)
     mcfg = model_config(args)
     torch.manual_seed(0)
-    return args, mcfg, GPT(mcfg).to(device)
+    model = GPT(mcfg).to(device)
+    if args.compile:
+        for block in model.layers:
+            block.compile()
+    return args, mcfg, model
 
 
 def param_groups(model) -> list[dict]:
