@@ -41,6 +41,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def host_values(device: torch.device, *values) -> list[float]:
+    """The step's scalars (loss, gradient norm, loss scale, skipped steps) as Python floats,
+    with one device-to-host copy for all the tensors among them: one host synchronisation
+    per logged step, where reading each (`.item()`, `float()`) waits for the device once
+    per value. Python numbers pass through."""
+    tensors = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in values if isinstance(v, torch.Tensor)]
+    stacked = torch.stack([t.detach().reshape(()).to(device, torch.float64) for t in tensors]) if tensors else None
+    read = iter(stacked.tolist() if stacked is not None else ())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
 # ----------------------------------------------------------------------------- memory
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":

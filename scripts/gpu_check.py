@@ -197,6 +197,11 @@ def write(path: Path, f: dict, tests: dict | None, measured: Path, rows: list[di
             f"{p.stem.removeprefix('fp16-')} skipped {json.loads(p.read_text())['skipped_steps']} of its steps, scale "
             f"{json.loads(p.read_text())['loss_scale'][0]:g} -> {json.loads(p.read_text())['loss_scale'][-1]:g}"
             for p in fp16) + "."]
+    syncs = measured / "host-syncs.json"
+    if syncs.exists():
+        d = json.loads(syncs.read_text())
+        lines += ["", f"Host synchronisations (ddp, profiled steps {d['steps']}, logged {d['logged']}): "
+                      f"{d['device_to_host_copies']} device-to-host copies, {d['synchronize_calls']} synchronize calls."]
     if rows or left:
         lines += ["", "## Throughput beside the hand-written loops", "",
                   f"bf16, seq {SEQ}, {f['count']} GPU(s); tokens/s over the steps after the first interval (the "

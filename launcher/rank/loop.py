@@ -21,7 +21,7 @@ from launcher.parallel.degrees import degrees
 from launcher.rank.checkpoint import Checkpointer
 from launcher.config import Config, FaultPoint
 from launcher.data.read import build_loader, loss_floor
-from launcher.device import memory_stats, peak_flops, reset_peak_memory, synchronize
+from launcher.device import host_values, memory_stats, peak_flops, reset_peak_memory
 from launcher.rank.engine import local_shard
 from launcher.planner.memory import ActivationCounter
 from launcher.rank.metrics import RankZeroLogger, Throughput
@@ -145,13 +145,15 @@ def run(job: Job) -> int:
             # Mean over data-parallel slices: one rank per slice contributes its loss.
             loss = result.loss.detach().clone() if result.loss_owner else torch.zeros((), device=device)
             dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-            synchronize(device)
-            metrics = {"step": step, "loss": loss.item() / job.dp_size, "lr": engine.lr(),
-                       "grad_norm": float(result.grad_norm), **meter.rates(), **memory_stats(device),
+            scaled = result.loss_scale is not None
+            # One host synchronisation for every scalar, before the rates (it waits for the device).
+            read = host_values(device, loss, result.grad_norm, *((result.loss_scale, skipped_steps) if scaled else ()))
+            metrics = {"step": step, "loss": read[0] / job.dp_size, "lr": engine.lr(),
+                       "grad_norm": read[1], **meter.rates(), **memory_stats(device),
                        **engine.state_bytes().as_metrics(), **measured}
-            if result.loss_scale is not None:
-                metrics["loss_scale"] = float(result.loss_scale)
-                metrics["skipped_steps"] = int(skipped_steps)
+            if scaled:
+                metrics["loss_scale"] = read[2]
+                metrics["skipped_steps"] = int(read[3])
             log.log(metrics)
 
         if ckpt.saver is not None and not settle(ckpt, watchdog, job, log, block=False):

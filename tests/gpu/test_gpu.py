@@ -62,7 +62,8 @@ def cases() -> dict[str, list[str]]:
     out["fsdp-fp16"] = ["recipe=fsdp", *SMALL, "precision=fp16"]  # refused: FSDP2 has no loss scaler here
     for recipe in ("ddp", "fsdp"):
         out[f"{recipe}-compile"] = [f"recipe={recipe}", *SMALL, "precision=bf16", "train.compile=true"]
-    out["ddp-profiled"] = ["recipe=ddp", *SMALL, "precision=bf16", "profile.enabled=true", "profile.steps=[3,4]"]
+    out["ddp-profiled"] = ["recipe=ddp", *(o for o in SMALL if not o.startswith("logger.log_every")), "logger.log_every=2",
+                           "precision=bf16", "profile.enabled=true", "profile.steps=[3,4]"]
     out["ddp-first-half"] = ["recipe=ddp", *SMALL, "precision=bf16", "train.stop_at=4"]
     for model in PLANNED_MODELS:
         for recipe in PLANNED_RECIPES:
@@ -173,6 +174,19 @@ def test_the_memory_snapshot_is_written(runs):
         data = pickle.load(f)
     assert data["segments"] and data["device_traces"], "an empty snapshot"
     assert any(p.suffix == ".json" or p.name.endswith(".json.gz") for p in (run / "profile").rglob("*"))
+
+
+def test_one_host_synchronisation_per_logged_step(runs):
+    """Profiled steps 3 (not logged) and 4 (logged, logger.log_every=2): the device's copies
+    to the host and the host's waits on the device, from the rank's trace. The loop reads
+    its scalars in one copy on a logged step and none on the others."""
+    trace = next((finished(runs, "ddp-profiled") / "profile").glob("rank0*.json"))
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    to_host = [e for e in events if e["name"].startswith("Memcpy DtoH")]
+    waits = [e for e in events if e["name"] in ("cudaStreamSynchronize", "cudaDeviceSynchronize")]
+    record("host-syncs", {"steps": [3, 4], "logged": [4], "device_to_host_copies": len(to_host),
+                          "synchronize_calls": len(waits)})
+    assert len(to_host) <= 1, [e["name"] for e in to_host]
 
 
 @pytest.mark.parametrize("model", PLANNED_MODELS)
