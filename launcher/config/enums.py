@@ -38,6 +38,7 @@ class ACMode(str, enum.Enum):
     none = "none"
     full = "full"
     selective = "selective"
+    op = "op"
 
 
 class DataKind(str, enum.Enum):

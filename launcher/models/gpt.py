@@ -124,6 +124,7 @@ class GPT(nn.Module):
         self.register_buffer("rope", rotary_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta),
                              persistent=False)
         self.checkpointed: set[int] = set()  # block indices recomputed in backward
+        self.op_level = False  # activation_checkpointing=op: they keep their matmuls' outputs
         self.loss_chunks = 1  # train.loss_chunks (models.prepare): the loss over this many slices of the sequence
         # A GPT built on its own (tests, the hand-written bench loops) draws its weights from
         # torch's global RNG, as any nn.Module. The launcher builds it under skip_torch_init
@@ -155,7 +156,7 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or the mean cross-entropy when targets are given."""
         h = self.tok_embeddings(tokens)
-        h = run_layers(enumerate(self.layers), h, self.rope, self.checkpointed)
+        h = run_layers(enumerate(self.layers), h, self.rope, self.checkpointed, self.op_level)
         h = self.norm(h)
         if targets is None:
             return self.output(h)
@@ -165,7 +166,7 @@ class GPT(nn.Module):
 
     def run_blocks(self, layers, h: torch.Tensor) -> torch.Tensor:
         """(index, block) pairs in order: a pipeline stage's middle (launcher/parallel/plan.py's Stage)."""
-        return run_layers(layers, h, self.rope, self.checkpointed)
+        return run_layers(layers, h, self.rope, self.checkpointed, self.op_level)
 
     # -------------------------------------------------------------------------- facts
     def num_params(self) -> int:
@@ -211,15 +212,42 @@ def init_specs(cfg: ModelConfig) -> dict[str, InitSpec]:
     return specs
 
 
-def run_layers(layers, h: torch.Tensor, rope: torch.Tensor, checkpointed: set[int]) -> torch.Tensor:
+def run_layers(layers, h: torch.Tensor, rope: torch.Tensor, checkpointed: set[int], op_level: bool = False) -> torch.Tensor:
     """The blocks in order; (index, block) pairs. Blocks in `checkpointed` keep only their
-    input and recompute the rest in backward (activation checkpointing)."""
+    input and recompute the rest in backward (activation checkpointing); with `op_level`
+    they keep their matmuls' and attention's outputs too (keep_matmuls)."""
     for i, layer in layers:
         if i in checkpointed and torch.is_grad_enabled():
-            h = checkpoint(layer, h, rope, use_reentrant=False)
+            if op_level:
+                h = checkpoint(layer, h, rope, use_reentrant=False, context_fn=keep_matmuls)
+            else:
+                h = checkpoint(layer, h, rope, use_reentrant=False)
         else:
             h = layer(h, rope)
     return h
+
+
+# What op-level recomputation keeps (torch.utils.checkpoint's selective policy): the
+# outputs of the matmuls and of attention, the expensive ops; the elementwise work between
+# them (norms, SiLU, products, casts, rotary) runs again in backward.
+KEPT_OPS = frozenset(op for name in ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+                                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                                     "_scaled_dot_product_flash_attention_for_cpu")
+                     if hasattr(torch.ops.aten, name) for op in [getattr(torch.ops.aten, name).default])
+
+
+def _keep_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def keep_matmuls():
+    """checkpoint's context_fn for activation_checkpointing=op (also handed to Hugging Face
+    models' own checkpointing, launcher/models/hf.py)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_keep_policy)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -300,9 +328,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def set_activation_checkpointing(model: GPT, mode: ACMode, every: int) -> None:
     """Choose which blocks recompute their activations in backward.
-    full: all blocks; selective: every `every`-th block (0, N, 2N, ...); none: no block."""
+    full: all blocks; selective: every `every`-th block (0, N, 2N, ...); op: all blocks,
+    keeping their matmuls' and attention's outputs; none: no block."""
     n = len(model.layers)
-    if mode == ACMode.full:
+    model.op_level = mode == ACMode.op
+    if mode in (ACMode.full, ACMode.op):
         model.checkpointed = set(range(n))
     elif mode == ACMode.selective:
         model.checkpointed = set(range(0, n, every))

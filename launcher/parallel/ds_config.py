@@ -137,7 +137,7 @@ def deepspeed_config(cfg: C.Config, world_size: int, cuda: bool) -> dict[str, An
         # The model recomputes blocks with torch.utils.checkpoint (launcher/models/gpt.py);
         # DeepSpeed's own activation partitioning and CPU checkpointing act only on its
         # checkpoint function, which the model does not use: recorded here as off.
-        blocks = m.n_layers if t.activation_checkpointing == C.ACMode.full else \
+        blocks = m.n_layers if t.activation_checkpointing in (C.ACMode.full, C.ACMode.op) else \
             len(range(0, m.n_layers, t.ac_every))
         out["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
                                            "contiguous_memory_optimization": False, "number_checkpoints": blocks,

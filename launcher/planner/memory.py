@@ -194,6 +194,18 @@ def block_activations(x: Shape, n: Numerics, tp: int = 1) -> int:
     return 2 * _norm(x, n) + _linear_inputs(x, n, 3) + sdpa + _linear_inputs(x, n, 2) + mlp
 
 
+def op_kept(x: Shape, n: Numerics, tp: int = 1) -> int:
+    """What a block recomputed at op level (activation_checkpointing=op) keeps beside its
+    input: the outputs of its seven matmuls (q, k, v, the attention's projection, the
+    SwiGLU's w1, w3 and w2) and of attention (its output and fp32 logsumexp), in the matmul
+    dtype (launcher/models/gpt.py::KEPT_OPS). k and v are kept before grouped-query
+    attention repeats them."""
+    b, s, c = x.b, x.s, n.compute
+    h_q, h_kv, heads, f = x.h // tp, x.h_kv // tp, x.a // tp, x.f // tp
+    matmuls = h_q + 2 * h_kv + x.h + 2 * f + x.h
+    return c * b * s * (matmuls + h_q) + 4 * b * heads * s
+
+
 def head_activations(x: Shape, n: Numerics, loss_chunks: int = 1) -> int:
     """After the last block: final norm, the output matmul's input, the fp32
     log-softmax of the logits, the flat int64 targets. With the loss in slices
@@ -240,10 +252,10 @@ def weight_copies(x: Shape, n: Numerics, kept_blocks: int, head: bool, tp: int =
 
 
 def recomputed(L: int, ac: ACMode, every: int, first: int = 0) -> int:
-    """Blocks first .. first+L-1 that recompute: all under full; under selective those whose
+    """Blocks first .. first+L-1 that recompute: all under full and op; under selective those whose
     index in the whole model is a multiple of `every` (a pipeline stage keeps the model's
     numbering, so a one-layer stage holding block 1 recomputes nothing)."""
-    if ac == ACMode.full:
+    if ac in (ACMode.full, ACMode.op):
         return L
     if ac == ACMode.selective:
         return len(range(-(-first // every) * every, first + L, every))
@@ -258,14 +270,15 @@ def activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, n: Numerics
     activations (a pipeline stage holds several), plus what is held once per step (the
     rotary table, weight copies).
 
-    A recomputed block keeps only its input (the residual stream); the others keep
-    block_activations. `layers` limits the count to a pipeline stage's blocks;
+    A recomputed block keeps only its input (the residual stream), at op level also
+    op_kept; the others keep block_activations. `layers` limits the count to a pipeline stage's blocks;
     `with_embedding` / `with_head` say whether the stage has the token ids / the final
     norm and logits (both, without a pipeline)."""
     x = Shape.of(m, micro_batch, seq_len)
     n_layers = x.L if layers is None else layers
     r = recomputed(n_layers, ac, ac_every, first_layer)
-    per_micro_batch = (r * n.residual * x.b * x.s * x.h + (n_layers - r) * block_activations(x, n, tp)
+    kept = op_kept(x, n, tp) if ac == ACMode.op else 0
+    per_micro_batch = (r * (n.residual * x.b * x.s * x.h + kept) + (n_layers - r) * block_activations(x, n, tp)
                        + (head_activations(x, n, loss_chunks) if with_head else 0)
                        + (token_ids(x) if with_embedding else 0))
     once = (rope_table(x, n) if n_layers else 0) + weight_copies(x, n, n_layers - r, with_head, tp, loss_chunks)

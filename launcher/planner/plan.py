@@ -25,6 +25,11 @@ GiB = 2**30
 
 
 DEFAULT_TFLOPS = 989.0  # H100 SXM dense bf16
+OP_RECOMPUTE = 0.1
+"""activation_checkpointing=op: the elementwise work (norms, SiLU, products, casts, rotary)
+a block recomputes, as a share of its forward's time. Few FLOPs but memory-bound; an
+estimate (10%), not yet measured on a GPU. It makes op cost a little more than none, so
+none stays the choice where it fits."""
 
 
 @dataclass
@@ -92,7 +97,10 @@ def step_time(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode, b: int) -> 
     m, s = cfg.model, cfg.train.seq_len
     accum = cfg.train.grad_accum
     tokens = b * accum * layout.dp * s
-    recompute = 1 + (2 / 6) * M.recomputed(m.n_layers, ac, cfg.train.ac_every) / m.n_layers
+    # A recomputed block runs its forward again (2 of 6 FLOPs a parameter and token); at op
+    # level only its elementwise work, whose time OP_RECOMPUTE estimates.
+    share = OP_RECOMPUTE if ac == ACMode.op else 1.0
+    recompute = 1 + (2 / 6) * share * M.recomputed(m.n_layers, ac, cfg.train.ac_every) / m.n_layers
     flops = tokens * flops_per_token(m, s) * recompute / (layout.dp * layout.tp * layout.pp)
     compute = flops / (hw.tflops * 1e12 * p.mfu)
     if layout.pp > 1:  # the pipeline bubble: (pp - 1) idle micro-batch slots per step
@@ -235,7 +243,7 @@ def plan(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig], micro_ba
     cfg = planned_model(cfg)
     rows = []
     for layout in candidates(cfg, hw, available):
-        for ac in (ACMode.none, ACMode.selective, ACMode.full):
+        for ac in (ACMode.none, ACMode.op, ACMode.selective, ACMode.full):
             if micro_batch is None:
                 row = largest_fitting(cfg, hw, layout, ac)
             else:

@@ -41,9 +41,11 @@ RUNS = {
              ["recipe=fsdp", "cluster.nproc_per_node=4", "train.loss_chunks=4"]),
     # tp, pp and tp_fsdp save asynchronously (DCP's async_save): the runs resumed from them
     # prove those checkpoints whole
-    "tp": (["recipe=tp", "parallel.tp=2", "train.activation_checkpointing=full", ASYNC], None),
+    # (tp and tp_fsdp4 recompute at op level: blocks keep their matmuls' outputs, DTensors)
+    "tp": (["recipe=tp", "parallel.tp=2", "train.activation_checkpointing=op", ASYNC], None),
     "pp": (["recipe=pp", "parallel.pp_schedule=1f1b", "train.activation_checkpointing=selective", ASYNC], None),
-    "tp_fsdp4": (["recipe=tp_fsdp", "cluster.nproc_per_node=4", "parallel.sequence_parallel=true", ASYNC], None),
+    "tp_fsdp4": (["recipe=tp_fsdp", "cluster.nproc_per_node=4", "parallel.sequence_parallel=true",
+                  "train.activation_checkpointing=op", ASYNC], None),
     # resharding: another layout picks up a step-10 checkpoint
     # pp x fsdp: two stages, each sharded over two ranks, two virtual stages per rank
     "pp_fsdp_interleaved4_from_ddp": (["recipe=pp_fsdp", "cluster.nproc_per_node=4",

@@ -54,12 +54,13 @@ def fp32_runs(tmp_path_factory) -> dict[str, Path]:
     """ddp, zero1, zero2, zero3 in fp32 on 2 ranks; zero2 keeps a checkpoint every 5 steps;
     zero3 computes its loss in 4 slices of the sequence (train.loss_chunks: the head is
     called as a module, so ZeRO-3 gathers its weight, and its gradient comes back through
-    autograd), still ddp's losses."""
+    autograd) and recomputes its blocks at op level (train.activation_checkpointing=op), still
+    ddp's losses."""
     root = tmp_path_factory.mktemp("fp32")
     runs = {}
     for recipe in ("ddp", "zero1", "zero2", "zero3"):
         ckpt = ["checkpoint.every=5", "checkpoint.keep=4"] if recipe == "zero2" else ["checkpoint.every=0"]
-        sliced = ["train.loss_chunks=4"] if recipe == "zero3" else []
+        sliced = ["train.loss_chunks=4", "train.activation_checkpointing=op"] if recipe == "zero3" else []
         launch(f"recipe={recipe}", *FP32, *ckpt, *sliced, run_dir=root / recipe)
         runs[recipe] = root / recipe
     return runs

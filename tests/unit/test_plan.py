@@ -71,7 +71,7 @@ def test_plan_table_json_and_chart(tmp_path):
     rows = data["rows"]
     recipes = sorted(p.stem for p in (compose.CONF_DIR / "recipe").glob("*.yaml"))
     assert {r["layout"]["recipe"] for r in rows} == set(recipes)
-    assert {r["ac"] for r in rows} == {"none", "selective", "full"}
+    assert {r["ac"] for r in rows} == {"none", "op", "selective", "full"}
     best = [r for r in rows if r["recommended"]]
     budget = data["gpu_bytes"] - 2 * 2**30
     for r in rows:
