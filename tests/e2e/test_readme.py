@@ -176,7 +176,7 @@ def run(command: str, home: Path, capsys) -> str:
     elif head == ["make", "test"]:  # this suite: make runs pytest over tests/, which holds this file
         proc = subprocess.run(["make", "-s", "-n", "-o", ".venv/.installed", "test"], cwd=REPO, env=shell_env(), capture_output=True,
                               text=True, timeout=60)
-        assert proc.stdout.split() == [".venv/bin/python", "-m", "pytest", "-q", "tests"], proc.stdout
+        assert proc.stdout.split() == [".venv/bin/python", "-m", "pytest", "-q", "--durations=25", "tests"], proc.stdout
         assert REPO / "tests" in Path(__file__).parents
     elif head[0] == "make":
         proc = subprocess.run(shlex.split(command), cwd=REPO, env=shell_env(), capture_output=True, text=True, timeout=60)
