@@ -120,13 +120,14 @@ class Bench:
                 "peak_bytes": max(r["mem/peak_bytes"] for r in rows),
                 "model_state_bytes": rows[-1]["mem/model_state_bytes"]}
 
-    def baseline(self, recipe: str, model: str, steps: int | None = None, warmup: int = 10) -> tuple[dict, float]:
+    def baseline(self, recipe: str, model: str, steps: int | None = None, warmup: int = 10,
+                 more: tuple[str, ...] = ()) -> tuple[dict, float]:
         script, extra, _ = CASES[recipe]
         a, out = self.args, self.runs / f"baseline-{recipe}-{model}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}",
                f"scripts/{script}", "--model", *model_args(model), "--dtype", a.dtype, "--steps", str(steps or a.steps),
                "--warmup", str(warmup), "--micro-batch", str(a.micro_batch), "--seq-len", str(a.seq_len),
-               "--out", str(out), *extra]
+               "--out", str(out), *extra, *more]
         wall = _run(cmd, self.env)
         return json.loads(out.read_text()), wall
 

@@ -118,7 +118,7 @@ def run_bench(out: Path, budget_s: float, steps: int, progress=lambda rows, left
         row = {"model": model, "recipe": recipe, "compile": compiled, "micro_batch": args.micro_batch, "seq": SEQ}
         try:
             ours = bench.recipe(recipe, model, extra)
-            theirs, _ = baseline(bench, recipe, model, compiled)
+            theirs, _ = bench.baseline(recipe, model, warmup=5, more=("--compile",) if compiled else ())
         except SystemExit as err:  # a failed run: its output, and on to the next case
             row["error"] = str(err)[-1500:]
             rows.append(row)
@@ -139,20 +139,6 @@ def run_bench(out: Path, budget_s: float, steps: int, progress=lambda rows, left
         print(f"bench {model} {recipe} compile={compiled}: {row['tokens_per_s']:,.0f} vs "
               f"{row['baseline_tokens_per_s']:,.0f} tok/s ({row['ratio']:.3f}x), MFU {100 * row['mfu']:.1f}%", flush=True)
     return rows, left
-
-
-def baseline(bench, recipe: str, model: str, compiled: bool):
-    """The hand-written loop of `recipe` (bench.CASES), with --compile when the recipe compiles."""
-    from bench import CASES as LOOPS
-
-    if not compiled:
-        return bench.baseline(recipe, model, warmup=5)
-    script, extra, target = LOOPS[recipe]
-    LOOPS[recipe] = (script, [*extra, "--compile"], target)
-    try:
-        return bench.baseline(recipe, model, warmup=5)
-    finally:
-        LOOPS[recipe] = (script, extra, target)
 
 
 def error_line(text: str) -> str:

@@ -195,15 +195,10 @@ def block_activations(x: Shape, n: Numerics, tp: int = 1) -> int:
 
 
 def op_kept(x: Shape, n: Numerics, tp: int = 1) -> int:
-    """What a block recomputed at op level (activation_checkpointing=op) keeps beside its
-    input: the outputs of its seven matmuls (q, k, v, the attention's projection, the
-    SwiGLU's w1, w3 and w2) and of attention (its output and fp32 logsumexp), in the matmul
-    dtype (launcher/models/gpt.py::KEPT_OPS). k and v are kept before grouped-query
-    attention repeats them."""
-    b, s, c = x.b, x.s, n.compute
-    h_q, h_kv, heads, f = x.h // tp, x.h_kv // tp, x.a // tp, x.f // tp
-    matmuls = h_q + 2 * h_kv + x.h + 2 * f + x.h
-    return c * b * s * (matmuls + h_q) + 4 * b * heads * s
+    """activation_checkpointing=op: what a block keeps beside its input, the outputs of its
+    seven matmuls (k, v before the GQA repeat) and attention's (+ fp32 logsumexp); KEPT_OPS."""
+    h_q, h_kv, f = x.h // tp, x.h_kv // tp, x.f // tp
+    return n.compute * x.b * x.s * (h_q + 2 * h_kv + x.h + 2 * f + x.h + h_q) + 4 * x.b * (x.a // tp) * x.s
 
 
 def head_activations(x: Shape, n: Numerics, loss_chunks: int = 1) -> int:
@@ -252,9 +247,8 @@ def weight_copies(x: Shape, n: Numerics, kept_blocks: int, head: bool, tp: int =
 
 
 def recomputed(L: int, ac: ACMode, every: int, first: int = 0) -> int:
-    """Blocks first .. first+L-1 that recompute: all under full and op; under selective those whose
-    index in the whole model is a multiple of `every` (a pipeline stage keeps the model's
-    numbering, so a one-layer stage holding block 1 recomputes nothing)."""
+    """Blocks first .. first+L-1 that recompute: all under full and op; under selective
+    those whose model-wide index is a multiple of `every` (a stage keeps the numbering)."""
     if ac in (ACMode.full, ACMode.op):
         return L
     if ac == ACMode.selective:
@@ -267,11 +261,10 @@ def activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, n: Numerics
                      with_embedding: bool = True, in_flight: int = 1, first_layer: int = 0,
                      loss_chunks: int = 1) -> int:
     """What autograd holds on one rank at the end of forward: `in_flight` micro-batches'
-    activations (a pipeline stage holds several), plus what is held once per step (the
-    rotary table, weight copies).
+    activations (a pipeline stage holds several), plus the rotary table and weight copies.
 
-    A recomputed block keeps only its input (the residual stream), at op level also
-    op_kept; the others keep block_activations. `layers` limits the count to a pipeline stage's blocks;
+    A recomputed block keeps only its input (at op level also op_kept); the others keep
+    block_activations. `layers` limits the count to a pipeline stage's blocks;
     `with_embedding` / `with_head` say whether the stage has the token ids / the final
     norm and logits (both, without a pipeline)."""
     x = Shape.of(m, micro_batch, seq_len)
@@ -356,12 +349,9 @@ class ActivationCounter:
     micro-batches in flight when its first backward starts).
 
     Each storage counts once (views share it); parameters do not count (they are model
-    state), but autocast's weight copies do (they are made per step).
-
-        with ActivationCounter(model) as counter:
-            engine.train_step(micro_batches)
-        counter.bytes
-    """
+    state), but autocast's weight copies do (they are made per step). It does not see
+    op-level recomputation's cache (tests/unit/test_op_recompute.py uses MemTracker).
+    Usage: `with ActivationCounter(model) as c: engine.train_step(mbs)`, then c.bytes."""
 
     def __init__(self, model: nn.Module):
         self.param_ptrs = {_storage(p).data_ptr() for p in model.parameters()}
