@@ -11,6 +11,9 @@ STAMP  := $(VENV)/.installed
 RECIPE ?=
 ARGS   ?=
 RUN    ?=
+# Where setup installs from: WHEELHOUSE, except for `make wheelhouse`, where WHEELHOUSE names the
+# folder being written (setup then installs online, as it must to download the wheels).
+FROM   := $(if $(filter wheelhouse,$(MAKECMDGOALS)),,$(WHEELHOUSE))
 
 .DEFAULT_GOAL := help
 .PHONY: help setup wheelhouse gpu-check train plan rehearse submit export test test-quick bench clean
@@ -26,22 +29,22 @@ setup: $(STAMP) ## make .venv, install the project (torch pinned; CPU wheel here
 # after its own, through a .pth file), else the wheelhouse must hold torch==2.13.0 too.
 # BUILD_OPS=0 skips the DeepSpeed op compile (the first rank that needs an op compiles it).
 $(STAMP): pyproject.toml
-	@echo 'setting up $(VENV) (once): python -m venv, pip install -e .[dev,hf,tb]$(if $(WHEELHOUSE), from $(WHEELHOUSE) offline), scripts/build_ops.py' >&2
+	@echo 'setting up $(VENV) (once): python -m venv, pip install -e .[dev,hf,tb]$(if $(FROM), from $(FROM) offline), scripts/build_ops.py' >&2
 	@case '$(TORCH)' in ''|system) ;; *) echo "error: TORCH=$(TORCH): allowed: system (keep the torch $(PYTHON) imports), or leave it out" >&2; exit 2;; esac
-	@test -n '$(WHEELHOUSE)' -o -z '$(TORCH)' || { echo 'error: TORCH=system goes with WHEELHOUSE=<dir> (make wheelhouse); online, make setup installs the pinned torch' >&2; exit 2; }
-ifdef WHEELHOUSE
-	@test -f '$(WHEELHOUSE)/requirements.txt' || { echo 'error: WHEELHOUSE=$(WHEELHOUSE) has no requirements.txt; make wheelhouse writes one' >&2; exit 2; }
+	@test -n '$(FROM)' -o -z '$(TORCH)' || { echo 'error: TORCH=system goes with WHEELHOUSE=<dir> (make wheelhouse); online, make setup installs the pinned torch' >&2; exit 2; }
+ifneq ($(FROM),)
+	@test -f '$(FROM)/requirements.txt' || { echo 'error: WHEELHOUSE=$(FROM) has no requirements.txt; make wheelhouse writes one' >&2; exit 2; }
 endif
 	@$(PYTHON) -m venv $(VENV)
-ifdef WHEELHOUSE
+ifneq ($(FROM),)
 ifeq ($(TORCH),system)
 	@$(PYTHON) -c 'import torch, pathlib; print(pathlib.Path(torch.__file__).parent.parent)' > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/system-torch.pth" \
 		|| { echo 'error: TORCH=system, but $(PYTHON) cannot import torch' >&2; exit 2; }
 else
-	@$(VENV)/bin/pip install --quiet --no-index --find-links '$(WHEELHOUSE)' 'torch==2.13.0' >&2
+	@$(VENV)/bin/pip install --quiet --no-index --find-links '$(FROM)' 'torch==2.13.0' >&2
 endif
-	@$(VENV)/bin/pip install --quiet --no-index --find-links '$(WHEELHOUSE)' -r '$(WHEELHOUSE)/requirements.txt' >&2
-	@$(VENV)/bin/pip install --quiet --no-index --find-links '$(WHEELHOUSE)' --no-deps -e . >&2
+	@$(VENV)/bin/pip install --quiet --no-index --find-links '$(FROM)' -r '$(FROM)/requirements.txt' >&2
+	@$(VENV)/bin/pip install --quiet --no-index --find-links '$(FROM)' --no-deps -e . >&2
 else
 	@$(VENV)/bin/pip install --quiet --upgrade pip >&2
 	@$(VENV)/bin/pip install --quiet -e '.[dev,hf,tb]' >&2
