@@ -15,7 +15,7 @@ PREEMPTED_MARKER = "preempted.json"
 HANG_MARKER = "hang.json"
 COMM_TRACE = "comm_trace"  # folder: each rank's collective flight record on a hang (rank_<N>, torch's format)
 CHECKPOINT_FAILED_MARKER = "checkpoint_failed.json"
-OOM_MARKER = "oom.json"  # a rank ran out of memory: train.micro_batch=auto backs off and retries
+OOM_MARKER = "oom.json"  # a rank ran out of memory: with train.oom_backoff the launcher backs off and relaunches
 
 # marker file -> exit code, in the order the launcher checks them
 MARKERS = {

@@ -30,7 +30,7 @@ from launcher.config.train import DistConfig, OptimConfig, PrecisionConfig, Trai
 from launcher.config.run import (CheckpointConfig, ClusterConfig, DebugConfig, ExportConfig, LoggerConfig, PlanConfig,
                                  ProfileConfig)
 from launcher.config.root import (Config, GROUPS, RETIRED, load_frozen, read_frozen, register_configs, to_dict,
-                                  to_typed, to_yaml)
+                                  to_typed, to_yaml, write_frozen)
 from launcher.config.derived import (block_matmul_params, ffn_dim, loss_chunks, lr_factor, matmul_params, nproc_per_node,
                                      num_params, pipeline_stages, sliceable_loss)
 
@@ -41,6 +41,6 @@ __all__ = [
     "RecipeConfig", "ZeroOptions", "DataConfig", "ModelConfig", "DistConfig", "OptimConfig", "PrecisionConfig",
     "TrainConfig", "CheckpointConfig", "ClusterConfig", "DebugConfig", "ExportConfig", "LoggerConfig", "PlanConfig",
     "ProfileConfig", "Config", "GROUPS", "RETIRED", "read_frozen", "load_frozen", "register_configs", "to_dict",
-    "to_typed", "to_yaml", "ffn_dim", "block_matmul_params", "matmul_params", "num_params", "lr_factor", "nproc_per_node",
+    "to_typed", "to_yaml", "write_frozen", "ffn_dim", "block_matmul_params", "matmul_params", "num_params", "lr_factor", "nproc_per_node",
     "pipeline_stages", "loss_chunks", "sliceable_loss",
 ]

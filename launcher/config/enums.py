@@ -149,3 +149,7 @@ class FaultPoint(str, enum.Enum):
     hang_in_step = "hang_in_step"
     """The rank sleeps forever inside step `fault_step`, batch in hand, before its first
     collective: the others wait inside one (a rank stuck in a kernel or a host call)."""
+    oom = "oom"
+    """The rank raises torch.OutOfMemoryError at the end of its first forward of step
+    `fault_step` (where the logits are made), once per run directory: the back-off's
+    smaller micro-batch then fits (train.oom_backoff)."""

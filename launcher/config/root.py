@@ -4,6 +4,7 @@ ConfigStore, and its conversions (an OmegaConf node, config.yaml, a dict).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -87,6 +88,14 @@ def load_frozen(path: str | Path) -> Config:
     if p.is_dir():
         p = p / "config.yaml"
     return to_typed(read_frozen(p))
+
+
+def write_frozen(run_dir: Path, cfg: Config) -> None:
+    """Replace RUN_DIR/config.yaml whole (a reader never sees half of it): a back-off
+    (train.oom_backoff) records its micro-batch there, by the launcher or by the rank."""
+    tmp = run_dir / "config.yaml.tmp"
+    tmp.write_text(to_yaml(cfg))
+    os.replace(tmp, run_dir / "config.yaml")
 
 
 def to_yaml(cfg: Config) -> str:

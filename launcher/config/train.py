@@ -58,6 +58,13 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches per optimizer step. Larger global batch at no memory cost, but
     proportionally more time per step."""
+    oom_backoff: bool = False
+    """After an out-of-memory in a step, go on with the next smaller micro-batch that divides
+    this one and the accumulation that keeps micro_batch x grad_accum (so the global batch
+    and the learning dynamics) the same: 8 x 1 -> 4 x 2. In the rank, retrying the same
+    step, where it can (one rank, the ddp engine, the failure before the optimizer step);
+    else the launcher launches again from the last checkpoint. Each back-off is one line,
+    and config.yaml and the W&B config record it. train.micro_batch=auto turns it on."""
     global_batch: Optional[int] = None
     """Sequences per optimizer step over all ranks. When set, grad_accum is derived:
     global_batch / (micro_batch x data-parallel size), which must divide exactly."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import sys
@@ -238,7 +239,7 @@ def launch_job(cfg: C.Config, run_dir: Path, plan: LaunchPlan, files: dict[str, 
     own_group = cfg.cluster.runner == C.Runner.deepspeed
     if cfg.cluster.nnodes > 1 and not own_group:  # several nodes by hand: meet the others first
         return run_node(cfg, run_dir, argv_run, {**os.environ, **env})
-    if "train.micro_batch=auto" in overrides:
+    if cfg.train.oom_backoff:
         return supervise_with_backoff(cfg, argv_run, {**os.environ, **env}, run_dir)
     return supervise(argv_run, {**os.environ, **env}, run_dir, own_group=own_group,
                      drain_s=cfg.cluster.shutdown_timeout_s, ckpt_root=root_of(cfg, run_dir))
@@ -266,34 +267,37 @@ def wandb_reachable_or_offline(cfg: C.Config, run_dir: Path) -> C.Config:
 
 
 def supervise_with_backoff(cfg: C.Config, argv: list[str], env: dict[str, str], run_dir: Path) -> int:
-    """train.micro_batch=auto: when a rank runs out of memory (it leaves RUN_DIR/oom.json),
-    halve the micro-batch, rewrite config.yaml and launch again (accelerate's
-    find_executable_batch_size drives the retries); the run resumes from its checkpoints."""
-    from accelerate.utils import find_executable_batch_size
-
+    """train.oom_backoff: a rank that ran out of memory and could not back off in place
+    leaves RUN_DIR/oom.json; the launcher takes the next smaller micro-batch with the
+    accumulation that keeps the global batch (degrees.backed_off), records it in config.yaml
+    and launches again: the ranks resume from the last checkpoint, on the same samples."""
     from launcher.exits import OOM_MARKER
+    from launcher.parallel.degrees import backed_off
 
-    state = {"mb": cfg.train.micro_batch}
-
-    def halve() -> int:
-        state["mb"] //= 2
-        return state["mb"]
-
-    @find_executable_batch_size(starting_batch_size=cfg.train.micro_batch, reduce_batch_size_fn=halve)
-    def attempt(batch_size: int) -> int:
-        if batch_size != cfg.train.micro_batch:
-            cfg.train.micro_batch = batch_size
-            (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
-            print(f"out of memory: retrying with train.micro_batch={batch_size}", flush=True)
-        (run_dir / OOM_MARKER).unlink(missing_ok=True)
+    marker = run_dir / OOM_MARKER
+    while True:
+        marker.unlink(missing_ok=True)
         rc = supervise(argv, env, run_dir, ckpt_root=root_of(cfg, run_dir))
-        if rc != 0 and (run_dir / OOM_MARKER).exists():
-            raise RuntimeError(f"CUDA out of memory. {(run_dir / OOM_MARKER).read_text().strip()}")
-        return rc
+        if rc == 0 or not marker.exists():
+            return rc
+        oom = json.loads(marker.read_text())
+        smaller = backed_off(oom["micro_batch"], oom["grad_accum"])
+        if smaller is None:
+            print(f"out of memory on rank {oom['rank']} at step {oom['step']} with train.micro_batch=1: "
+                  f"nothing left to back off ({oom['error']})", file=sys.stderr, flush=True)
+            return rc
+        cfg = C.load_frozen(run_dir / "config.yaml")  # a rank may have backed off in place before
+        cfg.train.micro_batch = smaller[0]
+        if cfg.train.global_batch is None:  # else the accumulation is derived from it
+            cfg.train.grad_accum = smaller[1]
+        C.write_frozen(run_dir, cfg)
+        if (run_dir / "ds_config.json").is_file():  # DeepSpeed's own accumulation: its file says it too
+            from launcher.parallel import ds_config
 
-    rc = attempt()
-    print(f"micro-batch settled at {cfg.train.micro_batch}", flush=True)
-    return rc
+            ds_config.rebatch(run_dir, *smaller)
+        print(f"out of memory on rank {oom['rank']} at step {oom['step']} with micro-batch {oom['micro_batch']} x "
+              f"{oom['grad_accum']}: launching again from the last checkpoint with train.micro_batch={smaller[0]}, "
+              f"grad_accum {smaller[1]} (the global batch kept)", flush=True)
 
 
 def run_node(cfg: C.Config, run_dir: Path, argv: list[str], env: dict[str, str]) -> int:

@@ -193,8 +193,8 @@ def resolve_auto(overrides: list[str], host: HostInfo) -> tuple[list[str], str |
     chosen = list(rest)
     if auto_recipe:
         chosen += best.layout.overrides() + [f"train.activation_checkpointing={best.ac.value}"]
-    if auto_mb:
-        chosen.append(f"train.micro_batch={best.micro_batch}")
+    if auto_mb:  # and, should a step not fit after all, the back-off that keeps the batch
+        chosen += [f"train.micro_batch={best.micro_batch}", "train.oom_backoff=true"]
     per = "per GPU" if host.cuda or cfg.cluster.gpu_memory_gb else "per rank: this machine's memory, shared"
     print(f"planner chose: {best.layout.label}, activation checkpointing {best.ac.value}, micro-batch "
           f"{best.micro_batch} ({best.peak / 2**30:.2f} of {hw.gpu_bytes / 2**30:.2f} GiB {per})", flush=True)

@@ -68,3 +68,13 @@ def grad_accum(cfg: Config, world_size: int) -> int:
 
 def global_batch(cfg: Config, world_size: int) -> int:
     return cfg.train.micro_batch * grad_accum(cfg, world_size) * data_parallel_size(cfg, world_size)
+
+
+def backed_off(micro_batch: int, grad_accum: int) -> tuple[int, int] | None:
+    """train.oom_backoff: the largest micro-batch below `micro_batch` that divides it, and
+    the accumulation that keeps micro x accum (the global batch) the same; None at 1.
+    8 x 1 -> 4 x 2, 6 x 1 -> 3 x 2, 3 x 2 -> 1 x 6."""
+    for smaller in range(micro_batch // 2, 0, -1):
+        if micro_batch % smaller == 0:
+            return smaller, grad_accum * (micro_batch // smaller)
+    return None

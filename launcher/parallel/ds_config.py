@@ -28,6 +28,7 @@ import collections.abc
 import contextlib
 import copy
 import json
+import os
 import logging
 import math
 from pathlib import Path
@@ -365,3 +366,17 @@ def read(run_dir: Path, world_size: int) -> dict:
         raise RuntimeError(f"{path} was written for another world size: train_batch_size "
                            f"{config['train_batch_size']} != {micro} x {accum} x {world_size} ranks")
     return config
+
+
+def rebatch(run_dir: Path, micro_batch: int, grad_accum: int) -> None:
+    """train.oom_backoff: RUN_DIR/ds_config.json with a smaller micro-batch and the larger
+    accumulation that keeps train_batch_size (written whole, as config.yaml is)."""
+    path = run_dir / FILE
+    config = json.loads(path.read_text())
+    if micro_batch * grad_accum != config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]:
+        raise ValueError(f"{path}: {micro_batch} x {grad_accum} would change the batch of "
+                         f"{config['train_micro_batch_size_per_gpu']} x {config['gradient_accumulation_steps']}")
+    config.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=grad_accum)
+    tmp = path.with_name(FILE + ".tmp")
+    tmp.write_text(text(config))
+    os.replace(tmp, path)

@@ -108,6 +108,11 @@ class Engine(Protocol):
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full model weights (fp32, on CPU) on every rank; used for export and checks."""
 
+    # Optional: `discard_step()`, drop a step that failed part-way, before the optimizer
+    # step (attribute `stepping` False), so that it can run again (train.oom_backoff in
+    # place, launcher/rank/backoff.py); engines without it back off by a relaunch from the
+    # last checkpoint.
+
 
 # ----------------------------------------------------------------------------- helpers
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

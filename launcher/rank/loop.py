@@ -18,6 +18,7 @@ import torch.distributed as dist
 import recipes
 from launcher.manifest import step_name, whole
 from launcher.parallel.degrees import degrees
+from launcher.rank import backoff
 from launcher.rank.checkpoint import Checkpointer
 from launcher.config import Config, FaultPoint
 from launcher.data.read import build_loader, loss_floor
@@ -25,7 +26,7 @@ from launcher.device import host_values, memory_stats, peak_flops, reset_peak_me
 from launcher.rank.engine import local_shard
 from launcher.planner.memory import ActivationCounter
 from launcher.rank.metrics import RankZeroLogger, Throughput
-from launcher.exits import CHECKPOINT_FAILED_MARKER, EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED, OOM_MARKER
+from launcher.exits import CHECKPOINT_FAILED_MARKER, EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
 from launcher.rank.faults import strike
 from launcher.rank.preempt import Preemption
 from launcher.rank.profiler import StepProfiler
@@ -112,21 +113,30 @@ def run(job: Job) -> int:
         watchdog.in_step()
         strike(cfg.debug, FaultPoint.hang_in_step, step + 1, job.rank)
 
-        try:
-            # The second step of a launch: the first also holds one-time work (a
-            # pipeline's shape inference); the planner predicts the steady state.
-            if cfg.train.measure_activations and step == min(first_step + 1, last - 1):
-                with ActivationCounter(engine.model) as counter:
-                    result = engine.train_step(micro_batches)
-                measured = {"mem/activation_bytes": counter.bytes}
-            else:
-                result = engine.train_step(micro_batches)
-        except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
-            if is_out_of_memory(err):
-                (job.run_dir / OOM_MARKER).write_text(json.dumps(
-                    {"rank": job.rank, "step": step + 1, "micro_batch": cfg.train.micro_batch,
-                     "error": str(err).splitlines()[0][:300]}) + "\n")
-            raise
+        while True:  # once, or again with smaller micro-batches after an out-of-memory (train.oom_backoff)
+            try:
+                with backoff.injected(job, step + 1, engine.model):
+                    # The second step of a launch: the first also holds one-time work (a
+                    # pipeline's shape inference); the planner predicts the steady state.
+                    if cfg.train.measure_activations and step == min(first_step + 1, last - 1):
+                        with ActivationCounter(engine.model) as counter:
+                            result = engine.train_step(micro_batches)
+                        measured = {"mem/activation_bytes": counter.bytes}
+                    else:
+                        result = engine.train_step(micro_batches)
+                break
+            except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
+                if not backoff.is_out_of_memory(err):
+                    raise
+                if not backoff.can_retry(job, engine):
+                    backoff.record(job, step + 1, err)  # the launcher backs off, or says why not
+                    raise
+                why = backoff.first_line(err)
+            backoff.retry(job, engine, step + 1, why, log)
+            micro_batches = backoff.split(micro_batches, cfg.train.micro_batch)
+            loader = build_loader(cfg, job.dataset, samples_seen + global_batch, global_batch, job.dp_rank,
+                                  job.dp_size, device)  # this step's samples are in hand: from the next one
+            batches = iter(loader)
         step += 1
         skipped_steps = skipped_steps + result.skipped  # a device tensor stays one: read when logged
         profiler.end(step)
@@ -287,12 +297,6 @@ def is_write_failure(err: BaseException) -> bool:
     text = str(err)
     return isinstance(err, OSError) or any(s in text for s in (
         "PytorchStreamWriter", "inline_container", "file write failed", "No space left", "unexpected pos"))
-
-
-def is_out_of_memory(err: BaseException) -> bool:
-    """CUDA (torch.OutOfMemoryError) or a failed host allocation."""
-    text = str(err)
-    return isinstance(err, torch.OutOfMemoryError) or " out of memory" in text or "can't allocate memory" in text
 
 
 def summarize(job: Job, history: list[dict], steps_run: int, digest: bool = False,

@@ -117,6 +117,12 @@ class RankZeroLogger:
         if self.enabled:
             self.console.print(message, markup=False, soft_wrap=True)
 
+    def config_changed(self, cfg: Config) -> None:
+        """The run's config changed under it (train.oom_backoff): W&B's config says so too
+        (config.yaml is written by the caller)."""
+        if self.enabled and self.wandb_run is not None:
+            self.wandb_run.config.update(to_dict(cfg), allow_val_change=True)
+
     def log(self, metrics: dict) -> None:
         if not self.enabled:
             return

@@ -5,6 +5,7 @@ scaler, and the plain model.pt/optim.pt checkpoint."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 from pathlib import Path
 
@@ -33,15 +34,9 @@ class DDPEngine:
         cfg = ctx.cfg
         self.cfg, self.device, self.rank = cfg, ctx.device, ctx.rank
         self.module = models.materialize(ctx.model, cfg, ctx.device)  # replicated: built once, on the device
-        opts = cfg.recipe.ddp
-        self.model = DDP(
-            self.module,
-            device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
-            bucket_cap_mb=opts.bucket_cap_mb,
-            gradient_as_bucket_view=opts.gradient_as_bucket_view,
-            static_graph=opts.static_graph,
-            **no_buffer_sync(),  # the only buffer (the rotary table) is identical everywhere
-        )
+        self.local_rank = ctx.local_rank
+        self.model = self._wrap()
+        self.stepping = False
         self.optimizer = build_optimizer(self.module, cfg.optim, ctx.device)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.dtype = autocast_dtype(cfg.precision.name.value)
@@ -65,6 +60,7 @@ class DDPEngine:
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += loss.detach()
         skipped, scale = False, None
+        self.stepping = True
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
@@ -81,7 +77,29 @@ class DDPEngine:
         # With bucket views the gradients stay allocated (they are the buckets): zero them.
         self.optimizer.zero_grad(set_to_none=not self.cfg.recipe.ddp.gradient_as_bucket_view)
         self.scheduler.step()
+        self.stepping = False
         return StepResult(loss=total / n, grad_norm=grad_norm, skipped=skipped, loss_scale=scale)
+
+    def _wrap(self) -> DDP:
+        opts = self.cfg.recipe.ddp
+        return DDP(
+            self.module,
+            device_ids=[self.local_rank] if self.device.type == "cuda" else None,
+            bucket_cap_mb=opts.bucket_cap_mb,
+            gradient_as_bucket_view=opts.gradient_as_bucket_view,
+            static_graph=opts.static_graph,
+            **no_buffer_sync(),  # the only buffer (the rotary table) is identical everywhere
+        )
+
+    def discard_step(self) -> None:
+        """After a step that failed before its optimizer step (`stepping` False; out of memory
+        under train.oom_backoff, one rank): drop its gradients and wrap the module in DDP
+        again (a forward or backward that stopped part-way leaves DDP's reducer waiting for
+        the rest)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model = None  # the old reducer's buckets go before the new one's are made
+        gc.collect()
+        self.model = self._wrap()
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]

@@ -84,3 +84,14 @@ def summary(path: Path) -> dict:
             for item in rec.summary.update:
                 out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
     return out
+
+
+def config(path: Path) -> dict:
+    """The run's config as its run record and later config updates leave it: {group: {...}}."""
+    out: dict = {}
+    for rec in records(path):
+        kind = rec.WhichOneof("record_type")
+        items = rec.run.config.update if kind == "run" else rec.config.update if kind == "config" else ()
+        for item in items:
+            out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return out

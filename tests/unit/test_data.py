@@ -65,3 +65,12 @@ def test_prepare_data_and_token_file(tmp_path):
     assert bytes(a[0, :-1].tolist()).decode() in "hello launcher, " * 500
     starts = sorted(ds._window(i) for i in range(ds.windows))
     assert starts == list(range(ds.windows))
+
+
+def test_a_backed_off_micro_batch_sees_the_same_samples_in_the_same_order():
+    """train.oom_backoff: 8 x 1 -> 4 x 2 per rank; each rank's step is the same sequences."""
+    for rank in range(2):
+        big = iter(StepSampler(start=48, global_batch=16, dp_rank=rank, dp_size=2, micro_batch=8))
+        small = iter(StepSampler(start=48, global_batch=16, dp_rank=rank, dp_size=2, micro_batch=4))
+        for _ in range(3):
+            assert next(big) == next(small) + next(small)

@@ -128,3 +128,14 @@ def test_dry_run_prints_the_deepspeed_config(tmp_path, capsys):
     text = out.split("# ds_config.json\n", 1)[1].split("# command", 1)[0]
     assert json.loads(text)["zero_optimization"]["stage"] == 3
     assert not (tmp_path / "run").exists()
+
+
+def test_a_back_off_rebatches_the_json_that_deepspeed_then_reads(tmp_path):
+    """train.oom_backoff on a ZeRO run: micro 8 x 1 -> 4 x 2 at the same train_batch_size."""
+    cfg, _, _ = cli.compose_config(["recipe=zero2", "train.micro_batch=8"])
+    (tmp_path / D.FILE).write_text(D.text(D.deepspeed_config(cfg, 2, cuda=False)))
+    D.rebatch(tmp_path, 4, 2)
+    read = D.read(tmp_path, 2)
+    assert (read["train_micro_batch_size_per_gpu"], read["gradient_accumulation_steps"], read["train_batch_size"]) == (4, 2, 16)
+    with pytest.raises(ValueError, match="would change the batch"):
+        D.rebatch(tmp_path, 2, 2)

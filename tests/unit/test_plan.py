@@ -166,8 +166,10 @@ def test_auto_micro_batch_plans_the_recipe_as_overridden(tmp_path, capsys, monke
     argv = ["train", "recipe=zero2", "recipe.zero.offload_optimizer=cpu", "train.micro_batch=auto", "--dry-run",
             "cluster.gpu_memory_gb=8", f"hydra.run.dir={tmp_path / 'run'}"]
     assert cli.main(argv) == 0, capsys.readouterr().err
-    chose = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("planner chose: "))
+    out = capsys.readouterr().out
+    chose = next(line for line in out.splitlines() if line.startswith("planner chose: "))
     assert chose.startswith("planner chose: zero2 (dp2)"), chose
+    assert "  oom_backoff: true\n" in out  # should a step not fit after all: the back-off keeps the batch
     hw = planner.Hardware(gpu_bytes=80 * 2**30, gpus_per_node=2, nnodes=1, tflops=planner.DEFAULT_TFLOPS)
     cfg, _, _ = cli.compose_config(["recipe=zero2", "recipe.zero.offload_optimizer=cpu"])
     assert planner.layout_for(cfg, 2).offload_optim and not planner.layout_for(cli.compose_config(["recipe=zero2"])[0], 2).offload_optim

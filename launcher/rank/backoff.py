@@ -1,0 +1,103 @@
+"""train.oom_backoff on the rank: a step that runs out of memory is retried in place with
+the next smaller micro-batch and the accumulation that keeps the global batch, where the
+engine can drop a half-done step (one rank: a peer would be waiting inside a collective of
+the failed step; an engine with `discard_step`: ddp). Elsewhere the rank leaves
+RUN_DIR/oom.json and the launcher launches again from the last checkpoint with that
+micro-batch (launcher/launch/cli.py::supervise_with_backoff)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import sys
+
+import torch
+
+from launcher import config as C
+from launcher.exits import OOM_MARKER
+from launcher.parallel.degrees import backed_off
+
+STRUCK = "fault_oom_struck"
+"""debug.fault=oom strikes once per run directory (this file says it has)."""
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """CUDA (torch.OutOfMemoryError) or a failed host allocation."""
+    text = str(err)
+    return isinstance(err, torch.OutOfMemoryError) or " out of memory" in text or "can't allocate memory" in text
+
+
+@contextlib.contextmanager
+def injected(job, step: int, model):
+    """debug.fault=oom: torch.OutOfMemoryError at the end of this rank's first forward of
+    `step` (where the logits are made, the usual place), once per run directory."""
+    debug = job.cfg.debug
+    if debug is None or debug.fault != C.FaultPoint.oom or debug.fault_step != step or debug.fault_rank != job.rank:
+        yield
+        return
+    try:
+        os.close(os.open(job.run_dir / STRUCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:  # struck before this relaunch: the back-off's micro-batch fits
+        yield
+        return
+
+    def strike(module, args, output):
+        handle.remove()
+        print(f"rank {job.rank}: injected fault oom at step {step}", file=sys.stderr, flush=True)
+        raise torch.OutOfMemoryError(f"injected by debug.fault=oom (micro-batch {job.cfg.train.micro_batch})")
+
+    handle = model.register_forward_hook(strike)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def can_retry(job, engine) -> bool:
+    """Whether this rank backs off in place: train.oom_backoff, no peer (one rank's failure
+    leaves the others inside a collective of the step), an engine that can drop a half-done
+    step (`discard_step`) and did not fail in its optimizer step (`stepping`: some
+    parameters may have moved), and a smaller micro-batch left."""
+    return (job.cfg.train.oom_backoff and job.world_size == 1 and hasattr(engine, "discard_step")
+            and not getattr(engine, "stepping", True) and backed_off(job.cfg.train.micro_batch, job.grad_accum) is not None)
+
+
+def retry(job, engine, step: int, why: str, log) -> None:
+    """Back off in place (after `can_retry`, outside the except block, so that the error's
+    frames and the activations they hold are gone): the engine drops the failed step, job and
+    config take the smaller micro-batch, config.yaml and the W&B config say so."""
+    cfg = job.cfg
+    engine.discard_step()
+    gc.collect()
+    if job.device.type == "cuda":
+        torch.cuda.empty_cache()
+    before = (cfg.train.micro_batch, job.grad_accum)
+    cfg.train.micro_batch, job.grad_accum = backed_off(*before)
+    if cfg.train.global_batch is None:  # else the accumulation is derived from it
+        cfg.train.grad_accum = job.grad_accum
+    C.write_frozen(job.run_dir, cfg)
+    log.config_changed(cfg)
+    log.print(f"out of memory at step {step} with micro-batch {before[0]} x {before[1]} ({why}): retrying the step "
+              f"with train.micro_batch={cfg.train.micro_batch}, grad_accum {job.grad_accum} (the global batch kept)")
+
+
+def first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0][:300] if str(err).strip() else err.__class__.__name__
+
+
+def split(micro_batches: list, micro_batch: int) -> list:
+    """The step's batch (already in hand) cut into micro-batches of `micro_batch`: the same
+    sequences in the same order."""
+    x = torch.cat([x for x, _ in micro_batches])
+    y = torch.cat([y for _, y in micro_batches])
+    return list(zip(x.split(micro_batch), y.split(micro_batch)))
+
+
+def record(job, step: int, err: BaseException) -> None:
+    """RUN_DIR/oom.json for the launcher: where, and the micro-batch and accumulation it
+    had (train.oom_backoff launches again with a smaller one)."""
+    (job.run_dir / OOM_MARKER).write_text(json.dumps(
+        {"rank": job.rank, "step": step, "micro_batch": job.cfg.train.micro_batch, "grad_accum": job.grad_accum,
+         "error": first_line(err)}) + "\n")
