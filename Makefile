@@ -29,7 +29,7 @@ setup: $(STAMP) ## make .venv, install the project (torch pinned; CPU wheel here
 # after its own, through a .pth file), else the wheelhouse must hold torch==2.13.0 too.
 # BUILD_OPS=0 skips the DeepSpeed op compile (the first rank that needs an op compiles it).
 $(STAMP): pyproject.toml
-	@echo 'setting up $(VENV) (once): python -m venv, pip install -e .[dev,hf,tb]$(if $(FROM), from $(FROM) offline), scripts/build_ops.py' >&2
+	@echo 'setting up $(VENV) (once): python -m venv, pip install -e .[dev,hf,tb,fp8]$(if $(FROM), from $(FROM) offline), scripts/build_ops.py' >&2
 	@case '$(TORCH)' in ''|system) ;; *) echo "error: TORCH=$(TORCH): allowed: system (keep the torch $(PYTHON) imports), or leave it out" >&2; exit 2;; esac
 	@test -n '$(FROM)' -o -z '$(TORCH)' || { echo 'error: TORCH=system goes with WHEELHOUSE=<dir> (make wheelhouse); online, make setup installs the pinned torch' >&2; exit 2; }
 ifneq ($(FROM),)
@@ -47,12 +47,12 @@ endif
 	@$(VENV)/bin/pip install --quiet --no-index --find-links '$(FROM)' --no-deps -e . >&2
 else
 	@$(VENV)/bin/pip install --quiet --upgrade pip >&2
-	@$(VENV)/bin/pip install --quiet -e '.[dev,hf,tb]' >&2
+	@$(VENV)/bin/pip install --quiet -e '.[dev,hf,tb,fp8]' >&2
 endif
 	@$(if $(filter 0,$(BUILD_OPS)),true,$(PY) scripts/build_ops.py)
 	@touch $(STAMP)
 
-wheelhouse: setup ## wheels of every dependency but torch for offline nodes: WHEELHOUSE=<dir> PYVER=3.12 [PLATFORM=manylinux2014_x86_64] [EXTRAS=dev,hf,tb]
+wheelhouse: setup ## wheels of every dependency but torch for offline nodes: WHEELHOUSE=<dir> PYVER=3.12 [PLATFORM=manylinux2014_x86_64] [EXTRAS=dev,hf,tb,fp8]
 	@$(PY) scripts/wheelhouse.py --out '$(or $(WHEELHOUSE),wheelhouse)' $(if $(PYVER),--python '$(PYVER)') $(if $(PLATFORM),--platform '$(PLATFORM)') $(if $(filter undefined,$(origin EXTRAS)),,--extras '$(EXTRAS)')
 
 train: setup ## train: RECIPE=<name> ARGS="<overrides>" (--dry-run in ARGS prints, starts nothing)

@@ -127,6 +127,21 @@ def _nvidia_smi(field: str) -> str | None:
         return None
 
 
+# NVIDIA parts with float8 tensor cores (Hopper, Ada, Blackwell: compute capability 8.9+),
+# matched like GPU_PEAK_TFLOPS; other names known to that table (A100, V100, ...) have none.
+FP8_GPUS = r"GB200|B200|B100|H200 NVL|H200|GH200|H100 NVL|H100|H800|H20|L40S|L40|L4|RTX 40\d\d|RTX 6000 ADA"
+
+
+def fp8_capable(name: str | None) -> bool | None:
+    """Whether a GPU (by name) has float8 tensor cores; None for a name neither table knows."""
+    if not name:
+        return None
+    words = re.sub(r"[^A-Z0-9]+", " ", name.upper())
+    if re.search(rf"\b(?:{FP8_GPUS})\b", words):
+        return True
+    return False if table_tflops(name) is not None else None
+
+
 def gpu_memory_bytes() -> int | None:
     """Memory of GPU 0, or None without a GPU."""
     value = _nvidia_smi("memory.total")

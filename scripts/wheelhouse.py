@@ -93,7 +93,7 @@ def main() -> int:
                     help="the nodes' Python, e.g. 3.12 (default: this one)")
     ap.add_argument("--platform", default="manylinux2014_x86_64",
                     help="the nodes' platform tag (manylinux2014_x86_64 also takes the newer manylinux wheels)")
-    ap.add_argument("--extras", default="dev,hf,tb", help="the project's extras to include, comma-separated ('' for none)")
+    ap.add_argument("--extras", default="dev,hf,tb,fp8", help="the project's extras to include, comma-separated ('' for none)")
     args = ap.parse_args()
     if not re.fullmatch(r"3\.\d{1,2}", args.python):
         sys.exit(f"wheelhouse: --python {args.python!r}: expected a version such as 3.12")

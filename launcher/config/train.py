@@ -43,6 +43,16 @@ class PrecisionConfig:
     """fp16: steps without overflow before the scale doubles."""
     min_scale: float = 1.0
     """fp16: the scale never drops below this (DeepSpeed's min_loss_scale)."""
+    fp8: bool = False
+    """precision=fp8 (name bf16 with this on): the blocks' linear layers compute in float8
+    through torchao's Float8Linear with rowwise scales, the rest in bf16 autocast; about
+    1.3-1.5x the bf16 matmul speed on Hopper/Ada/Blackwell (sm 8.9+), at a small loss
+    difference. ddp and fsdp (weights all-gathered in bf16: torchao's float8 all-gather is
+    tensorwise only), the project's decoder and Llama-family model=hf. Checkpoints are
+    bf16/fp32 as usual (the same parameter names)."""
+    fp8_emulate: bool = False
+    """fp8 with the float8 matmuls emulated in higher precision (torchao's emulate): runs
+    on CPU and older GPUs, slower than bf16. For tests, never for training."""
     tf32: bool = True
     """On CUDA, fp32 matmuls (precision=fp32, and what autocast leaves in fp32) run on the
     tensor cores in TF32: 10-bit mantissa, fp32 range, about 8x faster on Ampere and newer
@@ -95,6 +105,14 @@ class TrainConfig:
     (auto): the fewest slices, a power of two, that keep one slice's fp32 logits within
     256 MiB (1 for small vocabularies). The project's decoder without tensor or pipeline
     parallelism (elsewhere auto is 1 and N > 1 is refused)."""
+    activation_offload: bool = False
+    """What the blocks save for backward goes to host memory during forward and comes back
+    for backward (CUDA: pinned memory, copies on a side stream, prefetched a few tensors
+    ahead in backward; launcher/models/offload.py). Device activations shrink to the head's
+    and the recomputed blocks' inputs; costs PCIe bandwidth (2 x the activations a step) and
+    host memory, and time where the copies outrun compute. With checkpointing, the
+    recomputed blocks' inputs go too (DeepSpeed's cpu_checkpointing). The project's
+    decoder, without tensor parallel or compile."""
     compile: bool = False
     """torch.compile each block: faster steps after a compile pause at the start."""
     measure_activations: bool = False

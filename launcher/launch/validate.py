@@ -2,7 +2,6 @@
 single type of launcher/config/ can express (batch arithmetic, device capabilities,
 paths, parallel degrees against the model's shape, Slurm's and DeepSpeed's settings).
 Each raises `ConfigError`, which the launch side prints as one line, exit 2.
-
 `validate(cfg, host)` runs them all; the model's own files (model=hf: transformers,
 offline) and the tokenizer (data=hf_text) are read only when configured.
 """
@@ -13,7 +12,8 @@ import math
 import re
 from pathlib import Path
 
-from launcher.config import (Backend, Config, ConfigError, DataKind, ModelKind, OffloadDevice, PPSchedule, Precision, Runner, Scheduler, TokenDtype, ffn_dim, nproc_per_node, pipeline_stages, sliceable_loss)
+from launcher.config import (Backend, Config, ConfigError, DataKind, ModelKind, OffloadDevice, PPSchedule, Precision, Runner, Scheduler, TokenDtype, ffn_dim, nproc_per_node, pipeline_stages)
+from launcher.launch.levers import validate_levers
 from launcher.parallel.degrees import data_parallel_size, grad_accum
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -172,6 +172,7 @@ def validate(cfg: Config, host) -> list[str]:
     # batch arithmetic
     world = nproc_per_node(cfg, host) * c.nnodes
     validate_parallel(cfg, world)
+    validate_levers(cfg, host)
     dp = data_parallel_size(cfg, world)
     if t.global_batch is not None and t.global_batch % (t.micro_batch * dp):
         raise ConfigError("train.global_batch", t.global_batch,
@@ -266,16 +267,6 @@ def validate_parallel(cfg: Config, world: int) -> None:
                 which = "stage 2" if stages == 2 else f"stages 2..{stages}"
                 raise ConfigError("parallel.pp_split", split, f"needs {stages - 1} increasing layer index(es) in "
                                   f"[1, {m.n_layers - 1}] (the first layer of {which}); null balances by parameters")
-
-    # the loss over slices of the sequence
-    chunks = cfg.train.loss_chunks
-    if chunks is not None and not 1 <= chunks <= cfg.train.seq_len:
-        raise ConfigError("train.loss_chunks", chunks, f"must be in 1..train.seq_len={cfg.train.seq_len}, or null (auto)")
-    if chunks is not None and chunks > 1 and not sliceable_loss(cfg, p.pp, p.tp):
-        why = ("model=hf computes its loss whole (slices: the project's decoder)" if cfg.model.kind == ModelKind.hf
-               else f"recipe {name}: a pipeline's last stage computes the loss whole" if p.pp > 1
-               else f"parallel.tp={p.tp} splits the head by vocabulary (its logits are gathered whole)")
-        raise ConfigError("train.loss_chunks", chunks, f"{why}; use 1 or null (auto)")
 
     # the world
     fixed = p.dp_replicate * p.tp * p.pp

@@ -109,10 +109,25 @@ def prepare(model: nn.Module, cfg: Config) -> nn.Module:
 
         sliceable = sliceable_loss(cfg, cfg.parallel.pp, cfg.parallel.tp)
         model.loss_chunks = loss_chunks(cfg, cfg.model.vocab_size, cfg.train.micro_batch, sliceable)
+        model.offload_activations = cfg.train.activation_offload
+    if cfg.precision.fp8:  # before compile, which traces the float8 layers
+        from launcher.models import fp8
+
+        fp8.convert(model, cfg, model_layout(model).head)
     if cfg.train.compile:
         for layer in decoder_layers(model):
             layer.compile()
     return model
+
+
+def offloaded(model: nn.Module) -> dict:
+    """train.activation_offload: the bytes the last forward moved to the host, as a metric
+    (the planner's host activation bytes); {} when nothing offloads."""
+    for module in model.modules():
+        hooks = getattr(module, "_offload", None)
+        if hooks is not None:
+            return {"mem/offloaded_activation_bytes": hooks.offloaded_bytes}
+    return {}
 
 
 def init_specs(cfg: Config) -> dict:

@@ -8,6 +8,8 @@ checkpointing mode, so checkpoints move between modes and recipes.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 
 import torch
@@ -126,6 +128,8 @@ class GPT(nn.Module):
         self.checkpointed: set[int] = set()  # block indices recomputed in backward
         self.op_level = False  # activation_checkpointing=op: they keep their matmuls' outputs
         self.loss_chunks = 1  # train.loss_chunks (models.prepare): the loss over this many slices of the sequence
+        self.offload_activations = False  # train.activation_offload (models.prepare)
+        self._offload = None  # its ActivationOffload, made at the first forward (on the device)
         # A GPT built on its own (tests, the hand-written bench loops) draws its weights from
         # torch's global RNG, as any nn.Module. The launcher builds it under skip_torch_init
         # on the meta device instead, and each rank fills only its part with values that do
@@ -156,7 +160,7 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or the mean cross-entropy when targets are given."""
         h = self.tok_embeddings(tokens)
-        h = run_layers(enumerate(self.layers), h, self.rope, self.checkpointed, self.op_level)
+        h = run_layers(enumerate(self.layers), h, self.rope, self.checkpointed, self.op_level, self.offload(h))
         h = self.norm(h)
         if targets is None:
             return self.output(h)
@@ -166,7 +170,17 @@ class GPT(nn.Module):
 
     def run_blocks(self, layers, h: torch.Tensor) -> torch.Tensor:
         """(index, block) pairs in order: a pipeline stage's middle (launcher/parallel/plan.py's Stage)."""
-        return run_layers(layers, h, self.rope, self.checkpointed, self.op_level)
+        return run_layers(layers, h, self.rope, self.checkpointed, self.op_level, self.offload(h))
+
+    def offload(self, h: torch.Tensor):
+        """train.activation_offload: the hooks that move what the blocks save to the host."""
+        if not self.offload_activations or not torch.is_grad_enabled():
+            return None
+        if self._offload is None:
+            from launcher.models.offload import ActivationOffload
+
+            self._offload = ActivationOffload(h.device).watch(self)
+        return self._offload
 
     # -------------------------------------------------------------------------- facts
     def num_params(self) -> int:
@@ -212,10 +226,17 @@ def init_specs(cfg: ModelConfig) -> dict[str, InitSpec]:
     return specs
 
 
-def run_layers(layers, h: torch.Tensor, rope: torch.Tensor, checkpointed: set[int], op_level: bool = False) -> torch.Tensor:
+def run_layers(layers, h: torch.Tensor, rope: torch.Tensor, checkpointed: set[int], op_level: bool = False,
+               offload=None) -> torch.Tensor:
     """The blocks in order; (index, block) pairs. Blocks in `checkpointed` keep only their
     input and recompute the rest in backward (activation checkpointing); with `op_level`
-    they keep their matmuls' and attention's outputs too (keep_matmuls)."""
+    they keep their matmuls' and attention's outputs too (keep_matmuls). `offload`: saved
+    tensors hooks (launcher/models/offload.py) around them all."""
+    with offload if offload is not None else contextlib.nullcontext():
+        return _run_layers(layers, h, rope, checkpointed, op_level)
+
+
+def _run_layers(layers, h, rope, checkpointed, op_level):
     for i, layer in layers:
         if i in checkpointed and torch.is_grad_enabled():
             if op_level:

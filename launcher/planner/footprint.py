@@ -183,13 +183,18 @@ def numerics(precision: Precision, layout: Layout) -> M.Numerics:
     return M.Numerics.of(precision.value)
 
 
-def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | None = None) -> int:
+def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | None = None,
+                where: str = "device") -> int:
     """Saved activations on pipeline rank `pp_rank`, or the worst rank.
 
     A pipeline cuts each data-parallel rank's batch (b x grad_accum sequences) into
     parallel.pp_microbatches; a stage keeps the activations of every micro-batch it has
     run forward but not yet backward: all of them under GPipe, pp - s for stage s under
-    1F1B (interleaved: the same rule over the virtual stages)."""
+    1F1B (interleaved: the same rule over the virtual stages).
+
+    train.activation_offload moves what the blocks that do not recompute save (their
+    activations and autocast's weight copies) to the host: `where` = "device" (the rest)
+    or "host" (those)."""
     m, s, every = cfg.model, cfg.train.seq_len, cfg.train.ac_every
     n = numerics(cfg.precision.name, layout)
     if layout.pp > 1:
@@ -202,11 +207,32 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
             for k, (first, end, emb, last) in enumerate(stages):
                 stage = r + k * layout.pp
                 in_flight = n_mb if schedule == "gpipe" else min(n_mb, n_stages - stage)
-                total += M.activation_bytes(m, mb, s, n, ac, every, layers=end - first, tp=layout.tp, with_head=last,
-                                            with_embedding=emb, in_flight=in_flight, first_layer=first)
+                total += _split(where, cfg, M.activation_bytes(m, mb, s, n, ac, every, layers=end - first, tp=layout.tp,
+                                                               with_head=last, with_embedding=emb, in_flight=in_flight,
+                                                               first_layer=first),
+                                _offloaded(m, mb, s, n, ac, every, end - first, layout.tp, in_flight, first))
             per_rank.append(total)
         return max(per_rank) if pp_rank is None else per_rank[pp_rank]
-    return M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp, loss_chunks=loss_slices(cfg, layout, b))
+    return _split(where, cfg, M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp, loss_chunks=loss_slices(cfg, layout, b)),
+                  _offloaded(m, b, s, n, ac, every, m.n_layers, layout.tp, 1, 0))
+
+
+def _split(where: str, cfg: Config, total: int, offloaded: int) -> int:
+    if not cfg.train.activation_offload:
+        return total if where == "device" else 0
+    return total - offloaded if where == "device" else offloaded
+
+
+def _offloaded(m: ModelConfig, b: int, s: int, n, ac: ACMode, every: int, layers: int, tp: int, in_flight: int,
+               first: int) -> int:
+    """What train.activation_offload moves: the kept blocks' activations and the recomputed
+    blocks' inputs (checkpoint saves them through autograd too), for each micro-batch in
+    flight, and the kept blocks' weight copies (made once a step). Not op-level
+    recomputation's matmul outputs: its policy keeps them itself, on the device."""
+    x = M.Shape.of(m, b, s)
+    r = M.recomputed(layers, ac, every, first)
+    copies = n.compute * (layers - r) * x.block_params // tp if n.autocast else 0  # not FSDP's gathered weights
+    return in_flight * ((layers - r) * M.block_activations(x, n, tp) + r * n.residual * x.b * x.s * x.h) + copies
 
 
 def loss_slices(cfg: Config, layout: Layout, b: int) -> int:

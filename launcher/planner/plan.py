@@ -46,7 +46,8 @@ class Row:
     temp: int
     where: dict[str, str]
     host: dict[str, int] = dataclasses.field(default_factory=dict)
-    """The part of params/grads/optim kept in host memory (offload): not counted in total."""
+    """The part of params/grads/optim kept in host memory (offload): not counted in total;
+    and "activations", what train.activation_offload moves (`activations` is the rest)."""
     step_time_s: float = math.nan
     tokens_per_step: int = 0
     cost: float = math.nan
@@ -130,6 +131,8 @@ def step_time(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode, b: int) -> 
         offload += (4 * shard + 2 * shard) / (p.pcie_gbps * 1e9) + shard / p.cpu_adam_params_per_s
     if layout.offload_params:
         offload += 2 * 2 * (P / layout.dp) / (p.pcie_gbps * 1e9)
+    if cfg.train.activation_offload:  # each micro-batch's activations out in forward and back in backward
+        offload += accum * 2 * activations(cfg, layout, ac, b, where="host") / (p.pcie_gbps * 1e9)
     return compute + comm + offload, tokens
 
 
@@ -195,6 +198,8 @@ def layout_for(cfg: Config, world: int) -> Layout:
 def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | None = None) -> Row:
     params, grads, optim, where, host = model_states(cfg, layout)
     act = activations(cfg, layout, ac, b)
+    if cfg.train.activation_offload:  # in host memory, beside the offloaded model states
+        host = {**host, "activations": activations(cfg, layout, ac, b, where="host")}
     # A pipeline runs the loss and a recomputation on one of its micro-batches at a time
     # (b x grad_accum sequences cut into parallel.pp_microbatches), the others on b.
     at_once = b if layout.pp == 1 else max(1, b * cfg.train.grad_accum // pipeline(cfg)[0])
@@ -320,12 +325,13 @@ def table(rows: list[Row], hw: Hardware, title: str):
         mark = "★" if r.recommended else ("" if r.fits else "✗")
         place = lambda k, v: gb(v) + ("*" if r.host.get(k) else "")  # noqa: E731
         t.add_row(mark, r.layout.label, r.ac.value, str(r.micro_batch) if r.fits else "-",
-                  place("params", r.params), place("grads", r.grads), place("optim", r.optim), gb(r.activations),
-                  gb(r.temp), gb(r.total), gb(r.startup), gb(r.startup_host_node), gb(hw.gpu_bytes - r.peak),
+                  place("params", r.params), place("grads", r.grads), place("optim", r.optim), place("activations", r.activations),
+                  gb(r.temp), gb(r.total), gb(r.startup), gb(host_per_node(r, hw)), gb(hw.gpu_bytes - r.peak),
                   f"{r.cost:.2f}" if r.fits else "-",
                   style="bold green" if r.recommended else (None if r.fits else "dim"))
     t.caption = ("GiB per GPU. * = (partly) in host memory (offload); the host part is not counted in total. start-up = "
-                 "held when the engine is ready, before step 1; host/node = host memory of one node's ranks then; "
+                 "held when the engine is ready, before step 1; host/node = host memory of one node's ranks, at start-up or in "
+                 "the step (offloaded states and activations), the larger; "
                  "headroom = GPU memory less the larger of total and start-up. cost = time per token relative "
                  "to ★, the recommended row (the cheapest that fits). ✗ = does not fit even at micro-batch 1, or cannot start.")
     return t

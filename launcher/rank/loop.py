@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import recipes
+from launcher import models
 from launcher.manifest import step_name, whole
 from launcher.parallel.degrees import degrees
 from launcher.rank import backoff
@@ -78,6 +79,10 @@ def run(job: Job) -> int:
     if job.dp_size != job.world_size or recipes.spec(cfg.recipe.strategy).meshed:
         d = degrees(cfg, job.world_size)
         log.print(f"mesh: pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp}")
+    if cfg.precision.fp8:
+        n = sum(type(m).__name__ == "Float8Linear" for m in engine.model.modules())
+        log.print(f"precision=fp8: {n} linear layers in float8 (torchao, rowwise scales"
+                  f"{'; emulated' if cfg.precision.fp8_emulate else ''}), the rest in bf16")
 
     loader = build_loader(cfg, job.dataset, samples_seen, global_batch, job.dp_rank, job.dp_size, device)
     batches = iter(loader)
@@ -121,7 +126,7 @@ def run(job: Job) -> int:
                     if cfg.train.measure_activations and step == min(first_step + 1, last - 1):
                         with ActivationCounter(engine.model) as counter:
                             result = engine.train_step(micro_batches)
-                        measured = {"mem/activation_bytes": counter.bytes}
+                        measured = {"mem/activation_bytes": counter.bytes, **models.offloaded(engine.model)}
                     else:
                         result = engine.train_step(micro_batches)
                 break

@@ -72,9 +72,13 @@ def test_combination_composes_and_validates(recipe, model, data, precision, tmp_
         corpus.write_text('{"text": "a document"}\n')
         overrides.append(f"data.files={corpus}")
     cfg, run_dir, _ = cli.compose_config(overrides)
-    assert cfg.recipe.name == recipe and cfg.model.name == model and cfg.precision.name.value == precision
+    assert cfg.recipe.name == recipe and cfg.model.name == model
+    assert cfg.precision.name.value == precision or (precision, cfg.precision.name.value, cfg.precision.fp8) == ("fp8", "bf16", True)
     assert isinstance(cfg.train.activation_checkpointing, C.ACMode)
-    if precision == "fp16" and not HOST.cuda:
+    if precision == "fp8" and (not HOST.cuda or cfg.recipe.strategy not in ("ddp", "fsdp")):
+        with pytest.raises(C.ConfigError, match="precision=fp8"):
+            validate(cfg, HOST)
+    elif precision == "fp16" and not HOST.cuda:
         with pytest.raises(C.ConfigError, match="fp16 needs CUDA"):
             validate(cfg, HOST)
     elif precision == "fp16" and not recipes.spec(cfg.recipe.strategy).fp16:
@@ -188,7 +192,7 @@ def test_a_group_file_read_alone_is_what_composition_gives():
     recipes and scripts/measure_memory.py's precisions (swapped on one composed config)
     equal what `precision=<name>` composes."""
     names = compose.group_options("precision")
-    assert names == ["bf16", "fp16", "fp32"]
+    assert names == ["bf16", "fp16", "fp32", "fp8"]
     for name in names:
         cfg, _, _ = cli.compose_config([f"precision={name}", "recipe=zero2"])
         assert compose.group_configs("precision", {name}) == {name: cfg.precision}, name

@@ -1,0 +1,57 @@
+"""Launch-side checks of the memory and speed levers (each one line, exit 2, before any
+rank): the loss in slices (train.loss_chunks), activation offload and float8 matmuls
+(precision=fp8), each against the recipe, the model and the machine it is asked with."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from launcher.config import Config, ConfigError, ModelKind, Precision, sliceable_loss
+
+
+def validate_levers(cfg: Config, host) -> None:
+    p, t, name = cfg.parallel, cfg.train, cfg.recipe.strategy
+    chunks = t.loss_chunks
+    if chunks is not None and not 1 <= chunks <= t.seq_len:
+        raise ConfigError("train.loss_chunks", chunks, f"must be in 1..train.seq_len={t.seq_len}, or null (auto)")
+    if chunks is not None and chunks > 1 and not sliceable_loss(cfg, p.pp, p.tp):
+        why = ("model=hf computes its loss whole (slices: the project's decoder)" if cfg.model.kind == ModelKind.hf
+               else f"recipe {name}: a pipeline's last stage computes the loss whole" if p.pp > 1
+               else f"parallel.tp={p.tp} splits the head by vocabulary (its logits are gathered whole)")
+        raise ConfigError("train.loss_chunks", chunks, f"{why}; use 1 or null (auto)")
+
+    if t.activation_offload:  # the blocks' saved tensors, through launcher/models/offload.py
+        why = ("model=hf runs its own blocks" if cfg.model.kind == ModelKind.hf else f"parallel.tp={p.tp} saves DTensors"
+               if p.tp > 1 else "train.compile=true traces the blocks" if t.compile else None)
+        if why:
+            raise ConfigError("train.activation_offload", True, f"{why}; allowed with the project's decoder "
+                              "(model=gpt_*), parallel.tp=1 and train.compile=false")
+
+    if cfg.precision.fp8:
+        validate_fp8(cfg, host)
+
+
+def validate_fp8(cfg: Config, host) -> None:
+    """precision=fp8: torchao installed, bf16 around it, ddp or fsdp without tensor or
+    pipeline parallel, and float8 tensor cores (or precision.fp8_emulate=true)."""
+    from launcher.host import fp8_capable, gpu_name
+
+    p = cfg.parallel
+    if cfg.precision.name != Precision.bf16:
+        raise ConfigError("precision", "fp8", f"runs inside bf16 autocast; precision.name={cfg.precision.name.value} "
+                                     "(use precision=fp8, which sets both)")
+    if cfg.recipe.strategy not in ("ddp", "fsdp") or p.tp > 1 or p.pp > 1:
+        raise ConfigError("precision", "fp8", f"recipe {cfg.recipe.name} (tp {p.tp}, pp {p.pp}): float8 linear layers run "
+                                     "under ddp and fsdp (recipe=ddp or fsdp, tp 1, pp 1)")
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("precision", "fp8", "needs torchao (pip install 'torchao>=0.18'; make setup installs it)")
+    if cfg.precision.fp8_emulate:
+        return
+    if not host.cuda:
+        raise ConfigError("precision", "fp8", "float8 matmuls need an NVIDIA GPU with compute capability 8.9+ (H100, H200, "
+                                     "L40S, L4, B200, ...); this machine has none (precision.fp8_emulate=true "
+                                     "emulates them, for tests)")
+    name = gpu_name()
+    if fp8_capable(name) is False:
+        raise ConfigError("precision", "fp8", f"the {name} has no float8 tensor cores (compute capability 8.9+: H100, H200, "
+                                     "L40S, L4, B200, ...)")
