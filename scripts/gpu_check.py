@@ -188,6 +188,12 @@ def write(path: Path, f: dict, tests: dict | None, measured: Path, rows: list[di
         d = json.loads(syncs.read_text())
         lines += ["", f"Host synchronisations (ddp, profiled steps {d['steps']}, logged {d['logged']}): "
                       f"{d['device_to_host_copies']} device-to-host copies, {d['synchronize_calls']} synchronize calls."]
+    for name, title in (("activation-offload", "train.activation_offload (fsdp, gpt_350m, seq 1024, micro-batch 4)"),
+                        ("fp8", "precision=fp8 against bf16 (fsdp, gpt_350m, compiled, 200 steps)")):
+        if (measured / f"{name}.json").exists():
+            d = json.loads((measured / f"{name}.json").read_text())
+            lines += ["", f"{title}: " + ", ".join(f"{k} {v:,.4g}" if isinstance(v, float) else f"{k} {v:,}"
+                                                   for k, v in d.items()) + "."]
     if rows or left:
         lines += ["", "## Throughput beside the hand-written loops", "",
                   f"bf16, seq {SEQ}, {f['count']} GPU(s); tokens/s over the steps after the first interval (the "

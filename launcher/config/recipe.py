@@ -69,7 +69,9 @@ class ZeroOptions:
     after the step (null: model.dim^2). Bigger = fewer messages, a bigger temporary buffer."""
     prefetch_bucket_size: Optional[int] = None
     """Stage 3 (stage3_prefetch_bucket_size): parameter elements fetched ahead of use (null:
-    0.9 x model.dim^2). More prefetch hides all-gather latency, holds more gathered weights."""
+    one decoder block's matmul weights, so the next block arrives whole while this one
+    computes; 0.9 x dim^2, Hugging Face's "auto", is a twelfth of a Llama block). More
+    prefetch hides all-gather latency, holds more gathered weights."""
     param_persistence_threshold: Optional[int] = None
     """Stage 3 (stage3_param_persistence_threshold): parameters smaller than this many
     elements are not sharded but kept whole on every rank (null: 10 x model.dim, the norms).

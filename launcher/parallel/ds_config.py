@@ -71,6 +71,14 @@ def reduce_bucket(cfg: C.Config) -> int:
     return cfg.recipe.zero.reduce_bucket_size or model_shape(cfg).dim ** 2
 
 
+def prefetch_bucket(cfg: C.Config) -> int:
+    """stage3_prefetch_bucket_size: recipe.zero's, or one decoder block's matmul weights, so
+    that the next block is gathered whole while this one computes (the planner's gathered
+    layers: this one and the next). Hugging Face's "auto", 0.9 x dim^2, is a twelfth of a
+    Llama block: the rest of it was gathered on demand, exposed."""
+    return cfg.recipe.zero.prefetch_bucket_size or C.block_matmul_params(model_shape(cfg))
+
+
 def persistence_threshold(cfg: C.Config) -> int:
     """stage3_param_persistence_threshold: recipe.zero's, or 10 x model.dim (the norms)."""
     z = cfg.recipe.zero
@@ -94,7 +102,7 @@ def deepspeed_config(cfg: C.Config, world_size: int, cuda: bool) -> dict[str, An
     }
     if z.stage == 3:
         zero.update({
-            "stage3_prefetch_bucket_size": z.prefetch_bucket_size or int(0.9 * dim2),
+            "stage3_prefetch_bucket_size": prefetch_bucket(cfg),
             "stage3_param_persistence_threshold": persistence_threshold(cfg),
             "stage3_max_live_parameters": z.max_live_parameters,
             "stage3_max_reuse_distance": z.max_reuse_distance,

@@ -178,8 +178,8 @@ def run(command: str, home: Path, capsys) -> str:
                               text=True, timeout=60)
         assert proc.stdout.split() == [".venv/bin/python", "-m", "pytest", "-q", "--durations=25", "tests"], proc.stdout
         assert REPO / "tests" in Path(__file__).parents
-    elif head[0] == "make":
-        proc = subprocess.run(shlex.split(command), cwd=REPO, env=shell_env(), capture_output=True, text=True, timeout=60)
+    elif head[0] == "make":  # make rehearse builds a 70B layout's ranks: a minute alone, more on a busy machine
+        proc = subprocess.run(shlex.split(command), cwd=REPO, env=shell_env(), capture_output=True, text=True, timeout=300)
     elif "/launcher train" in command:  # the console script, for its own exit code
         proc = shell(command.replace("; echo", " --dry-run; echo"), home)
     elif "wandb sync" in command:  # uploading needs the network: say what would be synced
