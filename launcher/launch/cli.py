@@ -272,7 +272,8 @@ def supervise_with_backoff(cfg: C.Config, argv: list[str], env: dict[str, str], 
     accumulation that keeps the global batch (degrees.backed_off), records it in config.yaml
     and launches again: the ranks resume from the last checkpoint, on the same samples."""
     from launcher.exits import OOM_MARKER
-    from launcher.parallel.degrees import backed_off
+    from launcher.parallel import ds_config
+    from launcher.parallel.degrees import back_off
 
     marker = run_dir / OOM_MARKER
     while True:
@@ -281,19 +282,14 @@ def supervise_with_backoff(cfg: C.Config, argv: list[str], env: dict[str, str], 
         if rc == 0 or not marker.exists():
             return rc
         oom = json.loads(marker.read_text())
-        smaller = backed_off(oom["micro_batch"], oom["grad_accum"])
+        cfg = C.load_frozen(run_dir / "config.yaml")  # a rank may have backed off in place before
+        smaller = back_off(cfg, oom["micro_batch"], oom["grad_accum"])
         if smaller is None:
             print(f"out of memory on rank {oom['rank']} at step {oom['step']} with train.micro_batch=1: "
                   f"nothing left to back off ({oom['error']})", file=sys.stderr, flush=True)
             return rc
-        cfg = C.load_frozen(run_dir / "config.yaml")  # a rank may have backed off in place before
-        cfg.train.micro_batch = smaller[0]
-        if cfg.train.global_batch is None:  # else the accumulation is derived from it
-            cfg.train.grad_accum = smaller[1]
         C.write_frozen(run_dir, cfg)
-        if (run_dir / "ds_config.json").is_file():  # DeepSpeed's own accumulation: its file says it too
-            from launcher.parallel import ds_config
-
+        if (run_dir / ds_config.FILE).is_file():  # DeepSpeed's own accumulation: its file says it too
             ds_config.rebatch(run_dir, *smaller)
         print(f"out of memory on rank {oom['rank']} at step {oom['step']} with micro-batch {oom['micro_batch']} x "
               f"{oom['grad_accum']}: launching again from the last checkpoint with train.micro_batch={smaller[0]}, "

@@ -15,19 +15,14 @@ from torch import nn
 from launcher.config import Config
 
 
-def convert(model: nn.Module, cfg: Config, head: str) -> list[str]:
-    """Swap the qualifying nn.Linear layers in place; the names of those swapped."""
+def convert(model: nn.Module, cfg: Config, head: str) -> None:
+    """Swap the qualifying nn.Linear layers in place."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=cfg.precision.fp8_emulate)
-    swapped: list[str] = []
 
     def qualifies(module: nn.Module, name: str) -> bool:
-        ok = (isinstance(module, nn.Linear) and name.split(".")[-1] != head.split(".")[-1]
-              and module.in_features % 16 == 0 and module.out_features % 16 == 0)
-        if ok:
-            swapped.append(name)
-        return ok
+        return (isinstance(module, nn.Linear) and name.split(".")[-1] != head.split(".")[-1]
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
     convert_to_float8_training(model, config=config, module_filter_fn=qualifies)
-    return swapped

@@ -70,6 +70,18 @@ def global_batch(cfg: Config, world_size: int) -> int:
     return cfg.train.micro_batch * grad_accum(cfg, world_size) * data_parallel_size(cfg, world_size)
 
 
+def back_off(cfg: Config, micro_batch: int, grad_accum: int) -> tuple[int, int] | None:
+    """Take `backed_off` into cfg.train (grad_accum only when it is not derived from
+    train.global_batch); the new (micro-batch, accumulation), or None at 1. Both the rank
+    (in place) and the launcher (before a relaunch) record a back-off through it."""
+    smaller = backed_off(micro_batch, grad_accum)
+    if smaller is not None:
+        cfg.train.micro_batch = smaller[0]
+        if cfg.train.global_batch is None:
+            cfg.train.grad_accum = smaller[1]
+    return smaller
+
+
 def backed_off(micro_batch: int, grad_accum: int) -> tuple[int, int] | None:
     """train.oom_backoff: the largest micro-batch below `micro_batch` that divides it, and
     the accumulation that keeps micro x accum (the global batch) the same; None at 1.

@@ -17,7 +17,8 @@ import torch
 
 from launcher import config as C
 from launcher.exits import OOM_MARKER
-from launcher.parallel.degrees import backed_off
+from launcher.parallel.degrees import back_off, backed_off
+from launcher.rank.faults import due
 
 STRUCK = "fault_oom_struck"
 """debug.fault=oom strikes once per run directory (this file says it has)."""
@@ -33,8 +34,7 @@ def is_out_of_memory(err: BaseException) -> bool:
 def injected(job, step: int, model):
     """debug.fault=oom: torch.OutOfMemoryError at the end of this rank's first forward of
     `step` (where the logits are made, the usual place), once per run directory."""
-    debug = job.cfg.debug
-    if debug is None or debug.fault != C.FaultPoint.oom or debug.fault_step != step or debug.fault_rank != job.rank:
+    if not due(job.cfg.debug, C.FaultPoint.oom, step, job.rank):
         yield
         return
     try:
@@ -74,9 +74,7 @@ def retry(job, engine, step: int, why: str, log) -> None:
     if job.device.type == "cuda":
         torch.cuda.empty_cache()
     before = (cfg.train.micro_batch, job.grad_accum)
-    cfg.train.micro_batch, job.grad_accum = backed_off(*before)
-    if cfg.train.global_batch is None:  # else the accumulation is derived from it
-        cfg.train.grad_accum = job.grad_accum
+    job.grad_accum = back_off(cfg, *before)[1]
     C.write_frozen(job.run_dir, cfg)
     log.config_changed(cfg)
     log.print(f"out of memory at step {step} with micro-batch {before[0]} x {before[1]} ({why}): retrying the step "

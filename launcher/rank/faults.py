@@ -11,8 +11,13 @@ import time
 from launcher.config import DebugConfig, FaultPoint
 
 
+def due(debug: DebugConfig | None, point: FaultPoint, step: int, rank: int) -> bool:
+    """Whether `debug.fault` names this point, this step and this rank."""
+    return debug is not None and debug.fault == point and debug.fault_step == step and debug.fault_rank == rank
+
+
 def strike(debug: DebugConfig | None, point: FaultPoint, step: int, rank: int) -> None:
-    if debug is None or debug.fault != point or debug.fault_step != step or debug.fault_rank != rank:
+    if not due(debug, point, step, rank):
         return
     print(f"rank {rank}: injected fault {point.value} at step {step}", file=sys.stderr, flush=True)
     if point in (FaultPoint.hang, FaultPoint.hang_in_step):
