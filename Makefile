@@ -71,7 +71,7 @@ export: setup ## consolidated weights: RUN=<run dir> [export.dtype=bf16] [export
 	@test -n "$(RUN)" || { echo 'error: RUN=<run directory> is required, e.g. make export RUN=outputs/2026-11-22/07-00-14-ddp' >&2; exit 2; }
 	@$(PY) -m launcher export "$(RUN)" $(foreach k,format dtype step out,$(if $(export.$(k)),export.$(k)=$(export.$(k)))) $(ARGS)
 
-test: setup ## the full test suite: tests/unit and tests/e2e (real processes; about 20 minutes on 2 cores)
+test: setup ## the full test suite: tests/unit and tests/e2e (real processes; about 50 minutes on 2 cores)
 	@$(PY) -m pytest -q --durations=25 tests
 
 test-quick: setup ## tests/unit only: in-process checks and quick commands, no multi-process runs (about 2 minutes)

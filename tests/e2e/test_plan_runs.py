@@ -172,10 +172,11 @@ def _limit_address_space(gib: float):
 @pytest.mark.slow
 def test_out_of_memory_backs_off_the_micro_batch(run_dir):
     """A real allocation failure: the rank runs under an address-space limit, the planner
-    (told the device is large) starts too big, an allocation fails (with Adam's moments, in
-    step 2), and the rank (alone, on ddp) retries that step with half the micro-batch and
-    twice the accumulation (train.micro_batch=auto turns train.oom_backoff on)."""
-    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}", "model=gpt_small",
+    (told the device is large) starts too big, an allocation fails (in the first step's
+    backward; 2.0-2.4 GiB all fail in step 1 or 2, 2.6 runs through), and the rank (alone,
+    on ddp) retries that step with half the micro-batch and twice the accumulation
+    (train.micro_batch=auto turns train.oom_backoff on)."""
+    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}", "model=gpt_small", "precision=fp32",
             "train.micro_batch=auto", "cluster.gpu_memory_gb=1.6", "plan.reserve_gb=0", "train.steps=2", "optim.warmup_steps=1",
             "logger=none", "train.seq_len=256", "plan.max_micro_batch=16", "cluster.nproc_per_node=1"]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,

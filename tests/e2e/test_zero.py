@@ -171,7 +171,8 @@ def test_offload_bf16_under_the_deepspeed_launcher_stops_and_resumes(tmp_path):
     `deepspeed`, SIGTERM: every rank saves, exit 75; again, and SIGKILL of the launcher:
     every rank saves and stops; the next launch (torchrun) finishes.
     The bf16 losses stay within BF16_REL of ddp's."""
-    common = ["train.steps=20", "optim.warmup_steps=5", "logger=none", "logger.log_every=1", "checkpoint.every=0"]
+    common = ["precision=bf16", "train.steps=20", "optim.warmup_steps=5", "logger=none", "logger.log_every=1",
+              "checkpoint.every=0"]
     launch("recipe=ddp", *common, run_dir=tmp_path / "ddp")
     run = tmp_path / "offload"
     proc = start(run, "recipe=zero3_offload", "cluster.runner=deepspeed", *common)
