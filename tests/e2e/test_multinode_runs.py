@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from runs import REPO, assert_same_training, launch
+from runs import REPO, assert_same_training, in_fp32, launch
 from launcher.launch.rundir import free_port
 
 
 # Same work either way: world size 2, one thread per rank (thread counts change float sums).
-COMMON = ["precision=fp32", "train.steps=10", "optim.warmup_steps=2", "logger=none", "logger.log_every=1",
-          "checkpoint.every=1000", "cluster.cpu_threads=1"]
+COMMON = in_fp32(["train.steps=10", "optim.warmup_steps=2", "logger=none", "logger.log_every=1",
+                  "checkpoint.every=1000", "cluster.cpu_threads=1"])
 
 
 def start_node(run_dir: Path, rank: int, port: int, *extra: str, addr: str = "127.0.0.1",

@@ -14,8 +14,8 @@ from launcher.planner import plan as planner
 from launcher.planner.footprint import activations
 
 RUN = ("model=gpt_tiny", "precision=fp32", "recipe=fsdp", "cluster.nproc_per_node=2", "train.seq_len=128",
-       "train.micro_batch=4", "train.steps=3", "optim.warmup_steps=1", "logger.log_every=1", "logger=none", "debug.final_digest=true",
-       "train.activation_checkpointing=selective")
+       "train.micro_batch=4", "train.steps=3", "optim.warmup_steps=1", "logger.log_every=1", "logger=none",
+       "debug.final_digest=true", "train.activation_checkpointing=selective")
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 import yaml
 import torch
 
-from runs import REPO, launch, read_metrics
+from runs import REPO, in_fp32, launch, read_metrics
 from launcher.launch import cli, compose
 from launcher.planner import plan as planner
 
@@ -176,9 +176,10 @@ def test_out_of_memory_backs_off_the_micro_batch(run_dir):
     backward; 2.0-2.4 GiB all fail in step 1 or 2, 2.6 runs through), and the rank (alone,
     on ddp) retries that step with half the micro-batch and twice the accumulation
     (train.micro_batch=auto turns train.oom_backoff on)."""
-    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}", "model=gpt_small", "precision=fp32",
-            "train.micro_batch=auto", "cluster.gpu_memory_gb=1.6", "plan.reserve_gb=0", "train.steps=2", "optim.warmup_steps=1",
-            "logger=none", "train.seq_len=256", "plan.max_micro_batch=16", "cluster.nproc_per_node=1"]
+    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}",
+            *in_fp32(["model=gpt_small", "train.micro_batch=auto", "cluster.gpu_memory_gb=1.6", "plan.reserve_gb=0",
+                      "train.steps=2", "optim.warmup_steps=1", "logger=none", "train.seq_len=256",
+                      "plan.max_micro_batch=16", "cluster.nproc_per_node=1"])]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,
                           preexec_fn=_limit_address_space(2.2))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runs import REPO, launch, processes_of, rank_process, read_metrics
+from runs import REPO, in_fp32, launch, processes_of, rank_process, read_metrics
 from runs import start as _start
 from runs import wait_for_step as _wait_for_step
 from launcher.launch import cli
@@ -61,8 +61,9 @@ def test_ctrl_c_saves_the_step_writes_the_summary_and_exits_130(tmp_path):
     import signal
 
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}", "precision=fp32", "train.steps=200",
-            "optim.warmup_steps=5", "logger=none", "logger.log_every=1", "checkpoint.every=1000"]
+    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}",
+            *in_fp32(["train.steps=200", "optim.warmup_steps=5", "logger=none", "logger.log_every=1",
+                      "checkpoint.every=1000"])]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     _wait_for_step(run, 3, proc)
@@ -106,9 +107,8 @@ def test_ctrl_c_before_the_ranks_start(tmp_path):
     import time
 
     def popen(run):
-        argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}", "precision=fp32",
-                "optim.warmup_steps=5",
-                "logger=none", "checkpoint.every=1000"]
+        argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}",
+                *in_fp32(["optim.warmup_steps=5", "logger=none", "checkpoint.every=1000"])]
         return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -240,9 +240,9 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     import time
 
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}", "precision=fp32", "train.steps=200",
-            "optim.warmup_steps=5", "logger=none", "logger.log_every=1", "checkpoint.every=2",
-            "debug.fault=hang", "debug.fault_step=4", "debug.fault_rank=0"]
+    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}",
+            *in_fp32(["train.steps=200", "optim.warmup_steps=5", "logger=none", "logger.log_every=1",
+                      "checkpoint.every=2", "debug.fault=hang", "debug.fault_step=4", "debug.fault_rank=0"])]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     _wait_for_step(run, 3, proc)
