@@ -27,11 +27,13 @@ from launcher.config import ConfigError
 @dataclass(frozen=True)
 class Parallelism:
     """What an engine may split beyond replicating the data: data-parallel sharding, tensor
-    parallel, pipeline stages (the degrees parallel.dp_shard, .tp, .pp it reads)."""
+    parallel, pipeline stages, the sequence (the degrees parallel.dp_shard, .tp, .pp, .cp
+    it reads)."""
 
     shards: bool = False
     tp: bool = False
     pp: bool = False
+    cp: bool = False
     required: tuple[str, ...] = ()
     """The degrees that must be at least 2 ("tp", "pp"): what the recipe is for (tp=1 under
     recipe=tp is plain data parallel); the others it may use at 1."""
@@ -87,8 +89,10 @@ class RecipeSpec:
 
     @property
     def meshed(self) -> bool:
-        """It splits more than the data: its ranks form a device mesh (parallel.*)."""
-        return self.parallelism != Parallelism()
+        """It splits the model (shards, tensor parallel, stages): its ranks form a device mesh
+        (parallel.*) whatever the degrees. (ddp builds one only for parallel.cp > 1.)"""
+        can = self.parallelism
+        return can.shards or can.tp or can.pp
 
 
 def names() -> list[str]:

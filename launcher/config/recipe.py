@@ -121,8 +121,8 @@ class RecipeConfig:
 
 @dataclass
 class ParallelConfig:
-    """Parallel degrees: world size = dp_replicate x dp_shard x tp x pp. One device mesh
-    (pp, dp_replicate, dp_shard, tp), outermost first, is built from them: tensor-parallel
+    """Parallel degrees: world size = dp_replicate x dp_shard x cp x tp x pp. One device mesh
+    (pp, dp_replicate, dp_shard, cp, tp), outermost first, is built from them: tensor-parallel
     ranks are neighbours (the most traffic on the fastest links), pipeline stages the
     furthest apart (the least traffic). Each recipe file names its default degrees
     (conf/parallel/<recipe>.yaml); which degrees a recipe may use is its engine's RecipeSpec (recipes/<strategy>.py)."""
@@ -145,6 +145,14 @@ class ParallelConfig:
     """tp > 1: also split the norms' activations along the sequence (the all-reduces
     become reduce-scatter + all-gather, same volume): saves activation memory of the norms
     and residual stream by tp. Needs train.seq_len divisible by tp."""
+    cp: int = 1
+    """Context parallel: each sample's sequence split over cp ranks (recipes ddp, fsdp,
+    tp_fsdp; the project's decoder). Every activation, the logits included, shrinks to
+    1/cp per rank; attention trades the sequence split for a head split by all-to-all
+    (DeepSpeed-Ulysses: 4 all-to-alls per block forward and 4 backward, launcher/parallel/
+    context.py). For sequences whose activations do not fit even with checkpointing; it
+    costs data parallelism (world = dp x cp x tp x pp), so keep it to what memory needs.
+    Must divide train.seq_len and the attention heads (per tensor-parallel rank)."""
     pp: int = 1
     """Pipeline stages: the layers are cut into pp contiguous stages on different ranks,
     activations are sent between them. Only point-to-point traffic, but idle time (the

@@ -1,6 +1,6 @@
 """Launch-side checks of the memory and speed levers (each one line, exit 2, before any
-rank): the loss in slices (train.loss_chunks), activation offload and float8 matmuls
-(precision=fp8), each against the recipe, the model and the machine it is asked with."""
+rank): the loss in slices (train.loss_chunks), activation offload, float8 matmuls
+(precision=fp8) and context parallel (parallel.cp), each against the recipe, the model and the machine it is asked with."""
 
 from __future__ import annotations
 
@@ -55,3 +55,25 @@ def validate_fp8(cfg: Config, host) -> None:
     if fp8_capable(name) is False:
         raise ConfigError("precision", "fp8", f"the {name} has no float8 tensor cores (compute capability 8.9+: H100, H200, "
                                      "L40S, L4, B200, ...)")
+
+
+def validate_context_parallel(cfg: Config, m, name: str, allowed: bool) -> None:
+    """parallel.cp > 1: a recipe that splits the sequence, the project's decoder (its
+    attention does the all-to-all), and a sequence and heads that divide."""
+    import recipes
+
+    p = cfg.parallel
+    if not allowed:
+        which = ", ".join(n for n, s in recipes.specs().items() if s.parallelism.cp)
+        raise ConfigError("parallel.cp", p.cp, f"recipe {cfg.recipe.name} does not split the sequence; allowed recipes: {which}")
+    if cfg.model.kind == ModelKind.hf:
+        raise ConfigError("parallel.cp", p.cp, "model=hf runs its own attention; context parallel needs the "
+                          "project's decoder (model=gpt_*, llama3_*)")
+    if cfg.train.seq_len % p.cp:
+        raise ConfigError("parallel.cp", p.cp, f"must divide train.seq_len={cfg.train.seq_len} (each rank holds "
+                          f"seq_len / cp positions)")
+    heads = m.n_heads // max(1, p.tp)
+    if heads % p.cp:
+        raise ConfigError("parallel.cp", p.cp, f"must divide the attention heads per tensor-parallel rank: "
+                          f"model.n_heads={m.n_heads} / parallel.tp={p.tp} = {heads} (all-to-all splits them)")
+

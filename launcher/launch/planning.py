@@ -71,7 +71,7 @@ def recommended_command(overrides: list[str], best) -> str:
     the plan chose anew and the plan's own options, then the plan's choices."""
     chosen = best.layout.overrides()[1:] + [f"train.activation_checkpointing={best.ac.value}",
                                             f"train.micro_batch={best.micro_batch}"]
-    replaced = {o.split("=", 1)[0] for o in chosen} | {"recipe", "parallel.tp", "parallel.pp"}
+    replaced = {o.split("=", 1)[0] for o in chosen} | {"recipe", "parallel.tp", "parallel.pp", "parallel.cp"}
     kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in replaced
             and not o.lstrip("+~").startswith("plan.") and not o.startswith("--")]
     args = " ".join(shlex.quote(o) for o in kept + chosen)

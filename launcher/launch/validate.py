@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from launcher.config import (Backend, Config, ConfigError, DataKind, ModelKind, OffloadDevice, PPSchedule, Precision, Runner, Scheduler, TokenDtype, ffn_dim, nproc_per_node, pipeline_stages)
-from launcher.launch.levers import validate_levers
+from launcher.launch.levers import validate_context_parallel, validate_levers
 from launcher.parallel.degrees import data_parallel_size, grad_accum
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -215,7 +215,7 @@ def validate_parallel(cfg: Config, world: int) -> None:
     p, m, name = cfg.parallel, model_shape(cfg), cfg.recipe.strategy
     spec = recipes.spec(name)
     can = spec.parallelism
-    for key in ("dp_replicate", "tp", "pp", "pp_microbatches", "pp_virtual_stages"):
+    for key in ("dp_replicate", "tp", "cp", "pp", "pp_microbatches", "pp_virtual_stages"):
         _positive(f"parallel.{key}", getattr(p, key))
     if p.dp_shard != -1 and p.dp_shard < 1:
         raise ConfigError("parallel.dp_shard", p.dp_shard, "must be >= 1, or -1 for the ranks the other degrees leave")
@@ -240,6 +240,8 @@ def validate_parallel(cfg: Config, world: int) -> None:
                           f"offload is for recipe=fsdp or tp_fsdp")
     if not spec.fp16 and cfg.precision.name == Precision.fp16:
         raise ConfigError("precision", "fp16", f"recipe {name} supports bf16 and fp32 (it has no fp16 loss scaler)")
+    if p.cp > 1:
+        validate_context_parallel(cfg, m, name, can.cp)
 
     # tensor parallel: every split dimension divides
     if p.tp > 1:
@@ -269,17 +271,18 @@ def validate_parallel(cfg: Config, world: int) -> None:
                                   f"[1, {m.n_layers - 1}] (the first layer of {which}); null balances by parameters")
 
     # the world
-    fixed = p.dp_replicate * p.tp * p.pp
+    fixed = p.dp_replicate * p.tp * p.pp * p.cp
     shard = p.dp_shard if p.dp_shard != -1 else world // fixed
     if shard < 1 or fixed * shard != world:
-        key, value = next(((f"parallel.{k}", getattr(p, k)) for k in ("tp", "pp", "dp_shard", "dp_replicate")
+        key, value = next(((f"parallel.{k}", getattr(p, k)) for k in ("tp", "cp", "pp", "dp_shard", "dp_replicate")
                            if getattr(p, k) not in (1, -1)), ("parallel", "default"))
         world_is = f"world size {world} (cluster.nproc_per_node x cluster.nnodes = {world // cfg.cluster.nnodes} x {cfg.cluster.nnodes})"
+        cp = f"cp({p.cp}) x " if p.cp > 1 else ""
         if p.dp_shard == -1:
             raise ConfigError(key, value, f"{world_is} is not a multiple of dp_replicate({p.dp_replicate}) x "
-                              f"tp({p.tp}) x pp({p.pp}) = {fixed}")
+                              f"{cp}tp({p.tp}) x pp({p.pp}) = {fixed}")
         raise ConfigError(key, value, f"{world_is} is not dp_replicate({p.dp_replicate}) x dp_shard({p.dp_shard}) x "
-                          f"tp({p.tp}) x pp({p.pp}) = {fixed * p.dp_shard}")
+                          f"{cp}tp({p.tp}) x pp({p.pp}) = {fixed * p.dp_shard}")
 
 
 def validate_pipeline_batch(cfg: Config, world: int) -> None:

@@ -66,6 +66,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.cp_group = None  # parallel.cp > 1: this rank's context-parallel group (launcher/parallel/context.py)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -74,14 +75,25 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
+        if self.cp_group is not None:  # this rank's positions, all heads -> all positions, its heads
+            from launcher.parallel.context import seq_to_heads
+
+            cp = self.cp_group.size()
+            if k.shape[2] % cp:  # key/value heads that do not split: repeated to the query heads first
+                k, v = (y.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for y in (k, v))
+            q, k, v = (seq_to_heads(y, self.cp_group) for y in (q, k, v))
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         q, k, v = (y.transpose(1, 2) for y in (q, k, v))  # (b, heads, t, head_dim)
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        if self.cp_group is not None:
+            from launcher.parallel.context import heads_to_seq
+
+            y = heads_to_seq(y, self.cp_group)
+        return self.wo(y.reshape(b, t, -1))
 
 
 class FeedForward(nn.Module):

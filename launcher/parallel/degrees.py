@@ -13,12 +13,15 @@ from launcher.config import Config
 @dataclass(frozen=True)
 class Degrees:
     """The resolved degrees of one job; ranks are laid out row-major over
-    (pp, dp_replicate, dp_shard, tp), the order of the device mesh's dimensions."""
+    (pp, dp_replicate, dp_shard, cp, tp), the order of the device mesh's dimensions
+    (torchtitan's): tensor-parallel ranks are neighbours, then the context-parallel ranks
+    that share samples, then the data-parallel ones."""
 
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    cp: int = 1
 
     @property
     def dp(self) -> int:
@@ -26,19 +29,25 @@ class Degrees:
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
-    def coords(self, rank: int) -> tuple[int, int, int, int]:
-        """(pp, dp_replicate, dp_shard, tp) coordinates of a global rank."""
+    def coords(self, rank: int) -> tuple[int, int, int, int, int]:
+        """(pp, dp_replicate, dp_shard, cp, tp) coordinates of a global rank."""
         rest, t = divmod(rank, self.tp)
+        rest, c = divmod(rest, self.cp)
         rest, s = divmod(rest, self.dp_shard)
         p, r = divmod(rest, self.dp_replicate)
-        return p, r, s, t
+        return p, r, s, c, t
 
     def dp_rank(self, rank: int) -> int:
-        """Which slice of each global batch this rank's data-parallel group reads."""
-        _, r, s, _ = self.coords(rank)
+        """Which slice of each global batch this rank's data-parallel group reads (the ranks
+        of a context-parallel group read the same samples)."""
+        _, r, s, _, _ = self.coords(rank)
         return r * self.dp_shard + s
+
+    def cp_rank(self, rank: int) -> int:
+        """Which T/cp positions of its samples this rank holds (parallel.cp)."""
+        return self.coords(rank)[3]
 
 
 def degrees(cfg: Config, world_size: int) -> Degrees:
@@ -47,15 +56,15 @@ def degrees(cfg: Config, world_size: int) -> Degrees:
     recipe does not use count as 1 (validate refuses them before a launch)."""
     p = cfg.parallel
     can = recipes.spec(cfg.recipe.strategy).parallelism
-    tp, pp = (p.tp if can.tp else 1), (p.pp if can.pp else 1)
-    rest = p.dp_shard if p.dp_shard != -1 else max(1, world_size // max(1, p.dp_replicate * tp * pp))
+    tp, pp, cp = (p.tp if can.tp else 1), (p.pp if can.pp else 1), (p.cp if can.cp else 1)
+    rest = p.dp_shard if p.dp_shard != -1 else max(1, world_size // max(1, p.dp_replicate * tp * pp * cp))
     if can.shards:
-        return Degrees(pp=pp, dp_replicate=p.dp_replicate, dp_shard=rest, tp=tp)
-    return Degrees(pp=pp, dp_replicate=p.dp_replicate * rest, dp_shard=1, tp=tp)
+        return Degrees(pp=pp, dp_replicate=p.dp_replicate, dp_shard=rest, tp=tp, cp=cp)
+    return Degrees(pp=pp, dp_replicate=p.dp_replicate * rest, dp_shard=1, tp=tp, cp=cp)
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
-    """Ranks that see different data: world / (tp x pp)."""
+    """Ranks that see different data: world / (tp x pp x cp)."""
     return degrees(cfg, world_size).dp
 
 

@@ -1,7 +1,7 @@
 """One device mesh from the parallel degrees, the order in which parallelisms are
 applied, and the gradient arithmetic they need.
 
-The mesh has four named dimensions, outermost first: (pp, dp_replicate, dp_shard, tp).
+The mesh has five named dimensions, outermost first: (pp, dp_replicate, dp_shard, cp, tp).
 Degrees of 1 are kept as dimensions of size 1, so every recipe slices the same mesh by
 name and a rank's coordinates are `degrees.Degrees.coords(rank)` everywhere (rank/entry.py
 picks the data slice from them without building a mesh).
@@ -24,21 +24,30 @@ from launcher.device import autocast_dtype
 from launcher.rank.engine import local_shard
 from launcher.parallel.plan import apply_tp, held_blocks
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def build_mesh(deg: D.Degrees, device: torch.device) -> DeviceMesh:
     """The mesh on the ranks' device type; a rehearsal's model lives on meta, under a fake
     process group that serves the host's (launcher/planner/rehearse.py)."""
-    mesh = init_device_mesh("cpu" if device.type == "meta" else device.type, (deg.pp, deg.dp_replicate, deg.dp_shard, deg.tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh("cpu" if device.type == "meta" else device.type,
+                            (deg.pp, deg.dp_replicate, deg.dp_shard, deg.cp, deg.tp), mesh_dim_names=MESH_DIMS)
     # The data slice (rank/entry.py) and the mesh must agree on who is who.
     assert tuple(mesh.get_coordinate()) == deg.coords(dist.get_rank()), (mesh.get_coordinate(), deg)
     return mesh
 
 
 def data_parallel_mesh(mesh: DeviceMesh, deg: D.Degrees) -> DeviceMesh:
-    """What FSDP shards over: 1-D (dp_shard), or 2-D (dp_replicate, dp_shard) for HSDP."""
-    return mesh["dp_replicate", "dp_shard"] if deg.dp_replicate > 1 else mesh["dp_shard"]
+    """What FSDP shards over: 1-D (dp_shard), or 2-D (dp_replicate, dp_shard) for HSDP.
+    Under context parallel the cp ranks hold the same parameters and see the same samples'
+    other positions: FSDP shards over dp_shard x cp flattened (as torchtitan), so its
+    reduce-scatter averages the gradients over both and model states shrink by cp too."""
+    shard = mesh["dp_shard"]
+    if deg.cp > 1:
+        shard = mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+    if deg.dp_replicate > 1:
+        return mesh["dp_replicate", "dp_shard_cp" if deg.cp > 1 else "dp_shard"]
+    return shard
 
 
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh, deg: D.Degrees, cfg: C.Config) -> None:
@@ -56,6 +65,10 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, deg: D.Degrees, cfg: C
     """
     if deg.tp > 1:
         apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel)
+    if deg.cp > 1:
+        from launcher.parallel.context import attach
+
+        attach(model, mesh["cp"].get_group())
     if recipes.spec(cfg.recipe.strategy).parallelism.shards:
         apply_fsdp(model, data_parallel_mesh(mesh, deg), cfg, mesh.device_type)
 

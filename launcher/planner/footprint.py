@@ -23,6 +23,9 @@ class Layout:
     dp: int
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    """Context parallel: the sequence split over cp ranks (activations / cp); FSDP shards
+    over dp x cp (launcher/parallel/mesh.py::data_parallel_mesh)."""
     shard: str = "none"
     offload_optim: bool = False
     offload_params: bool = False
@@ -34,7 +37,8 @@ class Layout:
 
     @property
     def label(self) -> str:
-        degrees = [f"dp{self.dp}"] + ([f"tp{self.tp}"] if self.tp > 1 else []) + ([f"pp{self.pp}"] if self.pp > 1 else [])
+        degrees = ([f"dp{self.dp}"] + ([f"cp{self.cp}"] if self.cp > 1 else []) + ([f"tp{self.tp}"] if self.tp > 1 else [])
+                   + ([f"pp{self.pp}"] if self.pp > 1 else []))
         return f"{self.recipe} ({' '.join(degrees)})"
 
     def overrides(self) -> list[str]:
@@ -43,7 +47,19 @@ class Layout:
             out.append(f"parallel.tp={self.tp}")
         if self.pp > 1:
             out.append(f"parallel.pp={self.pp}")
+        if self.cp > 1:
+            out.append(f"parallel.cp={self.cp}")
         return out
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks sharded model states split over: the data-parallel ones, and under
+        FSDP the context-parallel ones too (they hold the same parameters)."""
+        return self.dp * self.cp if self.fsdp else self.dp
+
+    def seq(self, seq_len: int) -> int:
+        """Positions one rank holds of each sequence (parallel.cp splits them)."""
+        return seq_len // self.cp
 
 
 # ----------------------------------------------------------------------------- states
@@ -106,7 +122,7 @@ def model_states(cfg: Config, layout: Layout,
     """
     P = param_share(cfg, layout, pp_rank)
     precision = cfg.precision.name
-    n = layout.dp
+    n = layout.shard_ranks
     where = {"params": "device", "grads": "device", "optim": "device"}
     host = {"params": 0, "grads": 0, "optim": 0}
     if layout.shard == "none":
@@ -149,7 +165,7 @@ def start_up(cfg: Config, layout: Layout) -> tuple[int, int]:
     (L: the largest parameter's elements.) Reading model.pretrained adds at most one 16 MiB
     chunk per rank (launcher/models/weights.py)."""
     P = param_share(cfg, layout)
-    n = layout.dp
+    n = layout.shard_ranks
     psi = M.ParamCounts.of(cfg.model).total
     w = 4 if cfg.precision.name == Precision.fp32 else 2
     if layout.shard == "none":
@@ -195,7 +211,7 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
     train.activation_offload moves what the blocks that do not recompute save (their
     activations and autocast's weight copies) to the host: `where` = "device" (the rest)
     or "host" (those)."""
-    m, s, every = cfg.model, cfg.train.seq_len, cfg.train.ac_every
+    m, s, every = cfg.model, layout.seq(cfg.train.seq_len), cfg.train.ac_every
     n = numerics(cfg.precision.name, layout)
     if layout.pp > 1:
         n_mb, virtual, schedule, _ = pipeline(cfg)
@@ -213,8 +229,9 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
                                 _offloaded(m, mb, s, n, ac, every, end - first, layout.tp, in_flight, first))
             per_rank.append(total)
         return max(per_rank) if pp_rank is None else per_rank[pp_rank]
-    return _split(where, cfg, M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp, loss_chunks=loss_slices(cfg, layout, b)),
-                  _offloaded(m, b, s, n, ac, every, m.n_layers, layout.tp, 1, 0))
+    return _split(where, cfg, M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp, loss_chunks=loss_slices(cfg, layout, b),
+                                                 cp=layout.cp),
+                  _offloaded(m, b, s, n, ac, every, m.n_layers, layout.tp, 1, 0, layout.cp))
 
 
 def _split(where: str, cfg: Config, total: int, offloaded: int) -> int:
@@ -224,7 +241,7 @@ def _split(where: str, cfg: Config, total: int, offloaded: int) -> int:
 
 
 def _offloaded(m: ModelConfig, b: int, s: int, n, ac: ACMode, every: int, layers: int, tp: int, in_flight: int,
-               first: int) -> int:
+               first: int, cp: int = 1) -> int:
     """What train.activation_offload moves: the kept blocks' activations and the recomputed
     blocks' inputs (checkpoint saves them through autograd too), for each micro-batch in
     flight, and the kept blocks' weight copies (made once a step). Not op-level
@@ -232,7 +249,7 @@ def _offloaded(m: ModelConfig, b: int, s: int, n, ac: ACMode, every: int, layers
     x = M.Shape.of(m, b, s)
     r = M.recomputed(layers, ac, every, first)
     copies = n.compute * (layers - r) * x.block_params // tp if n.autocast else 0  # not FSDP's gathered weights
-    return in_flight * ((layers - r) * M.block_activations(x, n, tp) + r * n.residual * x.b * x.s * x.h) + copies
+    return in_flight * ((layers - r) * M.block_activations(x, n, tp, cp) + r * n.residual * x.b * x.s * x.h) + copies
 
 
 def loss_slices(cfg: Config, layout: Layout, b: int) -> int:
@@ -254,7 +271,7 @@ def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode
     # Tensor parallel gathers the head's output (launcher/parallel/plan.py: ColwiseParallel to
     # Replicate): every rank holds the whole vocabulary's logits, not a 1/tp slice.
     logits = M.loss_temporaries(x, n, loss_chunks)
-    recompute = M.block_activations(x, n, layout.tp) if M.recomputed(x.L, ac, ac_every) else 0
+    recompute = M.block_activations(x, n, layout.tp, layout.cp) if M.recomputed(x.L, ac, ac_every) else 0
     # (a pipeline's FSDP stages hold all their layers gathered: pipeline_unsharded)
     gathered = 2 * 2 * x.block_params // layout.tp if layout.shard == "zero3" and not pipelined_fsdp(layout) else 0
     embedding = n.compute * x.V * x.h // layout.tp if layout.fsdp and not m.tie_embeddings else 0

@@ -181,17 +181,21 @@ def _linear_inputs(x: Shape, n: Numerics, consumers: int) -> int:
     return copies * width * x.b * x.s * x.h
 
 
-def block_activations(x: Shape, n: Numerics, tp: int = 1) -> int:
+def block_activations(x: Shape, n: Numerics, tp: int = 1, cp: int = 1) -> int:
     """Bytes one transformer block saves for backward (no recomputation). With tensor
     parallelism the heads and the SwiGLU width are split over tp ranks; the norms and
-    the residual stream are replicated."""
+    the residual stream are replicated. Under context parallel (x.s is then this rank's
+    positions) attention's output and the output projection's input are two tensors, not
+    one: the all-to-all back to the sequence split makes the second (launcher/parallel/
+    context.py; measured, tests/e2e/test_context_parallel_runs.py)."""
     b, s, c = x.b, x.s, n.compute
     h_q, h_kv, heads, f = x.h // tp, x.h_kv // tp, x.a // tp, x.f // tp
     # q, k, v, out; logsumexp in fp32. Grouped-query attention repeats k and v to all
     # heads before attention, so attention saves the repeated (full-width) copies.
     sdpa = c * b * s * (2 * h_q + 2 * max(h_kv, h_q)) + 4 * b * heads * s
     mlp = 4 * c * b * s * f  # w1 out, w3 out, silu out, product
-    return 2 * _norm(x, n) + _linear_inputs(x, n, 3) + sdpa + _linear_inputs(x, n, 2) + mlp
+    exchanged = c * b * s * h_q if cp > 1 else 0
+    return 2 * _norm(x, n) + _linear_inputs(x, n, 3) + sdpa + exchanged + _linear_inputs(x, n, 2) + mlp
 
 
 def op_kept(x: Shape, n: Numerics, tp: int = 1) -> int:
@@ -259,7 +263,7 @@ def recomputed(L: int, ac: ACMode, every: int, first: int = 0) -> int:
 def activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, n: Numerics, ac: ACMode,
                      ac_every: int = 2, layers: int | None = None, tp: int = 1, with_head: bool = True,
                      with_embedding: bool = True, in_flight: int = 1, first_layer: int = 0,
-                     loss_chunks: int = 1) -> int:
+                     loss_chunks: int = 1, cp: int = 1) -> int:
     """What autograd holds on one rank at the end of forward: `in_flight` micro-batches'
     activations (a pipeline stage holds several), plus the rotary table and weight copies.
 
@@ -271,7 +275,7 @@ def activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, n: Numerics
     n_layers = x.L if layers is None else layers
     r = recomputed(n_layers, ac, ac_every, first_layer)
     kept = op_kept(x, n, tp) if ac == ACMode.op else 0
-    per_micro_batch = (r * (n.residual * x.b * x.s * x.h + kept) + (n_layers - r) * block_activations(x, n, tp)
+    per_micro_batch = (r * (n.residual * x.b * x.s * x.h + kept) + (n_layers - r) * block_activations(x, n, tp, cp)
                        + (head_activations(x, n, loss_chunks) if with_head else 0)
                        + (token_ids(x) if with_embedding else 0))
     once = (rope_table(x, n) if n_layers else 0) + weight_copies(x, n, n_layers - r, with_head, tp, loss_chunks)

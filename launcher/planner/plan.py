@@ -102,7 +102,7 @@ def step_time(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode, b: int) -> 
     # level only its elementwise work, whose time OP_RECOMPUTE estimates.
     share = OP_RECOMPUTE if ac == ACMode.op else 1.0
     recompute = 1 + (2 / 6) * share * M.recomputed(m.n_layers, ac, cfg.train.ac_every) / m.n_layers
-    flops = tokens * flops_per_token(m, s) * recompute / (layout.dp * layout.tp * layout.pp)
+    flops = tokens * flops_per_token(m, s) * recompute / (layout.dp * layout.cp * layout.tp * layout.pp)
     compute = flops / (hw.tflops * 1e12 * p.mfu)
     if layout.pp > 1:  # the pipeline bubble: (pp - 1) idle micro-batch slots per step
         compute *= (accum + layout.pp - 1) / accum
@@ -111,8 +111,9 @@ def step_time(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode, b: int) -> 
         return (p.inter_node_gbps if spans_nodes else p.intra_node_gbps) * 1e9
 
     P = param_share(cfg, layout)
-    dp_spans = layout.dp * layout.tp * layout.pp > hw.gpus_per_node
-    ring = 2 * (layout.dp - 1) / layout.dp if layout.dp > 1 else 0.0
+    dp_spans = layout.dp * layout.cp * layout.tp * layout.pp > hw.gpus_per_node
+    grad_ranks = layout.dp * layout.cp  # context-parallel ranks average gradients too
+    ring = 2 * (grad_ranks - 1) / grad_ranks if grad_ranks > 1 else 0.0
     if layout.shard in ("zero3",):
         volume = 1.5 * ring * 2 * P  # all-gather forward and backward, reduce-scatter grads
     elif layout.shard in ("zero1", "zero2"):
@@ -120,8 +121,11 @@ def step_time(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode, b: int) -> 
     else:
         volume = ring * 4 * P  # all-reduce fp32 grads
     comm = volume / bandwidth(layout.dp, dp_spans)
+    if layout.cp > 1:  # 4 all-to-alls (q, k, v, out) per layer forward and 4 backward, (cp-1)/cp of each moves
+        act = b * layout.seq(s) * m.dim * numerics(cfg.precision.name, layout).compute
+        comm += accum * m.n_layers / layout.pp * 8 * ((layout.cp - 1) / layout.cp) * act / bandwidth(layout.cp, False)
     if layout.tp > 1:  # 4 all-reduces of b*s*h activations per layer per micro-batch
-        act = b * s * m.dim * numerics(cfg.precision.name, layout).compute
+        act = b * layout.seq(s) * m.dim * numerics(cfg.precision.name, layout).compute
         comm += accum * m.n_layers / layout.pp * 4 * (2 * (layout.tp - 1) / layout.tp) * act / bandwidth(layout.tp, False)
     if layout.pp > 1:  # activations forward and gradients back across each boundary
         comm += accum * 2 * b * s * m.dim * numerics(cfg.precision.name, layout).compute / bandwidth(2, dp_spans)
@@ -159,17 +163,25 @@ def candidates(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig]) ->
         # Ties (the same step time) go to the first: replicated before sharded, ZeRO's stages
         # in order before FSDP (the same states), offload last.
         order = (h.offload_optim or h.offload_params, h.shard, h.fsdp, name)
+        # parallel.cp is the user's (a long sequence's): kept by the recipes that split the sequence
+        cp = cfg.parallel.cp if can.cp else 1
+        if cfg.train.seq_len % cp or world % cp:
+            continue
         if not (can.tp or can.pp):
-            out.append(((0, 0, 0, *order), Layout(name, dp=world, **held)))
+            if m.n_heads % cp == 0:
+                out.append(((0, 0, 0, *order), Layout(name, dp=world // cp, cp=cp, **held)))
         tps = ((1,) if "tp" not in can.required else ()) + (TP_DEGREES if can.tp else ())
         pps = ((1,) if "pp" not in can.required else ()) + (PP_DEGREES if can.pp else ())
         for pp in pps:
             for t in tps:
-                if t == pp == 1 or world % (t * pp) or t > hw.gpus_per_node or m.n_heads % t or kv % t:
+                if t == pp == 1 or world % (t * pp * cp) or t > hw.gpus_per_node or m.n_heads % t or kv % t:
+                    continue
+                if (m.n_heads // t) % cp:
                     continue
                 if pp > m.n_layers or (pp > 1 and h.fsdp and world // (t * pp) == 1):
                     continue  # a pipeline whose stages have no ranks to shard over is recipe=pp
-                out.append(((1 if pp == 1 else 2, pp, t, *order), Layout(name, dp=world // (t * pp), tp=t, pp=pp, **held)))
+                out.append(((1 if pp == 1 else 2, pp, t, *order),
+                            Layout(name, dp=world // (t * pp * cp), tp=t, pp=pp, cp=cp, **held)))
     return [layout for _, layout in sorted(out, key=lambda kv_: kv_[0])]
 
 
@@ -185,7 +197,7 @@ def holding(rc: RecipeConfig) -> dict:
 def layout_of(cfg: Config, deg) -> Layout:
     """The layout of a composed config at resolved degrees (launcher.parallel.degrees):
     any degree the recipe allows, not only those `make plan` compares (make rehearse)."""
-    return Layout(cfg.recipe.name, dp=deg.dp, tp=deg.tp, pp=deg.pp, **holding(cfg.recipe))
+    return Layout(cfg.recipe.name, dp=deg.dp, tp=deg.tp, pp=deg.pp, cp=deg.cp, **holding(cfg.recipe))
 
 
 def layout_for(cfg: Config, world: int) -> Layout:
@@ -203,7 +215,7 @@ def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | N
     # A pipeline runs the loss and a recomputation on one of its micro-batches at a time
     # (b x grad_accum sequences cut into parallel.pp_microbatches), the others on b.
     at_once = b if layout.pp == 1 else max(1, b * cfg.train.grad_accum // pipeline(cfg)[0])
-    tmp = (temporaries(cfg.model, cfg.precision.name, layout, ac, cfg.train.ac_every, at_once, cfg.train.seq_len,
+    tmp = (temporaries(cfg.model, cfg.precision.name, layout, ac, cfg.train.ac_every, at_once, layout.seq(cfg.train.seq_len),
                        loss_slices(cfg, layout, b)) + pipeline_unsharded(cfg, layout, ac))
     device, host_rank = start_up(cfg, layout)
     per_node = min(hw.gpus_per_node, hw.world) if hw is not None else 1

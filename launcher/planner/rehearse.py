@@ -137,7 +137,7 @@ def rehearse_rank(cfg: C.Config, world: int, rank: int, local_rank: int) -> Rank
     started = time.perf_counter()
     deg = D.degrees(cfg, world)
     layout = layout_of(cfg, deg)
-    pp_rank, dp_replicate, dp_shard, tp_rank = deg.coords(rank)
+    pp_rank, dp_replicate, dp_shard, cp_rank, tp_rank = deg.coords(rank)
     zero3 = partitioned(cfg)
     # The optimizer's kernel choice changes no state: unfused, which runs on meta and on the host.
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, fused=None))
@@ -175,7 +175,7 @@ def rehearse_rank(cfg: C.Config, world: int, rank: int, local_rank: int) -> Rank
     p_, g_, o_, _, _ = footprint.model_states(planned_model(cfg), layout, pp_rank)
     planned = {"params": p_, "grads": g_, "optim": o_, "model_states": p_ + g_ + o_}
     return RankReport(rank=rank, coords={"pp": pp_rank, "dp_replicate": dp_replicate, "dp_shard": dp_shard,
-                                         "tp": tp_rank},
+                                         "cp": cp_rank, "tp": tp_rank},
                       params=held.params, grads=grads, optim=held.optim, startup=startup, planned=planned,
                       seconds=time.perf_counter() - started, shards=shards,
                       compared="params" if zero3 else "model_states")

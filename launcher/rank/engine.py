@@ -38,7 +38,9 @@ class StepResult:
     loss_owner: bool = True
     """This rank reports the loss of its data-parallel slice. Exactly one rank per slice
     does (the loop averages over data-parallel slices): ranks that hold the same loss
-    (tensor parallel) or none (pipeline stages before the last) set it False."""
+    (tensor parallel) or none (pipeline stages before the last) set it False. Under
+    context parallel each rank of the slice's cp group reports the mean over its own
+    positions, and the loop averages those too."""
 
 
 @dataclass

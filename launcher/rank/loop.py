@@ -18,6 +18,7 @@ import torch.distributed as dist
 import recipes
 from launcher import models
 from launcher.manifest import step_name, whole
+from launcher.parallel.context import local_positions
 from launcher.parallel.degrees import degrees
 from launcher.rank import backoff
 from launcher.rank.checkpoint import Checkpointer
@@ -76,9 +77,10 @@ def run(job: Job) -> int:
         log.print(f"resumed from {start_from} at step {step} ({samples_seen:,} samples seen)")
     log.print(f"{cfg.recipe.name}: {job.world_size} rank(s) on {device.type}, global batch {global_batch} "
               f"({cfg.train.micro_batch} x {job.grad_accum} accum x {job.dp_size} dp), {tokens_per_step:,} tokens/step")
+    d = degrees(cfg, job.world_size)
+    cp, cp_rank = d.cp, d.cp_rank(job.rank)  # parallel.cp: this rank's T/cp positions of each sample
     if job.dp_size != job.world_size or recipes.spec(cfg.recipe.strategy).meshed:
-        d = degrees(cfg, job.world_size)
-        log.print(f"mesh: pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp}")
+        log.print(f"mesh: pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp} x tp {d.tp}")
     if cfg.precision.fp8:
         n = sum(type(m).__name__ == "Float8Linear" for m in engine.model.modules())
         log.print(f"precision=fp8: {n} linear layers in float8 (torchao, rowwise scales"
@@ -113,7 +115,10 @@ def run(job: Job) -> int:
         micro_batches = []
         for _ in range(job.grad_accum):
             batch = next(batches).to(device, non_blocking=True)
-            micro_batches.append((batch[:, :-1], batch[:, 1:]))
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            if cp > 1:
+                inputs, targets = local_positions(inputs, cp_rank, cp), local_positions(targets, cp_rank, cp)
+            micro_batches.append((inputs, targets))
         meter.data_wait += time.perf_counter() - t0
         watchdog.in_step()
         strike(cfg.debug, FaultPoint.hang_in_step, step + 1, job.rank)
@@ -157,13 +162,14 @@ def run(job: Job) -> int:
         watchdog.progress(step)
 
         if step % cfg.logger.log_every == 0 or step == last:
-            # Mean over data-parallel slices: one rank per slice contributes its loss.
+            # Mean over data-parallel slices: one rank per slice contributes its loss (each of
+            # a cp group its positions' mean: equal counts, so their mean is the slice's).
             loss = result.loss.detach().clone() if result.loss_owner else torch.zeros((), device=device)
             dist.all_reduce(loss, op=dist.ReduceOp.SUM)
             scaled = result.loss_scale is not None
             # One host synchronisation for every scalar, before the rates (it waits for the device).
             read = host_values(device, loss, result.grad_norm, *((result.loss_scale, skipped_steps) if scaled else ()))
-            metrics = {"step": step, "loss": read[0] / job.dp_size, "lr": engine.lr(),
+            metrics = {"step": step, "loss": read[0] / (job.dp_size * cp), "lr": engine.lr(),
                        "grad_norm": read[1], **meter.rates(), **memory_stats(device),
                        **engine.state_bytes().as_metrics(), **measured}
             if scaled:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher import models
+from launcher.parallel import degrees as D
 from launcher.device import autocast_dtype
 from launcher.rank.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
                                   optimizer_state_bytes, tensor_bytes)
@@ -34,6 +35,12 @@ class DDPEngine:
         cfg = ctx.cfg
         self.cfg, self.device, self.rank = cfg, ctx.device, ctx.rank
         self.module = models.materialize(ctx.model, cfg, ctx.device)  # replicated: built once, on the device
+        deg = D.degrees(cfg, ctx.world_size)
+        if deg.cp > 1:  # the sequence split over cp ranks; DDP averages gradients over all (dp x cp)
+            from launcher.parallel.context import attach
+            from launcher.parallel.mesh import build_mesh
+
+            attach(self.module, build_mesh(deg, ctx.device)["cp"].get_group())
         self.local_rank = ctx.local_rank
         self.model = self._wrap()
         self.stepping = False

@@ -167,7 +167,7 @@ def test_relaunch_of_the_run_directory_on_more_ranks_continues(runs):
     run = runs("fsdp")
     out = (run / "stdout2.txt").read_text()
     assert f"resumed from {run / STEP10} at step 10" in out and "4 rank(s)" in out
-    assert "mesh: pp 1 x dp_replicate 1 x dp_shard 4 x tp 1" in out
+    assert "mesh: pp 1 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 1" in out
     assert [r["step"] for r in read_metrics(run)] == list(range(1, 21))  # 1-10 on 2 ranks, 11-20 on 4
 
 
@@ -175,10 +175,10 @@ def test_untied_tensor_parallel_and_hsdp_match_ddp(runs):
     ref = runs("ddp_untied")
     assert_same_losses(runs("tp4_untied"), ref, range(1, 21))
     assert_same_losses(runs("hsdp4_from_tp4_untied"), ref, range(11, 21))
-    assert "mesh: pp 1 x dp_replicate 2 x dp_shard 2 x tp 1" in (runs("hsdp4_from_tp4_untied") / "stdout.txt").read_text()
+    assert "mesh: pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1" in (runs("hsdp4_from_tp4_untied") / "stdout.txt").read_text()
     three = runs("pp_tp_fsdp4_untied_from_tp4_untied")
     assert_same_losses(three, ref, range(11, 21))
-    assert "mesh: pp 2 x dp_replicate 1 x dp_shard 1 x tp 2" in (three / "stdout.txt").read_text()
+    assert "mesh: pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2" in (three / "stdout.txt").read_text()
 
 
 def _model(*overrides):

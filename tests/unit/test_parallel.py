@@ -34,19 +34,26 @@ def compose(*overrides):
     (["recipe=tp", "parallel.tp=2"], 4, D.Degrees(dp_replicate=2, tp=2)),  # tp does not shard: replicas
     (["recipe=tp_fsdp", "parallel.tp=2"], 8, D.Degrees(dp_shard=4, tp=2)),
     (["recipe=pp", "parallel.pp=2"], 4, D.Degrees(pp=2, dp_replicate=2)),
+    (["recipe=ddp", "parallel.cp=2"], 4, D.Degrees(dp_replicate=2, cp=2)),
+    (["recipe=fsdp", "parallel.cp=2"], 4, D.Degrees(dp_shard=2, cp=2)),
+    (["recipe=tp_fsdp", "parallel.tp=2", "parallel.cp=2"], 8, D.Degrees(dp_shard=2, cp=2, tp=2)),
 ])
 def test_degrees_give_the_rest_to_data_parallel(overrides, world, want):
     cfg = compose(*overrides)
     assert D.degrees(cfg, world) == want
-    assert D.data_parallel_size(cfg, world) == want.dp == world // (want.tp * want.pp)
+    assert D.data_parallel_size(cfg, world) == want.dp == world // (want.tp * want.pp * want.cp)
 
 
 def test_rank_coordinates_are_row_major_over_the_mesh():
     d = D.Degrees(pp=2, dp_replicate=1, dp_shard=2, tp=2)
     coords = [d.coords(r) for r in range(d.world)]
-    assert coords == list(itertools.product(range(2), range(1), range(2), range(2)))  # init_device_mesh's order
+    assert coords == list(itertools.product(range(2), range(1), range(2), range(1), range(2)))  # init_device_mesh's order
     # tensor-parallel neighbours and pipeline stages of one replica read the same data
     assert [d.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    # context-parallel ranks (between data and tensor parallel) read the same samples, other positions
+    c = D.Degrees(dp_shard=2, cp=2, tp=2)
+    assert [c.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [c.cp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
 def test_the_issue_commands_validate():

@@ -15,6 +15,7 @@ from runs import launch
 from launcher.launch import cli, compose
 from launcher.config import ACMode
 from launcher.planner import plan as planner
+from launcher.planner.footprint import activations
 from launcher.planner.memory import ActivationCounter, Numerics, ParamCounts, activation_bytes
 from launcher.config import num_params
 from launcher.models.gpt import GPT, set_activation_checkpointing
@@ -132,6 +133,29 @@ def test_activation_checkpointing_shrinks_the_plan():
                                "train.seq_len=2048", "--json").stdout)
     ddp = {r["ac"]: r for r in data["rows"] if r["layout"]["recipe"] == "ddp"}
     assert ddp["full"]["micro_batch"] > ddp["selective"]["micro_batch"] > ddp["none"]["micro_batch"] >= 1
+
+
+def test_context_parallel_splits_activations_and_fsdp_shards_over_it(capsys):
+    """parallel.cp=2 on 8 GPUs: the recipes that split the sequence plan it (dp4 cp2), the
+    others plan without it; a cp rank saves half the activations of the whole sequence (the
+    block's one extra exchanged tensor aside) and FSDP shards its states over dp x cp."""
+    args = ("model=llama3_8b", "cluster.gpus_per_node=8", "cluster.gpu_memory_gb=80", "train.seq_len=8192",
+            "train.micro_batch=1", "--json")
+    whole, split = (json.loads(run_plan(*args, *extra).stdout)["rows"] for extra in ((), ("parallel.cp=2",)))
+
+    def row(rows, recipe, cp, ac="none"):
+        return next(r for r in rows if r["layout"]["recipe"] == recipe and r["layout"]["cp"] == cp
+                    and r["layout"]["tp"] == 1 and r["ac"] == ac)
+
+    assert {r["layout"]["recipe"] for r in split if r["layout"]["cp"] == 2} == {"ddp", "fsdp", "tp_fsdp"}
+    assert all(r["layout"]["cp"] == 1 for r in split if r["layout"]["recipe"] not in ("ddp", "fsdp", "tp_fsdp"))
+    a, b = row(whole, "fsdp", 1), row(split, "fsdp", 2)
+    assert (a["layout"]["dp"], b["layout"]["dp"]) == (8, 4) and b["params"] == a["params"]  # shards over 8 either way
+    for recipe in ("fsdp", "ddp"):
+        x, y = (activations(cfg, planner.layout_for(cfg, 8), ACMode.none, 1) for cfg in (
+            cli.compose_config([f"recipe={recipe}", "precision=fp32", *args[:4], *cp])[0] for cp in ([], ["parallel.cp=2"])))
+        assert 0.5 < y / x < 0.56, (recipe, y / x)  # not shrinking: the rope table, FSDP's gathered head, autocast's weight copies
+    assert b["layout"]["overrides"] == ["recipe=fsdp", "parallel.cp=2"] and b["layout"]["label"] == "fsdp (dp4 cp2)"
 
 
 def test_nothing_fits_gets_an_answer_not_a_crash(tmp_path, capsys, monkeypatch):
