@@ -91,10 +91,11 @@ class TrainConfig:
     activation_checkpointing: ACMode = ACMode.none
     """none: keep all activations. full: recompute every block in backward (about a third
     more compute, activations shrink to one tensor per block). selective: recompute every
-    ac_every-th block, a middle ground. op: every block keeps the outputs of its matmuls
-    and attention and recomputes only the cheap elementwise work (norms, SiLU, products,
-    casts) in backward: little extra compute, about half of none's activations
-    (torch.utils.checkpoint with a selective policy, as torchtitan's op-level SAC)."""
+    ac_every-th block, a middle ground. op: every block keeps the outputs of attention
+    and of every other matmul (wq, wv, w1, w2) and recomputes the other three matmuls and
+    the cheap elementwise work (norms, SiLU, products, casts) in backward: about an eighth
+    more compute, under half of none's activations (torch.utils.checkpoint with a
+    selective policy, as torchtitan's op-level SAC)."""
     ac_every: int = 2
     """selective: recompute every N-th block."""
     loss_chunks: Optional[int] = None

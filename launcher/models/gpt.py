@@ -242,7 +242,7 @@ def run_layers(layers, h: torch.Tensor, rope: torch.Tensor, checkpointed: set[in
                offload=None) -> torch.Tensor:
     """The blocks in order; (index, block) pairs. Blocks in `checkpointed` keep only their
     input and recompute the rest in backward (activation checkpointing); with `op_level`
-    they keep their matmuls' and attention's outputs too (keep_matmuls). `offload`: saved
+    they keep attention's output and every other matmul's too (keep_matmuls). `offload`: saved
     tensors hooks (launcher/models/offload.py) around them all."""
     with offload if offload is not None else contextlib.nullcontext():
         return _run_layers(layers, h, rope, checkpointed, op_level)
@@ -260,27 +260,42 @@ def _run_layers(layers, h, rope, checkpointed, op_level):
     return h
 
 
-# What op-level recomputation keeps (torch.utils.checkpoint's selective policy): the
-# outputs of the matmuls and of attention, the expensive ops; the elementwise work between
-# them (norms, SiLU, products, casts, rotary) runs again in backward.
-KEPT_OPS = frozenset(op for name in ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
-                                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                                     "_scaled_dot_product_flash_attention_for_cpu")
-                     if hasattr(torch.ops.aten, name) for op in [getattr(torch.ops.aten, name).default])
+# What op-level recomputation keeps (torch.utils.checkpoint's selective policy, as
+# torchtitan's op-level SAC): the outputs of attention and of every other matmul of a block
+# (the 1st, 3rd, 5th, 7th: wq, wv, w1, w2); the other matmuls (wk, wo, w3) and the
+# elementwise work between them (norms, SiLU, products, casts, rotary) run again in backward.
+MATMUL_OPS = frozenset(op for name in ("mm", "addmm", "bmm") if hasattr(torch.ops.aten, name)
+                       for op in [getattr(torch.ops.aten, name).default])
+ATTENTION_OPS = frozenset(op for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                                          "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+                          if hasattr(torch.ops.aten, name) for op in [getattr(torch.ops.aten, name).default])
 
 
-def _keep_policy(ctx, op, *args, **kwargs):
+def _keep_policy():
+    """A fresh policy for one checkpointed block: it counts the block's matmuls, in forward
+    and in the recomputation separately (each must decide alike), and keeps the odd ones."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    seen = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in ATTENTION_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        if op in MATMUL_OPS:
+            seen[ctx.is_recompute] += 1
+            if seen[ctx.is_recompute] % 2 == 1:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
 def keep_matmuls():
     """checkpoint's context_fn for activation_checkpointing=op (also handed to Hugging Face
-    models' own checkpointing, launcher/models/hf.py)."""
+    models' own checkpointing, launcher/models/hf.py): called once per block and forward."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return create_selective_checkpoint_contexts(_keep_policy)
+    return create_selective_checkpoint_contexts(_keep_policy())
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -362,7 +377,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 def set_activation_checkpointing(model: GPT, mode: ACMode, every: int) -> None:
     """Choose which blocks recompute their activations in backward.
     full: all blocks; selective: every `every`-th block (0, N, 2N, ...); op: all blocks,
-    keeping their matmuls' and attention's outputs; none: no block."""
+    keeping attention's and every other matmul's outputs; none: no block."""
     n = len(model.layers)
     model.op_level = mode == ACMode.op
     if mode in (ACMode.full, ACMode.op):

@@ -299,13 +299,13 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
 
 def set_activation_checkpointing(model: HFCausalLM, mode: ACMode, every: int) -> None:
     """The model's own switch, non-reentrant: every decoder layer recomputes in backward
-    (full; op: keeping its matmuls' and attention's outputs), or every `every`-th, layers
+    (full; op: keeping attention's and every other matmul's outputs), or every `every`-th, layers
     0, every, 2 x every... (selective)."""
     if mode == ACMode.none:
         return
     n = every if mode == ACMode.selective else 1
     kwargs = {"use_reentrant": False}
-    if mode == ACMode.op:  # the layers keep their matmuls' and attention's outputs
+    if mode == ACMode.op:  # the layers keep attention's and every other matmul's outputs
         from launcher.models.gpt import keep_matmuls
 
         kwargs["context_fn"] = keep_matmuls

@@ -199,10 +199,11 @@ def block_activations(x: Shape, n: Numerics, tp: int = 1, cp: int = 1) -> int:
 
 
 def op_kept(x: Shape, n: Numerics, tp: int = 1) -> int:
-    """activation_checkpointing=op: what a block keeps beside its input, the outputs of its
-    seven matmuls (k, v before the GQA repeat) and attention's (+ fp32 logsumexp); KEPT_OPS."""
+    """activation_checkpointing=op: what a block keeps beside its input, the outputs of
+    every other matmul (wq, wv before the GQA repeat, w1, w2; wk, wo, w3 run again) and of
+    attention (+ fp32 logsumexp); launcher/models/gpt.py::keep_matmuls."""
     h_q, h_kv, f = x.h // tp, x.h_kv // tp, x.f // tp
-    return n.compute * x.b * x.s * (h_q + 2 * h_kv + x.h + 2 * f + x.h + h_q) + 4 * x.b * (x.a // tp) * x.s
+    return n.compute * x.b * x.s * (h_q + h_kv + f + x.h + h_q) + 4 * x.b * (x.a // tp) * x.s
 
 
 def head_activations(x: Shape, n: Numerics, loss_chunks: int = 1) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from launcher import jsonout
 from launcher.planner import memory as M
-from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig
+from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig, block_matmul_params, ffn_dim
 from launcher.planner.footprint import (Layout, activations, loss_slices, model_states, numerics, param_share, pipeline,
                                        pipeline_unsharded, start_up, temporaries)
 from launcher.models.gpt import flops_per_token
@@ -28,8 +28,8 @@ DEFAULT_TFLOPS = 989.0  # H100 SXM dense bf16
 OP_RECOMPUTE = 0.1
 """activation_checkpointing=op: the elementwise work (norms, SiLU, products, casts, rotary)
 a block recomputes, as a share of its forward's time. Few FLOPs but memory-bound; an
-estimate (10%), not yet measured on a GPU. It makes op cost a little more than none, so
-none stays the choice where it fits."""
+estimate (10%), not yet measured on a GPU. The three matmuls it makes again (wk, wo, w3)
+are counted by their FLOPs on top (M.op_recomputed_params)."""
 
 
 @dataclass
@@ -99,8 +99,8 @@ def step_time(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode, b: int) -> 
     accum = cfg.train.grad_accum
     tokens = b * accum * layout.dp * s
     # A recomputed block runs its forward again (2 of 6 FLOPs a parameter and token); at op
-    # level only its elementwise work, whose time OP_RECOMPUTE estimates.
-    share = OP_RECOMPUTE if ac == ACMode.op else 1.0
+    # level its elementwise work (OP_RECOMPUTE) and three of its seven matmuls.
+    share = (OP_RECOMPUTE + op_recomputed_params(m) / block_matmul_params(m)) if ac == ACMode.op else 1.0
     recompute = 1 + (2 / 6) * share * M.recomputed(m.n_layers, ac, cfg.train.ac_every) / m.n_layers
     flops = tokens * flops_per_token(m, s) * recompute / (layout.dp * layout.cp * layout.tp * layout.pp)
     compute = flops / (hw.tflops * 1e12 * p.mfu)
@@ -138,6 +138,13 @@ def step_time(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode, b: int) -> 
     if cfg.train.activation_offload:  # each micro-batch's activations out in forward and back in backward
         offload += accum * 2 * activations(cfg, layout, ac, b, where="host") / (p.pcie_gbps * 1e9)
     return compute + comm + offload, tokens
+
+
+def op_recomputed_params(m) -> int:
+    """The matmul weights whose products op-level recomputation makes again (wk, wo, w3:
+    launcher/models/gpt.py::keep_matmuls)."""
+    kv = (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
+    return m.dim * kv + m.dim * m.dim + m.dim * ffn_dim(m)
 
 
 # ----------------------------------------------------------------------------- candidates

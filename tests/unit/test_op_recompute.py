@@ -1,6 +1,6 @@
 """train.activation_checkpointing=op (issue 16, item 3): every block keeps the outputs of
-its matmuls and attention and recomputes only the elementwise work in backward
-(launcher/models/gpt.py::keep_matmuls). The gradients equal those of no recomputation, and
+attention and of every other matmul and recomputes the rest in backward
+(launcher/models/gpt.py::keep_matmuls, as torchtitan's op-level SAC). The gradients equal those of no recomputation, and
 what forward leaves for backward, seen by torch's MemTracker (which also sees the selective
 policy's cache, where autograd's saved-tensor hooks do not), matches the planner's
 activation bytes (launcher/planner/memory.py::op_kept), beside none and full."""
@@ -53,7 +53,7 @@ def test_op_level_recompute_keeps_what_the_planner_says(precision):
         planned = M.activation_bytes(cfg.model, b, s, n, ac)
         print(f"{precision} {ac.value}: {held[ac] / 2**20:.2f} MiB measured, {planned / 2**20:.2f} planned")
         assert abs(planned / held[ac] - 1) < 0.02, ac  # the issue asks 15% for op
-    assert held[ACMode.full] < held[ACMode.op] < 0.7 * held[ACMode.none]
+    assert held[ACMode.full] < held[ACMode.op] < 0.5 * held[ACMode.none]
     assert torch.equal(losses[ACMode.op], losses[ACMode.none])
     for k, g in grads[ACMode.none].items():  # the same kernels run again: equal to rounding
         torch.testing.assert_close(grads[ACMode.op][k], g, rtol=1e-5 if dtype is None else 2e-2, atol=1e-6)
