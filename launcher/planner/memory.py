@@ -182,19 +182,14 @@ def _linear_inputs(x: Shape, n: Numerics, consumers: int) -> int:
 
 
 def block_activations(x: Shape, n: Numerics, tp: int = 1, cp: int = 1) -> int:
-    """Bytes one transformer block saves for backward (no recomputation). With tensor
-    parallelism the heads and the SwiGLU width are split over tp ranks; the norms and
-    the residual stream are replicated. Under context parallel (x.s is then this rank's
-    positions) attention's output and the output projection's input are two tensors, not
-    one: the all-to-all back to the sequence split makes the second (launcher/parallel/
-    context.py; measured, tests/e2e/test_context_parallel_runs.py)."""
+    """Bytes one block saves for backward (no recomputation). tp splits heads and SwiGLU
+    width (norms, residual replicated); cp: x.s is this rank's positions (context.py)."""
     b, s, c = x.b, x.s, n.compute
     h_q, h_kv, heads, f = x.h // tp, x.h_kv // tp, x.a // tp, x.f // tp
-    # q, k, v, out; logsumexp in fp32. Grouped-query attention repeats k and v to all
-    # heads before attention, so attention saves the repeated (full-width) copies.
+    # q, k, v, out; fp32 logsumexp. GQA saves the repeated (full-width) k and v.
     sdpa = c * b * s * (2 * h_q + 2 * max(h_kv, h_q)) + 4 * b * heads * s
     mlp = 4 * c * b * s * f  # w1 out, w3 out, silu out, product
-    exchanged = c * b * s * h_q if cp > 1 else 0
+    exchanged = c * b * s * h_q if cp > 1 else 0  # context parallel: wo's own input
     return 2 * _norm(x, n) + _linear_inputs(x, n, 3) + sdpa + exchanged + _linear_inputs(x, n, 2) + mlp
 
 
