@@ -90,7 +90,24 @@ def run_tests(out: Path) -> dict:
     return {"results": results, "wall_s": wall, "returncode": proc.returncode}
 
 
-def run_bench(out: Path, budget_s: float, steps: int, progress=lambda rows, left: None) -> tuple[list[dict], list[tuple]]:
+def chosen(spec: str | None) -> list[tuple]:
+    """--cases "gpt_1b:ddp,gpt_350m:fsdp:compile": those cases of CASES, in that order."""
+    if not spec:
+        return CASES
+    picked = []
+    for item in spec.split(","):
+        model, recipe, *flag = item.strip().split(":")
+        case = (model, recipe, flag == ["compile"])
+        if case not in CASES or flag not in ([], ["compile"]):
+            print(f"gpu-check: --cases {item!r} is not a bench case; the cases are "
+                  + ", ".join(f"{m}:{r}{':compile' if c else ''}" for m, r, c in CASES), file=sys.stderr)
+            raise SystemExit(2)
+        picked.append(case)
+    return picked
+
+
+def run_bench(out: Path, budget_s: float, steps: int, cases: list[tuple] = CASES,
+              progress=lambda rows, left: None) -> tuple[list[dict], list[tuple]]:
     """The cases in order until the budget is spent: (rows, cases not run). `progress(rows,
     cases left)` after each case (bench/gpu.md is rewritten as it goes)."""
     import torch
@@ -104,7 +121,7 @@ def run_bench(out: Path, budget_s: float, steps: int, progress=lambda rows, left
     gpus = torch.cuda.device_count()
     bench_script.MODELS.update(AT_SEQ)  # the bench's model names: these overrides on both sides
     rows, left, t0 = [], [], time.perf_counter()
-    for model, recipe, compiled in CASES:
+    for model, recipe, compiled in cases:
         spent = time.perf_counter() - t0
         per_case = spent / len(rows) if rows else 60.0
         if spent + per_case > budget_s:
@@ -223,10 +240,12 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="seconds for the benchmark's cases")
     ap.add_argument("--steps", type=int, default=20, help="steps per benchmark run")
     ap.add_argument("--no-tests", action="store_true", help="the benchmark only")
+    ap.add_argument("--cases", default=None, help='bench cases in this order, e.g. "gpt_1b:ddp,gpt_1b:fsdp:compile"')
     ap.add_argument("--no-bench", action="store_true", help="the test set only")
     ap.add_argument("--out", default=str(REPO / "bench" / "gpu.md"))
     ap.add_argument("--keep", default=None, help="folder for the runs and measurements (default: a temporary one)")
     args = ap.parse_args()
+    cases = chosen(args.cases)
     import torch
 
     if not torch.cuda.is_available():
@@ -240,7 +259,7 @@ def main() -> int:
     tests = None if args.no_tests else run_tests(work)
     write(Path(args.out), f, tests, work / "measured", [], [])
     rows, left = ([], []) if args.no_bench else run_bench(
-        work, args.budget_s, args.steps, lambda rows, left: write(Path(args.out), f, tests, work / "measured", rows, left))
+        work, args.budget_s, args.steps, cases, lambda rows, left: write(Path(args.out), f, tests, work / "measured", rows, left))
     write(Path(args.out), f, tests, work / "measured", rows, left)
     (work / "gpu.json").write_text(json.dumps({"facts": f, "tests": tests, "bench": rows,
                                                "not_run": left}, indent=1) + "\n")

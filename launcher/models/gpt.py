@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -163,8 +164,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """The rotary table (not a parameter: computed, never loaded), in fp32 on the
-        table's device (re-registered: under zero.Init it was created in bf16)."""
+        """The rotary table (computed, never loaded), fp32 on its device (zero.Init made it bf16)."""
         table = rotary_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
         self.register_buffer("rope", table.to(self.rope.device), persistent=False)
 
@@ -251,13 +251,22 @@ def run_layers(layers, h: torch.Tensor, rope: torch.Tensor, checkpointed: set[in
 def _run_layers(layers, h, rope, checkpointed, op_level):
     for i, layer in layers:
         if i in checkpointed and torch.is_grad_enabled():
+            table = _as_fsdp_casts(layer, rope, h)
             if op_level:
-                h = checkpoint(layer, h, rope, use_reentrant=False, context_fn=keep_matmuls)
+                h = checkpoint(layer, h, table, use_reentrant=False, context_fn=keep_matmuls)
             else:
-                h = checkpoint(layer, h, rope, use_reentrant=False)
+                h = checkpoint(layer, h, table, use_reentrant=False)
         else:
             h = layer(h, rope)
     return h
+
+
+def _as_fsdp_casts(layer: nn.Module, rope: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The rotary table for a checkpointed block; an FSDP block's already in the dtype its mixed
+    precision casts inputs to (bf16), outside the checkpoint: torch < 2.13 does not cast again
+    when backward recomputes the block, which then differs from its forward (torch 2.11)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no block is an FSDP one
+    return rope.to(h.dtype) if fsdp is not None and isinstance(layer, fsdp.FSDPModule) else rope
 
 
 # What op-level recomputation keeps (torch.utils.checkpoint's selective policy, as

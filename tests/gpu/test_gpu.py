@@ -91,25 +91,67 @@ def _start(run: Path, overrides: list[str], log: Path | None = None) -> subproce
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def footprint(overrides: list[str]) -> int:
+    """Bytes a case may take on each GPU: the planner's peak per rank with room for what the
+    plan does not count (the allocator's cache and fragmentation, compile's workspace), plus
+    each process's CUDA context and NCCL buffers. 0 for a case the launcher refuses."""
+    from launcher.config import ConfigError
+    from launcher.launch import cli
+    from launcher.planner import plan as planner
+
+    try:
+        cfg, _, _ = cli.compose_config(overrides)
+        row = planner.memory_row(cfg, planner.layout_for(cfg, GPUS), cfg.train.activation_checkpointing,
+                                 cfg.train.micro_batch)
+    except (ConfigError, SystemExit):
+        return 0
+    return int(1.3 * row.peak) + 2 * 2**30
+
+
+def schedule(todo: dict[str, list[str]], start, budget: int, deadline: float) -> dict[str, int]:
+    """Start the cases in order while their footprints fit in `budget` bytes per GPU beside
+    those running; wait for one to end when the next does not fit. {name: exit code}."""
+    need = {name: min(footprint(over), budget) for name, over in todo.items()}
+    waiting, running, codes = list(todo), {}, {}
+    while waiting or running:
+        while waiting and sum(need[n] for n in running) + need[waiting[0]] <= budget:
+            name = waiting.pop(0)
+            running[name] = start(name, todo[name])
+        for name, proc in list(running.items()):
+            if proc.poll() is not None:
+                codes[name] = running.pop(name).returncode
+            elif time.time() > deadline:
+                proc.kill()
+                codes[name] = running.pop(name).wait()
+        time.sleep(0.5)
+    return codes
+
+
+def _ended(proc: subprocess.Popen, timeout: float = 600) -> int:
+    """Its exit code; killed (and said so by the code) when it outlasts `timeout`."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[Path, int]]:
-    """Every case started at once; then the second half of the split run (it resumes).
-    {name: (run dir, exit code)}."""
+    """The cases started together as far as the GPUs' memory holds them (an out-of-memory
+    run because the GPU is shared would say nothing about the recipe); then, each alone on
+    the GPUs, the second half of the split run (it resumes) and the timed cases (fp8 against
+    bf16), whose speed is what they measure. {name: (run dir, exit code)}."""
     root = tmp_path_factory.mktemp("gpu")
     todo = cases()
-    procs = {name: (root / name, _start(root / name, over)) for name, over in todo.items()}
-    out = {}
-    deadline = time.time() + 900
-    for name, (run, proc) in procs.items():
-        try:
-            out[name] = (run, proc.wait(timeout=max(1, deadline - time.time())))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out[name] = (run, proc.wait())
-    run = root / "ddp-first-half"  # the same command again, without stop_at: it resumes from step 4
-    proc = _start(run, [o for o in todo["ddp-first-half"] if o != "train.stop_at=4"], log=root / "ddp-resumed.log")
-    out["ddp-resumed"] = (run, proc.wait(timeout=600))
-    return out
+    alone = {name: todo.pop(name) for name in list(todo) if name.endswith("-long")}
+    budget = int(0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in range(GPUS)))
+    codes = schedule(todo, lambda name, over: _start(root / name, over), budget, time.time() + 900)
+    todo["ddp-resumed"] = [o for o in todo["ddp-first-half"] if o != "train.stop_at=4"]  # resumes from step 4
+    codes["ddp-resumed"] = _ended(_start(root / "ddp-first-half", todo["ddp-resumed"], log=root / "ddp-resumed.log"))
+    for name, over in alone.items():
+        codes[name] = _ended(_start(root / name, over))
+    return {name: (root / ("ddp-first-half" if name == "ddp-resumed" else name), code) for name, code in codes.items()}
 
 
 def finished(runs, name: str) -> Path:
