@@ -13,6 +13,7 @@ EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), the shell's 128 + 2: saved after the 
 
 PREEMPTED_MARKER = "preempted.json"
 HANG_MARKER = "hang.json"
+HANG_STACKS = "hang"  # folder: each rank's Python stacks (every thread) when its watchdog fires: rank<N>.txt
 COMM_TRACE = "comm_trace"  # folder: each rank's collective flight record on a hang (rank_<N>, torch's format)
 CHECKPOINT_FAILED_MARKER = "checkpoint_failed.json"
 OOM_MARKER = "oom.json"  # a rank ran out of memory: with train.oom_backoff the launcher backs off and relaunches

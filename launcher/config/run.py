@@ -65,6 +65,12 @@ class LoggerConfig:
     log_every: int = 10
     """Log every N steps. Each log reduces the loss across ranks and syncs the device:
     logging every step costs a little throughput."""
+    system_metrics_s: float = 15.0
+    """W&B's system monitor on rank 0's node samples every N seconds: per GPU its
+    utilisation, memory, power and temperature (NVML), and the node's CPU, memory, disk
+    and network, as W&B's system charts. It runs in W&B's own service process, not in the
+    training loop. 0 turns it off. Other nodes are not sampled (training metrics stay rank
+    0's alone); shorter intervals make larger run files."""
 
 
 @dataclass
@@ -170,6 +176,14 @@ class ClusterConfig:
     """Requeues one job may make (Slurm's own requeues after a node failure count too).
     Bounds a job that keeps being stopped; failures that are not preemptions are never
     requeued by the job (torchrun's max_restarts covers those within the job)."""
+    snapshot_code: bool = True
+    """`make submit` copies the project's code (launcher/, recipes/) into RUN_DIR/code and
+    the job imports it from there (PYTHONPATH, with PYTHONSAFEPATH so the working directory
+    does not win; Python 3.11+; cluster.env.PYTHONPATH follows it, the submitting shell's is
+    not used): a job requeued days later, or resubmitted by hand, runs the code it was
+    submitted with, whatever the checkout holds by then. false: the job imports
+    whatever the checkout holds when it starts (edits between submit and start, or between
+    requeues, change a running experiment)."""
 
 
 @dataclass

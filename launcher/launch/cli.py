@@ -19,7 +19,7 @@ from typing import NamedTuple
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from launcher import config as C, offline, runlock
+from launcher import config as C, offline, provenance, runlock
 from launcher.launch import fit, identity, plaintext, slurm
 from launcher.manifest import lock_folders, root_of
 from launcher.launch.commands import command_script, launch_argv, LaunchPlan, rank_env, sbatch_script, SLURM_STEPS
@@ -227,6 +227,7 @@ def launch_job(cfg: C.Config, run_dir: Path, plan: LaunchPlan, files: dict[str, 
         cfg = identity.settle(cfg, run_dir)
     cfg = wandb_reachable_or_offline(cfg, run_dir)
     argv_run, env = prepare_run(cfg, run_dir, plan, files)
+    provenance.write(run_dir, ["train", *overrides], cfg.cluster.node_rank)
     env = {**env, **runlock.for_ranks()}  # rank 0 finds the lock held by its own launch (not in command.sh)
     print(f"run directory: {run_dir}", flush=True)
     if choice is not None:
@@ -311,13 +312,14 @@ def run_node(cfg: C.Config, run_dir: Path, argv: list[str], env: dict[str, str])
         return 1
 
 
-def slurm_plan(cfg: C.Config, host: HostInfo) -> LaunchPlan:
-    """A job's plan: ranks per node from the nodes it asks for; threads from its CPUs."""
+def slurm_plan(cfg: C.Config, host: HostInfo, code: str | None = None) -> LaunchPlan:
+    """A job's plan: ranks per node from the nodes it asks for; threads from its CPUs;
+    `code`: the copy of the project it imports (slurm.code_dir)."""
     nproc = C.nproc_per_node(cfg, host)
     c = cfg.cluster
     threads = c.cpu_threads or (max(1, c.cpus_per_task // nproc) if c.cpus_per_task else 1)
     return LaunchPlan(python=sys.executable, nproc_per_node=nproc, master_port=c.master_port or 0,
-                      threads_per_rank=threads, workdir=os.getcwd())
+                      threads_per_rank=threads, workdir=os.getcwd(), code=code)
 
 
 def cmd_submit(overrides: list[str], multirun: bool, dry_run: bool = False) -> int:
@@ -325,7 +327,8 @@ def cmd_submit(overrides: list[str], multirun: bool, dry_run: bool = False) -> i
     --dry-run prints the script and submits nothing."""
     jobs = compose_jobs("submit", overrides, multirun, dry_run)
     for cfg, run_dir, host, choice, ds in jobs:
-        script = sbatch_script(cfg, str(run_dir), slurm_plan(cfg, host))
+        code = slurm.code_dir(cfg, run_dir)
+        script = sbatch_script(cfg, str(run_dir), slurm_plan(cfg, host, code))
         if dry_run:
             print(script, end="")
             continue
@@ -337,6 +340,9 @@ def cmd_submit(overrides: list[str], multirun: bool, dry_run: bool = False) -> i
                 runlock.check_free(run_dir)
                 cfg = identity.settle(cfg, run_dir)  # the job's frozen config names its run
                 write_run_dir(cfg, run_dir, {slurm.SCRIPT: script}, run_files(cfg, slurm_plan(cfg, host), ds))
+                if code is not None:  # what the job (and every requeue of it) imports
+                    slurm.snapshot_code(run_dir)
+                provenance.write(run_dir, ["submit", *overrides], 0, code=Path(code) if code else None)
                 if choice is not None:  # recipe=auto / micro_batch=auto: what the planner chose, and why
                     (run_dir / "plan.json").write_text(choice)
                 job_id = slurm.submit(run_dir)

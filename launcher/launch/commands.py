@@ -25,6 +25,9 @@ class LaunchPlan:
     threads_per_rank: int
     workdir: str
     """Where the ranks start (the repository, so relative data paths still resolve)."""
+    code: str | None = None
+    """A Slurm job's copy of the project's code (RUN_DIR/code, cluster.snapshot_code): the
+    job imports it first (PYTHONPATH; PYTHONSAFEPATH keeps the working directory's out)."""
 
 
 class ShellExpr(str):
@@ -285,6 +288,8 @@ def sbatch_script(cfg: Config, run_dir: str, plan: LaunchPlan, template: str | N
     the user wrote and go in as they are."""
     c = cfg.cluster
     env = {**rank_env(cfg, plan, run_dir), "PYTHONUNBUFFERED": "1"}
+    if plan.code is not None:
+        env |= {"PYTHONPATH": ":".join(p for p in (plan.code, env.get("PYTHONPATH")) if p), "PYTHONSAFEPATH": "1"}
     port = str(c.master_port) if c.master_port is not None else "$((20000 + SLURM_JOB_ID % 20000))"
     values = {
         "title": f"Slurm job for the run directory {shlex.quote(run_dir)}",

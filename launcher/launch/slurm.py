@@ -56,6 +56,43 @@ def submit(run_dir: Path) -> str:
     return job_id
 
 
+CODE = "code"
+PACKAGES = ("launcher", "recipes")  # what a rank imports of the project
+
+
+def code_dir(cfg: C.Config, run_dir: Path) -> str | None:
+    """Where the job imports the project from (RUN_DIR/code), or None: cluster.snapshot_code
+    off, or a Python without PYTHONSAFEPATH (3.10), which says so in one line."""
+    import sys
+
+    if not cfg.cluster.snapshot_code:
+        return None
+    why = ("needs Python 3.11+ (PYTHONSAFEPATH)" if sys.version_info < (3, 11) else
+           "cannot name a run directory with ':' in PYTHONPATH" if ":" in str(run_dir) else None)
+    if why:
+        print(f"note: cluster.snapshot_code {why}; the job imports the checkout as it is when the job starts",
+              file=sys.stderr)
+        return None
+    return str(run_dir / CODE)
+
+
+def snapshot_code(run_dir: Path) -> Path:
+    """Copy the project's packages into RUN_DIR/code (a new copy replaces an earlier one
+    whole: written beside it, then renamed). Bytecode caches are left out."""
+    from launcher.provenance import PROJECT
+
+    dest, fresh, old = run_dir / CODE, run_dir / f".{CODE}.new", run_dir / f".{CODE}.old"
+    for leftover in (fresh, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    for name in PACKAGES:
+        shutil.copytree(PROJECT / name, fresh / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    if dest.exists():
+        dest.rename(old)
+    fresh.rename(dest)
+    shutil.rmtree(old, ignore_errors=True)
+    return dest
+
+
 def log_path(run_dir: Path, job_id: str) -> Path:
     """Where the job writes (#SBATCH --output=slurm-%j.out, relative to the run directory)."""
     return run_dir / f"slurm-{job_id}.out"

@@ -25,7 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import recipes
 from launcher import config as C
 from launcher.parallel import degrees as D
-from launcher import models, offline, runlock
+from launcher import models, offline, provenance, runlock
 from launcher.exits import COMM_TRACE
 from launcher.manifest import describe, lock_folders, manifest_step, root_of
 from launcher.rank.checkpoint import Checkpointer
@@ -161,6 +161,7 @@ def train(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemption: 
                 print(f"nothing to train: {start_from} is at step {manifest_step(start_from)} of "
                       f"train.steps={cfg.train.steps}; raise train.steps to train on", flush=True)
             return 0
+        provenance.record_hosts(run_dir, rank, world_size, preemption.group)  # which hosts, which code
         engine, startup = start(cfg, device, rank, world_size, local_rank, run_dir, started)
         accum = D.grad_accum(cfg, world_size)
         dp_size = D.data_parallel_size(cfg, world_size)

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from launcher import jsonout
+from launcher import jsonout, provenance
 from launcher.config import Config, LoggerKind, WandbMode, to_dict
 
 # The names users, dashboards and tests rely on. Keep them stable.
@@ -288,10 +288,13 @@ def _init_wandb(cfg: Config, run_dir: Path):
             id=run_id,
             resume="allow",
             dir=str(run_dir),
-            config=to_dict(cfg),
+            config={**to_dict(cfg), "provenance": provenance.for_wandb(run_dir)},
             mode=mode,
-            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True, disable_git=True,
-                                    save_code=False, x_save_requirements=False, init_timeout=WANDB_INIT_TIMEOUT_S),
+            settings=wandb.Settings(console="off", silent=True, disable_git=True, save_code=False,
+                                    x_save_requirements=False, init_timeout=WANDB_INIT_TIMEOUT_S,
+                                    # system metrics (GPUs by NVML): W&B's service samples them
+                                    x_disable_stats=cfg.logger.system_metrics_s <= 0,
+                                    x_stats_sampling_interval=max(cfg.logger.system_metrics_s, 0.1)),
         )
 
     mode = wandb_mode(cfg)

@@ -17,12 +17,16 @@ group is the one they wait for (stuck in a kernel, a host call, a deadlock of it
 and is named. Each rank whose watchdog fires writes its record to RUN_DIR/comm_trace/rank_N,
 the format of NCCL's own timeout dump, for torch's analyzer.
 
+Each rank whose watchdog fires writes every thread's Python stack to RUN_DIR/hang/rank<N>.txt
+first (faulthandler); rank 0 waits a few heartbeats for the others' and names them.
+
 The process-group timeout is set longer than the watchdog's (see launcher/rank/entry.py), so
 this message comes first; the collective's own timeout is the backstop.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -31,7 +35,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from launcher.exits import COMM_TRACE, EXIT_HANG, HANG_MARKER
+from launcher.exits import COMM_TRACE, EXIT_HANG, HANG_MARKER, HANG_STACKS
 
 
 class Watchdog:
@@ -110,6 +114,8 @@ class Watchdog:
         return out
 
     def _report_and_exit(self, stalled: float) -> None:
+        fired = time.time()
+        stacks = write_stacks(self.run_dir, self.rank)  # first: the job may end any moment now
         table = self._table()
         if self.rank in table:  # this rank's own counts, as of now
             table[self.rank]["collectives"] = collectives_entered()
@@ -117,16 +123,66 @@ class Watchdog:
         message = f"hang: no progress for {stalled:.0f}s (dist.timeout_s={self.timeout_s:g}) in step {self.step + 1}; {verdict['text']}"
         trace = write_flight_record(self.run_dir, self.rank)
         if self.rank == 0:
+            dumped = self._await_stacks(set(range(self.world_size)) - set(verdict["frozen"]), fired)
+            if stacks is not None:
+                message += (f"; Python stacks of rank(s) {', '.join(map(str, dumped))} in {stacks.parent}/rank<N>.txt"
+                            + (f" (none from the stopped rank(s) {', '.join(map(str, verdict['frozen']))})"
+                               if verdict["frozen"] else ""))
             print(message, file=sys.stderr, flush=True)
             try:
                 (self.run_dir / HANG_MARKER).write_text(json.dumps(
                     {"message": message, "step": self.step + 1, **{k: v for k, v in verdict.items() if k != "text"},
-                     "comm_trace": str(trace.parent) if trace else None}) + "\n")
+                     "comm_trace": str(trace.parent) if trace else None,
+                     "stacks": str(stacks.parent) if stacks else None}) + "\n")
             except OSError:
                 pass
         else:
             print(f"rank {self.rank}: {message}", file=sys.stderr, flush=True)
+            # Stay until rank 0 has reported (it waits for the stacks): leaving would close this
+            # rank's connections, and rank 0's collective would fail before its report is out.
+            deadline = time.monotonic() + 3 * self.interval + 5
+            while not _written_since(self.run_dir / HANG_MARKER, fired - 60) and time.monotonic() < deadline:
+                time.sleep(0.1)
         os._exit(EXIT_HANG)
+
+
+    def _await_stacks(self, running: set[int], fired: float) -> list[int]:
+        """Rank 0, before it ends the job: the ranks whose stacks are written for this hang,
+        waiting (a few heartbeats at most) for those of every rank whose process runs; their
+        watchdogs fire within a heartbeat of this one. A file from an earlier hang of the
+        run directory (before a resume) is older than that and not counted."""
+        deadline, since = time.monotonic() + 3 * self.interval + 2, fired - (3 * self.interval + 5)
+        folder = self.run_dir / HANG_STACKS
+        while True:
+            dumped = sorted(r for r in range(self.world_size) if _written_since(folder / f"rank{r}.txt", since))
+            if running <= set(dumped) or time.monotonic() > deadline:
+                return dumped
+            time.sleep(0.1)
+
+
+def _written_since(path: Path, since: float) -> bool:
+    try:
+        return path.stat().st_mtime >= since
+    except OSError:
+        return False
+
+
+def write_stacks(run_dir: Path, rank: int) -> Path | None:
+    """RUN_DIR/hang/rank<rank>.txt: every thread's Python stack of this process, by
+    faulthandler (it reads the frames from C, so a main thread inside a collective or a
+    kernel launch shows where it waits). Written whole, then renamed into place."""
+    try:
+        path = run_dir / HANG_STACKS / f"rank{rank}.txt"
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            f.write(f"rank {rank}, pid {os.getpid()}: the Python stack of every thread when the watchdog fired\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        os.replace(tmp, path)
+        return path
+    except OSError:  # a diagnosis aid: the hang report goes on without it
+        return None
 
 
 def diagnose(table: dict[int, dict], step: int, world_size: int, now: float, stale_s: float) -> dict:

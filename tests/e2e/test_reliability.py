@@ -201,6 +201,13 @@ def test_a_silent_rank_ends_the_job_with_a_message_naming_it(tmp_path):
     seq = {r: {e["collective_seq_id"] for e in d["entries"] if e["pg_id"] == 0} for r, d in records.items()}
     assert max(seq[0]) == top and max(seq[1]) == entered, (max(seq[0]), max(seq[1]))
     assert all(e["profiling_name"].startswith("gloo:") for d in records.values() for e in d["entries"])
+    # Every rank's Python stacks (faulthandler, from its watchdog thread), named in the message:
+    # rank 1's main thread in the injected sleep, rank 0's inside the step (its collective).
+    assert hang["stacks"] == str(run / "hang") and f"Python stacks of rank(s) 0, 1 in {run / 'hang'}/rank<N>.txt" in proc.stderr
+    stacks = {r: (run / "hang" / f"rank{r}.txt").read_text() for r in (0, 1)}
+    assert re.search(r'File ".*faults\.py", line \d+ in strike', stacks[1]), stacks[1]
+    assert "in train_step" in stacks[0] and "faults.py" not in stacks[0], stacks[0]
+    assert all("launcher-watchdog" in t or "_report_and_exit" in t for t in stacks.values())
     print(f"hang detected and job ended {elapsed:.0f}s after launch (dist.timeout_s=10)")
 
 
@@ -227,6 +234,8 @@ def test_a_frozen_rank_is_named_by_its_stopped_heartbeat(tmp_path):
     assert hang["silent"] == [1] and hang["frozen"] == [1], hang  # named by its heartbeat, not its step
     assert re.search(r"hang: no progress for \d+s \(dist\.timeout_s=12\) in step \d+; silent: rank\(s\) 1; .*"
                      r"rank 1 no heartbeat for \d+s \(process stopped or gone; last: ", err), err[-2000:]
+    assert "(none from the stopped rank(s) 1)" in err and not (run / "hang" / "rank1.txt").exists()
+    assert (run / "hang" / "rank0.txt").exists()
 
 
 # ----------------------------------------------------------------------------- 4. disks

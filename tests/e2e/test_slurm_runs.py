@@ -107,7 +107,10 @@ def test_submitted_job_runs_to_completion(recipe, slurm_cluster, tmp_path):
     assert wandb_file.run_info(runs[0])["id"] == (run_dir / "wandb_id").read_text().strip()
     assert [h["_step"] for h in wandb_file.history(runs[0])] == list(range(1, 13))
     assert created_by_injection(token, tmp_path, slurm_cluster.folder) == [], "a metacharacter was executed"
-    if recipe == "ddp":
+    if recipe == "ddp":  # the ranks imported the code copied at submit (cluster.snapshot_code), not the checkout
+        hosts = json.loads((run_dir / "provenance" / "hosts.jsonl").read_text())
+        assert Path(hosts["code"]) == run_dir / "code" and hosts["world"] == 2, hosts
+        assert json.loads((run_dir / "provenance.json").read_text())["argv"][0] == "submit"
         resubmit_a_finished_run_by_hand(slurm_cluster, run_dir)
 
 

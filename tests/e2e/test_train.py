@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,8 @@ def test_default_run_learns_logs_and_checkpoints(run_dir):
     """The default run (bf16, as a user gets it; the suite's other runs are fp32 unless
     they check a precision) for 60 steps: it learns, logs and checkpoints."""
     proc = launch("precision=bf16", "train.steps=60", "optim.warmup_steps=6", "logger.log_every=1",
-                  "logger.mode=offline", "checkpoint.every=30", "debug.final_digest=true", run_dir=run_dir)
+                  "logger.mode=offline", "logger.system_metrics_s=2", "checkpoint.every=30", "debug.final_digest=true",
+                  run_dir=run_dir)
     assert f"run directory: {run_dir}" in proc.stdout
 
     rows = read_metrics(run_dir)
@@ -74,6 +76,21 @@ def test_default_run_learns_logs_and_checkpoints(run_dir):
                                  startup["host_built_peak_bytes"]):
         assert peak >= built >= base > 0
     assert all(0 < s < 120 for s in startup["seconds"])
+    # Provenance: this launch's command, commit and packages; the ranks' hosts and the code
+    # they imported; the commit again in W&B's config.
+    rec = json.loads((run_dir / "provenance.json").read_text())
+    assert rec["argv"][0] == "train" and "train.steps=60" in rec["argv"] and rec["node_rank"] == 0
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    hosts = json.loads((run_dir / "provenance" / "hosts.jsonl").read_text())
+    if head.returncode == 0:  # a checkout (CI's clean clone is one); the ranks record the code they ran
+        assert rec["git"]["commit"] == hosts["git"]["commit"] == head.stdout.strip()
+    assert f"torch=={rec['versions']['torch']}" in (run_dir / rec["folder"] / "requirements.txt").read_text().split()
+    assert hosts["hosts"] == {socket.gethostname(): [0, 1]} and Path(hosts["code"]) == REPO
+    assert info["config"]["provenance"]["commit"] == rec["git"].get("commit")
+    assert info["config"]["provenance"]["rank_hosts"] == hosts["hosts"]
+    # W&B's system monitor sampled rank 0's node (on a GPU node also gpu.<i>.* per GPU).
+    samples = wandb_file.stats(runs[0])
+    assert len(samples) >= 2 and all("memory_percent" in s and "proc.memory.rssMB" in s for s in samples)
     in_wandb = wandb_file.summary(runs[0])
     assert in_wandb["startup/host_peak_bytes"] == max(startup["host_peak_bytes"])
     assert in_wandb["startup/seconds"] == max(startup["seconds"])
@@ -85,7 +102,7 @@ def test_resume_continues_bit_identically(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     launch(*common, run_dir=straight)
     # The split run also logs to W&B (offline): the resumed launch must continue that run.
-    wandb_on = ["logger=wandb", "logger.mode=offline"]
+    wandb_on = ["logger=wandb", "logger.mode=offline", "logger.system_metrics_s=0"]  # and no system monitor
     launch(*common, *wandb_on, "train.stop_at=10", run_dir=split)
     assert (split / "checkpoints" / "latest").read_text().splitlines()[0] == "step_00000010"
     assert not (split / "checkpoints" / "step_00000020").exists()
@@ -98,6 +115,7 @@ def test_resume_continues_bit_identically(tmp_path):
     runs = sorted((split / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 2 and len({wandb_file.run_info(r)["id"] for r in runs}) == 1, "resume started a new W&B run"
     assert [h["_step"] for h in wandb_file.history(runs[1])] == list(range(11, 21))
+    assert not any(wandb_file.stats(r) for r in runs), "logger.system_metrics_s=0 still sampled"
 
     assert_same_training(straight, split, 20)
     # Not asked for (debug.final_digest): the run ends without reading every weight.

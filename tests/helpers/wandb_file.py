@@ -95,3 +95,12 @@ def config(path: Path) -> dict:
         for item in items:
             out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
     return out
+
+
+def stats(path: Path) -> list[dict]:
+    """The system monitor's samples: {metric: value} per sample (W&B's system charts)."""
+    rows = []
+    for rec in records(path):
+        if rec.WhichOneof("record_type") == "stats":
+            rows.append({item.key: json.loads(item.value_json) for item in rec.stats.item})
+    return rows

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from runs import FAST, REPO
 from launcher.launch import cli
@@ -19,6 +20,12 @@ JOB = ["cluster.nproc_per_node=2", "cluster.cpus_per_task=2", *FAST]
 
 
 # ----------------------------------------------------------------------------- no cluster
+# The golden scripts import the job's snapshot of the code (cluster.snapshot_code) through
+# PYTHONSAFEPATH, which Python 3.10 lacks: there the script goes without those two lines.
+SNAPSHOT = pytest.mark.skipif(sys.version_info < (3, 11), reason="the goldens hold the snapshot's PYTHONSAFEPATH (3.11+)")
+
+
+@SNAPSHOT
 def test_dry_run_prints_the_script_and_submits_nothing(capsys, monkeypatch):
     """The 4-node job of the README, as `make submit ... --dry-run` prints it."""
     monkeypatch.chdir(REPO)
@@ -36,6 +43,7 @@ def test_dry_run_prints_the_script_and_submits_nothing(capsys, monkeypatch):
     assert subprocess.run(["bash", "-n"], input=out, text=True).returncode == 0, "the script is not valid bash"
 
 
+@SNAPSHOT
 def test_the_rehearsed_405b_layout_renders_as_a_64_node_job(capsys, monkeypatch):
     """The 405B layout scripts/rehearse_matrix.py rehearses at 512 ranks (docs/memory.md 5),
     pp=16 x tp=8 x fsdp, submitted: 64 nodes of 8 GPUs, one torchrun agent a node, the c10d rendezvous (the
