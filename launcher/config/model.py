@@ -87,6 +87,11 @@ class DataConfig:
     """memmap: path to the token file."""
     dtype: TokenDtype = TokenDtype.uint16
     """memmap: token width in the file (uint16 covers vocabularies up to 65536)."""
+    val_path: Optional[str] = None
+    """memmap: a token file of its own (same dtype) for train.eval_every's validation."""
+    val_fraction: float = 0.0
+    """memmap, hf_text: the last fraction of the token windows held out from training for
+    validation (0: none; up to 0.5). Changes which windows train: set it from the start."""
     num_workers: Optional[int] = None
     """DataLoader worker processes per rank (null: 2 on CUDA, 0 on CPU where the cores
     are busy with the ranks). Workers hide data time but cost CPU and memory."""

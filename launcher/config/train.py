@@ -88,6 +88,16 @@ class TrainConfig:
     null = run to train.steps."""
     seed: int = 1234
     """Seeds model init and every RNG; the same seed gives the same run on CPU."""
+    eval_every: int = 0
+    """Every N steps (and at the last), every rank evaluates the loss on held-out data
+    (synthetic: samples the training never draws; memmap: data.val_path, or the held-out
+    data.val_fraction of the file) and rank 0 logs val/loss and val/perplexity. 0: never.
+    Each evaluation costs a forward pass over train.eval_samples, no backward."""
+    eval_samples: int = 64
+    """Held-out samples per evaluation, split over the data-parallel ranks in micro-batches:
+    always the same samples, whatever the ranks, so evaluations compare across steps,
+    restarts and layouts. More: a steadier estimate, a longer pause. A multiple of
+    micro_batch x data-parallel size (x grad_accum under a pipeline)."""
     activation_checkpointing: ACMode = ACMode.none
     """none: keep all activations. full: recompute every block in backward (about a third
     more compute, activations shrink to one tensor per block). selective: recompute every

@@ -105,11 +105,17 @@ class TokenFile(Dataset):
     seq_len + 1 tokens: the file is cut into non-overlapping windows, and each epoch
     visits them in a fresh order seeded by (seed, epoch)."""
 
-    def __init__(self, cfg: DataConfig, seq_len: int, seed: int):
+    def __init__(self, cfg: DataConfig, seq_len: int, seed: int, path: str | None = None):
         dtype = np.uint16 if cfg.dtype == TokenDtype.uint16 else np.uint32
-        self.tokens = np.memmap(cfg.path, dtype=dtype, mode="r")
+        self.tokens = np.memmap(path or cfg.path, dtype=dtype, mode="r")
         self.seq_len, self.seed = seq_len, seed
-        self.windows = (len(self.tokens) - 1) // seq_len
+        windows = (len(self.tokens) - 1) // seq_len
+        # data.val_fraction: the last windows are validation's (held_out), never trained on
+        self.held_out = math.ceil(windows * cfg.val_fraction - 1e-9) if path is None else 0
+        self.windows = windows - self.held_out
+        if self.windows < 1:
+            raise ValueError(f"{path or cfg.path}: {windows} window(s) of train.seq_len={seq_len} tokens, "
+                             f"{self.held_out} held out by data.val_fraction={cfg.val_fraction}: none left to train on")
         self._epoch, self._order = -1, None
 
     def _window(self, idx: int) -> int:
@@ -128,6 +134,35 @@ class TokenFile(Dataset):
 
     def __getitems__(self, indices: list[int]) -> torch.Tensor:
         return torch.stack([self[i] for i in indices])
+
+
+class Held(Dataset):
+    """Validation samples: sample i is window `first + i % count` of a token file, in file
+    order (the same windows every evaluation), or a synthetic source's sample 2**61 + i,
+    an index training never reaches."""
+
+    def __init__(self, source: Dataset, first: int = 0, count: int | None = None):
+        self.source, self.first, self.count = source, first, count
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def __getitems__(self, indices: list[int]) -> torch.Tensor:
+        if isinstance(self.source, MarkovSource):
+            return self.source.__getitems__([2**61 + i for i in indices])
+        n, src = self.source.seq_len, self.source
+        return torch.stack([torch.from_numpy(src.tokens[(self.first + i % self.count) * n:][:n + 1].astype(np.int64))
+                            for i in indices])
+
+
+def build_val_dataset(cfg: Config, train: Dataset, run_dir: Path | None = None) -> Dataset:
+    """train.eval_every's held-out samples, beside the training set `train`."""
+    if isinstance(train, MarkovSource):
+        return Held(train)
+    if cfg.data.val_path:
+        own = TokenFile(cfg.data, cfg.train.seq_len, cfg.train.seed, path=cfg.data.val_path)
+        return Held(own, 0, own.windows)
+    return Held(train, train.windows, train.held_out)
 
 
 class StepSampler(Sampler[list[int]]):

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from launcher.config import (Backend, Config, ConfigError, DataKind, ModelKind, OffloadDevice, PPSchedule, Precision, Runner, Scheduler, TokenDtype, ffn_dim, nproc_per_node, pipeline_stages)
+from launcher.launch.held_out import validate_evaluation
 from launcher.launch.levers import validate_context_parallel, validate_levers
 from launcher.parallel.degrees import data_parallel_size, grad_accum
 
@@ -178,6 +179,7 @@ def validate(cfg: Config, host) -> list[str]:
         raise ConfigError("train.global_batch", t.global_batch,
                           f"must be a multiple of micro_batch({t.micro_batch}) x data-parallel size({dp}) = {t.micro_batch * dp}")
     validate_pipeline_batch(cfg, world)
+    validate_evaluation(cfg, dp, grad_accum(cfg, world))
     return notes
 
 

@@ -89,6 +89,9 @@ class Engine(Protocol):
 
     def train_step(self, micro_batches: list[Batch]) -> StepResult: ...
 
+    def eval_step(self, micro_batches: list[Batch]) -> StepResult:
+        """The loss alone, no update (train.eval_every; engine.evaluate for most engines)."""
+
     def state_bytes(self) -> MemoryBreakdown: ...
 
     def lr(self) -> float: ...
@@ -144,6 +147,24 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def evaluate(model: nn.Module, micro_batches: list[Batch], device: torch.device, dtype: torch.dtype | None,
+             loss_owner: bool = True) -> StepResult:
+    """train.eval_every: the mean loss over `micro_batches`, forward only (no gradients, the
+    model in eval mode), in the training's autocast; an engine's eval_step for a model that
+    takes (inputs, targets) and returns the loss. Sharded and replicated models alike:
+    every rank runs it, as the forward's collectives need."""
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), autocast(device, dtype):
+            total = torch.zeros((), device=device)
+            for x, y in micro_batches:
+                total += model(x, y).detach().float()
+    finally:
+        model.train(was)
+    return StepResult(loss=total / len(micro_batches), grad_norm=torch.zeros((), device=device), loss_owner=loss_owner)
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:

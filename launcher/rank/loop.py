@@ -7,6 +7,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -24,14 +25,15 @@ from launcher.rank import backoff
 from launcher.rank.checkpoint import Checkpointer
 from launcher.config import Config, FaultPoint
 from launcher.data.read import build_loader, loss_floor
-from launcher.device import host_values, memory_stats, peak_flops, reset_peak_memory
-from launcher.rank.engine import local_shard
+from launcher.device import host_values, memory_stats, peak_flops, reset_peak_memory, synchronize
+from launcher.rank.engine import StepResult, local_shard
 from launcher.planner.memory import ActivationCounter
 from launcher.rank.metrics import RankZeroLogger, Throughput
 from launcher.exits import CHECKPOINT_FAILED_MARKER, EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
 from launcher.rank.faults import strike
 from launcher.rank.preempt import Preemption
 from launcher.rank.profiler import StepProfiler
+from launcher.rank.validation import held_out_batches, held_out_loss
 from launcher.rank.watchdog import Watchdog
 
 
@@ -88,6 +90,7 @@ def run(job: Job) -> int:
 
     loader = build_loader(cfg, job.dataset, samples_seen, global_batch, job.dp_rank, job.dp_size, device)
     batches = iter(loader)
+    held_out = held_out_batches(job, cp, cp_rank) if cfg.train.eval_every else []
     peak, guessed = peak_flops(device, job.compute_dtype, cfg.cluster.peak_tflops)
     if guessed:
         log.print(guessed)
@@ -161,20 +164,29 @@ def run(job: Job) -> int:
         meter.steps += 1
         watchdog.progress(step)
 
-        if step % cfg.logger.log_every == 0 or step == last:
-            # Mean over data-parallel slices: one rank per slice contributes its loss (each of
-            # a cp group its positions' mean: equal counts, so their mean is the slice's).
-            loss = result.loss.detach().clone() if result.loss_owner else torch.zeros((), device=device)
-            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        val = None  # train.eval_every: the held-out loss, on every rank (its forwards may hold collectives)
+        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == last):
+            synchronize(device)  # the step's kernels end before the evaluation's clock starts
+            t_eval = time.perf_counter()
+            with watchdog.paused():  # a large train.eval_samples may outlast dist.timeout_s
+                val = reduced_loss(held_out_loss(job, held_out), device)
+                synchronize(device)
+            meter.start += time.perf_counter() - t_eval  # out of the step times
+        if step % cfg.logger.log_every == 0 or step == last or val is not None:
+            loss = reduced_loss(result, device)
             scaled = result.loss_scale is not None
             # One host synchronisation for every scalar, before the rates (it waits for the device).
-            read = host_values(device, loss, result.grad_norm, *((result.loss_scale, skipped_steps) if scaled else ()))
+            read = host_values(device, loss, result.grad_norm, *((result.loss_scale, skipped_steps) if scaled else ()),
+                               *((val,) if val is not None else ()))
             metrics = {"step": step, "loss": read[0] / (job.dp_size * cp), "lr": engine.lr(),
                        "grad_norm": read[1], **meter.rates(), **memory_stats(device),
                        **engine.state_bytes().as_metrics(), **measured}
             if scaled:
                 metrics["loss_scale"] = read[2]
                 metrics["skipped_steps"] = int(read[3])
+            if val is not None:
+                metrics["val/loss"] = read[-1] / (job.dp_size * cp)
+                metrics["val/perplexity"] = math.exp(min(metrics["val/loss"], 700.0))
             log.log(metrics)
 
         if ckpt.saver is not None and not settle(ckpt, watchdog, job, log, block=False):
@@ -216,6 +228,15 @@ def run(job: Job) -> int:
     # After Ctrl-C the ranks end as if done (exit 0): torchrun neither restarts them nor
     # reports a failure; the launcher reads preempted.json and exits 130.
     return EXIT_PREEMPTED if preempted and not job.preemption.interrupted else 0
+
+
+def reduced_loss(result: StepResult, device: torch.device) -> torch.Tensor:
+    """The sum over ranks of the owners' losses (one rank per data-parallel slice owns its
+    slice's loss; each of a cp group its positions' mean: equal counts, so their mean is
+    the slice's); the caller divides by the slices. A collective: every rank calls it."""
+    loss = result.loss.detach().clone() if result.loss_owner else torch.zeros((), device=device)
+    dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+    return loss
 
 
 def save(ckpt: Checkpointer, step: int, samples_seen: int, engine, watchdog: Watchdog, job: Job,
@@ -342,6 +363,9 @@ def summarize(job: Job, history: list[dict], steps_run: int, digest: bool = Fals
         out["startup"] = {key: [s[key] for s in startups] for key in startups[0]}
     if skipped_steps is not None:  # fp16: steps of this launch the loss scaler skipped on overflow
         out["skipped_steps"] = skipped_steps
+    evaluated = [h for h in history if "val/loss" in h]
+    if evaluated:  # train.eval_every: the last evaluation's
+        out["val_loss"], out["val_step"] = evaluated[-1]["val/loss"], evaluated[-1]["step"]
     if history and "mem/activation_bytes" in history[-1]:
         out["activation_bytes"] = history[-1]["mem/activation_bytes"]
     return out

@@ -137,7 +137,8 @@ class RankZeroLogger:
         line = (f"step {metrics['step']:>6}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  "
                 f"gnorm {metrics['grad_norm']:.3f}  {metrics['tokens_per_s']:,.0f} tok/s  "
                 f"mfu {100 * metrics['mfu']:.1f}%  peak {metrics['mem/peak_bytes'] / 2**20:,.0f} MiB"
-                + (f"  skipped {metrics['skipped_steps']} (fp16 overflow)" if metrics.get("skipped_steps") else ""))
+                + (f"  skipped {metrics['skipped_steps']} (fp16 overflow)" if metrics.get("skipped_steps") else "")
+                + (f"  val {metrics['val/loss']:.4f}" if "val/loss" in metrics else ""))
         if self.progress is not None:
             self.progress.update(self.task, completed=metrics["step"], info=f"loss {metrics['loss']:.4f}")
             self.progress.console.print(line, markup=False)

@@ -17,7 +17,7 @@ from launcher import models
 from launcher.parallel import degrees as D
 from launcher.device import autocast_dtype
 from launcher.rank.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
-                                  optimizer_state_bytes, tensor_bytes)
+                                  evaluate, optimizer_state_bytes, tensor_bytes)
 
 
 def no_buffer_sync() -> dict:
@@ -107,6 +107,9 @@ class DDPEngine:
         self.model = None  # the old reducer's buckets go before the new one's are made
         gc.collect()
         self.model = self._wrap()
+
+    def eval_step(self, micro_batches) -> StepResult:
+        return evaluate(self.model, micro_batches, self.device, self.dtype)
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]

@@ -18,7 +18,7 @@ from launcher import models
 from launcher.device import autocast_dtype
 from launcher.models import model_layout
 from launcher.rank.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
-                                  optimizer_state_bytes, tensor_bytes)
+                                  evaluate, optimizer_state_bytes, tensor_bytes)
 from launcher.parallel.mesh import allreduce_grads, build_mesh, clip_grad_norm, parallelize, match_grad_layouts
 
 
@@ -69,6 +69,9 @@ class ShardedEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return StepResult(loss=total / n, grad_norm=grad_norm, loss_owner=self.loss_owner)
+
+    def eval_step(self, micro_batches) -> StepResult:
+        return evaluate(self.model, micro_batches, self.device, self.dtype, self.loss_owner)
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]

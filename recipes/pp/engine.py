@@ -126,6 +126,22 @@ class PipelineEngine:
         loss = torch.stack([v.detach() for v in losses]).mean() if self.last else torch.zeros((), device=self.device)
         return StepResult(loss=loss, grad_norm=grad_norm, loss_owner=self.loss_owner)
 
+    def eval_step(self, micro_batches) -> StepResult:
+        """The schedule's forward-only pass (PipelineSchedule.eval) over the whole batch."""
+        x = torch.cat([mb[0] for mb in micro_batches])
+        y = torch.cat([mb[1] for mb in micro_batches])
+        losses: list[torch.Tensor] = []
+        self.model.eval()
+        try:
+            with torch.no_grad(), autocast(self.device, self.dtype):
+                self.schedule.eval(*((x,) if self.first else ()),
+                                   **({"target": y, "losses": losses} if self.last else {}))
+        finally:
+            self.model.train()
+        zero = torch.zeros((), device=self.device)
+        loss = torch.stack([v.detach().float() for v in losses]).mean() if self.last else zero
+        return StepResult(loss=loss, grad_norm=zero, loss_owner=self.loss_owner)
+
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from launcher.parallel import ds_config
 from launcher import models
-from launcher.rank.engine import BuildContext, MemoryBreakdown, StepResult, build_scheduler, param_groups
+from launcher.rank.engine import BuildContext, MemoryBreakdown, StepResult, build_scheduler, evaluate, param_groups
 from launcher.planner.memory import zero_states
 from launcher.untrusted import weights_only_loads
 from recipes.zero import import_deepspeed
@@ -122,6 +122,10 @@ class ZeroEngine:
         """Stage 0: the gradients are whole and already averaged after the last backward."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+    def eval_step(self, micro_batches) -> StepResult:
+        # DeepSpeed's engine casts and gathers (ZeRO-3) as in training; no autocast around it
+        return evaluate(self.engine, micro_batches, self.device, None)
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
