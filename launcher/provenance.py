@@ -78,7 +78,8 @@ def installed() -> list[str]:
 
 
 def versions() -> dict:
-    """Python, the key packages, and CUDA/NCCL as the torch this launcher runs reports them."""
+    """Python, the key packages and torch's CUDA build, read without importing them (the
+    ranks add NCCL's version from the torch they import: rank_versions)."""
     out = {"python": platform.python_version()}
     for name in KEY_PACKAGES:
         try:

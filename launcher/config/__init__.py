@@ -31,8 +31,8 @@ from launcher.config.run import (CheckpointConfig, ClusterConfig, DebugConfig, E
                                  ProfileConfig)
 from launcher.config.root import (Config, GROUPS, RETIRED, load_frozen, read_frozen, register_configs, to_dict,
                                   to_typed, to_yaml, write_frozen)
-from launcher.config.derived import (block_matmul_params, ffn_dim, loss_chunks, lr_factor, matmul_params, nproc_per_node,
-                                     num_params, pipeline_stages, sliceable_loss)
+from launcher.config.derived import (block_matmul_params, ffn_dim, held_out_windows, loss_chunks, lr_factor, matmul_params,
+                                     nproc_per_node, num_params, pipeline_stages, sliceable_loss)
 
 __all__ = [
     "ACMode", "Backend", "ConfigError", "DataKind", "ExportDtype", "ExportFormat", "FaultPoint", "HFAttention",
@@ -42,5 +42,5 @@ __all__ = [
     "TrainConfig", "CheckpointConfig", "ClusterConfig", "DebugConfig", "ExportConfig", "LoggerConfig", "PlanConfig",
     "ProfileConfig", "Config", "GROUPS", "RETIRED", "read_frozen", "load_frozen", "register_configs", "to_dict",
     "to_typed", "to_yaml", "write_frozen", "ffn_dim", "block_matmul_params", "matmul_params", "num_params", "lr_factor", "nproc_per_node",
-    "pipeline_stages", "loss_chunks", "sliceable_loss",
+    "pipeline_stages", "loss_chunks", "sliceable_loss", "held_out_windows",
 ]

@@ -55,6 +55,12 @@ def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def held_out_windows(windows: int, fraction: float) -> int:
+    """data.val_fraction: how many of a token file's `windows` (its last ones) validation
+    holds out of training; the launch side's check and the ranks' TokenFile both count so."""
+    return math.ceil(windows * fraction - 1e-9)  # not 4 of 30 x 0.1 by float error
+
+
 def pipeline_stages(p: ParallelConfig) -> int:
     """Pipeline stages in all: pp, times the stages per rank of an interleaved schedule."""
     return p.pp * (p.pp_virtual_stages if p.pp_schedule == PPSchedule["interleaved_1f1b"] else 1)

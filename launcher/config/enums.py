@@ -60,6 +60,11 @@ class TokenDtype(str, enum.Enum):
     uint16 = "uint16"
     uint32 = "uint32"
 
+    @property
+    def width(self) -> int:
+        """Bytes per token in the file."""
+        return 2 if self == TokenDtype.uint16 else 4
+
 
 class LoggerKind(str, enum.Enum):
     wandb = "wandb"

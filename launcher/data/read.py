@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from launcher.config import Config, DataConfig, DataKind, TokenDtype
+from launcher.config import Config, DataConfig, DataKind, TokenDtype, held_out_windows
 
 
 class MarkovSource(Dataset):
@@ -106,12 +106,11 @@ class TokenFile(Dataset):
     visits them in a fresh order seeded by (seed, epoch)."""
 
     def __init__(self, cfg: DataConfig, seq_len: int, seed: int, path: str | None = None):
-        dtype = np.uint16 if cfg.dtype == TokenDtype.uint16 else np.uint32
-        self.tokens = np.memmap(path or cfg.path, dtype=dtype, mode="r")
+        self.tokens = np.memmap(path or cfg.path, dtype=_np_dtype(cfg.dtype), mode="r")
         self.seq_len, self.seed = seq_len, seed
         windows = (len(self.tokens) - 1) // seq_len
         # data.val_fraction: the last windows are validation's (held_out), never trained on
-        self.held_out = math.ceil(windows * cfg.val_fraction - 1e-9) if path is None else 0
+        self.held_out = held_out_windows(windows, cfg.val_fraction) if path is None else 0
         self.windows = windows - self.held_out
         if self.windows < 1:
             raise ValueError(f"{path or cfg.path}: {windows} window(s) of train.seq_len={seq_len} tokens, "
@@ -129,7 +128,11 @@ class TokenFile(Dataset):
         return 2**62
 
     def __getitem__(self, idx: int) -> torch.Tensor:
-        start = self._window(idx) * self.seq_len
+        return self.window(self._window(idx))
+
+    def window(self, w: int) -> torch.Tensor:
+        """Window w of the file, in file order: its seq_len + 1 tokens."""
+        start = w * self.seq_len
         return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
 
     def __getitems__(self, indices: list[int]) -> torch.Tensor:
@@ -150,9 +153,7 @@ class Held(Dataset):
     def __getitems__(self, indices: list[int]) -> torch.Tensor:
         if isinstance(self.source, MarkovSource):
             return self.source.__getitems__([2**61 + i for i in indices])
-        n, src = self.source.seq_len, self.source
-        return torch.stack([torch.from_numpy(src.tokens[(self.first + i % self.count) * n:][:n + 1].astype(np.int64))
-                            for i in indices])
+        return torch.stack([self.source.window(self.first + i % self.count) for i in indices])
 
 
 def build_val_dataset(cfg: Config, train: Dataset, run_dir: Path | None = None) -> Dataset:
@@ -224,4 +225,8 @@ def loss_floor(cfg: Config) -> float | None:
 
 def write_tokens(tokens: np.ndarray, path: Path, dtype: TokenDtype = TokenDtype.uint16) -> None:
     """Write a flat token file that TokenFile reads (used by scripts/prepare_data.py)."""
-    np.asarray(tokens, dtype=np.uint16 if dtype == TokenDtype.uint16 else np.uint32).tofile(path)
+    np.asarray(tokens, dtype=_np_dtype(dtype)).tofile(path)
+
+
+def _np_dtype(dtype: TokenDtype):
+    return np.uint16 if dtype == TokenDtype.uint16 else np.uint32

@@ -4,10 +4,21 @@ are some."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-from launcher.config import Config, ConfigError, DataKind, TokenDtype
+from launcher.config import Config, ConfigError, DataKind, TokenDtype, held_out_windows
+
+
+def token_windows(key: str, path: str, dtype: TokenDtype, seq_len: int) -> int:
+    """A token file's windows of seq_len + 1 tokens (data.path, data.val_path alike);
+    refused when the file is missing or shorter than one window."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(key, path, "no such file")
+    tokens = p.stat().st_size // dtype.width
+    if tokens < seq_len + 1:
+        raise ConfigError(key, path, f"holds {tokens} tokens; train.seq_len={seq_len} needs at least {seq_len + 1}")
+    return (tokens - 1) // seq_len
 
 
 def validate_evaluation(cfg: Config, dp: int, grad_accum: int) -> None:
@@ -30,16 +41,10 @@ def validate_evaluation(cfg: Config, dp: int, grad_accum: int) -> None:
         raise ConfigError("data.val_fraction", d.val_fraction, "data.val_path names the held-out data already: "
                           "use one of them (data.val_fraction=0)")
     if d.val_path is not None:
-        p = Path(d.val_path)
-        if not p.is_file():
-            raise ConfigError("data.val_path", d.val_path, "no such file")
-        tokens = p.stat().st_size // (2 if d.dtype == TokenDtype.uint16 else 4)
-        if tokens < t.seq_len + 1:
-            raise ConfigError("data.val_path", d.val_path,
-                              f"holds {tokens} tokens; train.seq_len={t.seq_len} needs at least {t.seq_len + 1}")
-    if d.val_fraction and d.name == DataKind.memmap and d.path and Path(d.path).is_file():
-        windows = (Path(d.path).stat().st_size // (2 if d.dtype == TokenDtype.uint16 else 4) - 1) // t.seq_len
-        if windows - math.ceil(windows * d.val_fraction - 1e-9) < 1:  # as launcher/data/read.py::TokenFile
+        token_windows("data.val_path", d.val_path, d.dtype, t.seq_len)
+    if d.val_fraction and d.name == DataKind.memmap:  # data.path itself was checked before
+        windows = token_windows("data.path", d.path, d.dtype, t.seq_len)
+        if windows - held_out_windows(windows, d.val_fraction) < 1:
             raise ConfigError("data.val_fraction", d.val_fraction, f"leaves no training window of the file's {windows}")
     if t.eval_every and d.name != DataKind.synthetic and d.val_path is None and not d.val_fraction:
         raise ConfigError("train.eval_every", t.eval_every, f"data={d.name.value} needs held-out data: "

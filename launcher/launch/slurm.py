@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from launcher import config as C
@@ -63,8 +64,6 @@ PACKAGES = ("launcher", "recipes")  # what a rank imports of the project
 def code_dir(cfg: C.Config, run_dir: Path) -> str | None:
     """Where the job imports the project from (RUN_DIR/code), or None: cluster.snapshot_code
     off, or a Python without PYTHONSAFEPATH (3.10), which says so in one line."""
-    import sys
-
     if not cfg.cluster.snapshot_code:
         return None
     why = ("needs Python 3.11+ (PYTHONSAFEPATH)" if sys.version_info < (3, 11) else

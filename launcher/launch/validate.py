@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from launcher.config import (Backend, Config, ConfigError, DataKind, ModelKind, OffloadDevice, PPSchedule, Precision, Runner, Scheduler, TokenDtype, ffn_dim, nproc_per_node, pipeline_stages)
-from launcher.launch.held_out import validate_evaluation
+from launcher.launch.held_out import token_windows, validate_evaluation
 from launcher.launch.levers import validate_context_parallel, validate_levers
 from launcher.parallel.degrees import data_parallel_size, grad_accum
 
@@ -67,14 +67,7 @@ def validate(cfg: Config, host) -> list[str]:
     elif d.name == DataKind.memmap:
         if not d.path:
             raise ConfigError("data.path", d.path, "missing: data=memmap needs a token file (scripts/prepare_data.py makes one)")
-        p = Path(d.path)
-        if not p.is_file():
-            raise ConfigError("data.path", d.path, "no such file")
-        width = 2 if d.dtype == TokenDtype.uint16 else 4
-        n_tokens = p.stat().st_size // width
-        if n_tokens < t.seq_len + 1:
-            raise ConfigError("data.path", d.path,
-                              f"holds {n_tokens} tokens; train.seq_len={t.seq_len} needs at least {t.seq_len + 1}")
+        token_windows("data.path", d.path, d.dtype, t.seq_len)
         if d.dtype == TokenDtype.uint16 and d.vocab_size > 65536:
             raise ConfigError("data.vocab_size", d.vocab_size, "uint16 tokens allow at most 65536")
     elif d.name == DataKind.hf_text:
