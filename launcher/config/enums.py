@@ -154,6 +154,11 @@ class FaultPoint(str, enum.Enum):
     hang_in_step = "hang_in_step"
     """The rank sleeps forever inside step `fault_step`, batch in hand, before its first
     collective: the others wait inside one (a rank stuck in a kernel or a host call)."""
+    nan_loss = "nan_loss"
+    """(Not `nan`: YAML reads that as a float.) The rank's loss becomes NaN (its model's output times NaN) at steps fault_step to
+    fault_step + fault_steps - 1: the gradients, all-reduced, are NaN on every rank."""
+    spike = "spike"
+    """The rank's loss (or, on a pipeline's last stage, its logits) x 1000 at those steps."""
     oom = "oom"
     """The rank raises torch.OutOfMemoryError at the end of its first forward of step
     `fault_step` (where the logits are made), once per run directory: the back-off's

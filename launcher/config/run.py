@@ -196,6 +196,8 @@ class DebugConfig:
     """The step at (or during whose checkpoint save) the fault strikes."""
     fault_rank: int = 0
     """The global rank it strikes."""
+    fault_steps: int = 1
+    """nan, spike: the steps in a row it strikes, from fault_step."""
     async_save_delay_s: float = 0.0
     """checkpoint.async_save: each rank's writer thread waits this long before it writes,
     while training goes on (a staged copy that still shared the live tensors would then be

@@ -98,6 +98,21 @@ class TrainConfig:
     always the same samples, whatever the ranks, so evaluations compare across steps,
     restarts and layouts. More: a steadier estimate, a longer pause. A multiple of
     micro_batch x data-parallel size (x grad_accum under a pipeline)."""
+    max_bad_steps: int = 0
+    """The loss guard (0: off). On, a step whose gradient norm or loss is not finite, or
+    (train.spike_factor) whose loss jumps, is skipped: no optimizer update; the step number,
+    the learning-rate schedule and the data go on. Each skip is one console line and counts
+    in guard/skipped_steps. After this many bad steps in a row the weights and optimizer
+    state go back to the newest checkpoint (guard/rollbacks), the data position goes on:
+    the batches since that checkpoint are not seen again. A run with no checkpoint to go
+    back to, or sent back to the same one 3 times in a row, stops (exit 1). Costs one host
+    read of two scalars a step (a device sync; a collective too with spike_factor)."""
+    spike_factor: float = 0.0
+    """With the guard: a step whose loss (the mean over ranks) is above this x the mean of
+    the last 32 applied steps' losses is bad (checked once 8 are in). 0: only non-finite
+    steps are bad. Lower catches milder spikes and risks skipping an honest jump (a new
+    data source); 2-5 is typical. fp16: non-finite steps are the loss scaler's (it skips
+    and lowers its scale), not counted by the guard."""
     activation_checkpointing: ACMode = ACMode.none
     """none: keep all activations. full: recompute every block in backward (about a third
     more compute, activations shrink to one tensor per block). selective: recompute every

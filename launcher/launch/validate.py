@@ -44,6 +44,12 @@ def validate(cfg: Config, host) -> list[str]:
         _positive("train.global_batch", t.global_batch)
     if t.stop_at is not None and not 1 <= t.stop_at <= t.steps:
         raise ConfigError("train.stop_at", t.stop_at, f"must be in [1, train.steps={t.steps}] (or null)")
+    if t.max_bad_steps < 0:
+        raise ConfigError("train.max_bad_steps", t.max_bad_steps, "must be >= 0 (0: the loss guard off)")
+    if t.spike_factor and not (t.spike_factor > 1 and t.max_bad_steps):
+        raise ConfigError("train.spike_factor", t.spike_factor, "must be 0 (off) or > 1, with the loss guard on "
+                          "(train.max_bad_steps >= 1)")
+    _positive("debug.fault_steps", cfg.debug.fault_steps)
     if m.kind == ModelKind.hf:
         validate_hf_model(cfg)
     else:

@@ -1,8 +1,10 @@
-"""Fault injection for the reliability tests (`debug.fault`): a real SIGKILL, or a real
-endless sleep, at a named point on one rank at one step. A no-op unless configured."""
+"""Fault injection for the reliability tests (`debug.fault`): a real SIGKILL, a real
+endless sleep, or a poisoned loss (nan_loss, spike), at a named point on one rank at one step.
+A no-op unless configured."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -24,3 +26,24 @@ def strike(debug: DebugConfig | None, point: FaultPoint, step: int, rank: int) -
         while True:
             time.sleep(3600)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+POISON = {FaultPoint.nan_loss: float("nan"), FaultPoint.spike: 1000.0}
+
+
+@contextlib.contextmanager
+def poisoned(debug: DebugConfig | None, step: int, rank: int, model):
+    """debug.fault=nan_loss|spike: the output of `model` (the loss; a pipeline stage's
+    activations or logits) times NaN or 1000 on this rank, at steps fault_step to
+    fault_step + fault_steps - 1."""
+    if (debug is None or debug.fault not in POISON or debug.fault_rank != rank
+            or not debug.fault_step <= step < debug.fault_step + debug.fault_steps):
+        yield
+        return
+    factor = POISON[debug.fault]
+    print(f"rank {rank}: injected fault {debug.fault.value} at step {step}", file=sys.stderr, flush=True)
+    handle = model.register_forward_hook(lambda _module, _args, output: output * factor)
+    try:
+        yield
+    finally:
+        handle.remove()

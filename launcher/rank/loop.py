@@ -30,7 +30,8 @@ from launcher.rank.engine import StepResult, local_shard
 from launcher.planner.memory import ActivationCounter
 from launcher.rank.metrics import RankZeroLogger, Throughput
 from launcher.exits import CHECKPOINT_FAILED_MARKER, EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
-from launcher.rank.faults import strike
+from launcher.rank.faults import poisoned, strike
+from launcher.rank.guard import LossGuard
 from launcher.rank.preempt import Preemption
 from launcher.rank.profiler import StepProfiler
 from launcher.rank.validation import held_out_batches, held_out_loss
@@ -110,6 +111,7 @@ def run(job: Job) -> int:
     saved_at, preempted = None, False
     measured: dict[str, int] = {}
     skipped_steps = 0  # fp16: steps the loss scaler skipped on overflow, this launch
+    guard = LossGuard(cfg, device, job.dp_size * cp, log.print)  # train.max_bad_steps
     job.preemption.started(step)
     while step < last:
         strike(cfg.debug, FaultPoint.hang, step + 1, job.rank)
@@ -128,15 +130,17 @@ def run(job: Job) -> int:
 
         while True:  # once, or again with smaller micro-batches after an out-of-memory (train.oom_backoff)
             try:
-                with backoff.injected(job, step + 1, engine.model):
+                guard.step = step + 1
+                output = getattr(engine, "output_module", engine.model)  # what debug.fault=nan_loss|spike hooks
+                with backoff.injected(job, step + 1, engine.model), poisoned(cfg.debug, step + 1, job.rank, output):
                     # The second step of a launch: the first also holds one-time work (a
                     # pipeline's shape inference); the planner predicts the steady state.
                     if cfg.train.measure_activations and step == min(first_step + 1, last - 1):
                         with ActivationCounter(engine.model) as counter:
-                            result = engine.train_step(micro_batches)
+                            result = engine.train_step(micro_batches, guard)
                         measured = {"mem/activation_bytes": counter.bytes, **models.offloaded(engine.model)}
                     else:
-                        result = engine.train_step(micro_batches)
+                        result = engine.train_step(micro_batches, guard)
                 break
             except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
                 if not backoff.is_out_of_memory(err):
@@ -180,7 +184,7 @@ def run(job: Job) -> int:
                                *((val,) if val is not None else ()))
             metrics = {"step": step, "loss": read[0] / (job.dp_size * cp), "lr": engine.lr(),
                        "grad_norm": read[1], **meter.rates(), **memory_stats(device),
-                       **engine.state_bytes().as_metrics(), **measured}
+                       **engine.state_bytes().as_metrics(), **measured, **guard.metrics()}
             if scaled:
                 metrics["loss_scale"] = read[2]
                 metrics["skipped_steps"] = int(read[3])
@@ -191,6 +195,14 @@ def run(job: Job) -> int:
 
         if ckpt.saver is not None and not settle(ckpt, watchdog, job, log, block=False):
             return EXIT_CHECKPOINT_FAILED  # an async save failed in the background
+        if guard.due():  # train.max_bad_steps in a row: back to the newest checkpoint
+            if not settle(ckpt, watchdog, job, log):
+                return EXIT_CHECKPOINT_FAILED
+            stop = guard.roll_back(engine, ckpt, watchdog.paused)
+            if stop is not None:
+                print(stop, file=sys.stderr, flush=True)
+                watchdog.stop()
+                return 1
         every = cfg.checkpoint.every
         stopping_early = step == last < cfg.train.steps
         if (every and step % every == 0) or stopping_early or (step == last and cfg.checkpoint.save_final):
@@ -224,6 +236,7 @@ def run(job: Job) -> int:
     summary = summarize(job, log.history, step - first_step, digest=cfg.debug.final_digest and not preempted,
                         skipped_steps=int(skipped_steps) if cfg.precision.name.value == "fp16" else None)
     summary["preempted"] = preempted
+    summary.update({k.replace("/", "_"): v for k, v in guard.metrics().items()})  # guard_skipped_steps, guard_rollbacks
     log.finish(summary)
     # After Ctrl-C the ranks end as if done (exit 0): torchrun neither restarts them nor
     # reports a failure; the launcher reads preempted.json and exits 130.

@@ -54,7 +54,7 @@ class DDPEngine:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
 
-    def train_step(self, micro_batches) -> StepResult:
+    def train_step(self, micro_batches, guard=None) -> StepResult:
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro_batches):
@@ -71,15 +71,17 @@ class DDPEngine:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        apply = guard is None or guard.admit(total / n, True, grad_norm)  # train.max_bad_steps
         if self.scaler:
             # The scale as a device tensor (get_scale() would read it to the host, a sync
             # every step): the scaler lowers it exactly when it skips the step.
             before = self.scaler._get_scale_async().clone()
-            self.scaler.step(self.optimizer)
+            if apply:
+                self.scaler.step(self.optimizer)
             self.scaler.update()
             scale = self.scaler._get_scale_async()
             skipped = scale < before
-        else:
+        elif apply:
             self.optimizer.step()
         # With bucket views the gradients stay allocated (they are the buckets): zero them.
         self.optimizer.zero_grad(set_to_none=not self.cfg.recipe.ddp.gradient_as_bucket_view)

@@ -48,7 +48,7 @@ class ShardedEngine:
         where = "cpu" if offload else "device"
         self.where = {"params": where, "grads": where, "optim": where}
 
-    def train_step(self, micro_batches) -> StepResult:
+    def train_step(self, micro_batches, guard=None) -> StepResult:
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
         for x, y in micro_batches:
@@ -65,7 +65,8 @@ class ShardedEngine:
         grad_norm = clip_grad_norm(self.params, self.clip)
         if not self.grad_bytes:  # held from backward to here; the same shards every step: counted once
             self.grad_bytes = tensor_bytes(p.grad for p in self.params)
-        self.optimizer.step()
+        if guard is None or guard.admit(total / n, self.loss_owner, grad_norm):  # train.max_bad_steps
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return StepResult(loss=total / n, grad_norm=grad_norm, loss_owner=self.loss_owner)

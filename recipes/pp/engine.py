@@ -100,7 +100,13 @@ class PipelineEngine:
         part = self.layout.embed if self.first else self.layout.head if self.last else None
         return self.model.get_submodule(part).weight if part else None
 
-    def train_step(self, micro_batches) -> StepResult:
+    @property
+    def output_module(self):
+        """The module that makes this rank's output, its last stage (debug.fault=nan_loss
+        and spike hook it; `model` is never called as a whole)."""
+        return self.stages[-1].submod
+
+    def train_step(self, micro_batches, guard=None) -> StepResult:
         # One pass of the schedule over this data-parallel rank's whole batch.
         x = torch.cat([mb[0] for mb in micro_batches])
         y = torch.cat([mb[1] for mb in micro_batches])
@@ -120,10 +126,11 @@ class PipelineEngine:
         grad_norm = clip_grad_norm(self.params, self.clip, stages=self.deg.pp,
                                    copies=lambda q: 0 if q is self.head_copy else self.deg.dp)
         self.grad_bytes = tensor_bytes(q.grad for q in self.params)
-        self.optimizer.step()
+        loss = torch.stack([v.detach() for v in losses]).mean() if self.last else torch.zeros((), device=self.device)
+        if guard is None or guard.admit(loss, self.loss_owner, grad_norm):  # train.max_bad_steps
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        loss = torch.stack([v.detach() for v in losses]).mean() if self.last else torch.zeros((), device=self.device)
         return StepResult(loss=loss, grad_norm=grad_norm, loss_owner=self.loss_owner)
 
     def eval_step(self, micro_batches) -> StepResult:

@@ -89,7 +89,7 @@ class ZeroEngine:
         self.steps = 0
         self.memory.sample()  # before the first step: what the engine holds at rest
 
-    def train_step(self, micro_batches) -> StepResult:
+    def train_step(self, micro_batches, guard=None) -> StepResult:
         assert len(micro_batches) == self.accum, (len(micro_batches), self.accum)
         self.steps += 1
         # Count the memory on the first two steps (Adam's moments appear in the first) and on
@@ -97,8 +97,14 @@ class ZeroEngine:
         self.memory.start_step(active=self.steps <= 2 or self.steps % self.cfg.logger.log_every == 0)
         total = torch.zeros((), device=self.device)
         own_norm = None
-        for x, y in micro_batches:
+        why = value = None
+        for i, (x, y) in enumerate(micro_batches):
             loss = self.engine(x, y)
+            total += loss.detach().float()
+            if guard is not None and i == len(micro_batches) - 1:  # train.spike_factor: judged before the last backward
+                why, value = guard.judge_loss(total / len(micro_batches), True)
+                if why is not None:  # DeepSpeed skips a step whose gradients are not finite (ZeRO 1-3)
+                    loss = loss * float("nan")
             # DeepSpeed divides by the accumulation steps and reduces gradients in buckets;
             # step() is a no-op except at the accumulation boundary.
             self.engine.backward(loss)
@@ -106,7 +112,8 @@ class ZeroEngine:
             if self.stage == 0 and self.engine.is_gradient_accumulation_boundary():
                 own_norm = self._reduced_grad_norm()
             self.engine.step()
-            total += loss.detach().float()
+        if guard is not None and guard.on:
+            self._guarded(guard, why, value)
         norm = self.engine.get_global_grad_norm()
         norm = own_norm if norm is None else norm  # stage 0 in fp32 does not keep it
         # A tensor stays a tensor (no host read each step: the loop reads it when it logs).
@@ -117,6 +124,18 @@ class ZeroEngine:
             skipped = not self.engine.was_step_applied()
         return StepResult(loss=total / len(micro_batches), grad_norm=grad_norm, skipped=bool(skipped),
                           loss_scale=scale)
+
+    def _guarded(self, guard, why: str | None, loss: float | None) -> None:
+        """train.max_bad_steps: what DeepSpeed did with the step, to the guard. A step it
+        skipped for non-finite gradients is bad (under fp16 that is the loss scaler's); a
+        skip leaves DeepSpeed's schedule behind, so it is stepped here (the schedule follows
+        the step number, as in the other engines)."""
+        applied = self.engine.was_step_applied()
+        if why is None and not applied and not guard.scaler_owns_nonfinite:
+            why = "gradient norm not finite (DeepSpeed skipped the step)"
+        if not applied and why is not None:
+            self.scheduler.step()
+        guard.verdict(why, loss if why is None else None)
 
     def _reduced_grad_norm(self) -> torch.Tensor:
         """Stage 0: the gradients are whole and already averaged after the last backward."""
