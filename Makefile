@@ -71,11 +71,15 @@ export: setup ## consolidated weights: RUN=<run dir> [export.dtype=bf16] [export
 	@test -n "$(RUN)" || { echo 'error: RUN=<run directory> is required, e.g. make export RUN=outputs/2026-11-22/07-00-14-ddp' >&2; exit 2; }
 	@$(PY) -m launcher export "$(RUN)" $(foreach k,format dtype step out,$(if $(export.$(k)),export.$(k)=$(export.$(k)))) $(ARGS)
 
-test: setup ## the full test suite: tests/unit and tests/e2e (real processes; about 50 minutes on 2 cores)
-	@$(PY) -m pytest -q --durations=25 tests
+# pytest-xdist workers, whole test files each (a file's shared runs stay in one worker): a
+# run uses 2-4 processes, so half the cores, and 2 on 2 cores (45 minutes there, 55 with one).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? n / 2 : 2 )))
 
-test-quick: setup ## tests/unit only: in-process checks and quick commands, no multi-process runs (about 2 minutes)
-	@$(PY) -m pytest -q tests/unit
+test: setup ## the full test suite: tests/unit and tests/e2e (real processes; about 45 minutes on 2 cores) [TEST_WORKERS=N]
+	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
+
+test-quick: setup ## tests/unit only: in-process checks and quick commands, no multi-process runs (about 4 minutes)
+	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit
 
 gpu-check: setup ## on a GPU machine: the GPU test set (pytest -m gpu) and the GPU bench, into bench/gpu.md; without a GPU it says so and exits 0
 	@$(PY) scripts/gpu_check.py $(ARGS)

@@ -176,10 +176,14 @@ def run(command: str, home: Path, capsys) -> str:
     elif head == ["make", "test"]:  # this suite: make runs pytest over tests/, which holds this file
         proc = subprocess.run(["make", "-s", "-n", "-o", ".venv/.installed", "test"], cwd=REPO, env=shell_env(), capture_output=True,
                               text=True, timeout=60)
-        assert proc.stdout.split() == [".venv/bin/python", "-m", "pytest", "-q", "--durations=25", "tests"], proc.stdout
+        words = proc.stdout.split()  # pytest-xdist workers: half the cores, 2 on 2 cores (the Makefile's TEST_WORKERS)
+        cores = len(os.sched_getaffinity(0))  # what nproc counts
+        workers = str(cores // 2 if cores > 4 else 2)
+        assert words == [".venv/bin/python", "-m", "pytest", "-q", "-n", workers, "--dist", "loadfile",
+                         "--durations=25", "tests"], proc.stdout
         assert REPO / "tests" in Path(__file__).parents
     elif head[0] == "make":  # make rehearse builds a 70B layout's ranks: a minute alone, more on a busy machine
-        proc = subprocess.run(shlex.split(command), cwd=REPO, env=shell_env(), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(shlex.split(command), cwd=REPO, env=shell_env(), capture_output=True, text=True, timeout=600)
     elif "/launcher train" in command:  # the console script, for its own exit code
         proc = shell(command.replace("; echo", " --dry-run; echo"), home)
     elif "wandb sync" in command:  # uploading needs the network: say what would be synced

@@ -26,7 +26,7 @@ def test_default_run_learns_logs_and_checkpoints(run_dir):
     they check a precision) for 60 steps: it learns, logs and checkpoints."""
     proc = launch("precision=bf16", "train.steps=60", "optim.warmup_steps=6", "logger.log_every=1",
                   "logger.mode=offline", "logger.system_metrics_s=2", "checkpoint.every=30", "debug.final_digest=true",
-                  run_dir=run_dir)
+                  run_dir=run_dir, timeout=600)  # emulated bf16: about 100 s alone, 240 s beside another worker
     assert f"run directory: {run_dir}" in proc.stdout
 
     rows = read_metrics(run_dir)
