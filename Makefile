@@ -29,7 +29,7 @@ setup: $(STAMP) ## make .venv, install the project (torch pinned; CPU wheel here
 # after its own, through a .pth file), else the wheelhouse must hold torch==2.13.0 too.
 # BUILD_OPS=0 skips the DeepSpeed op compile (the first rank that needs an op compiles it).
 $(STAMP): pyproject.toml
-	@echo 'setting up $(VENV) (once): python -m venv, pip install -e .[dev,hf,tb,fp8]$(if $(FROM), from $(FROM) offline), scripts/build_ops.py' >&2
+	@echo 'setting up $(VENV) (once): python -m venv, pip install -e .[dev,hf,tb,fp8,k8s]$(if $(FROM), from $(FROM) offline), scripts/build_ops.py' >&2
 	@case '$(TORCH)' in ''|system) ;; *) echo "error: TORCH=$(TORCH): allowed: system (keep the torch $(PYTHON) imports), or leave it out" >&2; exit 2;; esac
 	@test -n '$(FROM)' -o -z '$(TORCH)' || { echo 'error: TORCH=system goes with WHEELHOUSE=<dir> (make wheelhouse); online, make setup installs the pinned torch' >&2; exit 2; }
 ifneq ($(FROM),)
@@ -47,7 +47,7 @@ endif
 	@$(VENV)/bin/pip install --quiet --no-index --find-links '$(FROM)' --no-deps -e . >&2
 else
 	@$(VENV)/bin/pip install --quiet --upgrade pip >&2
-	@$(VENV)/bin/pip install --quiet -e '.[dev,hf,tb,fp8]' >&2
+	@$(VENV)/bin/pip install --quiet -e '.[dev,hf,tb,fp8,k8s]' >&2
 endif
 	@$(if $(filter 0,$(BUILD_OPS)),true,$(PY) scripts/build_ops.py)
 	@touch $(STAMP)
@@ -64,7 +64,7 @@ plan: setup ## memory per GPU of every recipe, the largest micro-batch that fits
 rehearse: setup ## ranks of a cluster-sized layout built here on meta under a fake process group, against the plan (ARGS="model=llama3_70b recipe=tp_fsdp parallel.tp=8 cluster.nnodes=32 cluster.gpus_per_node=8")
 	@$(PY) -m launcher rehearse $(ARGS)
 
-submit: setup ## Slurm batch job: RECIPE=<name> ARGS="cluster.nnodes=2 cluster.partition=gpu ..." (--dry-run prints the script)
+submit: setup ## Slurm batch job: RECIPE=<name> ARGS="cluster.nnodes=2 cluster.partition=gpu ..." (cluster=k8s: a Kubernetes job; --dry-run prints it)
 	@$(PY) -m launcher submit $(if $(RECIPE),recipe=$(RECIPE)) $(ARGS)
 
 export: setup ## consolidated weights: RUN=<run dir> [export.dtype=bf16] [export.step=N] [export.format=...]

@@ -104,10 +104,23 @@ class OffloadDevice(str, enum.Enum):
 
 
 class Scheduler(str, enum.Enum):
-    """Who starts the nodes: nobody (`make train` here, other nodes by hand) or Slurm."""
+    """Who starts the nodes: nobody (`make train` here, other nodes by hand), Slurm or Kubernetes."""
 
     none = "none"
     slurm = "slurm"
+    k8s = "k8s"
+
+
+class K8sKind(str, enum.Enum):
+    """The Kubernetes object `make submit cluster=k8s` renders (launcher/launch/k8s.py)."""
+
+    job = "job"
+    """An Indexed batch/v1 Job and a headless Service: no operator needed. The completion
+    index is the node rank; the Service's DNS names node 0 for the rendezvous."""
+    trainjob = "trainjob"
+    """A Kubeflow Trainer TrainJob (trainer.kubeflow.org/v1alpha1) on a torch runtime, for
+    clusters that run the Trainer operator (it builds the JobSet, the node ranks and the
+    rendezvous address: PET_* variables)."""
 
 
 class ExportFormat(str, enum.Enum):

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from launcher.config.enums import (ExportDtype, ExportFormat, FaultPoint, LoggerKind, OnExisting, Runner, Scheduler,
-                                   WandbMode)
+from launcher.config.enums import (ExportDtype, ExportFormat, FaultPoint, K8sKind, LoggerKind, OnExisting, Runner,
+                                   Scheduler, WandbMode)
 
 
 @dataclass
@@ -74,6 +74,46 @@ class LoggerConfig:
 
 
 @dataclass
+class K8sConfig:
+    """cluster=k8s: `make submit` renders RUN_DIR/job.yaml and applies it with kubectl
+    (launcher/launch/k8s.py). One pod per node, each running torchrun for its node; GPUs per
+    pod are cluster.gpus_per_node, the ranks' environment cluster.env, the grace after a
+    stop cluster.preempt_grace_s."""
+
+    kind: K8sKind = K8sKind.job
+    image: Optional[str] = None
+    """The container image every pod runs: Python with torch and the project's
+    dependencies (the project's code comes from RUN_DIR/code on the shared volume, or from
+    the image with cluster.snapshot_code=false). Required."""
+    python: str = "python"
+    """The interpreter in the image that runs torchrun."""
+    namespace: str = "default"
+    context: Optional[str] = None
+    """kubectl's --context (null: the current context)."""
+    volume_claim: Optional[str] = None
+    """The PersistentVolumeClaim (ReadWriteMany) that holds the run directory: every pod
+    writes its checkpoints there and a restarted pod resumes from them. Required."""
+    mount_path: str = "/shared"
+    """Where the claim is mounted in every pod. The run directory must lie under it, at the
+    same path as on the machine that runs `make submit` (which mounts the same volume)."""
+    node_selector: list[str] = field(default_factory=list)
+    """Node labels the pods need, each key=value, e.g.
+    [nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3] (a list: label keys hold dots and slashes)."""
+    tolerations: list[dict] = field(default_factory=list)
+    """Kubernetes tolerations, each {key, operator, value, effect, tolerationSeconds}, e.g.
+    [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}] for tainted GPU nodes."""
+    service_account: Optional[str] = None
+    """The pods' service account (null: the namespace's default)."""
+    backoff_limit: int = 3
+    """Restarts of a failed pod (each restarts the node's torchrun, whose ranks resume from
+    the run directory's latest checkpoint) before the whole job is marked failed. Higher
+    rides out flaky nodes; lower stops a broken run sooner."""
+    shm_gb: int = 16
+    """A memory-backed /dev/shm of this size (containers get 64 MiB otherwise, too little
+    for NCCL and data-loader workers). It counts against the pod's memory."""
+
+
+@dataclass
 class ClusterConfig:
     name: str = "local"
     runner: Runner = Runner.torchrun
@@ -113,7 +153,8 @@ class ClusterConfig:
     scheduler: Scheduler = Scheduler.none
     """none: `make train` starts the ranks on this machine (several nodes: run it on each
     with nnodes, node_rank, master_addr, master_port). slurm: `make submit` renders
-    RUN_DIR/job.sbatch and hands it to sbatch; `make train` refuses such a config."""
+    RUN_DIR/job.sbatch and hands it to sbatch. k8s: `make submit` renders RUN_DIR/job.yaml
+    (cluster.k8s.*) and applies it. `make train` refuses a slurm or k8s config."""
     join_timeout_s: Optional[int] = None
     """Seconds the nodes wait for each other at the rendezvous (null: dist.timeout_s). A
     node that has not joined by then ends the job with a message naming it. Long enough
@@ -176,6 +217,8 @@ class ClusterConfig:
     """Requeues one job may make (Slurm's own requeues after a node failure count too).
     Bounds a job that keeps being stopped; failures that are not preemptions are never
     requeued by the job (torchrun's max_restarts covers those within the job)."""
+    k8s: K8sConfig = field(default_factory=K8sConfig)
+    """scheduler: k8s: the Kubernetes fields (K8sConfig)."""
     snapshot_code: bool = True
     """`make submit` copies the project's code (launcher/, recipes/) into RUN_DIR/code and
     the job imports it from there (PYTHONPATH, with PYTHONSAFEPATH so the working directory

@@ -20,7 +20,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from launcher import config as C, offline, provenance, runlock
-from launcher.launch import fit, identity, plaintext, slurm
+from launcher.launch import fit, identity, k8s, plaintext, slurm
 from launcher.manifest import lock_folders, root_of
 from launcher.launch.commands import command_script, launch_argv, LaunchPlan, rank_env, sbatch_script, SLURM_STEPS
 from launcher.launch.compose import compose_config, describe, expand_sweep, UsageError
@@ -39,7 +39,7 @@ COMMANDS = ("train", "export", "plan", "submit", "rehearse")
 
 USAGE = """usage: launcher train [key=value ...] [--dry-run] [-m|--multirun]
        launcher plan [key=value ...] [--json]
-       launcher submit [key=value ...] [--dry-run] [-m|--multirun]   (a Slurm batch job; cluster=slurm)
+       launcher submit [key=value ...] [--dry-run] [-m|--multirun]   (a Slurm job, cluster=slurm; or cluster=k8s)
        launcher export RUN_DIR [export.key=value ...]
        launcher rehearse [key=value ...] [--ranks R,R,...] [--json]   (ranks of a cluster's layout, built here on meta)"""
 
@@ -144,6 +144,8 @@ def compose_jobs(command: str, overrides: list[str], multirun: bool,
             # A Slurm job is validated against the nodes it asks for, not this login machine.
             host = slurm.node_host(cfg, here) if command == "submit" else here
             notes += validate(cfg, host)
+            if command == "submit" and cfg.cluster.scheduler == C.Scheduler.k8s:
+                k8s.validate_k8s(cfg, run_dir)
             plaintext.check(cfg)
             plaintext.check_remote_shell(cfg, run_dir, os.getcwd())
             check_run_dir_name(run_dir)
@@ -154,7 +156,7 @@ def compose_jobs(command: str, overrides: list[str], multirun: bool,
             fit.check(cfg, run_dir)  # a checkpoint of another shape or format: refused here
             notes.append(schedule_change(cfg, run_dir))
             jobs.append((cfg, run_dir, host, choice, zero_config(cfg, host)))
-        if command == "submit" and not dry_run:
+        if command == "submit" and not dry_run and any(j[0].cluster.scheduler == C.Scheduler.slurm for j in jobs):
             slurm.check_client()
         for note in dict.fromkeys(n for n in notes if n):  # once every point passed: bad input stays one line
             print(f"warning: {note}", file=sys.stderr, flush=True)
@@ -164,14 +166,14 @@ def compose_jobs(command: str, overrides: list[str], multirun: bool,
 def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool) -> None:
     """The config fits the command: Slurm configs are submitted, others trained here."""
     c = cfg.cluster
-    slurm_cfg = c.scheduler == C.Scheduler.slurm
-    if command == "train" and slurm_cfg:
-        raise C.ConfigError("cluster.scheduler", "slurm", f"cluster={c.name} is a Slurm config: submit it with "
-                                                          "`make submit` (launcher submit), or train here with cluster=local")
+    kind = {C.Scheduler.slurm: "Slurm", C.Scheduler.k8s: "Kubernetes"}.get(c.scheduler)
+    if command == "train" and kind:
+        raise C.ConfigError("cluster.scheduler", c.scheduler.value, f"cluster={c.name} is a {kind} config: submit it "
+                                                                    "with `make submit` (launcher submit), or train here with cluster=local")
     if command == "submit":
-        if not slurm_cfg:
-            raise C.ConfigError("cluster.scheduler", c.scheduler.value,
-                                f"cluster={c.name} is not a Slurm config; submit needs one, e.g. cluster=slurm")
+        if not kind:
+            raise C.ConfigError("cluster.scheduler", c.scheduler.value, f"cluster={c.name} is not a Slurm config; "
+                                                                        "submit needs one, e.g. cluster=slurm (or cluster=k8s)")
         if c.runner not in SLURM_STEPS:
             raise C.ConfigError("cluster.runner", c.runner.value,
                                 f"submit supports: {', '.join(r.value for r in SLURM_STEPS)}")
@@ -312,13 +314,14 @@ def run_node(cfg: C.Config, run_dir: Path, argv: list[str], env: dict[str, str])
         return 1
 
 
-def slurm_plan(cfg: C.Config, host: HostInfo, code: str | None = None) -> LaunchPlan:
-    """A job's plan: ranks per node from the nodes it asks for; threads from its CPUs;
-    `code`: the copy of the project it imports (slurm.code_dir)."""
+def slurm_plan(cfg: C.Config, host: HostInfo, code: str | None = None, python: str = sys.executable) -> LaunchPlan:
+    """A job's plan (Slurm or Kubernetes): ranks per node from the nodes it asks for; threads
+    from its CPUs; `code`: the copy of the project it imports (slurm.code_dir); `python`:
+    the nodes' interpreter (a pod's is the image's)."""
     nproc = C.nproc_per_node(cfg, host)
     c = cfg.cluster
     threads = c.cpu_threads or (max(1, c.cpus_per_task // nproc) if c.cpus_per_task else 1)
-    return LaunchPlan(python=sys.executable, nproc_per_node=nproc, master_port=c.master_port or 0,
+    return LaunchPlan(python=python, nproc_per_node=nproc, master_port=c.master_port or 0,
                       threads_per_rank=threads, workdir=os.getcwd(), code=code)
 
 
@@ -327,8 +330,10 @@ def cmd_submit(overrides: list[str], multirun: bool, dry_run: bool = False) -> i
     --dry-run prints the script and submits nothing."""
     jobs = compose_jobs("submit", overrides, multirun, dry_run)
     for cfg, run_dir, host, choice, ds in jobs:
-        code = slurm.code_dir(cfg, run_dir)
-        script = sbatch_script(cfg, str(run_dir), slurm_plan(cfg, host, code))
+        code, kube = slurm.code_dir(cfg, run_dir), cfg.cluster.scheduler == C.Scheduler.k8s
+        name = k8s.MANIFEST if kube else slurm.SCRIPT  # the pods run the image's interpreter, the nodes ours
+        script = k8s.render(cfg, str(run_dir), slurm_plan(cfg, host, code, cfg.cluster.k8s.python)) if kube else \
+            sbatch_script(cfg, str(run_dir), slurm_plan(cfg, host, code))
         if dry_run:
             print(script, end="")
             continue
@@ -339,23 +344,25 @@ def cmd_submit(overrides: list[str], multirun: bool, dry_run: bool = False) -> i
             with runlock.hold(run_dir):
                 runlock.check_free(run_dir)
                 cfg = identity.settle(cfg, run_dir)  # the job's frozen config names its run
-                write_run_dir(cfg, run_dir, {slurm.SCRIPT: script}, run_files(cfg, slurm_plan(cfg, host), ds))
+                files = {**run_files(cfg, slurm_plan(cfg, host), ds), **({name: script} if kube else {})}
+                write_run_dir(cfg, run_dir, {} if kube else {name: script}, files)
                 if code is not None:  # what the job (and every requeue of it) imports
                     slurm.snapshot_code(run_dir)
                 provenance.write(run_dir, ["submit", *overrides], 0, code=Path(code) if code else None)
                 if choice is not None:  # recipe=auto / micro_batch=auto: what the planner chose, and why
                     (run_dir / "plan.json").write_text(choice)
-                job_id = slurm.submit(run_dir)
-        except slurm.SubmitError as e:
+                job_id = k8s.apply(cfg, run_dir) if kube else slurm.submit(run_dir)
+        except (slurm.SubmitError, k8s.SubmitError) as e:
             if created:  # nothing ran: leave nothing behind
                 shutil.rmtree(run_dir, ignore_errors=True)
-            print(f"error: sbatch refused the job for {run_dir}: {e}", file=sys.stderr)
+            print(f"error: {'kubectl' if kube else 'sbatch'} refused the job for {run_dir}: {e}", file=sys.stderr)
             return 2
         except BaseException:
             if created:
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
-        print(f"submitted job {job_id}: run directory {run_dir}, log {slurm.log_path(run_dir, job_id)}", flush=True)
+        print(job_id if kube else f"submitted job {job_id}: run directory {run_dir}, log {slurm.log_path(run_dir, job_id)}",
+              flush=True)
     return 0
 
 

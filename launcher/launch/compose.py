@@ -4,6 +4,8 @@ words for what went wrong: an unknown group option, a wrong type, a missing valu
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -105,9 +107,10 @@ def _describe_omegaconf(e: OmegaConfBaseException) -> str:
         allowed = ""
         if schema is not None:
             node = OmegaConf.structured(schema)
-            for part in parent.split(".")[1:]:
-                node = node[part]
-            allowed = "; allowed keys: " + ", ".join(node.keys())
+            with contextlib.suppress(OmegaConfBaseException, KeyError):  # a key with dots in it: no list
+                for part in parent.split(".")[1:]:
+                    node = node[part]
+                allowed = "; allowed keys: " + ", ".join(node.keys()) if len(node) else ""
         return f"{key}: unknown key{allowed}"
     if isinstance(e, MissingMandatoryValue):
         return f"{key}: missing; it must be given (e.g. {key}=...)"

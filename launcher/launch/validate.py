@@ -142,7 +142,7 @@ def validate(cfg: Config, host) -> list[str]:
     _positive("cluster.shutdown_timeout_s", c.shutdown_timeout_s)
     if c.master_port is not None and not 1 <= c.master_port <= 65535:
         raise ConfigError("cluster.master_port", c.master_port, "must be a port in 1..65535")
-    if c.nnodes > 1 and c.master_port is None and c.scheduler != Scheduler.slurm:
+    if c.nnodes > 1 and c.master_port is None and c.scheduler == Scheduler.none:
         raise ConfigError("cluster.master_port", None, "a multi-node run needs the same explicit port on every node")
     if c.cpu_threads is not None:
         _positive("cluster.cpu_threads", c.cpu_threads)

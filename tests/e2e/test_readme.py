@@ -73,6 +73,10 @@ PLACES = {
     # node 0 must be this machine, and tests send nothing to other addresses
     "cluster.master_addr=10.0.0.1": "cluster.master_addr=127.0.0.1",
     "hydra.run.dir=/shared/runs/x": "hydra.run.dir=shared/runs/x",
+    # a Kubernetes job's run directory lies under the shared volume's mount, an absolute path
+    "cluster.k8s.mount_path=/shared": "cluster.k8s.mount_path={home}/shared",
+    "hydra.run.dir=/shared/runs/a": "hydra.run.dir={home}/shared/runs/a",
+    "hydra.run.dir=/shared/runs/b": "hydra.run.dir={home}/shared/runs/b",
     "RUN_DIR": "outputs/a",
 }
 PLAN_LINE = 'make plan ARGS="model=gpt_7b cluster.gpus_per_node=8 cluster.gpu_memory_gb=80 train.seq_len=4096"'
@@ -158,6 +162,7 @@ def test_the_readme_lines_are_found_and_each_one_has_a_way_to_run():
 def test_the_readme_line_does_what_it_says(line, home, monkeypatch, capsys):
     monkeypatch.chdir(home)
     for command in concrete(line):
+        command = command.replace("{home}", str(home))
         out = run(command, home, capsys)
         check(command, out, home)
 
@@ -208,7 +213,8 @@ def check(command: str, out: str, home: Path) -> None:
     run_a = home / "outputs" / "a"
     if command.startswith(("make train", "make submit")):
         points = 2 if " -m " in command or '"-m ' in command else 1
-        marker = "#!/bin/bash" if command.startswith("make submit") else "# command"
+        marker = ("# Kubernetes job for the run directory" if "cluster=k8s" in command else "#!/bin/bash") \
+            if command.startswith("make submit") else "# command"
         assert out.count(marker) == points, out[-2000:]
         assert "planner chose: " in out if "RECIPE=auto" in command else True
     elif command.startswith("make export"):

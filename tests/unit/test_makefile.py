@@ -29,7 +29,7 @@ def dry(clone, *args):
 
 def test_make_wheelhouse_on_a_fresh_clone_sets_up_online(clone):
     out = dry(clone, "wheelhouse", "WHEELHOUSE=.ci/wheelhouse", "EXTRAS=dev")
-    assert "pip install --quiet -e '.[dev,hf,tb,fp8]'" in out
+    assert "pip install --quiet -e '.[dev,hf,tb,fp8,k8s]'" in out
     assert "--no-index" not in out and "requirements.txt" not in out
     assert "scripts/wheelhouse.py --out '.ci/wheelhouse'" in out and "--extras 'dev'" in out
 
@@ -39,4 +39,4 @@ def test_make_setup_with_a_wheelhouse_installs_from_it_offline(clone):
     assert "test -f '/shared/wheels/requirements.txt'" in out
     assert "--no-index --find-links '/shared/wheels' -r '/shared/wheels/requirements.txt'" in out
     assert "system-torch.pth" in out
-    assert "pip install --quiet -e '.[dev,hf,tb,fp8]'" not in out
+    assert "pip install --quiet -e '.[dev,hf,tb,fp8,k8s]'" not in out

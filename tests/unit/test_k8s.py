@@ -1,0 +1,122 @@
+"""cluster=k8s (launcher/launch/k8s.py): `launcher submit` renders RUN_DIR/job.yaml, which
+validates offline against the Kubernetes schemas (kubernetes-validate, strict: an unknown
+field fails) and the Kubeflow Trainer's API models; bad values are refused in one line; with
+no kubectl here the submit writes the run directory and prints the exact command."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher.launch import cli, k8s
+
+K8S_VERSION = "1.30"  # a cluster of the last two years; the schemas ship with kubernetes-validate
+
+
+def args(run_dir: Path, *more: str) -> list[str]:
+    return ["cluster=k8s", "recipe=fsdp", "cluster.nnodes=2", "cluster.gpus_per_node=8",
+            "cluster.k8s.image=ghcr.io/me/train:1", "cluster.k8s.volume_claim=shared-runs",
+            f"cluster.k8s.mount_path={run_dir.parent}", f"hydra.run.dir={run_dir}",
+            "cluster.k8s.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
+            'cluster.k8s.node_selector=["nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3"]',
+            "+cluster.env.NCCL_SOCKET_IFNAME=eth0", "+cluster.env.ODD='$(id) $HOME x'", *more]
+
+
+def rendered(run_dir: Path, capsys, *more: str) -> list[dict]:
+    assert cli.main(["submit", "--dry-run", *args(run_dir, *more)]) == 0
+    return list(yaml.safe_load_all(capsys.readouterr().out))
+
+
+def test_the_job_and_its_service_validate_against_the_kubernetes_schemas(tmp_path, capsys):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the k8s extra (make setup installs it)")
+
+    run = tmp_path / "runs" / "a"
+    service, job = rendered(run, capsys)
+    for obj in (service, job):
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)  # raises on any unknown or mistyped field
+    name = k8s.job_name(str(run))
+    assert service["metadata"]["name"] == job["metadata"]["name"] == name
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"] == {"launcher/job": name}
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == ("Indexed", 2, 2, 3)
+    assert pod["subdomain"] == name and pod["restartPolicy"] == "OnFailure"
+    assert pod["terminationGracePeriodSeconds"] == 300
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert {"name": "run", "persistentVolumeClaim": {"claimName": "shared-runs"}} in pod["volumes"]
+    (container,) = pod["containers"]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+    assert {"name": "run", "mountPath": str(tmp_path / "runs")} in container["volumeMounts"]
+    # The node's torchrun: rank from the completion index, rendezvous at pod 0's DNS name.
+    bash, flag, script = container["command"]
+    words = shlex.split(script.replace("$$", "$"))
+    assert (bash, flag, words[:3]) == ("bash", "-c", ["cd", str(run), "&&"])
+    assert "--node-rank=$JOB_COMPLETION_INDEX" in words and "--nnodes=2" in words and "--nproc-per-node=8" in words
+    assert f"--rdzv-endpoint={name}-0.{name}:29500" in words
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0" and env["PYTHONPATH"] == str(run / "code")
+    # Kubernetes expands $(NAME) in env values and commands; $$ is its escape for one $.
+    assert env["ODD"] == "$$(id) $$HOME x"
+
+
+def test_the_trainjob_validates_against_the_trainers_api_models(tmp_path, capsys):
+    pytest.importorskip("kubeflow_trainer_api", reason="the k8s extra (make setup installs it)")
+    from kubeflow_trainer_api.models.trainer_v1alpha1_train_job import TrainerV1alpha1TrainJob
+
+    run = tmp_path / "runs" / "b"
+    (job,) = rendered(run, capsys, "cluster.k8s.kind=trainjob", "cluster.k8s.service_account=trainer")
+    model = TrainerV1alpha1TrainJob.from_dict(job)  # strict types: raises on a wrong one
+    assert model.to_dict() == job, "a field the Trainer's API does not know was dropped"
+    trainer = job["spec"]["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"], trainer["image"]) == (2, 8, "ghcr.io/me/train:1")
+    assert job["spec"]["runtimeRef"] == {"name": "torch-distributed"}
+    words = shlex.split(trainer["command"][2].replace("$$", "$"))
+    assert "--node-rank=$PET_NODE_RANK" in words and "--rdzv-endpoint=$PET_MASTER_ADDR:$PET_MASTER_PORT" in words
+    (patch,) = job["spec"]["runtimePatches"]
+    pod = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "trainer" and pod["terminationGracePeriodSeconds"] == 300
+    assert pod["containers"] == [{"name": "node", "volumeMounts": [{"name": "run", "mountPath": str(tmp_path / "runs")},
+                                                                  {"name": "shm", "mountPath": "/dev/shm"}]}]
+
+
+@pytest.mark.parametrize("more,words", [
+    (["cluster.k8s.image=null"], ["cluster.k8s.image", "required"]),
+    (["cluster.k8s.image='ghcr.io/me/t:1 && reboot'"], ["cluster.k8s.image", "letters, digits"]),
+    (["cluster.k8s.volume_claim=null"], ["cluster.k8s.volume_claim", "ReadWriteMany"]),
+    (["cluster.k8s.mount_path=/elsewhere"], ["hydra.run.dir", "cluster.k8s.mount_path=/elsewhere"]),
+    (["cluster.k8s.namespace=Team_A"], ["cluster.k8s.namespace=Team_A", "a Kubernetes name"]),
+    (['cluster.k8s.node_selector=["gpu"]'], ["cluster.k8s.node_selector=gpu", "key=value"]),
+    (["cluster.k8s.tolerations=[{key: gpu, operator: Sometimes}]"], ["cluster.k8s.tolerations", "Equal or Exists"]),
+    (["cluster.k8s.tolerations=[{key: gpu, effect: Never}]"], ["cluster.k8s.tolerations", "NoSchedule"]),
+    (["cluster.preempt_grace_s=60"], ["cluster.preempt_grace_s=60", "shutdown_timeout_s=180"]),
+    (["checkpoint.resume=never"], ["checkpoint.resume=never", "use auto"]),
+])
+def test_bad_values_are_one_line_and_exit_2(more, words, tmp_path, capsys):
+    code = cli.main(["submit", *args(tmp_path / "runs" / "c", *more)])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert not (tmp_path / "runs" / "c").exists()
+
+
+def test_train_refuses_a_kubernetes_config(tmp_path, capsys):
+    assert cli.main(["train", *args(tmp_path / "runs" / "d")]) == 2
+    assert "is a Kubernetes config: submit it with `make submit`" in capsys.readouterr().err
+
+
+def test_submit_without_kubectl_writes_the_run_directory_and_says_the_command(tmp_path, capsys, monkeypatch):
+    if shutil.which("kubectl"):  # this machine has none; elsewhere, hide it
+        monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    run = tmp_path / "runs" / "e"
+    assert cli.main(["submit", *args(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"kubectl is not on PATH: wrote {run / 'job.yaml'}; apply it with: kubectl apply -f {run / 'job.yaml'}" in out
+    docs = list(yaml.safe_load_all((run / "job.yaml").read_text()))
+    assert [d["kind"] for d in docs] == ["Service", "Job"]
+    assert (run / "config.yaml").is_file() and (run / "code" / "launcher" / "rank" / "entry.py").is_file()
