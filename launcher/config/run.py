@@ -84,7 +84,9 @@ class K8sConfig:
     image: Optional[str] = None
     """The container image every pod runs: Python with torch and the project's
     dependencies (the project's code comes from RUN_DIR/code on the shared volume, or from
-    the image with cluster.snapshot_code=false). Required."""
+    the image with cluster.snapshot_code=false). Its torch must be the submitting
+    machine's version or newer: torchrun's options and the flight recorder's variables are
+    chosen from that one. Required."""
     python: str = "python"
     """The interpreter in the image that runs torchrun."""
     namespace: str = "default"
@@ -105,9 +107,10 @@ class K8sConfig:
     service_account: Optional[str] = None
     """The pods' service account (null: the namespace's default)."""
     backoff_limit: int = 3
-    """Restarts of a failed pod (each restarts the node's torchrun, whose ranks resume from
-    the run directory's latest checkpoint) before the whole job is marked failed. Higher
-    rides out flaky nodes; lower stops a broken run sooner."""
+    """Faults the job rides out before it is marked failed. A fault (a crashed rank, a
+    lost node) restarts every pod's torchrun, whose ranks resume from the run directory's
+    latest checkpoint; Kubernetes counts each pod's restart, so the Job's backoffLimit is
+    this x cluster.nnodes. Higher rides out flaky nodes; lower stops a broken run sooner."""
     shm_gb: int = 16
     """A memory-backed /dev/shm of this size (containers get 64 MiB otherwise, too little
     for NCCL and data-loader workers). It counts against the pod's memory."""

@@ -105,8 +105,10 @@ class TrainConfig:
     in guard/skipped_steps. After this many bad steps in a row the weights and optimizer
     state go back to the newest checkpoint (guard/rollbacks), the data position goes on:
     the batches since that checkpoint are not seen again. A run with no checkpoint to go
-    back to, or sent back to the same one 3 times in a row, stops (exit 1). Costs one host
-    read of two scalars a step (a device sync; a collective too with spike_factor)."""
+    back to, or sent back 3 times in a row without a good step between, stops (exit 1).
+    Costs one host read of two scalars a step (a device sync; a collective too with
+    spike_factor). Not with recipe.zero.stage=0 (DeepSpeed's plain optimizer applies a
+    non-finite step)."""
     spike_factor: float = 0.0
     """With the guard: a step whose loss (the mean over ranks) is above this x the mean of
     the last 32 applied steps' losses is bad (checked once 8 are in). 0: only non-finite

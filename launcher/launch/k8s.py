@@ -39,7 +39,9 @@ _EFFECTS = {"NoSchedule", "PreferNoSchedule", "NoExecute"}
 def job_name(run_dir: str) -> str:
     """A DNS label from the run directory's last part and a digest of its path: the same
     for every submit of one run directory, different for two (pod names add `-<index>-x`)."""
-    base = re.sub(r"[^a-z0-9-]+", "-", Path(run_dir).name.lower()).strip("-")[:40].strip("-") or "run"
+    base = re.sub(r"[^a-z0-9-]+", "-", Path(run_dir).name.lower()).strip("-")[:40].strip("-")
+    if not base[:1].isalpha():  # a Service's name starts with a letter (the default run name starts with the time)
+        base = f"run-{base}".rstrip("-")
     return f"{base}-{hashlib.sha1(run_dir.encode()).hexdigest()[:8]}"
 
 
@@ -62,7 +64,7 @@ def validate_k8s(cfg: C.Config, run_dir: Path) -> None:
         raise C.ConfigError("cluster.k8s.volume_claim", None, "required: a ReadWriteMany PersistentVolumeClaim for the "
                             "run directory (a restarted pod resumes from its checkpoints)")
     mount = Path(k.mount_path)
-    if not mount.is_absolute() or not run_dir.is_relative_to(mount):
+    if not mount.is_absolute() or mount in (Path("/"), Path("/dev/shm")) or not run_dir.is_relative_to(mount):
         raise C.ConfigError("hydra.run.dir", str(run_dir), f"a Kubernetes job's run directory lies under "
                             f"cluster.k8s.mount_path={k.mount_path} (the shared volume, the same path here and in the pods)")
     for entry in k.node_selector:
@@ -70,15 +72,10 @@ def validate_k8s(cfg: C.Config, run_dir: Path) -> None:
         if not eq or not _LABEL_KEY.fullmatch(key) or not _LABEL_VALUE.fullmatch(value):
             raise C.ConfigError("cluster.k8s.node_selector", entry, "each entry key=value, a Kubernetes label: key "
                                 "[prefix/]name, value up to 63 letters, digits and -_.")
+    if not str(run_dir).isprintable():  # YAML reads \x85, \u2028 and \u2029 as line breaks
+        raise C.ConfigError("hydra.run.dir", ascii(str(run_dir)), "a Kubernetes job's run directory is printable text")
     for t in k.tolerations:
-        if not isinstance(t, dict) or not set(t) <= _TOLERATION or t.get("operator", "Equal") not in ("Equal", "Exists"):
-            raise C.ConfigError("cluster.k8s.tolerations", t, f"each a mapping of {', '.join(sorted(_TOLERATION))}; "
-                                "operator Equal or Exists")
-        if "effect" in t and t["effect"] not in _EFFECTS:
-            raise C.ConfigError("cluster.k8s.tolerations", t, f"effect: one of {', '.join(sorted(_EFFECTS))}")
-        if any(not _LABEL_VALUE.fullmatch(str(t[f])) for f in ("value",) if f in t) or \
-                ("key" in t and not _LABEL_KEY.fullmatch(str(t["key"]))):
-            raise C.ConfigError("cluster.k8s.tolerations", t, "key and value are Kubernetes label names")
+        _check_toleration(t)
     if not 0 <= k.backoff_limit <= 1000:
         raise C.ConfigError("cluster.k8s.backoff_limit", k.backoff_limit, "must be in 0..1000")
     if k.shm_gb < 1:
@@ -93,19 +90,43 @@ def validate_k8s(cfg: C.Config, run_dir: Path) -> None:
                             "a restarted pod must resume from the run's latest checkpoint: use auto")
 
 
+def _check_toleration(t) -> None:
+    """One toleration as the API server takes it, or one line saying what is wrong."""
+    def bad(why: str) -> C.ConfigError:
+        return C.ConfigError("cluster.k8s.tolerations", t, why)
+
+    if not isinstance(t, dict) or not set(t) <= _TOLERATION:
+        raise bad(f"each a mapping of {', '.join(sorted(_TOLERATION))}")
+    operator = t.get("operator", "Equal")
+    if operator not in ("Equal", "Exists"):
+        raise bad("operator Equal or Exists")
+    if "key" in t and not (isinstance(t["key"], str) and _LABEL_KEY.fullmatch(t["key"])):
+        raise bad("key: a Kubernetes label name")
+    if "value" in t and (operator == "Exists" or not isinstance(t["value"], str) or not _LABEL_VALUE.fullmatch(t["value"])):
+        raise bad("value: a label value (text, quoted if it looks like a number), and none with operator Exists")
+    if "effect" in t and t["effect"] not in _EFFECTS:
+        raise bad(f"effect: one of {', '.join(sorted(_EFFECTS))}")
+    if "tolerationSeconds" in t and (t.get("effect") != "NoExecute" or type(t["tolerationSeconds"]) is not int
+                                     or t["tolerationSeconds"] < 0):
+        raise bad("tolerationSeconds: whole seconds >= 0, with effect NoExecute")
+
+
 def node_script(cfg: C.Config, run_dir: str, plan) -> str:
     """The pod's shell line: into the run directory, then torchrun for this node. Node
     count, rank and pod 0's address come from the pod (the completion index and the
     Service's DNS, or the Trainer's PET_* variables); everything else is quoted."""
     if cfg.cluster.k8s.kind == C.K8sKind.trainjob:
-        node = NodeArgs(ShellExpr('"$PET_NNODES"'), ShellExpr('"$PET_NODE_RANK"'),
-                        ShellExpr('"$PET_MASTER_ADDR:$PET_MASTER_PORT"'))
+        rank = "PET_NODE_RANK"
+        node = NodeArgs(ShellExpr('"$PET_NNODES"'), ShellExpr(f'"${rank}"'), ShellExpr('"$PET_MASTER_ADDR:$PET_MASTER_PORT"'))
     else:
-        name = job_name(run_dir)
-        node = NodeArgs(str(cfg.cluster.nnodes), ShellExpr('"$JOB_COMPLETION_INDEX"'),
-                        f"{name}-0.{name}:{cfg.cluster.master_port or PORT}")
-    argv = torchrun_argv(cfg, run_dir, plan, node)
-    return f"cd {shlex.quote(run_dir)} && exec " + " ".join(shell_word(a) for a in argv)
+        name, rank = job_name(run_dir), "JOB_COMPLETION_INDEX"
+        node = NodeArgs(str(cfg.cluster.nnodes), ShellExpr(f'"${rank}"'), f"{name}-0.{name}:{cfg.cluster.master_port or PORT}")
+    # Node 0 hosts the rendezvous store, said outright: torchrun would otherwise decide by
+    # resolving pod 0's DNS name, which may not exist yet when the pod starts.
+    argv = [ShellExpr(f'{a},is_host="$IS_HOST"') if a.startswith("--rdzv-conf=") else a
+            for a in torchrun_argv(cfg, run_dir, plan, node)]
+    return (f'IS_HOST=false; [ "${rank}" = 0 ] && IS_HOST=true; cd {shlex.quote(run_dir)} && exec '
+            + " ".join(shell_word(a) for a in argv))
 
 
 def literal(text: str) -> str:
@@ -172,14 +193,14 @@ def manifests(cfg: C.Config, run_dir: str, plan) -> list[dict]:
                     "containers": [container], "volumes": volumes}}
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
            "spec": {"completionMode": "Indexed", "completions": cfg.cluster.nnodes, "parallelism": cfg.cluster.nnodes,
-                    "backoffLimit": k.backoff_limit, "template": pod}}
+                    "backoffLimit": k.backoff_limit * cfg.cluster.nnodes, "template": pod}}
     return [service, job]
 
 
 def render(cfg: C.Config, run_dir: str, plan) -> str:
     import yaml
 
-    head = f"# Kubernetes job for the run directory {run_dir}; apply with: {' '.join(apply_argv(cfg, run_dir))}\n"
+    head = f"# Kubernetes job for the run directory {run_dir}; apply with: {shlex.join(apply_argv(cfg, run_dir))}\n"
     return head + yaml.safe_dump_all(manifests(cfg, run_dir, plan), sort_keys=False, width=120)
 
 
@@ -206,7 +227,11 @@ def apply(cfg: C.Config, run_dir: Path) -> str:
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
         raise SubmitError(" | ".join(lines) or f"kubectl exited {proc.returncode}")
-    return f"applied {run_dir / MANIFEST} ({proc.stdout.strip()})"
+    said = proc.stdout.strip()
+    if " unchanged" in said:  # a Job's pods run once: the same Job applied again starts nothing
+        return (f"kubectl left the job as it was ({said}): it exists already; to start it again, first: "
+                f"{shlex.join(['kubectl', *argv[1:-3], 'delete', '-f', argv[-1]])}")
+    return f"applied {run_dir / MANIFEST} ({said})"
 
 
 class SubmitError(Exception):

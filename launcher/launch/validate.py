@@ -356,6 +356,9 @@ def validate_zero(cfg: Config, host) -> None:
         return
     if not 0 <= z.stage <= 3:
         raise ConfigError("recipe.zero.stage", z.stage, "allowed: 0, 1, 2, 3")
+    if cfg.train.max_bad_steps and z.stage == 0:
+        raise ConfigError("train.max_bad_steps", cfg.train.max_bad_steps, "the loss guard needs recipe.zero.stage "
+                          "1, 2 or 3 (stage 0's plain optimizer applies a non-finite step), or recipe=ddp")
     if z.offload_optimizer != OffloadDevice.none and z.stage == 0:
         raise ConfigError("recipe.zero.offload_optimizer", z.offload_optimizer.value,
                           "optimizer offload needs recipe.zero.stage 1, 2 or 3")

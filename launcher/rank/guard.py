@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
@@ -30,9 +28,9 @@ WINDOW = 32
 """Applied steps whose losses make the recent mean."""
 WARM = 8
 """Losses in the window before a spike can be called."""
-SAME_TARGET = 3
-"""Rollbacks in a row to the same checkpoint before the run stops: the data after it
-was not the cause."""
+FUTILE = 3
+"""Rollbacks in a row with no applied step between them before the run stops: the data
+after the checkpoint was not the cause."""
 
 
 class LossGuard:
@@ -45,8 +43,8 @@ class LossGuard:
         self.recent: deque[float] = deque(maxlen=WINDOW)
         self.step = 0  # the step being decided (the loop sets it)
         self.in_row = self.skipped = self.rollbacks = 0
-        self._target: Path | None = None
-        self._same = 0
+        self.applied_since_rollback = 0
+        self._futile = 0
 
     @property
     def on(self) -> bool:
@@ -80,6 +78,7 @@ class LossGuard:
         """Record the step: applied (`why` None; its loss joins the recent mean) or skipped."""
         if why is None:
             self.in_row = 0
+            self.applied_since_rollback += 1
             if loss is not None and math.isfinite(loss):
                 self.recent.append(loss)
             return
@@ -125,16 +124,19 @@ class LossGuard:
         if newest is None:
             return (f"loss guard: {self.in_row} bad steps in a row at step {self.step} and no checkpoint "
                     "to go back to; stopping (lower optim.lr, or save sooner with checkpoint.every)")
-        self._same = self._same + 1 if newest == self._target else 1
-        self._target = newest
-        if self._same > SAME_TARGET:
-            return (f"loss guard: sent back to {newest} {SAME_TARGET} times in a row, each time followed by "
-                    f"{self.limit} bad steps; stopping (the data after it is not the cause: lower optim.lr)")
-        schedule = engine.scheduler.state_dict()
+        self._futile = self._futile + 1 if self.applied_since_rollback == 0 else 1
+        if self._futile > FUTILE:
+            return (f"loss guard: {FUTILE} rollbacks in a row, each followed by {self.limit} bad steps and no good "
+                    f"one; stopping at step {self.step} (the data is not the cause: lower optim.lr)")
+        scheduler = engine.scheduler
+        schedule = scheduler.state_dict()
         with pause():
             state = checkpointer.load(newest, engine)
-        engine.scheduler.load_state_dict(schedule)
-        self.in_row = 0
+        scheduler.load_state_dict(schedule)
+        # The optimizer's state brought the checkpoint's learning rates back: the schedule's, as its step() sets them
+        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+        self.in_row = self.applied_since_rollback = 0
         self.rollbacks += 1
         self.say(f"loss guard: {self.limit} bad step{'s' * (self.limit > 1)} in a row; weights and optimizer state back to {newest} "
                  f"(step {state.step}), going on from step {self.step + 1} with the data after the bad batches")

@@ -53,6 +53,12 @@ def test_nan_steps_are_skipped_then_the_weights_go_back_to_the_last_checkpoint(r
     at4 = torch.load(ckpts / "step_00000004" / "engine" / "model.pt", weights_only=True)
     at8 = torch.load(ckpts / "step_00000008" / "engine" / "model.pt", weights_only=True)
     assert same(at4, at8), "step 8's checkpoint does not hold step 4's weights"
+    opt4, opt8 = (torch.load(ckpts / f"step_0000000{s}" / "engine" / "optim.pt", weights_only=True)["optimizer"]
+                  for s in (4, 8))
+    assert same(opt4["state"], opt8["state"]), "step 8's checkpoint does not hold step 4's Adam state"
+    # ... but the learning rate the schedule gives step 8, not step 4's that the optimizer's state brought back
+    assert [g["lr"] for g in opt8["param_groups"]] == [rows[7]["lr"]] * len(opt8["param_groups"])
+    assert rows[7]["lr"] != rows[3]["lr"]
     state = torch.load(ckpts / "step_00000008" / "trainer" / "rank_00000.pt", weights_only=True)
     assert (state["step"], state["samples_seen"]) == (8, 8 * 16)  # past the bad batches
     at12 = torch.load(ckpts / "step_00000012" / "engine" / "model.pt", weights_only=True)

@@ -42,7 +42,7 @@ def test_the_job_and_its_service_validate_against_the_kubernetes_schemas(tmp_pat
     assert service["metadata"]["name"] == job["metadata"]["name"] == name
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"] == {"launcher/job": name}
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
-    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == ("Indexed", 2, 2, 3)
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == ("Indexed", 2, 2, 6)  # 3 faults x 2 pods
     assert pod["subdomain"] == name and pod["restartPolicy"] == "OnFailure"
     assert pod["terminationGracePeriodSeconds"] == 300
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
@@ -54,8 +54,12 @@ def test_the_job_and_its_service_validate_against_the_kubernetes_schemas(tmp_pat
     # The node's torchrun: rank from the completion index, rendezvous at pod 0's DNS name.
     bash, flag, script = container["command"]
     words = shlex.split(script.replace("$$", "$"))
-    assert (bash, flag, words[:3]) == ("bash", "-c", ["cd", str(run), "&&"])
+    start = words.index("cd")
+    assert (bash, flag, words[start:start + 3]) == ("bash", "-c", ["cd", str(run), "&&"])
     assert "--node-rank=$JOB_COMPLETION_INDEX" in words and "--nnodes=2" in words and "--nproc-per-node=8" in words
+    # pod 0 hosts the rendezvous store, without waiting for its own DNS name to resolve
+    assert script.startswith('IS_HOST=false; [ "$$JOB_COMPLETION_INDEX" = 0 ] && IS_HOST=true; ')
+    assert any(w.startswith("--rdzv-conf=join_timeout=") and w.endswith(",is_host=$IS_HOST") for w in words)
     assert f"--rdzv-endpoint={name}-0.{name}:29500" in words
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["NCCL_SOCKET_IFNAME"] == "eth0" and env["PYTHONPATH"] == str(run / "code")
@@ -92,6 +96,10 @@ def test_the_trainjob_validates_against_the_trainers_api_models(tmp_path, capsys
     (['cluster.k8s.node_selector=["gpu"]'], ["cluster.k8s.node_selector=gpu", "key=value"]),
     (["cluster.k8s.tolerations=[{key: gpu, operator: Sometimes}]"], ["cluster.k8s.tolerations", "Equal or Exists"]),
     (["cluster.k8s.tolerations=[{key: gpu, effect: Never}]"], ["cluster.k8s.tolerations", "NoSchedule"]),
+    (["cluster.k8s.tolerations=[{key: gpu, value: 1}]"], ["cluster.k8s.tolerations", "quoted if it looks like a number"]),
+    (["cluster.k8s.tolerations=[{key: gpu, operator: Exists, value: a}]"], ["cluster.k8s.tolerations", "none with operator Exists"]),
+    (["cluster.k8s.tolerations=[{key: gpu, effect: NoSchedule, tolerationSeconds: 60}]"], ["tolerationSeconds", "NoExecute"]),
+    (["cluster.k8s.mount_path=/"], ["hydra.run.dir", "cluster.k8s.mount_path=/"]),
     (["cluster.preempt_grace_s=60"], ["cluster.preempt_grace_s=60", "shutdown_timeout_s=180"]),
     (["checkpoint.resume=never"], ["checkpoint.resume=never", "use auto"]),
 ])
@@ -120,3 +128,14 @@ def test_submit_without_kubectl_writes_the_run_directory_and_says_the_command(tm
     docs = list(yaml.safe_load_all((run / "job.yaml").read_text()))
     assert [d["kind"] for d in docs] == ["Service", "Job"]
     assert (run / "config.yaml").is_file() and (run / "code" / "launcher" / "rank" / "entry.py").is_file()
+
+
+def test_a_run_directory_named_by_the_time_still_gives_a_service_name():
+    """The default run directory starts with the time (outputs/<date>/20-29-31-fsdp): a
+    Service's name must start with a letter, and pod names add `-<index>` within 63."""
+    import re
+
+    for run in ("/shared/outputs/2026-11-26/20-29-31-fsdp", "/shared/runs/" + "x" * 80, "/shared/runs/__"):
+        name = k8s.job_name(run)
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 56, name
+    assert k8s.job_name("/shared/runs/a") != k8s.job_name("/shared/other/a")
