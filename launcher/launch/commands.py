@@ -156,6 +156,15 @@ def rank_env(cfg: Config, plan: LaunchPlan, run_dir: str) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(plan.threads_per_rank), **comm_env(cfg, run_dir), **cfg.cluster.env}
 
 
+def job_env(cfg: Config, plan: LaunchPlan, run_dir: str) -> dict[str, str]:
+    """A scheduled job's rank environment (Slurm, Kubernetes): rank_env, unbuffered output,
+    and with a code copy (plan.code) the copy first on PYTHONPATH, the working directory out."""
+    env = {**rank_env(cfg, plan, run_dir), "PYTHONUNBUFFERED": "1"}
+    if plan.code is not None:
+        env |= {"PYTHONPATH": ":".join(p for p in (plan.code, env.get("PYTHONPATH")) if p), "PYTHONSAFEPATH": "1"}
+    return env
+
+
 def comm_env(cfg: Config, run_dir: str, torch_version: str | None = None) -> dict[str, str]:
     """torch's flight recorder (read by NCCL and gloo alike) keeps each rank's last
     dist.flight_recorder collectives. The hang watchdog compares their counts and writes the
@@ -287,9 +296,7 @@ def sbatch_script(cfg: Config, run_dir: str, plan: LaunchPlan, template: str | N
     sbatch-quoted, values in shell lines shlex-quoted; cluster.setup lines are shell code
     the user wrote and go in as they are."""
     c = cfg.cluster
-    env = {**rank_env(cfg, plan, run_dir), "PYTHONUNBUFFERED": "1"}
-    if plan.code is not None:
-        env |= {"PYTHONPATH": ":".join(p for p in (plan.code, env.get("PYTHONPATH")) if p), "PYTHONSAFEPATH": "1"}
+    env = job_env(cfg, plan, run_dir)
     port = str(c.master_port) if c.master_port is not None else "$((20000 + SLURM_JOB_ID % 20000))"
     values = {
         "title": f"Slurm job for the run directory {shlex.quote(run_dir)}",

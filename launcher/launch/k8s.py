@@ -24,7 +24,7 @@ import subprocess
 from pathlib import Path
 
 from launcher import config as C
-from launcher.launch.commands import NodeArgs, ShellExpr, rank_env, shell_word, torchrun_argv
+from launcher.launch.commands import NodeArgs, ShellExpr, job_env, shell_word, torchrun_argv
 
 MANIFEST = "job.yaml"
 PORT = 29500
@@ -136,10 +136,7 @@ def literal(text: str) -> str:
 
 
 def _env(cfg: C.Config, run_dir: str, plan) -> list[dict]:
-    env = {**rank_env(cfg, plan, run_dir), "PYTHONUNBUFFERED": "1"}
-    if plan.code is not None:  # the copy made at submit, on the shared volume
-        env |= {"PYTHONPATH": ":".join(p for p in (plan.code, env.get("PYTHONPATH")) if p), "PYTHONSAFEPATH": "1"}
-    return [{"name": k, "value": literal(v)} for k, v in sorted(env.items())]
+    return [{"name": k, "value": literal(v)} for k, v in sorted(job_env(cfg, plan, run_dir).items())]
 
 
 def _volumes(k) -> tuple[list[dict], list[dict]]:

@@ -167,6 +167,17 @@ def evaluate(model: nn.Module, micro_batches: list[Batch], device: torch.device,
     return StepResult(loss=total / len(micro_batches), grad_norm=torch.zeros((), device=device), loss_owner=loss_owner)
 
 
+def owners_sum(loss: torch.Tensor, owner: bool, device: torch.device) -> torch.Tensor:
+    """The sum over ranks of the owners' losses (one rank per data-parallel slice owns its
+    slice's loss; each of a cp group its positions' mean: equal counts, so their mean is
+    the slice's); the caller divides by the slices. A collective: every rank calls it."""
+    import torch.distributed as dist
+
+    total = loss.detach().clone() if owner else torch.zeros((), device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total
+
+
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: a DTensor's local shard, a plain tensor itself."""
     return t._local_tensor if is_dtensor(t) else t

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
+
 import torch
-import torch.distributed as dist
 
 from launcher.device import host_values
+from launcher.rank.engine import owners_sum
 
 WINDOW = 32
 """Applied steps whose losses make the recent mean."""
@@ -91,9 +92,7 @@ class LossGuard:
         """The step's loss over the ranks (one scalar all-reduce), only for spike_factor."""
         if not self.factor:
             return None
-        t = loss.detach().float().clone() if owner else torch.zeros((), device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t / self.slices
+        return owners_sum(loss.float(), owner, self.device) / self.slices
 
     def _loss_problem(self, loss: float | None) -> str | None:
         if loss is None or self.scaler_owns_nonfinite and not math.isfinite(loss):

@@ -26,7 +26,7 @@ from launcher.rank.checkpoint import Checkpointer
 from launcher.config import Config, FaultPoint
 from launcher.data.read import build_loader, loss_floor
 from launcher.device import host_values, memory_stats, peak_flops, reset_peak_memory, synchronize
-from launcher.rank.engine import StepResult, local_shard
+from launcher.rank.engine import StepResult, local_shard, owners_sum
 from launcher.planner.memory import ActivationCounter
 from launcher.rank.metrics import RankZeroLogger, Throughput
 from launcher.exits import CHECKPOINT_FAILED_MARKER, EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
@@ -244,12 +244,8 @@ def run(job: Job) -> int:
 
 
 def reduced_loss(result: StepResult, device: torch.device) -> torch.Tensor:
-    """The sum over ranks of the owners' losses (one rank per data-parallel slice owns its
-    slice's loss; each of a cp group its positions' mean: equal counts, so their mean is
-    the slice's); the caller divides by the slices. A collective: every rank calls it."""
-    loss = result.loss.detach().clone() if result.loss_owner else torch.zeros((), device=device)
-    dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-    return loss
+    """A step's or an evaluation's loss summed over its owners (engine.owners_sum)."""
+    return owners_sum(result.loss, result.loss_owner, device)
 
 
 def save(ckpt: Checkpointer, step: int, samples_seen: int, engine, watchdog: Watchdog, job: Job,
