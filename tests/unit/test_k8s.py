@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,52 @@ def test_a_run_directory_named_by_the_time_still_gives_a_service_name():
         name = k8s.job_name(run)
         assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 56, name
     assert k8s.job_name("/shared/runs/a") != k8s.job_name("/shared/other/a")
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the golden holds the snapshot's PYTHONSAFEPATH (3.11+)")
+def test_the_rehearsed_405b_layout_renders_as_a_64_pod_job(capsys, monkeypatch):
+    """The 405B layout scripts/rehearse_matrix.py rehearses at 512 ranks (docs/memory.md 5),
+    pp=16 x tp=8 x fsdp, as a Kubernetes job: 64 pods of 8 GPUs, one torchrun agent a pod,
+    the c10d rendezvous (the ranks' store) on pod 0 through the headless Service, every pod
+    given cluster.join_timeout_s to join, the flight recorder's dump into the run directory;
+    the same overrides as tests/unit/test_slurm.py's 64-node sbatch golden."""
+    from golden import check_golden
+    from launcher.launch import rundir
+    from runs import REPO
+
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the k8s extra (make setup installs it)")
+    monkeypatch.chdir(REPO)
+
+    class ParallelFilesystem:  # 4 checkpoints of 6 TB on the cluster's shared volume
+        free = 2**50
+
+    monkeypatch.setattr(rundir.shutil, "disk_usage", lambda path: ParallelFilesystem)
+    run = Path("/shared/runs/llama3-405b")  # fixed: the job's name and rendezvous id hash it
+    assert cli.main(["submit", "model=llama3_405b", "recipe=pp_fsdp", "parallel.pp=16", "parallel.tp=8",
+                     "parallel.sequence_parallel=true", "parallel.pp_microbatches=32", "train.micro_batch=32",
+                     "cluster=k8s", "cluster.nnodes=64", "cluster.gpus_per_node=8", "cluster.join_timeout_s=900",
+                     "cluster.k8s.image=ghcr.io/me/train:1", "cluster.k8s.volume_claim=shared-runs",
+                     "cluster.k8s.mount_path=/shared", "cluster.k8s.namespace=llm",
+                     'cluster.k8s.node_selector=["nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3"]',
+                     "cluster.k8s.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
+                     "train.seq_len=8192", "train.activation_checkpointing=full",
+                     "+cluster.env.NCCL_SOCKET_IFNAME=eth0", f"hydra.run.dir={run}", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert not run.exists(), "--dry-run wrote a run directory"
+    check_golden("submit_dry_run_64_pods_405b.yaml", out.replace(str(REPO), "/repo"))
+    service, job = yaml.safe_load_all(out)
+    for obj in (service, job):
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    name = k8s.job_name(str(run))
+    spec = job["spec"]
+    assert (spec["completions"], spec["parallelism"], spec["backoffLimit"]) == (64, 64, 192)
+    (container,) = spec["template"]["spec"]["containers"]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+    words = shlex.split(container["command"][2].replace("$$", "$"))
+    assert "--nnodes=64" in words and "--nproc-per-node=8" in words and "--rdzv-backend=c10d" in words
+    assert f"--rdzv-endpoint={name}-0.{name}:29500" in words
+    assert "--rdzv-conf=join_timeout=900,is_host=$IS_HOST" in words
+    env = {e["name"]: e["value"] for e in container["env"]}
+    # The collectives' flight recorder, dumped into the run directory on a hang or an NCCL timeout.
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == f"{run}/comm_trace/rank_"
