@@ -172,6 +172,9 @@ class FaultPoint(str, enum.Enum):
     fault_step + fault_steps - 1: the gradients, all-reduced, are NaN on every rank."""
     spike = "spike"
     """The rank's loss (or, on a pipeline's last stage, its logits) x 1000 at those steps."""
+    slow = "slow"
+    """The rank's forward takes debug.slow_s longer at those steps (a sleep in its first
+    layer that holds parameters): a straggler, for train.straggler_factor."""
     oom = "oom"
     """The rank raises torch.OutOfMemoryError at the end of its first forward of step
     `fault_step` (where the logits are made), once per run directory: the back-off's

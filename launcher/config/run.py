@@ -243,7 +243,9 @@ class DebugConfig:
     fault_rank: int = 0
     """The global rank it strikes."""
     fault_steps: int = 1
-    """nan, spike: the steps in a row it strikes, from fault_step."""
+    """nan_loss, spike, slow: the steps in a row it strikes, from fault_step."""
+    slow_s: float = 0.2
+    """slow: the seconds each forward of the rank takes longer."""
     async_save_delay_s: float = 0.0
     """checkpoint.async_save: each rank's writer thread waits this long before it writes,
     while training goes on (a staged copy that still shared the live tensors would then be

@@ -115,6 +115,14 @@ class TrainConfig:
     steps are bad. Lower catches milder spikes and risks skipping an honest jump (a new
     data source); 2-5 is typical. fp16: non-finite steps are the loss scaler's (it skips
     and lowers its scale), not counted by the guard."""
+    straggler_factor: float = 1.5
+    """On each log step every rank times its own work (its forward's layers, outside the
+    collectives' waits, and its data wait) and rank 0 logs the slowest rank and its lag
+    (rank/slowest, rank/slowest_lag_s); a rank above this x the median of its peers (its
+    pipeline stage) gets a console line naming it and its host. Costs, on log steps only,
+    two timestamps per layer per forward and one all-gather of three numbers. 0: off.
+    Lower flags smaller lags and noise with them; a slow GPU or data loader is typically
+    well above 1.5."""
     activation_checkpointing: ACMode = ACMode.none
     """none: keep all activations. full: recompute every block in backward (about a third
     more compute, activations shrink to one tensor per block). selective: recompute every

@@ -49,6 +49,8 @@ def validate(cfg: Config, host) -> list[str]:
     if t.spike_factor and not (t.spike_factor > 1 and t.max_bad_steps):
         raise ConfigError("train.spike_factor", t.spike_factor, "must be 0 (off) or > 1, with the loss guard on "
                           "(train.max_bad_steps >= 1)")
+    if t.straggler_factor and not t.straggler_factor > 1:
+        raise ConfigError("train.straggler_factor", t.straggler_factor, "must be 0 (off) or > 1")
     _positive("debug.fault_steps", cfg.debug.fault_steps)
     if m.kind == ModelKind.hf:
         validate_hf_model(cfg)

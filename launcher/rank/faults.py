@@ -1,5 +1,5 @@
 """Fault injection for the reliability tests (`debug.fault`): a real SIGKILL, a real
-endless sleep, or a poisoned loss (nan_loss, spike), at a named point on one rank at one step.
+endless sleep, a poisoned loss (nan_loss, spike) or a slow rank, at a named point on one rank at one step.
 A no-op unless configured."""
 
 from __future__ import annotations
@@ -34,15 +34,21 @@ POISON = {FaultPoint.nan_loss: float("nan"), FaultPoint.spike: 1000.0}
 @contextlib.contextmanager
 def poisoned(debug: DebugConfig | None, step: int, rank: int, model):
     """debug.fault=nan_loss|spike: the output of `model` (the loss; a pipeline stage's
-    activations or logits) times NaN or 1000 on this rank, at steps fault_step to
-    fault_step + fault_steps - 1."""
-    if (debug is None or debug.fault not in POISON or debug.fault_rank != rank
+    activations or logits) times NaN or 1000 on this rank; slow: the first layer holding
+    parameters of `model` sleeps debug.slow_s after each forward on this rank (inside the
+    span train.straggler_factor times). At steps fault_step to fault_step + fault_steps - 1."""
+    if (debug is None or debug.fault not in (*POISON, FaultPoint.slow) or debug.fault_rank != rank
             or not debug.fault_step <= step < debug.fault_step + debug.fault_steps):
         yield
         return
-    factor = POISON[debug.fault]
     print(f"rank {rank}: injected fault {debug.fault.value} at step {step}", file=sys.stderr, flush=True)
-    handle = model.register_forward_hook(lambda _module, _args, output: output * factor)
+    if debug.fault == FaultPoint.slow:
+        layer = next(m for m in model.modules()
+                     if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is not None)
+        handle = layer.register_forward_hook(lambda *_: time.sleep(debug.slow_s), prepend=True)
+    else:
+        factor = POISON[debug.fault]
+        handle = model.register_forward_hook(lambda _module, _args, output: output * factor)
     try:
         yield
     finally:

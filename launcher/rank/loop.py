@@ -34,6 +34,7 @@ from launcher.rank.faults import poisoned, strike
 from launcher.rank.guard import LossGuard
 from launcher.rank.preempt import Preemption
 from launcher.rank.profiler import StepProfiler
+from launcher.rank.straggler import Stragglers
 from launcher.rank.validation import held_out_batches, held_out_loss
 from launcher.rank.watchdog import Watchdog
 
@@ -112,6 +113,7 @@ def run(job: Job) -> int:
     measured: dict[str, int] = {}
     skipped_steps = 0  # fp16: steps the loss scaler skipped on overflow, this launch
     guard = LossGuard(cfg, device, job.dp_size * cp, log.print)  # train.max_bad_steps
+    stragglers = Stragglers(cfg, engine, device, job.rank, job.world_size, log.print)  # train.straggler_factor
     job.preemption.started(step)
     while step < last:
         strike(cfg.debug, FaultPoint.hang, step + 1, job.rank)
@@ -124,15 +126,18 @@ def run(job: Job) -> int:
             if cp > 1:
                 inputs, targets = local_positions(inputs, cp_rank, cp), local_positions(targets, cp_rank, cp)
             micro_batches.append((inputs, targets))
-        meter.data_wait += time.perf_counter() - t0
+        meter.data_wait += (fetched := time.perf_counter() - t0)
+        logged = ((step + 1) % cfg.logger.log_every == 0 or step + 1 == last
+                  or bool(cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0))
         watchdog.in_step()
         strike(cfg.debug, FaultPoint.hang_in_step, step + 1, job.rank)
 
         while True:  # once, or again with smaller micro-batches after an out-of-memory (train.oom_backoff)
             try:
                 guard.step = step + 1
-                output = getattr(engine, "output_module", engine.model)  # what debug.fault=nan_loss|spike hooks
-                with backoff.injected(job, step + 1, engine.model), poisoned(cfg.debug, step + 1, job.rank, output):
+                output = getattr(engine, "output_module", engine.model)  # what debug.fault=nan_loss|spike|slow hooks
+                with (backoff.injected(job, step + 1, engine.model), poisoned(cfg.debug, step + 1, job.rank, output),
+                      stragglers.timed(logged, fetched)):
                     # The second step of a launch: the first also holds one-time work (a
                     # pipeline's shape inference); the planner predicts the steady state.
                     if cfg.train.measure_activations and step == min(first_step + 1, last - 1):
@@ -176,7 +181,7 @@ def run(job: Job) -> int:
                 val = reduced_loss(held_out_loss(job, held_out), device)
                 synchronize(device)
             meter.start += time.perf_counter() - t_eval  # out of the step times
-        if step % cfg.logger.log_every == 0 or step == last or val is not None:
+        if logged:  # val is not None only on a logged step
             loss = reduced_loss(result, device)
             scaled = result.loss_scale is not None
             # One host synchronisation for every scalar, before the rates (it waits for the device).
@@ -184,7 +189,8 @@ def run(job: Job) -> int:
                                *((val,) if val is not None else ()))
             metrics = {"step": step, "loss": read[0] / (job.dp_size * cp), "lr": engine.lr(),
                        "grad_norm": read[1], **meter.rates(), **memory_stats(device),
-                       **engine.state_bytes().as_metrics(), **measured, **guard.metrics()}
+                       **engine.state_bytes().as_metrics(), **measured, **guard.metrics(),
+                       **stragglers.report(step)}
             if scaled:
                 metrics["loss_scale"] = read[2]
                 metrics["skipped_steps"] = int(read[3])
@@ -238,8 +244,7 @@ def run(job: Job) -> int:
     summary["preempted"] = preempted
     summary.update({k.replace("/", "_"): v for k, v in guard.metrics().items()})  # guard_skipped_steps, guard_rollbacks
     log.finish(summary)
-    # After Ctrl-C the ranks end as if done (exit 0): torchrun neither restarts them nor
-    # reports a failure; the launcher reads preempted.json and exits 130.
+    # After Ctrl-C the ranks end as if done (exit 0): torchrun neither restarts them nor reports a failure.
     return EXIT_PREEMPTED if preempted and not job.preemption.interrupted else 0
 
 

@@ -63,6 +63,8 @@ CASES = [
     (["train.spike_factor=3"], ["train.spike_factor", "0 (off) or > 1", "train.max_bad_steps >= 1"]),
     (["train.max_bad_steps=2", "train.spike_factor=0.5"], ["train.spike_factor=0.5", "0 (off) or > 1"]),
     (["debug.fault_steps=0"], ["debug.fault_steps=0", ">= 1"]),
+    (["train.straggler_factor=1"], ["train.straggler_factor=1", "0 (off) or > 1"]),
+    (["train.straggler_factor=-2"], ["train.straggler_factor=-2", "0 (off) or > 1"]),
     (["recipe=zero1", "recipe.zero.stage=0", "train.max_bad_steps=2"], ["train.max_bad_steps=2", "stage 1, 2 or 3"]),
     (["train.eval_every=5", "train.eval_samples=12"], ["train.eval_samples=12", "multiple of micro_batch(8)",
                                                         "data-parallel size(2)", "= 16"]),
