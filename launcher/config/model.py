@@ -84,7 +84,9 @@ class DataConfig:
     seed: int = 0
     """synthetic: the source's seed (its transition tables). Different from train.seed."""
     path: Optional[str] = None
-    """memmap: path to the token file."""
+    """memmap: a token file (nanoGPT's train.bin), a folder of *.bin shards or one `make
+    data` prepared (index.json), or a glob: one stream, windows cut inside each file.
+    Opening many shards reads the index (or stats the files) only."""
     dtype: TokenDtype = TokenDtype.uint16
     """memmap: token width in the file (uint16 covers vocabularies up to 65536)."""
     val_path: Optional[str] = None
@@ -92,6 +94,13 @@ class DataConfig:
     val_fraction: float = 0.0
     """memmap, hf_text: the last fraction of the token windows held out from training for
     validation (0: none; up to 0.5). Changes which windows train: set it from the start."""
+    sources: Any = None
+    """memmap: a weighted mixture instead of data.path, a list of {name, path, weight}
+    (val_path optional) or Megatron's '30 path_a 70 path_b' (names: the files' stems).
+    Each path is anything data.path takes. Weights are normalised; global sample i goes
+    to a source by a fixed interleave (every prefix within one sample of the weights), so
+    resume and a new world size keep the blend; a source that runs out starts a fresh
+    epoch order (logged). metrics.jsonl and W&B get data/<name>/tokens."""
     num_workers: Optional[int] = None
     """DataLoader worker processes per rank (null: 2 on CUDA, 0 on CPU where the cores
     are busy with the ranks). Workers hide data time but cost CPU and memory."""

@@ -9,7 +9,10 @@ another world size with the same global batch sees exactly the same data.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import zlib
+from collections import OrderedDict
 from pathlib import Path
 from typing import Iterator
 
@@ -18,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from launcher.config import Config, DataConfig, DataKind, TokenDtype, held_out_windows
+from launcher.data import sources
 
 
 class MarkovSource(Dataset):
@@ -101,28 +105,32 @@ class MarkovSource(Dataset):
 
 
 class TokenFile(Dataset):
-    """A flat file of uint16/uint32 tokens (nanoGPT's train.bin). Sample i is a window of
-    seq_len + 1 tokens: the file is cut into non-overlapping windows, and each epoch
-    visits them in a fresh order seeded by (seed, epoch)."""
+    """One token stream (launcher/data/sources.py: a flat uint16/uint32 file as nanoGPT's
+    train.bin, a folder or glob of them, or a `make data` folder of shards). Sample i is a
+    window of seq_len + 1 tokens: each file is cut into non-overlapping windows, and each
+    epoch visits all of them in a fresh order seeded by (seed, `key`, epoch). Files are
+    memory-mapped when a window needs them, at most MAPPED at once."""
 
-    def __init__(self, cfg: DataConfig, seq_len: int, seed: int, path: str | None = None):
-        self.tokens = np.memmap(path or cfg.path, dtype=_np_dtype(cfg.dtype), mode="r")
-        self.seq_len, self.seed = seq_len, seed
-        windows = (len(self.tokens) - 1) // seq_len
+    MAPPED = 64
+
+    def __init__(self, cfg: DataConfig, seq_len: int, seed: int, path: str | None = None, key: int = 0):
+        where = path or cfg.path
+        self.stream = sources.stream("data.path", where, cfg.dtype)
+        self.seq_len, self.seed, self.key = seq_len, seed, key
+        per_file = self.stream.windows(seq_len)
+        self.ends = np.cumsum(per_file)  # window w lies in the first file whose end exceeds it
+        windows = int(self.ends[-1])
         # data.val_fraction: the last windows are validation's (held_out), never trained on
         self.held_out = held_out_windows(windows, cfg.val_fraction) if path is None else 0
         self.windows = windows - self.held_out
         if self.windows < 1:
-            raise ValueError(f"{path or cfg.path}: {windows} window(s) of train.seq_len={seq_len} tokens, "
+            raise ValueError(f"{where}: {windows} window(s) of train.seq_len={seq_len} tokens, "
                              f"{self.held_out} held out by data.val_fraction={cfg.val_fraction}: none left to train on")
-        self._epoch, self._order = -1, None
+        self._maps: OrderedDict[int, np.memmap] = OrderedDict()
 
     def _window(self, idx: int) -> int:
         epoch, pos = divmod(int(idx), self.windows)
-        if epoch != self._epoch:
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
-            self._epoch = epoch
-        return int(self._order[pos])
+        return sources.permuted(pos, self.windows, sources.epoch_key(self.seed, self.key, epoch))
 
     def __len__(self) -> int:
         return 2**62
@@ -130,19 +138,95 @@ class TokenFile(Dataset):
     def __getitem__(self, idx: int) -> torch.Tensor:
         return self.window(self._window(idx))
 
+    def _map(self, f: int) -> np.memmap:
+        m = self._maps.pop(f, None)
+        if m is None:
+            m = np.memmap(self.stream.files[f], dtype=_np_dtype(self.stream.dtype), mode="r")
+            while len(self._maps) >= self.MAPPED:
+                self._maps.popitem(last=False)
+        self._maps[f] = m
+        return m
+
     def window(self, w: int) -> torch.Tensor:
-        """Window w of the file, in file order: its seq_len + 1 tokens."""
-        start = w * self.seq_len
-        return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+        """Window w of the stream, in file order: its seq_len + 1 tokens."""
+        f = int(np.searchsorted(self.ends, w, side="right"))
+        start = (w - (int(self.ends[f - 1]) if f else 0)) * self.seq_len
+        return torch.from_numpy(self._map(f)[start:start + self.seq_len + 1].astype(np.int64))
 
     def __getitems__(self, indices: list[int]) -> torch.Tensor:
         return torch.stack([self[i] for i in indices])
 
 
+class Mixture(Dataset):
+    """data.sources: global sample i goes to the source the blend gives its position
+    (sources.blend), which serves its own k-th sample (its epochs in fresh orders)."""
+
+    def __init__(self, cfg: Config, seed: int):
+        self.sources = sources.sources(cfg.data)
+        # a source with a validation file of its own holds out none of its windows
+        self.streams = [TokenFile(dataclasses.replace(cfg.data, path=s.path, val_fraction=0.0 if s.val_path else
+                                                      cfg.data.val_fraction), cfg.train.seq_len, seed,
+                                  key=zlib.crc32(s.name.encode())) for s in self.sources]
+        self.which, self.rank, self.count = sources.blend([s.weight for s in self.sources])
+        self.seq_len = cfg.train.seq_len
+
+    def locate(self, idx: int) -> tuple[int, int]:
+        """(source, that source's own sample index) of global sample idx."""
+        period, pos = divmod(int(idx), sources.BLEND_PERIOD)
+        s = int(self.which[pos])
+        return s, period * int(self.count[s]) + int(self.rank[pos])
+
+    def consumed(self, samples: int) -> list[tuple[str, int, int, int]]:
+        """(name, samples drawn, epoch now running, windows an epoch) of each source after `samples`."""
+        drawn = sources.consumed(self.which, self.count, samples)
+        return [(s.name, int(n), int(n) // t.windows, t.windows) for s, n, t in zip(self.sources, drawn, self.streams)]
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def __getitem__(self, idx: int) -> torch.Tensor:
+        s, k = self.locate(idx)
+        return self.streams[s][k]
+
+    def __getitems__(self, indices: list[int]) -> torch.Tensor:
+        return torch.stack([self[i] for i in indices])
+
+
+class SourceMeter:
+    """On log steps: each source's tokens drawn so far (data/<name>/tokens, a mixture's),
+    and one console line when a source has been read to its end and starts a new epoch
+    in a fresh order (any token stream)."""
+
+    def __init__(self, dataset: Dataset, samples_seen: int, say):
+        self.dataset, self.say = dataset, say
+        self.mixed = isinstance(dataset, Mixture)
+        self.epochs = {name: epoch for name, _, epoch, _ in self._drawn(samples_seen)}
+
+    def _drawn(self, samples: int) -> list[tuple[str, int, int, int]]:
+        """(name, samples drawn, epoch running, windows an epoch) per source."""
+        if self.mixed:
+            return self.dataset.consumed(samples)
+        if isinstance(self.dataset, TokenFile):
+            return [("data", samples, samples // self.dataset.windows, self.dataset.windows)]
+        return []
+
+    def metrics(self, step: int, samples_seen: int) -> dict:
+        out = {}
+        for name, drawn, epoch, windows in self._drawn(samples_seen):
+            if epoch > self.epochs[name]:
+                self.say(f"data: {'source ' + name if self.mixed else 'the token data'} read to its end ({windows:,} "
+                         f"sequences an epoch) by step {step}: epoch {epoch + 1} runs in a fresh order")
+                self.epochs[name] = epoch
+            if self.mixed:
+                out[f"data/{name}/tokens"] = drawn * self.dataset.seq_len
+        return out
+
+
 class Held(Dataset):
     """Validation samples: sample i is window `first + i % count` of a token file, in file
     order (the same windows every evaluation), or a synthetic source's sample 2**61 + i,
-    an index training never reaches."""
+    an index training never reaches; of a mixture, sample i of the source the blend gives
+    position i, from that source's held-out windows."""
 
     def __init__(self, source: Dataset, first: int = 0, count: int | None = None):
         self.source, self.first, self.count = source, first, count
@@ -153,6 +237,9 @@ class Held(Dataset):
     def __getitems__(self, indices: list[int]) -> torch.Tensor:
         if isinstance(self.source, MarkovSource):
             return self.source.__getitems__([2**61 + i for i in indices])
+        if isinstance(self.source, Mixture):
+            return torch.stack([self.source.held[s].__getitems__([k])[0]
+                                for s, k in map(self.source.locate, indices)])
         return torch.stack([self.source.window(self.first + i % self.count) for i in indices])
 
 
@@ -160,8 +247,15 @@ def build_val_dataset(cfg: Config, train: Dataset, run_dir: Path | None = None) 
     """train.eval_every's held-out samples, beside the training set `train`."""
     if isinstance(train, MarkovSource):
         return Held(train)
-    if cfg.data.val_path:
-        own = TokenFile(cfg.data, cfg.train.seq_len, cfg.train.seed, path=cfg.data.val_path)
+    if isinstance(train, Mixture):  # each source's own val_path, or its held-out windows
+        train.held = [held_out_of(cfg, t, s.val_path) for s, t in zip(train.sources, train.streams)]
+        return Held(train)
+    return held_out_of(cfg, train, cfg.data.val_path)
+
+
+def held_out_of(cfg: Config, train: TokenFile, val_path: str | None) -> Held:
+    if val_path:
+        own = TokenFile(cfg.data, cfg.train.seq_len, cfg.train.seed, path=val_path)
         return Held(own, 0, own.windows)
     return Held(train, train.windows, train.held_out)
 
@@ -196,6 +290,8 @@ def build_dataset(cfg: Config, run_dir: Path | None = None) -> Dataset:
         from launcher.data.prepare import token_file_config
 
         return TokenFile(token_file_config(cfg, run_dir), cfg.train.seq_len, cfg.train.seed)
+    if cfg.data.sources is not None:
+        return Mixture(cfg, cfg.train.seed)
     return TokenFile(cfg.data, cfg.train.seq_len, cfg.train.seed)
 
 

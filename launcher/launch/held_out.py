@@ -4,24 +4,44 @@ are some."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from launcher.config import Config, ConfigError, DataKind, TokenDtype, held_out_windows
 
 
 def token_windows(key: str, path: str, dtype: TokenDtype, seq_len: int) -> int:
-    """A token file's windows of seq_len + 1 tokens (data.path, data.val_path alike);
-    refused when the file is missing or shorter than one window."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(key, path, "no such file")
-    tokens = p.stat().st_size // dtype.width
-    if tokens < seq_len + 1:
-        raise ConfigError(key, path, f"holds {tokens} tokens; train.seq_len={seq_len} needs at least {seq_len + 1}")
-    return (tokens - 1) // seq_len
+    """A data path's windows of seq_len + 1 tokens (data.path, data.val_path, a source's:
+    a token file, a folder of shards, a glob; launcher/data/sources.py); refused when
+    nothing is there or it is shorter than one window."""
+    from launcher.data.sources import windows_of
+
+    return windows_of(key, path, dtype, seq_len)
+
+
+def validate_token_data(cfg: Config) -> None:
+    """data=memmap: data.path, or each source of data.sources (and its val_path)."""
+    from launcher.data.sources import sources
+
+    d, t = cfg.data, cfg.train
+    if d.sources is None:
+        if not d.path:
+            raise ConfigError("data.path", d.path, "missing: data=memmap needs a token file, a folder of shards or "
+                              "data.sources (scripts/prepare_data.py and make data make them)")
+        token_windows("data.path", d.path, d.dtype, t.seq_len)
+        return
+    if d.path is not None:
+        raise ConfigError("data.path", d.path, "data.sources names the data already: use one of them (data.path=null)")
+    if d.val_path is not None:
+        raise ConfigError("data.val_path", d.val_path, "with data.sources each source names its own val_path")
+    for s in sources(d):
+        windows = token_windows(f"data.sources.{s.name}.path", s.path, d.dtype, t.seq_len)
+        if s.val_path:
+            token_windows(f"data.sources.{s.name}.val_path", s.val_path, d.dtype, t.seq_len)
+        elif windows - held_out_windows(windows, d.val_fraction) < 1:
+            raise ConfigError("data.val_fraction", d.val_fraction, f"leaves source {s.name} no training window of its {windows}")
 
 
 def validate_evaluation(cfg: Config, dp: int, grad_accum: int) -> None:
+    from launcher.data.sources import sources as sources_of
+
     t, d = cfg.train, cfg.data
     if t.eval_every < 0:
         raise ConfigError("train.eval_every", t.eval_every, "must be >= 0 (0: never)")
@@ -37,15 +57,22 @@ def validate_evaluation(cfg: Config, dp: int, grad_accum: int) -> None:
                           + ("held-out samples of its own source" if d.name == DataKind.synthetic else "data.val_fraction") + ")")
     if d.val_fraction and d.name == DataKind.synthetic:
         raise ConfigError("data.val_fraction", d.val_fraction, "synthetic data holds out samples of its own (use 0)")
+    if d.sources is not None and d.name != DataKind.memmap:
+        raise ConfigError("data.sources", str(d.sources)[:80], f"is for data=memmap (data={d.name.value})")
     if d.val_path is not None and d.val_fraction:
         raise ConfigError("data.val_fraction", d.val_fraction, "data.val_path names the held-out data already: "
                           "use one of them (data.val_fraction=0)")
     if d.val_path is not None:
         token_windows("data.val_path", d.val_path, d.dtype, t.seq_len)
-    if d.val_fraction and d.name == DataKind.memmap:  # data.path itself was checked before
+    if d.val_fraction and d.name == DataKind.memmap and d.sources is None:  # data.path itself was checked before
         windows = token_windows("data.path", d.path, d.dtype, t.seq_len)
         if windows - held_out_windows(windows, d.val_fraction) < 1:
             raise ConfigError("data.val_fraction", d.val_fraction, f"leaves no training window of the file's {windows}")
-    if t.eval_every and d.name != DataKind.synthetic and d.val_path is None and not d.val_fraction:
+    if t.eval_every and d.sources is not None and not d.val_fraction:
+        lacking = [s.name for s in sources_of(d) if not s.val_path]
+        if lacking:
+            raise ConfigError("train.eval_every", t.eval_every, f"source {lacking[0]} has no held-out data: a val_path "
+                              "in its entry, or data.val_fraction=0.01 for every source without one")
+    elif t.eval_every and d.name != DataKind.synthetic and d.val_path is None and not d.val_fraction:
         raise ConfigError("train.eval_every", t.eval_every, f"data={d.name.value} needs held-out data: "
                           + ("data.val_path=<token file> or " if d.name == DataKind.memmap else "") + "data.val_fraction=0.01")

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from launcher.config import (Backend, Config, ConfigError, DataKind, ModelKind, OffloadDevice, PPSchedule, Precision, Runner, Scheduler, TokenDtype, ffn_dim, nproc_per_node, pipeline_stages)
-from launcher.launch.held_out import token_windows, validate_evaluation
+from launcher.launch.held_out import validate_evaluation, validate_token_data
 from launcher.launch.levers import validate_context_parallel, validate_levers
 from launcher.parallel.degrees import data_parallel_size, grad_accum
 
@@ -73,9 +73,7 @@ def validate(cfg: Config, host) -> list[str]:
         if d.vocab_size < 2:
             raise ConfigError("data.vocab_size", d.vocab_size, "synthetic data needs >= 2 tokens")
     elif d.name == DataKind.memmap:
-        if not d.path:
-            raise ConfigError("data.path", d.path, "missing: data=memmap needs a token file (scripts/prepare_data.py makes one)")
-        token_windows("data.path", d.path, d.dtype, t.seq_len)
+        validate_token_data(cfg)
         if d.dtype == TokenDtype.uint16 and d.vocab_size > 65536:
             raise ConfigError("data.vocab_size", d.vocab_size, "uint16 tokens allow at most 65536")
     elif d.name == DataKind.hf_text:

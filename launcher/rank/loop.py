@@ -24,7 +24,7 @@ from launcher.parallel.degrees import degrees
 from launcher.rank import backoff
 from launcher.rank.checkpoint import Checkpointer
 from launcher.config import Config, FaultPoint
-from launcher.data.read import build_loader, loss_floor
+from launcher.data.read import SourceMeter, build_loader, loss_floor
 from launcher.device import host_values, memory_stats, peak_flops, reset_peak_memory, synchronize
 from launcher.rank.engine import StepResult, local_shard, owners_sum
 from launcher.planner.memory import ActivationCounter
@@ -114,6 +114,7 @@ def run(job: Job) -> int:
     skipped_steps = 0  # fp16: steps the loss scaler skipped on overflow, this launch
     guard = LossGuard(cfg, device, job.dp_size * cp, log.print)  # train.max_bad_steps
     stragglers = Stragglers(cfg, engine, device, job.rank, job.world_size, log.print)  # train.straggler_factor
+    drawn = SourceMeter(job.dataset, samples_seen, log.print)  # data/<source>/tokens, epochs run out
     job.preemption.started(step)
     while step < last:
         strike(cfg.debug, FaultPoint.hang, step + 1, job.rank)
@@ -190,7 +191,7 @@ def run(job: Job) -> int:
             metrics = {"step": step, "loss": read[0] / (job.dp_size * cp), "lr": engine.lr(),
                        "grad_norm": read[1], **meter.rates(), **memory_stats(device),
                        **engine.state_bytes().as_metrics(), **measured, **guard.metrics(),
-                       **stragglers.report(step)}
+                       **stragglers.report(step), **drawn.metrics(step, samples_seen)}
             if scaled:
                 metrics["loss_scale"] = read[2]
                 metrics["skipped_steps"] = int(read[3])
@@ -244,7 +245,7 @@ def run(job: Job) -> int:
     summary["preempted"] = preempted
     summary.update({k.replace("/", "_"): v for k, v in guard.metrics().items()})  # guard_skipped_steps, guard_rollbacks
     log.finish(summary)
-    # After Ctrl-C the ranks end as if done (exit 0): torchrun neither restarts them nor reports a failure.
+    # After Ctrl-C the ranks end as if done (exit 0): torchrun neither restarts nor reports them.
     return EXIT_PREEMPTED if preempted and not job.preemption.interrupted else 0
 
 

@@ -14,6 +14,7 @@ from launcher.launch import cli
 
 HF = bad_hf_files()  # small config folders for the model=hf rows
 W = bad_hf_weights()  # save_pretrained folders, one good and four broken
+README = REPO / "README.md"  # a file of tokens as far as data=memmap can tell
 CORPUS = REPO / "tests" / "data" / "hf" / "corpus.jsonl"  # fields: id, text
 
 # (overrides, words the one line must contain)
@@ -78,6 +79,14 @@ CASES = [
     (["data=memmap", f"data.path={REPO / 'README.md'}", "data.val_path=/no/val.bin"], ["data.val_path=/no/val.bin", "no such file"]),
     (["data=memmap", f"data.path={REPO / 'README.md'}", "data.val_path=/no/val.bin", "data.val_fraction=0.1"],
      ["data.val_fraction=0.1", "use one of them"]),
+    (["data=memmap", f"data.sources='30 {README} 70 /no/code/'"], ["data.sources.code.path=/no/code/", "no such file"]),
+    (["data=memmap", f"data.path={README}", f"data.sources='30 {README} 70 {README}'"],
+     ["data.path=", "data.sources names the data already"]),
+    (["data=memmap", f"data.sources='30 {README} 70'"], ["data.sources=", "pairs of weight and path"]),
+    (["data=memmap", f"data.sources=[{{path: {README}, weight: 0}}]"], ["data.sources=0", "weight must be a number > 0"]),
+    (["data=memmap", f"data.sources=[{{name: web, path: {README}, weight: 1}}]", "train.eval_every=5"],
+     ["train.eval_every=5", "source web has no held-out data", "data.val_fraction=0.01"]),
+    ([f"data.sources='30 {README} 70 {README}'"], ["data.sources=", "is for data=memmap"]),
     (["train.loss_chunks=0"], ["train.loss_chunks=0", "1..train.seq_len=128"]),
     (["recipe=tp", "train.loss_chunks=4"], ["train.loss_chunks=4", "splits the head", "use 1 or null"]),
     (["recipe=pp", "train.loss_chunks=4"], ["train.loss_chunks=4", "pipeline", "use 1 or null"]),

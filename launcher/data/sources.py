@@ -1,0 +1,192 @@
+"""Token sources, read by both sides (no torch): which files a data path names, how many
+tokens each holds, the order an epoch visits windows in, and how a weighted mixture blends
+its sources, every one a pure function of the configuration, the seed and the global
+sample index.
+
+A data path (data.path, or a source's path in data.sources) is one of:
+- a flat token file (nanoGPT's train.bin: uint16 or uint32, data.dtype);
+- a prepared directory (`make data`: index.json and its shards, dtype from the index);
+- a directory of flat files (every *.bin in it, sorted by name), or a glob of them.
+Its files are one stream: windows of seq_len + 1 tokens are cut inside each file (none
+spans two), numbered file after file. Opening 10,000 shards reads the index (or stats the
+files) and nothing else; the ranks map files when a window needs them (read.py).
+
+An epoch visits the windows in a seeded pseudo-random order: a bijection of [0, N)
+(a Feistel network with cycle walking), so the order costs no memory at any N (a
+permutation array of 10^8 windows would be 800 MB in every rank and loader worker).
+
+A mixture (data.sources: name, path, weight) assigns global sample i to a source by
+BLEND_PERIOD-long period of the error-minimising interleave (Megatron's blending order):
+at every prefix of every period each source's count is within one sample of its weight's
+share. Source s's own k-th sample is window k of its own epoch order (epoch k // N_s), so
+a source that runs out starts a fresh order; the loop logs it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from launcher.config import ConfigError, DataConfig, TokenDtype
+
+INDEX = "index.json"
+BLEND_PERIOD = 1 << 16
+NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    path: str
+    weight: float
+    val_path: str | None = None
+
+
+@dataclass(frozen=True)
+class Stream:
+    """The files of one data path, in order, and their token counts."""
+
+    files: tuple[str, ...]
+    tokens: tuple[int, ...]
+    dtype: TokenDtype
+
+    def windows(self, seq_len: int) -> np.ndarray:
+        """Windows of seq_len + 1 tokens per file (the last token of one window is the
+        first of the next: targets shift by one)."""
+        return np.maximum(0, (np.asarray(self.tokens, dtype=np.int64) - 1) // seq_len)
+
+
+def stream(key: str, path: str, dtype: TokenDtype) -> Stream:
+    """The files `path` names (see the module's doc); refused in one line when none."""
+    p = Path(os.path.expanduser(path))
+    index = p / INDEX if p.is_dir() else p if p.name == INDEX else None
+    if index is not None and index.is_file():
+        meta = json.loads(index.read_text())
+        if meta.get("format") != "launcher-tokens":
+            raise ConfigError(key, path, f"{index} is not a prepared token index (make data writes one)")
+        files = tuple(str(index.parent / s["file"]) for s in meta["shards"])
+        missing = next((f for f in files if not Path(f).is_file()), None)
+        if missing:
+            raise ConfigError(key, path, f"names shard {missing}, which is missing")
+        return Stream(files, tuple(int(s["tokens"]) for s in meta["shards"]), TokenDtype(meta["dtype"]))
+    if p.is_file():
+        found = [str(p)]
+    elif p.is_dir():
+        found = sorted(str(f) for f in p.glob("*.bin") if f.is_file())
+    else:
+        found = sorted(f for f in glob.glob(os.path.expanduser(path)) if Path(f).is_file())
+    if not found:
+        raise ConfigError(key, path, "no such file; allowed: a token file, a folder of *.bin shards or one "
+                          "`make data` prepared (index.json), or a glob")
+    return Stream(tuple(found), tuple(os.path.getsize(f) // dtype.width for f in found), dtype)
+
+
+def windows_of(key: str, path: str, dtype: TokenDtype, seq_len: int) -> int:
+    """A data path's windows; refused when it holds fewer tokens than one window."""
+    s = stream(key, path, dtype)
+    n = int(s.windows(seq_len).sum())
+    if n < 1:
+        raise ConfigError(key, path, f"holds {sum(s.tokens)} tokens in {len(s.files)} file(s), none with a window of "
+                          f"train.seq_len + 1 = {seq_len + 1}")
+    return n
+
+
+# ----------------------------------------------------------------------------- mixtures
+def sources(d: DataConfig) -> list[Source]:
+    """data.sources as a list (one source `main` for a plain data.path). Accepts the
+    Megatron form "30 path_a 70 path_b" (names: the files' stems) or a list of
+    {name, path, weight[, val_path]}; weights are normalised."""
+    raw = d.sources
+    if raw is None:
+        return [Source("main", d.path, 1.0, d.val_path)] if d.path is not None else []
+    if isinstance(raw, str):
+        words = raw.split()
+        if len(words) < 2 or len(words) % 2:
+            raise ConfigError("data.sources", raw, "the Megatron form is pairs of weight and path: '30 a.bin 70 b/'")
+        raw = [{"weight": w, "path": p, "name": Path(p.rstrip("/")).stem} for w, p in zip(words[::2], words[1::2])]
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise ConfigError("data.sources", raw, "a list of {name, path, weight} or '30 path_a 70 path_b'")
+    out = []
+    for item in raw:
+        item = dict(item) if hasattr(item, "keys") else None
+        if item is None or not {"path", "weight"} <= set(item) or set(item) - {"name", "path", "weight", "val_path"}:
+            raise ConfigError("data.sources", raw, "each source is {name, path, weight} (val_path optional)")
+        name = str(item.get("name") or Path(str(item["path"]).rstrip("/")).stem)
+        try:
+            weight = float(item["weight"])
+        except (TypeError, ValueError):
+            weight = float("nan")
+        if not NAME.fullmatch(name):
+            raise ConfigError("data.sources", name, "a source's name: letters, digits, '_', '.', '-' (it names metrics)")
+        if not weight > 0 or weight == float("inf"):
+            raise ConfigError("data.sources", item["weight"], f"source {name}'s weight must be a number > 0")
+        out.append(Source(name, str(item["path"]), weight, item.get("val_path")))
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ConfigError("data.sources", dup, "two sources share this name; name them: {name: ..., path: ..., weight: ...}")
+    total = sum(s.weight for s in out)
+    return [Source(s.name, s.path, s.weight / total, s.val_path) for s in out]
+
+
+def blend(weights: list[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One period of the interleave: (source of each position, its rank among that
+    source's positions, each source's count in the period). Position p goes to the
+    source furthest behind its share of p + 1 samples (ties: the lower index)."""
+    w = np.asarray(weights, dtype=np.float64)
+    if len(w) == 1:
+        return np.zeros(BLEND_PERIOD, dtype=np.int32), np.arange(BLEND_PERIOD), np.asarray([BLEND_PERIOD])
+    which = np.empty(BLEND_PERIOD, dtype=np.int32)
+    rank = np.empty(BLEND_PERIOD, dtype=np.int64)
+    count = np.zeros(len(w), dtype=np.int64)
+    for p in range(BLEND_PERIOD):
+        s = int(np.argmax(w * (p + 1) - count))
+        which[p], rank[p] = s, count[s]
+        count[s] += 1
+    return which, rank, count
+
+
+def consumed(which: np.ndarray, count: np.ndarray, n: int) -> np.ndarray:
+    """Samples each source gave to the first n global samples."""
+    whole, part = divmod(n, BLEND_PERIOD)
+    return whole * count + np.bincount(which[:part], minlength=len(count))
+
+
+# ----------------------------------------------------------------------------- epoch order
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a 64-bit integer hash."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def epoch_key(*parts: int) -> int:
+    key = 0
+    for part in parts:
+        key = _mix(key ^ (part & 0xFFFFFFFFFFFFFFFF))
+    return key
+
+
+def permuted(i: int, n: int, key: int) -> int:
+    """Position i of a pseudo-random permutation of [0, n) chosen by `key`: four Feistel
+    rounds over the smallest even number of bits covering n, walking the cycle until the
+    value falls inside [0, n) (under 4 walks on average)."""
+    if n <= 1:
+        return 0
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = (1 << half) - 1
+    x = i
+    while True:
+        left, right = x >> half, x & mask
+        for r in range(4):
+            left, right = right, left ^ (_mix(key ^ (r << 56) ^ right) & mask)
+        x = (left << half) | right
+        if x < n:
+            return x
