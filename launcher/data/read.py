@@ -225,8 +225,7 @@ class SourceMeter:
 class Held(Dataset):
     """Validation samples: sample i is window `first + i % count` of a token file, in file
     order (the same windows every evaluation), or a synthetic source's sample 2**61 + i,
-    an index training never reaches; of a mixture, sample i of the source the blend gives
-    position i, from that source's held-out windows."""
+    an index training never reaches."""
 
     def __init__(self, source: Dataset, first: int = 0, count: int | None = None):
         self.source, self.first, self.count = source, first, count
@@ -237,20 +236,22 @@ class Held(Dataset):
     def __getitems__(self, indices: list[int]) -> torch.Tensor:
         if isinstance(self.source, MarkovSource):
             return self.source.__getitems__([2**61 + i for i in indices])
-        if isinstance(self.source, Mixture):
-            return torch.stack([self.source.held[s].__getitems__([k])[0]
-                                for s, k in map(self.source.locate, indices)])
         return torch.stack([self.source.window(self.first + i % self.count) for i in indices])
 
 
 def build_val_dataset(cfg: Config, train: Dataset, run_dir: Path | None = None) -> Dataset:
-    """train.eval_every's held-out samples, beside the training set `train`."""
+    """train.eval_every's held-out samples, beside the training set `train` (one stream)."""
     if isinstance(train, MarkovSource):
         return Held(train)
-    if isinstance(train, Mixture):  # each source's own val_path, or its held-out windows
-        train.held = [held_out_of(cfg, t, s.val_path) for s, t in zip(train.sources, train.streams)]
-        return Held(train)
     return held_out_of(cfg, train, cfg.data.val_path)
+
+
+def val_sets(cfg: Config, train: Dataset) -> list[tuple[str, float, Dataset]]:
+    """(name, weight, held-out samples) to evaluate: one set, or one per source of a
+    mixture (its own val_path, or its held-out windows), named for val/<name>/loss."""
+    if isinstance(train, Mixture):
+        return [(s.name, s.weight, held_out_of(cfg, t, s.val_path)) for s, t in zip(train.sources, train.streams)]
+    return [("", 1.0, build_val_dataset(cfg, train))]
 
 
 def held_out_of(cfg: Config, train: TokenFile, val_path: str | None) -> Held:

@@ -7,7 +7,6 @@ import contextlib
 import errno
 import hashlib
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from launcher.rank.guard import LossGuard
 from launcher.rank.preempt import Preemption
 from launcher.rank.profiler import StepProfiler
 from launcher.rank.straggler import Stragglers
-from launcher.rank.validation import held_out_batches, held_out_loss
+from launcher.rank.validation import evaluate, held_out_batches, val_metrics
 from launcher.rank.watchdog import Watchdog
 
 
@@ -179,7 +178,7 @@ def run(job: Job) -> int:
             synchronize(device)  # the step's kernels end before the evaluation's clock starts
             t_eval = time.perf_counter()
             with watchdog.paused():  # a large train.eval_samples may outlast dist.timeout_s
-                val = reduced_loss(held_out_loss(job, held_out), device)
+                val = evaluate(job, held_out, device)
                 synchronize(device)
             meter.start += time.perf_counter() - t_eval  # out of the step times
         if logged:  # val is not None only on a logged step
@@ -187,7 +186,7 @@ def run(job: Job) -> int:
             scaled = result.loss_scale is not None
             # One host synchronisation for every scalar, before the rates (it waits for the device).
             read = host_values(device, loss, result.grad_norm, *((result.loss_scale, skipped_steps) if scaled else ()),
-                               *((val,) if val is not None else ()))
+                               *(val.values() if val is not None else ()))
             metrics = {"step": step, "loss": read[0] / (job.dp_size * cp), "lr": engine.lr(),
                        "grad_norm": read[1], **meter.rates(), **memory_stats(device),
                        **engine.state_bytes().as_metrics(), **measured, **guard.metrics(),
@@ -196,8 +195,7 @@ def run(job: Job) -> int:
                 metrics["loss_scale"] = read[2]
                 metrics["skipped_steps"] = int(read[3])
             if val is not None:
-                metrics["val/loss"] = read[-1] / (job.dp_size * cp)
-                metrics["val/perplexity"] = math.exp(min(metrics["val/loss"], 700.0))
+                metrics |= val_metrics(dict(zip(val, read[-len(val):])), job.dp_size * cp)
             log.log(metrics)
 
         if ckpt.saver is not None and not settle(ckpt, watchdog, job, log, block=False):

@@ -6,25 +6,30 @@ and pipeline-parallel models evaluate as they train. The loop reduces and logs t
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from launcher.data.read import build_val_dataset
+from launcher.data.read import val_sets
 from launcher.parallel.context import local_positions
-from launcher.rank.engine import StepResult
+from launcher.rank.engine import StepResult, owners_sum
 
 
-def held_out_batches(job, cp: int, cp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def held_out_batches(job, cp: int, cp_rank: int) -> list[tuple[str, float, list]]:
     """train.eval_every's micro-batches of this data-parallel rank, on its device, made once:
-    the same held-out samples at every evaluation (launcher/data/read.py::build_val_dataset)."""
+    the same held-out samples at every evaluation (launcher/data/read.py::val_sets); per
+    source of a mixture, train.eval_samples each: (name, weight, micro-batches)."""
     cfg, mb = job.cfg, job.cfg.train.micro_batch
     n = cfg.train.eval_samples // (job.dp_size * mb)  # whole micro-batches (launch/held_out.py)
-    data = build_val_dataset(cfg, job.dataset, job.run_dir)
     first = job.dp_rank * n * mb
     out = []
-    for k in range(n):
-        batch = data.__getitems__(list(range(first + k * mb, first + (k + 1) * mb))).to(job.device)
-        x, y = batch[:, :-1], batch[:, 1:]
-        out.append((local_positions(x, cp_rank, cp), local_positions(y, cp_rank, cp)) if cp > 1 else (x, y))
+    for name, weight, data in val_sets(cfg, job.dataset):
+        batches = []
+        for k in range(n):
+            batch = data.__getitems__(list(range(first + k * mb, first + (k + 1) * mb))).to(job.device)
+            x, y = batch[:, :-1], batch[:, 1:]
+            batches.append((local_positions(x, cp_rank, cp), local_positions(y, cp_rank, cp)) if cp > 1 else (x, y))
+        out.append((name, weight, batches))
     return out
 
 
@@ -35,3 +40,22 @@ def held_out_loss(job, batches: list) -> StepResult:
     parts = [(job.engine.eval_step(batches[i:i + g]), len(batches[i:i + g])) for i in range(0, len(batches), g)]
     loss = sum(r.loss * n for r, n in parts) / len(batches)
     return StepResult(loss=loss, grad_norm=parts[0][0].grad_norm, loss_owner=parts[0][0].loss_owner)
+
+
+def evaluate(job, held_out: list, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every set's loss summed over its owners (a collective each, on every rank), by
+    metric name: val/loss, and for a mixture val/<name>/loss per source with val/loss
+    their weighted mean (the loss the blend expects)."""
+    losses = {name: (weight, owners_sum(r.loss, r.loss_owner, device))
+              for name, weight, batches in held_out for r in [held_out_loss(job, batches)]}
+    if "" in losses:
+        return {"val/loss": losses[""][1]}
+    return {"val/loss": sum(w * t for w, t in losses.values()), **{f"val/{n}/loss": t for n, (_, t) in losses.items()}}
+
+
+def val_metrics(read: dict[str, float], slices: int) -> dict[str, float]:
+    """The host's values of `evaluate`, per slice (the owners' sum over the data-parallel
+    and context-parallel slices), and val/perplexity."""
+    out = {k: v / slices for k, v in read.items()}
+    out["val/perplexity"] = math.exp(min(out["val/loss"], 700.0))
+    return out

@@ -1,7 +1,7 @@
 """data.sources on real ranks: two token files mixed 0.7/0.3 by 2 ranks; each source's
 tokens drawn in metrics.jsonl and the W&B run file, matching the blend; the small source
 read to its end and its new epoch said on the console; each source's held-out windows
-evaluated (val/loss)."""
+evaluated on its own (val/<name>/loss) and by weight (val/loss)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,10 @@ def test_two_sources_mixed_by_weight_on_two_ranks(run_dir, tmp_path):
         web, code = rows[step]["data/web/tokens"], rows[step]["data/code/tokens"]
         assert web + code == step * 16 * SEQ  # 16 sequences a step (8 x 2 ranks)
         assert abs(code / (web + code) - 0.3) <= 1 / (step * 16)  # within one sample of its share
-    assert np.isfinite(rows[8]["val/loss"])
+    # each source's held-out windows evaluated on their own; val/loss their weighted mean
+    web, code = rows[8]["val/web/loss"], rows[8]["val/code/loss"]
+    assert np.isfinite([web, code]).all() and web != code
+    assert rows[8]["val/loss"] == pytest.approx(0.7 * web + 0.3 * code, rel=1e-6)
     (run,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     history = {h["_step"]: h for h in wandb_file.history(run)}
     assert [history[s]["data/code/tokens"] for s in (4, 8)] == [rows[4]["data/code/tokens"], rows[8]["data/code/tokens"]]

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from launcher.config import Config, ConfigError, DataConfig, TokenDtype
 from launcher.data import sources
-from launcher.data.read import Mixture, SourceMeter, TokenFile, build_val_dataset
+from launcher.data.read import Mixture, SourceMeter, TokenFile, val_sets
 
 SEQ = 8
 
@@ -112,14 +112,14 @@ def test_a_source_that_runs_out_starts_a_fresh_epoch_and_says_so(tmp_path):
 def test_each_source_holds_out_its_own_windows_for_validation(tmp_path):
     mix = mixture(tmp_path, val_fraction=0.1)
     assert [t.held_out for t in mix.streams] == [80, 16]
-    held = build_val_dataset(config(val_fraction=0.1), mix)
-    val = held.__getitems__(list(range(100)))
-    a_held = {int(mix.streams[0].window(w)[0]) for w in range(720, 800)}
-    b_held = {int(mix.streams[1].window(w)[0]) for w in range(144, 160)}
-    assert {int(x[0]) for x in val} <= a_held | b_held  # held-out windows only, never trained on
-    assert abs(sum(source_of(x) == "b" for x in val) - 31) <= 1  # by the weights
+    sets = val_sets(config(val_fraction=0.1), mix)
+    assert [(name, weight) for name, weight, _ in sets] == [("a", 0.69), ("b", 0.31)]  # val/a/loss, val/b/loss
     trained = {int(mix[i][0]) for i in range(3000)}
-    assert not trained & (a_held | b_held)
+    for (name, _, held), stream, (first, last) in zip(sets, mix.streams, [(720, 800), (144, 160)]):
+        windows = {int(stream.window(w)[0]) for w in range(first, last)}
+        val = {int(x[0]) for x in held.__getitems__(list(range(100)))}
+        assert val == windows, name  # its held-out windows, all of them, in every evaluation
+        assert not trained & windows  # never trained on
 
 
 def test_the_megatron_form_and_bad_sources():
