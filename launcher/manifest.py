@@ -32,6 +32,8 @@ MANIFEST = "manifest.json"
 class TrainerState:
     step: int
     samples_seen: int
+    data: str | None = None
+    """The data's order at the save (TokenFile.fingerprint); None for synthetic data."""
 
 
 def step_name(step: int) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from collections import OrderedDict
 from pathlib import Path
 from typing import Iterator
 
@@ -108,10 +107,10 @@ class TokenFile(Dataset):
     """One token stream (launcher/data/sources.py: a flat uint16/uint32 file as nanoGPT's
     train.bin, a folder or glob of them, or a `make data` folder of shards). Sample i is a
     window of seq_len + 1 tokens: each file is cut into non-overlapping windows, and each
-    epoch visits all of them in a fresh order seeded by (seed, `key`, epoch). Files are
-    memory-mapped when a window needs them, at most MAPPED at once."""
-
-    MAPPED = 64
+    epoch visits all of them in a fresh order seeded by (seed, `key`, epoch). A window is
+    read from its file when needed (one positioned read; the page cache does the rest): no
+    file stays open, whatever the number of shards and sources, and the dataset pickles
+    small into loader workers."""
 
     def __init__(self, cfg: DataConfig, seq_len: int, seed: int, path: str | None = None, key: int = 0):
         where = path or cfg.path
@@ -126,7 +125,6 @@ class TokenFile(Dataset):
         if self.windows < 1:
             raise ValueError(f"{where}: {windows} window(s) of train.seq_len={seq_len} tokens, "
                              f"{self.held_out} held out by data.val_fraction={cfg.val_fraction}: none left to train on")
-        self._maps: OrderedDict[int, np.memmap] = OrderedDict()
 
     def _window(self, idx: int) -> int:
         epoch, pos = divmod(int(idx), self.windows)
@@ -138,20 +136,17 @@ class TokenFile(Dataset):
     def __getitem__(self, idx: int) -> torch.Tensor:
         return self.window(self._window(idx))
 
-    def _map(self, f: int) -> np.memmap:
-        m = self._maps.pop(f, None)
-        if m is None:
-            m = np.memmap(self.stream.files[f], dtype=_np_dtype(self.stream.dtype), mode="r")
-            while len(self._maps) >= self.MAPPED:
-                self._maps.popitem(last=False)
-        self._maps[f] = m
-        return m
-
     def window(self, w: int) -> torch.Tensor:
         """Window w of the stream, in file order: its seq_len + 1 tokens."""
         f = int(np.searchsorted(self.ends, w, side="right"))
         start = (w - (int(self.ends[f - 1]) if f else 0)) * self.seq_len
-        return torch.from_numpy(self._map(f)[start:start + self.seq_len + 1].astype(np.int64))
+        dtype = _np_dtype(self.stream.dtype)
+        tokens = np.fromfile(self.stream.files[f], dtype=dtype, count=self.seq_len + 1, offset=start * dtype().itemsize)
+        return torch.from_numpy(tokens.astype(np.int64))
+
+    def fingerprint(self) -> str:
+        """What decides the order: the order's kind, the windows trained and held out."""
+        return f"feistel {self.windows}+{self.held_out} windows of {self.seq_len} in {len(self.stream.files)} file(s)"
 
     def __getitems__(self, indices: list[int]) -> torch.Tensor:
         return torch.stack([self[i] for i in indices])
@@ -169,6 +164,9 @@ class Mixture(Dataset):
                                   key=zlib.crc32(s.name.encode())) for s in self.sources]
         self.which, self.rank, self.count = sources.blend([s.weight for s in self.sources])
         self.seq_len = cfg.train.seq_len
+
+    def fingerprint(self) -> str:
+        return "; ".join(f"{s.name} {s.weight:.6g}: {t.fingerprint()}" for s, t in zip(self.sources, self.streams))
 
     def locate(self, idx: int) -> tuple[int, int]:
         """(source, that source's own sample index) of global sample idx."""

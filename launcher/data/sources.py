@@ -16,9 +16,10 @@ An epoch visits the windows in a seeded pseudo-random order: a bijection of [0, 
 permutation array of 10^8 windows would be 800 MB in every rank and loader worker).
 
 A mixture (data.sources: name, path, weight) assigns global sample i to a source by
-BLEND_PERIOD-long period of the error-minimising interleave (Megatron's blending order):
-at every prefix of every period each source's count is within one sample of its weight's
-share. Source s's own k-th sample is window k of its own epoch order (epoch k // N_s), so
+position i mod BLEND_PERIOD of one period of the error-minimising interleave (Megatron's
+blending order): within the period every prefix holds each source within one sample of
+its weight's share; the period's counts are rounded, so over many periods a share drifts
+from its weight by under one sample per period (1/65536 of it). Source s's own k-th sample is window k of its own epoch order (epoch k // N_s), so
 a source that runs out starts a fresh order; the loop logs it.
 """
 
@@ -67,24 +68,42 @@ def stream(key: str, path: str, dtype: TokenDtype) -> Stream:
     p = Path(os.path.expanduser(path))
     index = p / INDEX if p.is_dir() else p if p.name == INDEX else None
     if index is not None and index.is_file():
-        meta = json.loads(index.read_text())
-        if meta.get("format") != "launcher-tokens":
-            raise ConfigError(key, path, f"{index} is not a prepared token index (make data writes one)")
-        files = tuple(str(index.parent / s["file"]) for s in meta["shards"])
-        missing = next((f for f in files if not Path(f).is_file()), None)
-        if missing:
-            raise ConfigError(key, path, f"names shard {missing}, which is missing")
-        return Stream(files, tuple(int(s["tokens"]) for s in meta["shards"]), TokenDtype(meta["dtype"]))
+        return indexed(key, path, index)
     if p.is_file():
         found = [str(p)]
     elif p.is_dir():
         found = sorted(str(f) for f in p.glob("*.bin") if f.is_file())
-    else:
-        found = sorted(f for f in glob.glob(os.path.expanduser(path)) if Path(f).is_file())
+    else:  # a glob: its token files (*.bin) only, never a prepared folder's shards one by one
+        found = sorted(f for f in glob.glob(os.path.expanduser(path)) if Path(f).is_file() and f.endswith(".bin"))
+        prepared = next((f for f in found if (Path(f).parent / INDEX).is_file()), None)
+        if prepared:
+            raise ConfigError(key, path, f"matches {prepared}, a shard of the prepared folder {Path(prepared).parent}: "
+                              "name that folder (its index.json holds the shards' order and dtype)")
     if not found:
         raise ConfigError(key, path, "no such file; allowed: a token file, a folder of *.bin shards or one "
                           "`make data` prepared (index.json), or a glob")
     return Stream(tuple(found), tuple(os.path.getsize(f) // dtype.width for f in found), dtype)
+
+
+def indexed(key: str, path: str, index: Path) -> Stream:
+    """A prepared folder's stream, from its index.json; refused in one line when the index
+    is not one, or a shard is missing or shorter than the index says."""
+    try:
+        meta = json.loads(index.read_text())
+        if meta.get("format") != "launcher-tokens":
+            raise ValueError("not a prepared token index (make data writes one)")
+        dtype = TokenDtype(meta["dtype"])
+        shards = [(index.parent / s["file"], int(s["tokens"])) for s in meta["shards"]]
+    except KeyError as err:
+        raise ConfigError(key, path, f"{index} has no {err} (not an index make data wrote)")
+    except (ValueError, TypeError, AttributeError) as err:  # not JSON, a wrong type, an unknown dtype
+        raise ConfigError(key, path, f"{index}: {err}")
+    for f, tokens in shards:
+        size = f.stat().st_size if f.is_file() else None
+        if size is None or size // dtype.width < tokens:
+            raise ConfigError(key, path, f"{index} names {f.name} with {tokens} tokens; "
+                              + ("it is missing" if size is None else f"it holds {size // dtype.width}"))
+    return Stream(tuple(str(f) for f, _ in shards), tuple(t for _, t in shards), dtype)
 
 
 def windows_of(key: str, path: str, dtype: TokenDtype, seq_len: int) -> int:
@@ -109,7 +128,7 @@ def sources(d: DataConfig) -> list[Source]:
         words = raw.split()
         if len(words) < 2 or len(words) % 2:
             raise ConfigError("data.sources", raw, "the Megatron form is pairs of weight and path: '30 a.bin 70 b/'")
-        raw = [{"weight": w, "path": p, "name": Path(p.rstrip("/")).stem} for w, p in zip(words[::2], words[1::2])]
+        raw = [{"weight": w, "path": p} for w, p in zip(words[::2], words[1::2])]
     if not isinstance(raw, (list, tuple)) or not raw:
         raise ConfigError("data.sources", raw, "a list of {name, path, weight} or '30 path_a 70 path_b'")
     out = []
@@ -117,7 +136,7 @@ def sources(d: DataConfig) -> list[Source]:
         item = dict(item) if hasattr(item, "keys") else None
         if item is None or not {"path", "weight"} <= set(item) or set(item) - {"name", "path", "weight", "val_path"}:
             raise ConfigError("data.sources", raw, "each source is {name, path, weight} (val_path optional)")
-        name = str(item.get("name") or Path(str(item["path"]).rstrip("/")).stem)
+        name = str(item.get("name") or default_name(str(item["path"])))
         try:
             weight = float(item["weight"])
         except (TypeError, ValueError):
@@ -132,7 +151,17 @@ def sources(d: DataConfig) -> list[Source]:
         dup = next(n for n in names if names.count(n) > 1)
         raise ConfigError("data.sources", dup, "two sources share this name; name them: {name: ..., path: ..., weight: ...}")
     total = sum(s.weight for s in out)
+    small = next((s for s in out if s.weight / total < 1 / BLEND_PERIOD), None)
+    if small is not None:
+        raise ConfigError("data.sources", small.weight, f"source {small.name}'s share {small.weight / total:.2g} is below "
+                          f"the blend's resolution (1/{BLEND_PERIOD}): it would never be drawn")
     return [Source(s.name, s.path, s.weight / total, s.val_path) for s in out]
+
+
+def default_name(path: str) -> str:
+    """A source's name from its path: the file's or folder's name, without `.bin`."""
+    name = Path(path.rstrip("/")).name
+    return name[:-4] if name.endswith(".bin") else name
 
 
 def blend(weights: list[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

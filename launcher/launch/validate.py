@@ -52,6 +52,8 @@ def validate(cfg: Config, host) -> list[str]:
     if t.straggler_factor and not t.straggler_factor > 1:
         raise ConfigError("train.straggler_factor", t.straggler_factor, "must be 0 (off) or > 1")
     _positive("debug.fault_steps", cfg.debug.fault_steps)
+    if not cfg.debug.slow_s >= 0:
+        raise ConfigError("debug.slow_s", cfg.debug.slow_s, "must be >= 0")
     if m.kind == ModelKind.hf:
         validate_hf_model(cfg)
     else:

@@ -70,6 +70,7 @@ class Checkpointer:
         self.debug = debug  # fault injection points (launcher/rank/faults.py); None in real runs
         self.timing: dict[str, float] = {}  # the last save's phases, seconds (rank 0's view)
         self.saver = None  # checkpoint.async_save: launcher/rank/async_save.py::Saver, made on every rank
+        self.data: str | None = None  # the dataset's fingerprint, saved and compared at resume
         if async_save:
             from launcher.rank.async_save import Saver
 
@@ -98,7 +99,8 @@ class Checkpointer:
         dist.barrier()
         t0 = time.perf_counter()
         write = engine.save(tmp / "engine", self.saver)
-        trainer = {"step": step, "samples_seen": samples_seen, "world_size": self.world_size, "rng": rng_state()}
+        trainer = {"step": step, "samples_seen": samples_seen, "world_size": self.world_size, "rng": rng_state(),
+                   "data": self.data}
         mine = tmp / "trainer" / f"rank_{self.rank:05d}.pt"
         if self.saver is None:
             torch.save(trainer, mine)
@@ -188,5 +190,9 @@ class Checkpointer:
             mine = folder / "trainer" / "rank_00000.pt"
         state = torch.load(mine, map_location="cpu", weights_only=True)
         set_rng_state(state["rng"])
-        return TrainerState(step=int(state["step"]), samples_seen=int(state["samples_seen"]))
+        if self.rank == 0 and state.get("data") != self.data and self.data is not None:
+            print(f"data: {folder} was saved reading {state.get('data') or 'data whose order it does not record'}; "
+                  f"this launch reads {self.data}: from sample {int(state['samples_seen']):,} on, the order is not the "
+                  "one the run trained with (samples may repeat or be skipped)", flush=True)
+        return TrainerState(step=int(state["step"]), samples_seen=int(state["samples_seen"]), data=state.get("data"))
 

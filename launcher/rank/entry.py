@@ -165,7 +165,9 @@ def train(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemption: 
         engine, startup = start(cfg, device, rank, world_size, local_rank, run_dir, started)
         accum = D.grad_accum(cfg, world_size)
         dp_size = D.data_parallel_size(cfg, world_size)
-        job = Job(cfg=cfg, run_dir=run_dir, engine=engine, dataset=build_dataset(cfg, run_dir), device=device, rank=rank,
+        dataset = build_dataset(cfg, run_dir)
+        ckpt.data = dataset.fingerprint() if hasattr(dataset, "fingerprint") else None  # compared at resume
+        job = Job(cfg=cfg, run_dir=run_dir, engine=engine, dataset=dataset, device=device, rank=rank,
                   world_size=world_size, dp_rank=D.degrees(cfg, world_size).dp_rank(rank), dp_size=dp_size,
                   grad_accum=accum, flops_per_token=models.flops_per_token(cfg, cfg.train.seq_len),
                   compute_dtype=autocast_dtype(cfg.precision.name.value), preemption=preemption, startup=startup,

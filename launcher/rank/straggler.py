@@ -3,17 +3,19 @@
 Under synchronous collectives every rank's step takes the same wall time: the fast ranks
 wait inside a collective for the slow one (DDP's bucket all-reduce, FSDP's and ZeRO-3's
 parameter all-gathers, a pipeline's receive). A rank's own speed shows in its work outside
-those waits. On a log step each rank times its forward's leaf modules that hold parameters
-(the linears, embeddings and norms: most of the step's FLOPs) from just after their
-pre-forward hooks (where FSDP2 and ZeRO-3 wait for their gathered parameters, and where an
-input still in flight from a tensor-parallel collective is waited for) to the end of their
-forward, adds its data wait, and all ranks gather these (one all-gather of three floats).
-Each rank is compared with the median of the ranks doing the same work (its pipeline
+those waits. On a log step each rank times the step's first forward over its leaf modules
+that hold parameters (the linears, embeddings and norms: most of the FLOPs) from just
+after their pre-forward hooks (where FSDP2 and ZeRO-3 wait for their gathered parameters,
+and where an input still in flight from a tensor-parallel collective is waited for) to
+the end of their forward, adds the step's data wait, and all ranks gather these (one
+all-gather of three floats).
+Each rank is compared with the median of the other ranks doing the same work (its pipeline
 stage); the slowest and its lag go to metrics.jsonl and W&B every log step, and one console
 line names it (rank, host) when it is above train.straggler_factor x that median.
 
 On CUDA the spans are CUDA events (read at the log step, which synchronises anyway); on
-the host, the clock. Other steps pay nothing: the hooks exist only during log steps. With
+the host, the clock. Other steps pay nothing: the hooks exist only during log steps, and
+time only the step's first forward (one span per layer; later calls return at once). With
 train.compile the blocks are compiled with their hooks, so the span is the whole forward
 (which holds FSDP's and ZeRO-3's waits: there only a slow data loader or a ddp/zero1/2
 rank is told apart)."""
@@ -27,6 +29,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from launcher.parallel.degrees import degrees
 
@@ -45,8 +48,6 @@ def timed_modules(engine, compiled: bool) -> list[torch.nn.Module]:
 def _settle_inputs(args) -> None:
     """Wait for inputs still in flight from a functional collective (a tensor-parallel
     all-gather): the module's first op would wait for them; here the span starts after."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
     for a in args:
         local = getattr(a, "_local_tensor", a)  # a DTensor's local shard
         if isinstance(local, AsyncCollectiveTensor):
@@ -80,6 +81,8 @@ class Stragglers:
         cuda = self.device.type == "cuda"
 
         def start(_module, args):
+            if len(self.spans) >= len(self.modules):  # one forward's worth measured: the rest pays a call
+                return
             _settle_inputs(args)
             if cuda:
                 event = torch.cuda.Event(enable_timing=True)
@@ -89,6 +92,8 @@ class Stragglers:
                 self.spans.append([time.perf_counter(), None])
 
         def end(_module, _args, _output):
+            if not self.spans or self.spans[-1][1] is not None:
+                return
             span = self.spans[-1]
             if cuda:
                 span[1] = torch.cuda.Event(enable_timing=True)
@@ -128,30 +133,34 @@ class Stragglers:
             return {}
         r, work, median = verdict
         ratio = work / median if median > 0 else float("inf")
-        peers = sum(row[2] == rows[r][2] for row in rows)
+        peers = sum(row[2] == rows[r][2] for row in rows) - 1
         if ratio > self.factor:
             self.say(f"straggler: rank {r} (host {self.hosts[r]}) at step {step}: {work * 1e3:,.1f} ms of forward "
-                     f"compute and data wait, {ratio:.2f}x the median {median * 1e3:,.1f} ms of the {peers} ranks "
-                     f"doing its work (train.straggler_factor={self.factor:g})")
+                     f"compute and data wait, {ratio:.2f}x the median {median * 1e3:,.1f} ms of the {peers} other "
+                     f"rank(s) doing its work (train.straggler_factor={self.factor:g})")
         return {"rank/slowest": r, "rank/slowest_lag_s": work - median, "rank/slowest_ratio": ratio,
                 "rank/compute_s_median": statistics.median(row[0] for row in rows),
                 "rank/compute_s_max": max(row[0] for row in rows), "rank/data_s_max": max(row[1] for row in rows)}
 
 
 def slowest(rows: list[list[float]]) -> tuple[int, float, float] | None:
-    """(rank, its work, the median of its peers' work) for the rank furthest above the
-    median of the ranks in its pipeline stage; rows are (compute_s, data_s, stage) by rank.
-    None when no stage has two ranks to compare."""
-    by_stage: dict[float, list[float]] = {}
-    for compute, data, stage in rows:
-        by_stage.setdefault(stage, []).append(compute + data)
-    medians = {s: statistics.median(w) for s, w in by_stage.items() if len(w) > 1}
-    best = None
+    """(rank, its work, the median of the other ranks' work in its pipeline stage) for the
+    rank furthest above that median; rows are (compute_s, data_s, stage) by rank. The
+    others only: with two ranks a rank 2x slower reads 2x, not 2/1.5x. None when no stage
+    has two ranks to compare."""
+    by_stage: dict[float, list[tuple[int, float]]] = {}
     for r, (compute, data, stage) in enumerate(rows):
-        if stage not in medians:
+        by_stage.setdefault(stage, []).append((r, compute + data))
+    best = None
+    for ranks in by_stage.values():
+        if len(ranks) < 2:
             continue
-        work, median = compute + data, medians[stage]
-        ratio = work / median if median > 0 else float("inf")
-        if best is None or ratio > best[0]:
-            best = (ratio, r, work, median)
+        ordered = sorted(w for _, w in ranks)
+        for r, work in ranks:
+            others = list(ordered)
+            others.remove(work)
+            median = statistics.median(others)
+            ratio = work / median if median > 0 else float("inf")
+            if best is None or ratio > best[0]:
+                best = (ratio, r, work, median)
     return None if best is None else best[1:]

@@ -36,3 +36,13 @@ def test_two_sources_mixed_by_weight_on_two_ranks(run_dir, tmp_path):
     (run,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     history = {h["_step"]: h for h in wandb_file.history(run)}
     assert [history[s]["data/code/tokens"] for s in (4, 8)] == [rows[4]["data/code/tokens"], rows[8]["data/code/tokens"]]
+
+    # Resumed with other weights: the checkpoint recorded the blend it trained with, so the
+    # change in order is said, not silent.
+    proc = launch("data=memmap", f"data.sources='60 {tmp_path / 'web.bin'} 40 {tmp_path / 'code.bin'}'",
+                  f"train.seq_len={SEQ}", "train.steps=9", "optim.warmup_steps=1", "logger.log_every=4",
+                  "logger.mode=offline", "logger.system_metrics_s=0", "data.val_fraction=0.1", run_dir=run_dir)
+    said = next(line for line in proc.stdout.splitlines() if line.startswith("data: "))
+    assert said.startswith(f"data: {run_dir / 'checkpoints' / 'step_00000008'} was saved reading web 0.7: feistel "
+                           "720+80 windows of 64 in 1 file(s); code 0.3: feistel 36+4 windows") and \
+        "this launch reads web 0.6: " in said and "from sample 128 on, the order is not the one the run trained" in said

@@ -6,6 +6,10 @@ index, whose shares match the weights, and whose sources run out into fresh epoc
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -53,13 +57,47 @@ def test_a_folder_a_glob_and_an_index_of_shards_are_one_stream(tmp_path):
     assert [int(folder[i][0]) for i in range(7, 14)] != [int(folder[i][0]) for i in range(7)]  # a fresh order
 
 
-def test_ten_thousand_shards_open_lazily_and_stay_bounded(tmp_path):
+def open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_ten_thousand_shards_cost_a_stat_each_and_keep_no_file_open(tmp_path):
     for i in range(10_000):
-        shard(tmp_path / "many" / f"{i:05d}.bin", 0, SEQ + 1)
-    ds = TokenFile(DataConfig(name="memmap", path=str(tmp_path / "many")), SEQ, seed=0)
-    assert ds.windows == 10_000 and len(ds._maps) == 0  # stat'ed, not mapped
-    ds.__getitems__(list(range(500)))
-    assert len(ds._maps) == TokenFile.MAPPED
+        shard(tmp_path / "many" / f"{i:05d}.bin", 10 * i, SEQ + 1, dtype=np.uint32)
+    before = open_files()
+    ds = TokenFile(DataConfig(name="memmap", path=str(tmp_path / "many"), dtype=TokenDtype.uint32), SEQ, seed=0)
+    assert ds.windows == 10_000
+    got = ds.__getitems__(list(range(500)))
+    assert {int(x[0]) % 10 for x in got} == {0} and len({int(x[0]) for x in got}) == 500  # 500 shards' windows
+    assert open_files() == before  # whatever the shards and sources: no descriptor kept
+    assert len(pickle.dumps(ds)) < 2_000_000  # into a loader worker: the file list, no mapped bytes
+
+
+def test_a_glob_takes_token_files_only_and_never_a_prepared_folders_shards(tmp_path):
+    shard(tmp_path / "flat" / "a.bin", 0, 17)
+    (tmp_path / "flat" / "notes.txt").write_text("not tokens")
+    assert TokenFile(DataConfig(name="memmap", path=str(tmp_path / "flat" / "*")), SEQ, seed=0).stream.files == \
+        (str(tmp_path / "flat" / "a.bin"),)
+    shard(tmp_path / "prep" / "shard_000000.bin", 0, 17)
+    (tmp_path / "prep" / "index.json").write_text(json.dumps({"format": "launcher-tokens", "dtype": "uint32",
+                                                              "shards": [{"file": "shard_000000.bin", "tokens": 8}]}))
+    with pytest.raises(ConfigError, match="a shard of the prepared folder"):
+        sources.stream("data.path", str(tmp_path / "prep" / "*.bin"), TokenDtype.uint16)
+
+
+@pytest.mark.parametrize("index,words", [
+    ("{not json", "Expecting property name"),
+    ('{"format": "launcher-tokens", "dtype": "uint16"}', "has no 'shards'"),
+    ('{"format": "launcher-tokens", "dtype": "int7", "shards": []}', "int7"),
+    ('{"format": "launcher-tokens", "dtype": "uint16", "shards": [{"file": "s.bin", "tokens": 99}]}',
+     "names s.bin with 99 tokens; it holds 17"),
+    ('{"format": "launcher-tokens", "dtype": "uint16", "shards": [{"file": "gone.bin", "tokens": 9}]}', "it is missing"),
+])
+def test_a_broken_index_is_one_line(index, words, tmp_path):
+    shard(tmp_path / "p" / "s.bin", 0, 17)
+    (tmp_path / "p" / "index.json").write_text(index)
+    with pytest.raises(ConfigError, match=words):
+        sources.stream("data.path", str(tmp_path / "p"), TokenDtype.uint16)
 
 
 def test_the_epoch_order_is_a_permutation_at_any_size():
@@ -87,9 +125,12 @@ def test_the_blend_matches_the_weights_and_is_a_function_of_the_global_index(tmp
     assert abs(drawn.count("a") / 300 - 0.69) < 0.02 and abs(drawn.count("b") / 300 - 0.31) < 0.02
     for n in (1, 50, 299, 300):  # every prefix within one sample of its share
         assert abs(drawn[:n].count("b") - 0.31 * n) <= 1
-    again = mixture(tmp_path)
     late = [70_000, 123_456, 5]  # any index, in any order, in another process: the same sample
-    assert all((mix[i] == again[i]).all() for i in late)
+    script = ("import sys; sys.path.insert(0, {t!r}); from test_data_sources import mixture; from pathlib import Path; "
+              "m = mixture(Path({d!r})); print([m[i].tolist()[:3] for i in {late!r}])").format(
+        t=str(Path(__file__).parent), d=str(tmp_path), late=late)
+    other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert other.strip() == str([mix[i].tolist()[:3] for i in late])
     assert [name for name, *_ in mix.consumed(300)] == ["a", "b"]
     assert [n for _, n, *_ in mix.consumed(300)] == [drawn.count("a"), drawn.count("b")]
 
@@ -123,12 +164,13 @@ def test_each_source_holds_out_its_own_windows_for_validation(tmp_path):
 
 
 def test_the_megatron_form_and_bad_sources():
-    parsed = sources.sources(DataConfig(name="memmap", sources="30 /d/web.bin 70 /d/code/"))
-    assert [(s.name, s.path, s.weight) for s in parsed] == [("web", "/d/web.bin", 0.3), ("code", "/d/code/", 0.7)]
+    parsed = sources.sources(DataConfig(name="memmap", sources="30 /d/web.bin 70 /d/code.v2/"))
+    assert [(s.name, s.path, s.weight) for s in parsed] == [("web", "/d/web.bin", 0.3), ("code.v2", "/d/code.v2/", 0.7)]
     for bad, words in [("30 a.bin 70", "pairs of weight and path"),
                        ([{"path": "a.bin", "weight": 0}], "weight must be a number > 0"),
                        ([{"path": "x/a.bin", "weight": 1}, {"path": "y/a.bin", "weight": 1}], "share this name"),
                        ([{"path": "a.bin", "weight": 1, "colour": "red"}], "{name, path, weight}"),
-                       ([{"name": "a b", "path": "a.bin", "weight": 1}], "letters, digits")]:
+                       ([{"name": "a b", "path": "a.bin", "weight": 1}], "letters, digits"),
+                       ("99999 a.bin 1 b.bin", "below the blend's resolution")]:
         with pytest.raises(ConfigError, match=words.replace("{", r"\{").replace("}", r"\}")):
             sources.sources(DataConfig(name="memmap", sources=bad))

@@ -12,7 +12,13 @@ def test_the_slowest_rank_is_the_one_furthest_above_its_stages_median():
     # (compute_s, data_s, stage) by rank: 4 ranks of one stage, rank 2 slow in its data loader
     rows = [[0.10, 0.01, 0], [0.11, 0.01, 0], [0.10, 0.30, 0], [0.10, 0.01, 0]]
     r, work, median = slowest(rows)
-    assert r == 2 and work == pytest.approx(0.40) and median == pytest.approx(0.115)
+    assert r == 2 and work == pytest.approx(0.40) and median == pytest.approx(0.11)  # the others' median
+
+
+def test_with_two_ranks_a_rank_twice_as_slow_reads_twice():
+    """The median of the others: with itself in it, 2x slow would read 2/1.5 = 1.33x."""
+    r, work, median = slowest([[2.0, 0, 0], [1.0, 0, 0]])
+    assert (r, work / median) == (0, 2.0)
 
 
 def test_pipeline_stages_are_compared_within_themselves():
