@@ -16,7 +16,7 @@ RUN    ?=
 FROM   := $(if $(filter wheelhouse,$(MAKECMDGOALS)),,$(WHEELHOUSE))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup wheelhouse gpu-check train plan rehearse submit export test test-quick bench clean
+.PHONY: help setup wheelhouse gpu-check train data plan rehearse submit export test test-quick bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -57,6 +57,9 @@ wheelhouse: setup ## wheels of every dependency but torch for offline nodes: WHE
 
 train: setup ## train: RECIPE=<name> ARGS="<overrides>" (--dry-run in ARGS prints, starts nothing)
 	@$(PY) -m launcher train $(if $(RECIPE),recipe=$(RECIPE)) $(ARGS)
+
+data: setup ## data=hf_text tokenized once, by every core, into the shared cache (ARGS="data.files='corpus/*.jsonl' data.tokenizer=byte")
+	@$(PY) -m launcher data $(ARGS)
 
 plan: setup ## memory per GPU of every recipe, the largest micro-batch that fits, the recommendation (ARGS="... --json")
 	@$(PY) -m launcher plan $(ARGS)

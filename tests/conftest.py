@@ -16,6 +16,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory):
+    """The shared cache of prepared data (data.cache_dir's default) for every test and the
+    runs they launch: a folder of the session's, never the user's ~/.cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LAUNCHER_DATA_CACHE", str(tmp_path_factory.mktemp("data-cache")))
+        yield
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"

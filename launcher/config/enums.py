@@ -48,7 +48,7 @@ class DataKind(str, enum.Enum):
 
 
 class TextFormat(str, enum.Enum):
-    """data=hf_text: how the files are read (`datasets` builder)."""
+    """data=hf_text: how the files are read (auto: from the extension; docs/data.md)."""
 
     auto = "auto"
     json = "json"

@@ -111,7 +111,8 @@ class DataConfig:
     files: Any = None
     """hf_text: a glob or a list of globs of local files (`'corpus/*.jsonl'`, `[a.parquet,
     'b/*.parquet']`); relative to the directory the launcher runs in. All files must have
-    one format. Documents are tokenized once, on the launch side, before any rank starts."""
+    one format. Documents are tokenized once, on the launch side, before any rank starts
+    (`make data` alone, or `make train`), into the shared cache (data.cache_dir)."""
     format: TextFormat = TextFormat.auto
     """hf_text: json (JSON lines, one document per line), parquet, text (one document per
     line) or auto: from the files' extension (.jsonl/.json, .parquet, .txt/.text)."""
@@ -124,3 +125,15 @@ class DataConfig:
     the vocabulary stays 256; or a local folder AutoTokenizer loads offline (tokenizer.json,
     tokenizer_config.json...; a model folder with them works too); its EOS token ends each
     document. Its vocabulary must fit the model's embedding."""
+    num_proc: Optional[int] = None
+    """hf_text: processes that tokenize (null: the cores this process may use, its CPU
+    affinity). Work units are files and newline-aligned pieces of large ones (parquet: row
+    groups), so one big file uses every process too."""
+    shard_mb: int = 256
+    """hf_text: MiB of input per work unit; each unit writes one shard of the prepared data.
+    Smaller: finer progress and a relaunch redoes less; larger: fewer files."""
+    cache_dir: Optional[str] = None
+    """hf_text: the shared cache of prepared data, one directory per content key (files'
+    sha256, format, field, tokenizer): every run and sweep point with the same inputs reads
+    the same one. null: $LAUNCHER_DATA_CACHE, else ~/.cache/launcher/data. Several nodes or
+    a Slurm/Kubernetes job read it: a shared folder."""

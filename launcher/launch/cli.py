@@ -1,4 +1,4 @@
-"""Launch side: `launcher train [overrides...] [--dry-run] [-m]`.
+"""Launch side: `launcher train [overrides...] [--dry-run] [-m]` (and plan, rehearse, submit, data, export).
 
 One process that never touches a GPU: compose the Hydra config once, validate it, make
 the run directory (config.yaml, command.sh), then exec torchrun. Bad input ends here
@@ -34,14 +34,15 @@ from launcher.launch.rundir import (check_checkpoint_space, check_resume_is_data
 from launcher.launch.validate import validate
 
 
-COMMANDS = ("train", "export", "plan", "submit", "rehearse")
+COMMANDS = ("train", "export", "plan", "submit", "rehearse", "data")
 
 
 USAGE = """usage: launcher train [key=value ...] [--dry-run] [-m|--multirun]
        launcher plan [key=value ...] [--json]
        launcher submit [key=value ...] [--dry-run] [-m|--multirun]   (a Slurm job, cluster=slurm; or cluster=k8s)
        launcher export RUN_DIR [export.key=value ...]
-       launcher rehearse [key=value ...] [--ranks R,R,...] [--json]   (ranks of a cluster's layout, built here on meta)"""
+       launcher rehearse [key=value ...] [--ranks R,R,...] [--json]   (ranks of a cluster's layout, built here on meta)
+       launcher data [data.key=value ...]   (data=hf_text tokenized into the shared cache, by every core)"""
 
 
 class Args(NamedTuple):
@@ -87,7 +88,7 @@ def parse_args(argv: list[str]) -> Args:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
-    for o in args.overrides if command in ("train", "submit") else []:
+    for o in args.overrides if command in ("train", "submit", "data") else []:
         try:
             parser.parse_overrides([o])
         except HydraException as e:
@@ -112,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_rehearse(args.overrides, args.as_json, args.ranks)
         if args.command == "submit":
             return cmd_submit(args.overrides, args.multirun, args.dry_run)
+        if args.command == "data":
+            from launcher.launch.data_command import cmd_data
+
+            return cmd_data(args.overrides)
         return cmd_train(args.overrides, args.multirun, args.dry_run)
     except (UsageError, runlock.Held) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -177,8 +177,10 @@ def write_run_dir(cfg: C.Config, run_dir: Path, scripts: dict[str, str], files: 
 
 
 def prepare_data(cfg: C.Config, run_dir: Path, created: bool) -> None:
-    """data=hf_text: tokenize once, here, before any rank starts (the ranks memory-map the
-    cache). A failure removes a run directory this launch created."""
+    """data=hf_text: prepared once, here, before any rank starts, into the shared cache
+    (reused when `make data` or another run prepared the same inputs; the ranks read the
+    directory RUN_DIR/data/hf_text.json names). A failure removes a run directory this
+    launch created."""
     from launcher.data.prepare import prepare_cache
 
     try:
@@ -187,7 +189,7 @@ def prepare_data(cfg: C.Config, run_dir: Path, created: bool) -> None:
         if created:
             shutil.rmtree(run_dir, ignore_errors=True)
         if isinstance(err, OSError):
-            raise C.ConfigError("data.files", cfg.data.files, f"the token cache could not be written ({err})")
+            raise C.ConfigError("data.files", cfg.data.files, f"the prepared data could not be written ({err})")
         raise
 
 

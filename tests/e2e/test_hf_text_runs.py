@@ -1,5 +1,6 @@
-"""data=hf_text, logger=tensorboard and the profiler: real `datasets`, real tokenizers
-(the byte encoding and a tokenizer folder trained here with `tokenizers`), real launches."""
+"""data=hf_text, logger=tensorboard and the profiler: real files, real tokenizers (the byte
+encoding and a tokenizer folder trained here with `tokenizers`), the data prepared by a
+pool of processes into a shared cache, real launches."""
 
 from __future__ import annotations
 
@@ -62,13 +63,15 @@ def test_ddp_hf_text_resumes_bit_identically_with_tensorboard_and_profile(tmp_pa
     docs = documents(400, seed=1)
     write_jsonl(corpus / "part0.jsonl", docs[:200])
     write_jsonl(corpus / "part1.jsonl", docs[200:])
-    common = ["data=hf_text", f"data.files={corpus}/*.jsonl", "train.steps=8", "optim.warmup_steps=2",
+    common = ["data=hf_text", f"data.files={corpus}/*.jsonl", f"data.cache_dir={tmp_path / 'cache'}",
+              "train.steps=8", "optim.warmup_steps=2",
               "logger=tensorboard", "logger.log_every=1", "checkpoint.every=4", "train.seq_len=64",
               "profile.enabled=true", "profile.steps=[3,5]"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     first = launch(*common, run_dir=straight)
     assert "data: 400 documents" in first.stdout and "built" in first.stdout
-    launch(*common, "train.stop_at=4", run_dir=split)
+    # Another run of the same data reads the same prepared directory, tokenized once.
+    assert "reused" in launch(*common, "train.stop_at=4", run_dir=split).stdout
     again = launch(*common, run_dir=split)
     assert "reused" in again.stdout and "resumed from" in again.stdout and "at step 4" in again.stdout
     assert_same_training(straight, split, steps=8)
@@ -78,7 +81,7 @@ def test_ddp_hf_text_resumes_bit_identically_with_tensorboard_and_profile(tmp_pa
     summary = json.loads((straight / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert summary["loss_floor"] is None and summary["final_loss"] > 0
 
-    # The ranks read the cache: its tokens are the documents' bytes, each followed by EOS.
+    # The ranks read the prepared shards: the documents' bytes, each followed by EOS.
     tokens, meta = cached_tokens(straight)
     assert meta["tokens"] == sum(len(d.encode()) + 1 for d in docs) == len(tokens)
     assert bytes(tokens[:len(docs[0].encode())].astype(np.uint8)).decode() == docs[0]
@@ -109,7 +112,8 @@ def test_fsdp_hf_text_parquet_with_a_local_tokenizer(tmp_path):
     tok_dir = make_tokenizer(tmp_path / "tok", WORDS + docs[1].split())
     run = tmp_path / "run"
     proc = launch("recipe=fsdp", "data=hf_text", f"data.files={tmp_path}/pq/*.parquet", "data.text_field=body",
-                  f"data.tokenizer={tok_dir}", "train.steps=10", "optim.warmup_steps=2", "train.seq_len=32",
+                  f"data.tokenizer={tok_dir}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=10",
+                  "optim.warmup_steps=2", "train.seq_len=32",
                   "logger=wandb", "logger.mode=offline", "logger.also=[tensorboard]", "logger.log_every=1",
                   run_dir=run)
     assert "data: 600 documents" in proc.stdout and "mesh:" in proc.stdout
@@ -118,6 +122,6 @@ def test_fsdp_hf_text_parquet_with_a_local_tokenizer(tmp_path):
     # The tokenizer knows ~36 tokens: the loss falls from ln(256) = 5.5 as the model learns them.
     assert rows[0]["loss"] > 5.0 > rows[-1]["loss"] + 1.0, (rows[0]["loss"], rows[-1]["loss"])
     tokens, meta = cached_tokens(run)
-    assert meta["format"] == "parquet" and meta["documents"] == 600 and int(tokens.max()) < meta["vocab_size"]
+    assert meta["source_format"] == "parquet" and meta["documents"] == 600 and int(tokens.max()) < meta["vocab_size"]
     assert_tensorboard_is_metrics(run)
     assert list((run / "wandb").glob("offline-run-*/run-*.wandb"))

@@ -70,6 +70,7 @@ PLACES = {
     "path/to/hf_folder": "tiny_llama",
     "path/to/folder": "tiny_llama",
     "path/to/config.json": "tiny_llama/config.json",
+    "path/to/tokenizer": "tok",
     # node 0 must be this machine, and tests send nothing to other addresses
     "cluster.master_addr=10.0.0.1": "cluster.master_addr=127.0.0.1",
     "hydra.run.dir=/shared/runs/x": "hydra.run.dir=shared/runs/x",
@@ -108,6 +109,9 @@ def home(tmp_path_factory) -> Path:
     (home / "corpus").mkdir()
     shutil.copy(REPO / "tests" / "data" / "hf" / "corpus.jsonl", home / "corpus" / "corpus.jsonl")
     (home / "corpus.txt").write_text("a small corpus, byte by byte.\n" * 40)
+    from corpus import WORDS, make_tokenizer
+
+    make_tokenizer(home / "tok", list(WORDS))
     torch.manual_seed(0)
     fields = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
     AutoModelForCausalLM.from_config(LlamaConfig(**fields)).save_pretrained(home / "tiny_llama")
@@ -173,7 +177,7 @@ def run(command: str, home: Path, capsys) -> str:
     if head in (["make", "train"], ["make", "submit"]):
         argv = launcher_argv(command, *([] if "--dry-run" in command else ["--dry-run"]))
         return in_process(argv, command, capsys)
-    if head in (["make", "plan"], ["make", "export"]) and "|" not in command:
+    if head in (["make", "plan"], ["make", "export"], ["make", "data"]) and "|" not in command:
         return in_process(launcher_argv(command), command, capsys)
     if "| jq" in command:  # make itself, to show it prints only what the program prints
         proc = subprocess.run(shlex.split(command.split(" | ")[0]) + [f"PY={sys.executable}", "-o", ".venv/.installed"],
@@ -217,6 +221,9 @@ def check(command: str, out: str, home: Path) -> None:
             if command.startswith("make submit") else "# command"
         assert out.count(marker) == points, out[-2000:]
         assert "planner chose: " in out if "RECIPE=auto" in command else True
+    elif command.startswith("make data"):
+        cache = Path(os.environ["LAUNCHER_DATA_CACHE"])  # tests/conftest.py: the session's, never ~/.cache
+        assert "prepared data " in out and list(cache.glob("*/index.json")), out[-2000:]
     elif command.startswith("make export"):
         suffix = "-hf" if "format=hf" in command else "-bf16" if "dtype=bf16" in command else ""
         folder = run_a / "export" / f"step_00000002{suffix}"

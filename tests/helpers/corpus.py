@@ -46,6 +46,10 @@ def make_tokenizer(folder: Path, words: list[str]) -> Path:
 
 
 def cached_tokens(run_dir: Path) -> tuple[np.ndarray, dict]:
-    meta = json.loads((run_dir / "data" / POINTER).read_text())
-    dtype = np.uint16 if meta["dtype"] == "uint16" else np.uint32
-    return np.fromfile(run_dir / "data" / meta["dir"] / "tokens.bin", dtype=dtype), meta
+    """The tokens of the prepared directory RUN_DIR/data/hf_text.json names (in the shared
+    cache), and its index with the pointer's `dir`."""
+    from launcher.data.cache import read_tokens
+
+    pointer = json.loads((run_dir / "data" / POINTER).read_text())
+    tokens, index = read_tokens(Path(pointer["dir"]))
+    return tokens, {**index, "dir": pointer["dir"]}

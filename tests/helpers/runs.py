@@ -118,3 +118,12 @@ def token_file(folder: Path, text: str) -> Path:
     subprocess.run([sys.executable, "scripts/prepare_data.py", "--input", str(src), "--output", str(out)],
                    cwd=REPO, check=True, capture_output=True)
     return out
+
+
+def assert_refused(code: int, out: str, err: str, words: list[str]) -> None:
+    """Bad input as the launcher answers it: exit 2, one line `error: ...` holding `words`."""
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for w in words:
+        assert w in lines[0], (w, lines[0])

@@ -1,19 +1,31 @@
 """data=hf_text without a training run: every file format gives the documents' bytes and EOS,
-a local tokenizer and the cache key, and the bad input table of this source. The runs
-(resume, TensorBoard, the profiler): tests/e2e/test_hf_text_runs.py."""
+a local tokenizer and the cache key, and the bad input table of this source. The parallel
+preparation itself (units, resume, the lock, `make data`): tests/unit/test_data_prepare.py.
+The runs (resume, TensorBoard, the profiler): tests/e2e/test_hf_text_runs.py."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from corpus import WORDS, cached_tokens, documents, make_tokenizer, write_jsonl, write_parquet
+from runs import assert_refused
 from launcher.launch import cli
 from launcher import config as C
 from launcher.launch.validate import validate
-from launcher.data.prepare import BYTE_EOS, load_tokenizer, prepare_cache
+from launcher.data.cache import ENV
+from launcher.data.inputs import BYTE_EOS, load_tokenizer
+from launcher.data.prepare import prepare_cache, token_file_config
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    """The shared cache of prepared data, this test's own (never ~/.cache)."""
+    monkeypatch.setenv(ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
 
 
 def compose(*overrides: str) -> C.Config:
@@ -41,9 +53,12 @@ def test_every_format_gives_the_documents_bytes_and_eos(tmp_path):
         tokens, meta = cached_tokens(tmp_path / name)
         assert meta["documents"] == len(docs) and meta["tokens"] == len(expected) and meta["dtype"] == "uint16"
         assert np.array_equal(tokens, expected), name
+        # The ranks read the prepared directory (the folder holding index.json), in its width.
+        data = token_file_config(cfg, tmp_path / name)
+        assert data.path == meta["dir"] and Path(data.path, "index.json").is_file() and data.dtype == C.TokenDtype.uint16
 
 
-def test_local_tokenizer_and_cache_key(tmp_path):
+def test_local_tokenizer_and_cache_key(tmp_path, cache_dir):
     docs = documents(40)
     corpus = write_jsonl(tmp_path / "c.jsonl", docs)
     tok_dir = make_tokenizer(tmp_path / "tok", WORDS + docs[1].split())
@@ -58,17 +73,22 @@ def test_local_tokenizer_and_cache_key(tmp_path):
     assert tokens.tolist() == expected and meta["eos_id"] == eos and meta["vocab_size"] == len(hf) < 256
     first = meta["dir"]
 
-    # Same inputs: reused. A changed file, seq_len or tokenizer: rebuilt, the stale cache removed.
+    assert Path(first).parent == cache_dir and not list((run / "data").glob("hf_text-*"))  # nothing in the run
+
+    # Same inputs: reused, by this run and by another one. Another train.seq_len too: windows
+    # are cut when the ranks read. A changed file or tokenizer: another directory; the first
+    # one stays in the shared cache (another run may read it).
     assert "reused" in prepare_cache(cfg, run)
+    assert "reused" in prepare_cache(cfg, tmp_path / "other_run")
+    assert "reused" in prepare_cache(compose(f"data.files={corpus}", f"data.tokenizer={tok_dir}", "train.seq_len=64"), run)
     write_jsonl(corpus, docs[:-1])
     line = prepare_cache(cfg, run)
     assert "built" in line and "inputs changed" in line
     assert cached_tokens(run)[1]["documents"] == len(docs) - 1
     second = cached_tokens(run)[1]["dir"]
-    assert second != first and not (run / "data" / first).exists()
-    assert "built" in prepare_cache(compose(f"data.files={corpus}", f"data.tokenizer={tok_dir}", "train.seq_len=64"), run)
+    assert second != first and Path(first, "index.json").is_file()
     assert "built" in prepare_cache(compose(f"data.files={corpus}"), run)
-    assert [p.name for p in (run / "data").iterdir() if p.name.startswith("hf_text-")] == [cached_tokens(run)[1]["dir"]]
+    assert len(list(cache_dir.glob("*/index.json"))) == 3
 
 
 @pytest.mark.parametrize("case", ["vocab", "hf_model_vocab", "no_eos", "not_a_tokenizer", "not_jsonl", "mixed", "too_small"])
@@ -112,10 +132,5 @@ def test_more_bad_input(case, tmp_path, capsys, monkeypatch):
     # Short, should a case ever get as far as training.
     code = cli.main(["data=hf_text", *overrides, "train.steps=2", "optim.warmup_steps=0",
                      f"hydra.run.dir={tmp_path / 'run'}"])
-    out, err = capsys.readouterr()
-    assert code == 2, (out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for w in words:
-        assert w in lines[0], (w, lines[0])
+    assert_refused(code, *capsys.readouterr(), words)
     assert not (tmp_path / "run").exists()
