@@ -40,6 +40,7 @@ from launcher.config import Config, ConfigError, DataConfig
 from launcher.data import units
 from launcher.data.inputs import file_format, load_tokenizer, resolve_files, token_dtype
 from launcher.data.progress import Meter, count
+from launcher.manifest import _fsync_dir
 
 INDEX = "index.json"
 PLAN = "plan.json"
@@ -139,10 +140,11 @@ def digests(root: Path, files: list[Path], threads: int, out=None) -> tuple[list
 
     stats = [f.stat() for f in files]
     known = memo()
-    wanted = [(str(f), s.st_size, s.st_mtime_ns) for f, s in zip(files, stats)]
-    found = {p: known[p]["sha256"] for p, size, mtime in wanted
-             if isinstance(known.get(p), dict) and (known[p].get("size"), known[p].get("mtime_ns")) == (size, mtime)}
-    todo = [(p, size, mtime) for p, size, mtime in wanted if p not in found]
+    # size, mtime, ctime and inode: a rewrite in place, a copy with `cp -p` or `rsync -a` change one of them
+    wanted = [(str(f), s.st_size, (s.st_mtime_ns, s.st_ctime_ns, s.st_ino)) for f, s in zip(files, stats)]
+    found = {p: known[p]["sha256"] for p, size, stamp in wanted
+             if isinstance(known.get(p), dict) and (known[p].get("size"), known[p].get("stamp")) == (size, list(stamp))}
+    todo = [(p, size, stamp) for p, size, stamp in wanted if p not in found]
     hashed = sum(size for _, size, _ in todo)
     if todo:
         if hashed > LOUD_HASH:
@@ -150,10 +152,14 @@ def digests(root: Path, files: list[Path], threads: int, out=None) -> tuple[list
                   f"{memo_path})", file=out or sys.stdout, flush=True)
         with ThreadPoolExecutor(max(1, min(threads, len(todo)))) as pool:
             found.update(zip((p for p, _, _ in todo), pool.map(lambda t: _sha256(Path(t[0])), todo)))
-        with locked(root / f"{DIGESTS}.lock"):
-            merged = memo()
-            merged.update({p: {"size": size, "mtime_ns": mtime, "sha256": found[p]} for p, size, mtime in todo})
-            units.write_json_atomic(memo_path, {"version": VERSION, "files": merged})
+        try:  # a read-only shared cache: the next launch hashes again, nothing worse
+            with locked(root / f"{DIGESTS}.lock"):
+                merged = memo()
+                merged.update({p: {"size": size, "stamp": list(stamp), "sha256": found[p]} for p, size, stamp in todo})
+                units.write_json_atomic(memo_path, {"version": VERSION, "files": merged})
+        except OSError as err:
+            print(f"data: could not remember the digests in {memo_path} ({err.strerror or err}); the next launch "
+                  "hashes these files again", file=out or sys.stdout, flush=True)
     return [found[p] for p, _, _ in wanted], hashed
 
 
@@ -176,21 +182,22 @@ def prepare(cfg: Config, unit_bytes: int | None = None, out=None) -> Prepared:
     try:
         root.mkdir(parents=True, exist_ok=True)
         nproc, t0 = processes(d), time.perf_counter()
+        stats = [f.stat() for f in files]
         sums, _ = digests(root, files, nproc, out)
         folder = root / cache_key(sums, fmt.value, d.text_field, tok)
-        if (folder / INDEX).is_file():
+        if whole(folder, out):
             return Prepared(folder, json.loads((folder / INDEX).read_text()), reused=True)
 
         def waiting() -> None:
             print(f"data: another launch is preparing the same data into {folder}; waiting for it", file=out, flush=True)
 
         with locked(folder.with_name(folder.name + ".lock"), waiting) as fd:
-            if (folder / INDEX).is_file():  # made while this launch waited
+            if whole(folder, out):  # made while this launch waited
                 return Prepared(folder, json.loads((folder / INDEX).read_text()), reused=True)
             folder.mkdir(exist_ok=True)
             for tmp in folder.glob(".*.tmp"):  # what a killed launch was writing: never renamed, never read
                 tmp.unlink(missing_ok=True)
-            sizes = [f.stat().st_size for f in files]
+            sizes = [s.st_size for s in stats]  # what was hashed: the key's content
             plan = _plan(folder, files, fmt, sizes, unit_bytes or d.shard_mb << 20)
             dtype = token_dtype(tok)
             done = _recorded(folder, len(plan), dtype.width)
@@ -200,20 +207,59 @@ def prepare(cfg: Config, unit_bytes: int | None = None, out=None) -> Prepared:
                     for k, pieces in enumerate(plan) if k not in done]
             total = sum(units.piece_bytes(p) for pieces in plan for p in pieces)
             meter = Meter(total, total - sum(j["bytes"] for j in jobs), out)
+            room(folder, sum(j["bytes"] for j in jobs), dtype.width, d.tokenizer == "byte", out)
             resumed = len(done)
             try:
                 done.update(_run(jobs, nproc, fd, meter))
             except InputError:
                 shutil.rmtree(folder, ignore_errors=True)
                 raise
+            changed = [str(f) for f, s in zip(files, stats) if (f.stat().st_size, f.stat().st_mtime_ns) !=
+                       (s.st_size, s.st_mtime_ns)]
+            if changed:  # what was read is not what was hashed: this key's content is not known
+                shutil.rmtree(folder, ignore_errors=True)
+                raise ConfigError("data.files", changed[0], "changed while it was prepared; launch again once the "
+                                  "files stay as they are")
             index = _index(cfg, tok, dtype, fmt, files, sizes, sums, [done[k] for k in range(len(plan))])
+            _fsync_dir(folder)  # every shard's and record's rename is on disk before the index says they are whole
             units.write_json_atomic(folder / INDEX, index)
+            _fsync_dir(folder)
             _tidy(folder, index, len(plan))
     except OSError as err:
         raise ConfigError("data.cache_dir", str(root), f"the prepared data could not be written ({err}); "
-                          "choose another data.cache_dir, or free space") from err
+                          "choose another data.cache_dir, or free space (the units done so far are kept for the "
+                          "next launch)") from err
     return Prepared(folder, index, reused=False, seconds=time.perf_counter() - t0, processes=min(nproc, len(jobs)),
                     units=len(plan), resumed=resumed, built_bytes=meter.bytes, built_tokens=meter.tokens)
+
+
+def whole(folder: Path, out) -> bool:
+    """A prepared directory whose index.json names shards that are all there, whole. A
+    damaged one (a shard purged from scratch, cut short) loses its index and is prepared
+    again, in one line."""
+    from launcher.data.sources import indexed
+
+    index = folder / INDEX
+    if not index.is_file():
+        return False
+    try:
+        indexed("data.files", str(folder), index)
+        return True
+    except ConfigError as err:
+        print(f"data: {folder} is damaged ({err.allowed}); preparing it again", file=out, flush=True)
+        index.unlink(missing_ok=True)
+        return False
+
+
+def room(folder: Path, todo_bytes: int, width: int, byte_level: bool, out) -> None:
+    """One line when the cache's filesystem looks too small for what is left to write:
+    a byte-level tokenizer makes a token of every input byte, a subword one about one of
+    every 3-4 (an estimate: the line warns, the write itself decides)."""
+    need = todo_bytes * width // (1 if byte_level else 3)
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        print(f"data: about {count(need)}B of shards to write into {folder}, {count(free)}B free there; "
+              "a full disk stops the preparation (the units done are kept)", file=out, flush=True)
 
 
 def _plan(folder: Path, files: list[Path], fmt, sizes: list[int], unit_bytes: int) -> list[list[dict]]:
@@ -287,8 +333,8 @@ def _run(jobs: list[dict], nproc: int, lock_fd: int, meter: Meter) -> dict[int, 
                         raise ConfigError("data.num_proc", workers, "a tokenizing process died (killed, or out of "
                                           "memory?); launch again to continue where it stopped, or lower "
                                           "data.num_proc") from None
-                    if "error" in record:
-                        raise InputError(*record["error"])
+                    if "error" in record:  # the content (the key can never complete), or the file's reading
+                        raise (ConfigError if record.get("resumable") else InputError)(*record["error"])
                     records[unit] = record
                 meter.show()
             drain()

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 from launcher import offline
 from launcher.config import Config, ConfigError, DataConfig, Scheduler, TextFormat, TokenDtype
 from launcher.data.cache import INDEX, cache_root, cores, describe, prepare
 from launcher.data.inputs import fields_of, file_format, load_tokenizer, patterns, resolve_files
+from launcher.data.units import write_json_atomic
 from launcher.models import model_vocab_size
 
 POINTER = "hf_text.json"
@@ -96,10 +96,8 @@ def prepare_cache(cfg: Config, run_dir: Path) -> str:
         previous = json.loads(pointer.read_text()).get("dir") if pointer.is_file() else None
     except ValueError:
         previous = None
-    tmp = root / f".{POINTER}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps({"dir": str(got.dir), "dtype": index["dtype"], "tokens": index["tokens"],
-                               "documents": index["documents"], "shards": len(index["shards"])}, indent=1) + "\n")
-    os.replace(tmp, pointer)
+    write_json_atomic(pointer, {"dir": str(got.dir), "dtype": index["dtype"], "tokens": index["tokens"],
+                                "documents": index["documents"], "shards": len(index["shards"])})
     changed = " (inputs changed since the last launch)" if previous and Path(previous).is_absolute() and \
         previous != str(got.dir) else ""
     return (f"data: {index['documents']:,} documents, {index['tokens']:,} tokens, {windows:,} sequences of {seq_len}; "

@@ -16,7 +16,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,9 @@ BATCH_DOCS = 1024
 BATCH_ROWS = 4096
 """Parquet rows read at once."""
 
+SURROGATE = re.compile("[\ud800-\udfff]")
+"""A surrogate code point alone: JSON's "\\ud800" decodes to one, which no UTF-8 holds."""
+
 _queue = None
 
 
@@ -41,9 +46,19 @@ def record_name(unit: int) -> str:
     return f"unit_{unit:06d}.json"
 
 
+def tmp_name(name: str) -> str:
+    """A temporary name of this process on this host (nodes sharing a cache folder)."""
+    return f".{name}.{socket.gethostname()}.{os.getpid()}.tmp"
+
+
+class Unreadable(ConfigError):
+    """A file the OS could not read (an NFS hiccup, a file moved away): nothing about the
+    key's content is wrong, so the units done are kept for the next launch."""
+
+
 def write_json_atomic(path: Path, value) -> None:
     """`value` as JSON in `path`: written to a temporary name, fsynced, renamed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(tmp_name(path.name))
     with open(tmp, "w") as f:
         f.write(json.dumps(value, indent=1) + "\n")
         f.flush()
@@ -136,7 +151,10 @@ def documents(piece: dict, fmt: TextFormat, field: str):
                        else _text_lines(chunk, path, offset)), len(chunk)
     except ConfigError:
         raise
-    except Exception as err:  # pyarrow's and the OS's errors on a malformed or vanished file
+    except OSError as err:  # the file, not its content: the units done are kept
+        raise Unreadable("data.files", str(path), f"could not be read ({str(err).strip()[:200]}); the units prepared "
+                         "so far are kept: launch again to go on")
+    except Exception as err:  # pyarrow's errors on a malformed file
         raise ConfigError("data.files", str(path), f"cannot be read ({str(err).strip().splitlines()[0][:200]})")
 
 
@@ -246,7 +264,7 @@ def run_unit(job: dict) -> dict:
     try:
         return tokenize_unit(job, _report)
     except ConfigError as err:
-        return {"error": [err.key, str(err.value), err.allowed]}
+        return {"error": [err.key, str(err.value), err.allowed], "resumable": isinstance(err, Unreadable)}
 
 
 def _report(unit: int, nbytes: int, docs: int, tokens: int) -> None:
@@ -262,7 +280,7 @@ def tokenize_unit(job: dict, report) -> dict:
     unit, folder, fmt = job["unit"], Path(job["dir"]), TextFormat(job["format"])
     tok, dtype = load_tokenizer(job["tokenizer"]), np.dtype(job["dtype"])
     name = shard_name(unit)
-    tmp = folder / f".{name}.{os.getpid()}.tmp"
+    tmp = folder / tmp_name(name)
     docs = tokens = 0
     with open(tmp, "wb") as out:
         for piece in job["pieces"]:
@@ -276,8 +294,11 @@ def tokenize_unit(job: dict, report) -> dict:
                     batch = texts[first:first + BATCH_DOCS]
                     try:
                         ids = tok.pack(batch, dtype)
-                    except Exception as err:  # text the tokenizer cannot take (a lone surrogate, say)
-                        raise ConfigError("data.files", piece["path"], f"cannot be tokenized ({str(err)[:200]})")
+                    except Exception:  # a lone surrogate (JSON's "\ud800") is not UTF-8: U+FFFD for it, again
+                        try:
+                            ids = tok.pack([SURROGATE.sub("\ufffd", t) for t in batch], dtype)
+                        except Exception as err:  # text the tokenizer cannot take
+                            raise ConfigError("data.files", piece["path"], f"cannot be tokenized ({str(err)[:200]})")
                     out.write(ids.tobytes())
                     docs, tokens = docs + len(batch), tokens + len(ids)
                     share = nbytes // len(batches) + (nbytes % len(batches) if n == len(batches) - 1 else 0)

@@ -4,6 +4,7 @@ preparation itself when nobody ran this first)."""
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 from launcher import config as C
@@ -36,5 +37,6 @@ def cmd_data(overrides: list[str]) -> int:
     shards = len(index["shards"])
     print(f"data: {index['documents']:,} documents, {index['tokens']:,} tokens ({index['dtype']}, {shards} "
           f"shard{'s' if shards != 1 else ''}); {describe(got)}", flush=True)
-    print(f"train on it: make train ARGS=\"<the same data.*>\", or data=memmap data.path={got.dir}", flush=True)
+    print(f"train on it: make train ARGS=\"<the same data.*>\", or data=memmap data.path={shlex.quote(str(got.dir))}",
+          flush=True)
     return 0

@@ -171,8 +171,12 @@ def write_run_dir(cfg: C.Config, run_dir: Path, scripts: dict[str, str], files: 
         if created:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise C.ConfigError("hydra.run.dir", str(run_dir), f"cannot write the run directory ({err.strerror})")
-    if cfg.data.name == C.DataKind.hf_text:
+    if cfg.data.name == C.DataKind.hf_text and cfg.cluster.node_rank == 0:
         prepare_data(cfg, run_dir, created)
+    elif cfg.data.name == C.DataKind.hf_text:  # node 0's launcher prepares; this node's ranks start after it
+        print(f"node {cfg.cluster.node_rank}: data=hf_text is prepared by node 0 (its ranks read "
+              f"{run_dir / 'data' / 'hf_text.json'}); for a large corpus run `make data` first, so the nodes do not "
+              f"wait for it in the rendezvous (cluster.join_timeout_s)", flush=True)
     return created
 
 

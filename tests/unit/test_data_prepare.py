@@ -147,6 +147,28 @@ def test_same_contents_are_reused_and_a_change_is_a_new_key(corpus, tmp_path):
     assert changed.index["documents"] == len(docs) - 2
 
 
+def test_a_damaged_prepared_directory_is_prepared_again(corpus, tmp_path, capsys):
+    """A shard purged from scratch space (or cut short): the next launch says so and makes
+    it again, the same bytes, instead of starting ranks that fail on a missing file."""
+    overrides = [f"data.files={tmp_path}/c/*.jsonl", f"data.cache_dir={tmp_path / 'cache'}"]
+    first = prepare(compose(*overrides), unit_bytes=4096)
+    before = shard_bytes(first.dir)
+    (first.dir / first.index["shards"][1]["file"]).unlink()
+    again = prepare(compose(*overrides), unit_bytes=4096)
+    assert not again.reused and again.dir == first.dir and shard_bytes(again.dir) == before
+    assert f"data: {first.dir} is damaged (" in capsys.readouterr().out
+
+
+def test_a_lone_surrogate_becomes_a_replacement_character_not_a_refusal(tmp_path):
+    """JSON allows "\\ud800", which no UTF-8 holds: that document's bad character becomes
+    U+FFFD, as a decoder's errors="replace" does, and the preparation goes on."""
+    corpus = tmp_path / "s.jsonl"
+    corpus.write_text('{"text": "ok"}\n{"text": "a \\ud800 b"}\n')
+    got = prepare(compose(f"data.files={corpus}", f"data.cache_dir={tmp_path / 'cache'}"))
+    tokens, _ = read_tokens(got.dir)
+    assert bytes(tokens.astype(np.uint8)) == b"ok\xff" + "a \ufffd b".encode() + b"\xff"
+
+
 # ----------------------------------------------------------------------------- crashes, two launches
 SLOW = """
 import sys, time
