@@ -61,7 +61,7 @@ class HostInfo:
 
     @staticmethod
     def detect() -> "HostInfo":
-        cpus = len(os.sched_getaffinity(0))
+        cpus = usable_cores()
         if not gpu_driver():  # torch could see no GPU either: a second of importing it saved
             return HostInfo(cuda=False, gpus=0, cpus=cpus)
         gpus = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), nvidia_gpus())
@@ -70,6 +70,14 @@ class HostInfo:
 
             gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return HostInfo(cuda=gpus > 0, gpus=gpus, cpus=cpus)
+
+
+def usable_cores() -> int:
+    """The cores this process may use (its CPU affinity: a Slurm step's, a container's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def gpu_driver() -> bool:

@@ -40,6 +40,7 @@ from launcher.config import Config, ConfigError, DataConfig
 from launcher.data import units
 from launcher.data.inputs import file_format, load_tokenizer, resolve_files, token_dtype
 from launcher.data.progress import Meter, count
+from launcher.host import usable_cores
 from launcher.manifest import _fsync_dir
 
 INDEX = "index.json"
@@ -52,16 +53,8 @@ LOUD_HASH = 1 << 30
 """Above this many bytes to hash, a line says the launch is hashing."""
 
 
-def cores() -> int:
-    """The cores this process may use (its CPU affinity: a Slurm step's, a container's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def processes(d: DataConfig) -> int:
-    return d.num_proc or cores()
+    return d.num_proc or usable_cores()
 
 
 def cache_root(d: DataConfig) -> Path:

@@ -20,7 +20,9 @@ from pathlib import Path
 
 from launcher import offline
 from launcher.config import Config, ConfigError, DataConfig, Scheduler, TextFormat, TokenDtype
-from launcher.data.cache import INDEX, cache_root, cores, describe, prepare
+from launcher.data.cache import INDEX, cache_root, describe, prepare
+from launcher.data.sources import indexed
+from launcher.host import usable_cores
 from launcher.data.inputs import fields_of, file_format, load_tokenizer, patterns, resolve_files
 from launcher.data.units import write_json_atomic
 from launcher.models import model_vocab_size
@@ -33,7 +35,7 @@ def validate_prepare_fields(cfg: Config) -> None:
     """data.num_proc, data.shard_mb, data.cache_dir: the preparation's own fields."""
     d = cfg.data
     if d.num_proc is not None and d.num_proc < 1:
-        raise ConfigError("data.num_proc", d.num_proc, f"must be >= 1 (or null: the {cores()} cores this process "
+        raise ConfigError("data.num_proc", d.num_proc, f"must be >= 1 (or null: the {usable_cores()} cores this process "
                           "may use)")
     if d.shard_mb < 1:
         raise ConfigError("data.shard_mb", d.shard_mb, "must be >= 1 (MB of input per work unit and shard)")
@@ -69,12 +71,6 @@ def validate_hf_text(cfg: Config, against_model: bool = True) -> None:
                           f"model's embedding (model.vocab_size={rows}); use a model with at least {tok.vocab_size} rows")
 
 
-def sequences(index: dict, seq_len: int) -> int:
-    """Windows of seq_len + 1 tokens the ranks cut from the prepared shards (inside each
-    shard: none spans two)."""
-    return sum(max(0, (s["tokens"] - 1) // seq_len) for s in index["shards"])
-
-
 def prepare_cache(cfg: Config, run_dir: Path) -> str:
     """Prepare the data in the shared cache (or reuse it, prepared already), point
     RUN_DIR/data/hf_text.json at it, check it holds a sequence of train.seq_len. Returns
@@ -84,7 +80,8 @@ def prepare_cache(cfg: Config, run_dir: Path) -> str:
     if index["tokens"] < seq_len + 1:
         raise ConfigError("data.files", ",".join(patterns(cfg.data)), f"hold {index['tokens']} tokens once tokenized; "
                           f"train.seq_len={seq_len} needs at least {seq_len + 1}")
-    windows = sequences(index, seq_len)
+    # the windows the ranks cut, inside each shard (launcher/data/sources.py)
+    windows = int(indexed("data.files", str(got.dir), got.dir / INDEX).windows(seq_len).sum())
     if windows < 1:
         raise ConfigError("train.seq_len", seq_len, f"longer than every shard of the prepared data ({got.dir}: "
                           f"{len(index['shards'])} shards, the longest {max(s['tokens'] for s in index['shards'])} tokens; "

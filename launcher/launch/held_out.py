@@ -1,46 +1,37 @@
-"""Launch-side checks of train.eval_every's held-out data (each one line, exit 2, before
-any rank): where the validation samples come from for each kind of data, and that there
-are some."""
+"""Launch-side checks of token data (data.path, data.sources) and of train.eval_every's
+held-out data (each one line, exit 2, before any rank): that the files hold windows, where
+the validation samples come from for each kind of data, and that there are some."""
 
 from __future__ import annotations
 
-from launcher.config import Config, ConfigError, DataKind, TokenDtype, held_out_windows
-
-
-def token_windows(key: str, path: str, dtype: TokenDtype, seq_len: int) -> int:
-    """A data path's windows of seq_len + 1 tokens (data.path, data.val_path, a source's:
-    a token file, a folder of shards, a glob; launcher/data/sources.py); refused when
-    nothing is there or it is shorter than one window."""
-    from launcher.data.sources import windows_of
-
-    return windows_of(key, path, dtype, seq_len)
+from launcher.config import Config, ConfigError, DataKind, held_out_windows
 
 
 def validate_token_data(cfg: Config) -> None:
     """data=memmap: data.path, or each source of data.sources (and its val_path)."""
-    from launcher.data.sources import sources
+    from launcher.data.sources import sources, windows_of  # numpy: only when token data is checked
 
     d, t = cfg.data, cfg.train
     if d.sources is None:
         if not d.path:
             raise ConfigError("data.path", d.path, "missing: data=memmap needs a token file, a folder of shards or "
                               "data.sources (scripts/prepare_data.py and make data make them)")
-        token_windows("data.path", d.path, d.dtype, t.seq_len)
+        windows_of("data.path", d.path, d.dtype, t.seq_len)
         return
     if d.path is not None:
         raise ConfigError("data.path", d.path, "data.sources names the data already: use one of them (data.path=null)")
     if d.val_path is not None:
         raise ConfigError("data.val_path", d.val_path, "with data.sources each source names its own val_path")
     for s in sources(d):
-        windows = token_windows(f"data.sources.{s.name}.path", s.path, d.dtype, t.seq_len)
+        windows = windows_of(f"data.sources.{s.name}.path", s.path, d.dtype, t.seq_len)
         if s.val_path:
-            token_windows(f"data.sources.{s.name}.val_path", s.val_path, d.dtype, t.seq_len)
+            windows_of(f"data.sources.{s.name}.val_path", s.val_path, d.dtype, t.seq_len)
         elif windows - held_out_windows(windows, d.val_fraction) < 1:
             raise ConfigError("data.val_fraction", d.val_fraction, f"leaves source {s.name} no training window of its {windows}")
 
 
 def validate_evaluation(cfg: Config, dp: int, grad_accum: int) -> None:
-    from launcher.data.sources import sources as sources_of
+    from launcher.data.sources import sources as sources_of, windows_of
 
     t, d = cfg.train, cfg.data
     if t.eval_every < 0:
@@ -63,9 +54,9 @@ def validate_evaluation(cfg: Config, dp: int, grad_accum: int) -> None:
         raise ConfigError("data.val_fraction", d.val_fraction, "data.val_path names the held-out data already: "
                           "use one of them (data.val_fraction=0)")
     if d.val_path is not None:
-        token_windows("data.val_path", d.val_path, d.dtype, t.seq_len)
+        windows_of("data.val_path", d.val_path, d.dtype, t.seq_len)
     if d.val_fraction and d.name == DataKind.memmap and d.sources is None:  # data.path itself was checked before
-        windows = token_windows("data.path", d.path, d.dtype, t.seq_len)
+        windows = windows_of("data.path", d.path, d.dtype, t.seq_len)
         if windows - held_out_windows(windows, d.val_fraction) < 1:
             raise ConfigError("data.val_fraction", d.val_fraction, f"leaves no training window of the file's {windows}")
     if t.eval_every and d.sources is not None and not d.val_fraction:

@@ -178,6 +178,13 @@ def owners_sum(loss: torch.Tensor, owner: bool, device: torch.device) -> torch.T
     return total
 
 
+def parameter_leaves(root: nn.Module) -> list[nn.Module]:
+    """The modules under `root` with no children that hold parameters of their own: the
+    linears, embeddings and norms, where a forward's FLOPs are."""
+    return [m for m in root.modules()
+            if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is not None]
+
+
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: a DTensor's local shard, a plain tensor itself."""
     return t._local_tensor if is_dtensor(t) else t

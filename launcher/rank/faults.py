@@ -43,8 +43,9 @@ def poisoned(debug: DebugConfig | None, step: int, rank: int, model):
         return
     print(f"rank {rank}: injected fault {debug.fault.value} at step {step}", file=sys.stderr, flush=True)
     if debug.fault == FaultPoint.slow:
-        layer = next(m for m in model.modules()
-                     if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is not None)
+        from launcher.rank.engine import parameter_leaves
+
+        layer = parameter_leaves(model)[0]
         handle = layer.register_forward_hook(lambda *_: time.sleep(debug.slow_s), prepend=True)
     else:
         factor = POISON[debug.fault]

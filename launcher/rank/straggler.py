@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from launcher.parallel.degrees import degrees
+from launcher.rank.engine import parameter_leaves
 
 
 def timed_modules(engine, compiled: bool) -> list[torch.nn.Module]:
@@ -39,10 +40,7 @@ def timed_modules(engine, compiled: bool) -> list[torch.nn.Module]:
     module the step calls whole: the model unwrapped from DDP, or a pipeline's stages."""
     stages = getattr(engine, "stages", None)  # a pipeline calls its stages, never the model
     roots = [s.submod for s in stages] if stages else [getattr(engine.model, "module", engine.model)]
-    if compiled:
-        return roots
-    return [m for root in roots for m in root.modules()
-            if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is not None]
+    return roots if compiled else [m for root in roots for m in parameter_leaves(root)]
 
 
 def _settle_inputs(args) -> None:
