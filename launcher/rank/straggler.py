@@ -68,11 +68,14 @@ class Stragglers:
         self.spans: list = []
         self.data_s = 0.0
         self.armed = False
+        self.first = True  # a launch's first step holds one-time work (lazy init, warm-up) that differs by rank
 
     @contextlib.contextmanager
     def timed(self, logged: bool, data_s: float):
-        """Around the step: on a log step, time the forward spans of the timed modules."""
-        if not (self.on and logged):
+        """Around the step: on a log step, time the forward spans of the timed modules (never
+        on the launch's first step)."""
+        first, self.first = self.first, False
+        if not (self.on and logged) or first:
             yield
             return
         self.spans, self.data_s, self.armed = [], data_s, True
