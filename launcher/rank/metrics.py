@@ -225,7 +225,8 @@ def _init_tensorboard(run_dir: Path, start_step: int):
                          flush_secs=10)
 
 
-WANDB_INIT_TIMEOUT_S = 30  # wandb's default is 90 s of retries before it gives up
+WANDB_INIT_TIMEOUT_S = 30  # online: wandb's default is 90 s of retries before it gives up
+WANDB_OFFLINE_INIT_TIMEOUT_S = 120  # offline there is no server to wait for: only a loaded host's slow start
 
 
 def wandb_mode(cfg: Config) -> str:
@@ -280,6 +281,7 @@ def _init_wandb(cfg: Config, run_dir: Path):
         id_file.write_text(run_id + "\n")
 
     def start(mode: str):
+        timeout_s = WANDB_INIT_TIMEOUT_S if mode == "online" else WANDB_OFFLINE_INIT_TIMEOUT_S
         return wandb.init(
             project=cfg.logger.project,
             entity=cfg.logger.entity,
@@ -292,7 +294,7 @@ def _init_wandb(cfg: Config, run_dir: Path):
             config={**to_dict(cfg), "provenance": provenance.for_wandb(run_dir)},
             mode=mode,
             settings=wandb.Settings(console="off", silent=True, disable_git=True, save_code=False,
-                                    x_save_requirements=False, init_timeout=WANDB_INIT_TIMEOUT_S,
+                                    x_save_requirements=False, init_timeout=timeout_s,
                                     # system metrics (GPUs by NVML): W&B's service samples them
                                     x_disable_stats=cfg.logger.system_metrics_s <= 0,
                                     x_stats_sampling_interval=max(cfg.logger.system_metrics_s, 0.1)),

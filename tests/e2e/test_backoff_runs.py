@@ -56,7 +56,9 @@ def test_two_ranks_relaunch_from_the_last_checkpoint_with_the_batch_kept(tmp_pat
     assert frozen_batch(backed) == (4, 2)
     assert not (backed / "oom.json").exists()
     # W&B: the relaunch resumed the same run id; its config says 4 x 2.
-    first, again = sorted((backed / "wandb").glob("offline-run-*/run-*.wandb"))
+    runs = sorted((backed / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 2, (runs, proc.stdout[-3000:], proc.stderr[-3000:])
+    first, again = runs
     assert wandb_file.run_info(first)["id"] == wandb_file.run_info(again)["id"]
     assert (wandb_file.config(first)["train"]["micro_batch"], wandb_file.config(again)["train"]["micro_batch"]) == (8, 4)
     assert wandb_file.config(again)["train"]["grad_accum"] == 2

@@ -33,7 +33,10 @@ def tensorboard_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
 def assert_tensorboard_is_metrics(run_dir: Path) -> None:
     rows = read_metrics(run_dir)
     scalars = tensorboard_scalars(run_dir)
-    assert set(scalars) == {k for k in rows[0] if k != "step"}
+    # Every metric logged (some, like the straggler's rank/*, not at every step), each at the steps it was logged.
+    assert set(scalars) == {k for row in rows for k in row if k != "step"}
+    for name, by_step in scalars.items():
+        assert set(by_step) == {row["step"] for row in rows if name in row}, name
     for row in rows:
         for name, value in row.items():
             if name != "step":
