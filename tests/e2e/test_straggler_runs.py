@@ -10,7 +10,7 @@ import pytest
 import wandb_file
 from runs import launch, read_metrics
 
-SLOW_S = 0.3
+SLOW_S = 0.5  # well above what a loaded machine adds to a rank's forward of gpt_tiny (tens of ms)
 
 
 @pytest.mark.slow
