@@ -273,6 +273,11 @@ def _init_wandb(cfg: Config, run_dir: Path):
     without W&B; each case says so in one line."""
     import wandb
 
+    # WANDB_SERVICE inherited from whatever started the launcher (a notebook, a sweep, a test
+    # process) names that process's W&B service: this run would live and die with it, and a
+    # run id it still holds (a killed launch's) refuses the relaunch ("run ID ... is in use").
+    # A rank 0 starts its own.
+    os.environ.pop("WANDB_SERVICE", None)
     id_file = run_dir / "wandb_id"
     if id_file.exists():
         run_id = id_file.read_text().strip()

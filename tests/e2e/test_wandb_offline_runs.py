@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 
-from runs import FAST, launch
+from runs import FAST, REPO, launch
 from wandb_file import records
 
 
@@ -143,3 +143,30 @@ def test_waits_for_a_server_that_never_answers_are_bounded(blackhole, tmp_path, 
     wandb_run.finish()
     assert "logging offline" in capsys.readouterr().err
     assert 4 <= took < 4 + 20, took  # the bound, plus starting W&B's service twice
+
+
+@pytest.mark.slow
+def test_a_rank_starts_its_own_wandb_service_not_the_one_its_parent_names(tmp_path):
+    """What failed a relaunch on CI: a process that runs W&B (a test's; a notebook or a
+    sweep agent in real life) exports WANDB_SERVICE, and a rank started under it joined
+    that service, where a killed launch's run still held the run id ("run ID ... is in
+    use"). A rank 0 starts its own service, so the relaunch resumes the id in its own file.
+    Both are fresh processes: the parent holds the run open while its child starts."""
+    import os
+    import subprocess
+    import sys
+
+    start = ("from pathlib import Path; from launcher.launch import cli; from launcher.rank import metrics; "
+             "cfg, _, _ = cli.compose_config(['logger=wandb', 'logger.mode=offline', 'logger.system_metrics_s=0']); "
+             f"r = metrics._init_wandb(cfg, Path({str(tmp_path / 'run')!r})); ")
+    child = start + "r.log({'loss': 1.0}, step=1); r.finish()"
+    parent = start + (  # never finished while the child starts: its service holds the run id
+        "import os, subprocess, sys; assert os.environ['WANDB_SERVICE']; "
+        f"c = subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True, timeout=240); "
+        "r.finish(); sys.stderr.write(c.stderr); sys.exit(c.returncode)")
+    (tmp_path / "run").mkdir()
+    proc = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "WANDB_DIR": str(tmp_path), "WANDB_SERVICE": ""})
+    assert proc.returncode == 0 and "could not start" not in proc.stderr, proc.stderr[-3000:]
+    runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 2 and len({p.name for p in runs}) == 1, runs  # two starts, one run id
