@@ -1,9 +1,9 @@
 """fsdp, tp, pp, tp_fsdp end to end: real torchrun, 2 and 4 gloo processes, fp32.
 
-Every run below trains the same 20 steps (same seed, data and global batch) and is
-compared with ddp: the loss of every step within REL. The runs that resume start from
-another run's step-10 checkpoint (DCP, or ddp's files) at another layout (resharding) and
-must continue with ddp's losses for steps 11-20. The same runs give the memory per rank and the
+Every run below trains the same STEPS (12) steps (same seed, data and global batch) and
+is compared with ddp: the loss of every step within REL. The runs that resume start from
+another run's step-6 checkpoint (HALF: DCP, or ddp's files) at another layout (resharding)
+and must continue with ddp's losses for steps 7-12. The same runs give the memory per rank and the
 exports. Runs are launched once, on first use, and shared by the tests.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runs import launch, read_metrics
+from runs import export, launch, read_metrics
 from launcher.launch import cli
 from launcher import config as C
 from launcher.config import block_matmul_params, num_params
@@ -25,19 +25,20 @@ pytestmark = pytest.mark.slow
 
 # Reduction order is all that differs (measured: 1e-7 relative over 20 steps, fp32).
 REL = 1e-4
-COMMON = ["train.steps=20", "optim.warmup_steps=4", "train.seq_len=64", "train.micro_batch=2",
-          "train.global_batch=8", "logger=none", "logger.log_every=1", "checkpoint.every=10",
+STEPS, HALF = 12, 6  # every run's steps; the checkpoint (and stop) half-way, where the resumed runs start
+COMMON = [f"train.steps={STEPS}", "optim.warmup_steps=4", "train.seq_len=64", "train.micro_batch=2",
+          "train.global_batch=8", "logger=none", "logger.log_every=1", f"checkpoint.every={HALF}",
           "debug.startup_digest=true"]
-STEP10 = "checkpoints/step_00000010"
+STEP_HALF = f"checkpoints/step_{HALF:08d}"
 ASYNC = "checkpoint.async_save=true"
 
-# name: (overrides, the run it resumes from at step 10 or None[, overrides of a second
+# name: (overrides, the run it resumes from at step HALF or None[, overrides of a second
 # launch of the same run directory, which resumes it by itself])
 RUNS = {
     "ddp": (["recipe=ddp"], None),
-    # 2 ranks to step 10, then the same run directory relaunched on 4 (the issue's command);
+    # 2 ranks to step HALF, then the same run directory relaunched on 4 (the issue's command);
     # the loss in 4 slices of the sequence (train.loss_chunks), the head in FSDP's root unit
-    "fsdp": (["recipe=fsdp", "train.activation_checkpointing=full", "train.stop_at=10", "train.loss_chunks=4"], None,
+    "fsdp": (["recipe=fsdp", "train.activation_checkpointing=full", f"train.stop_at={HALF}", "train.loss_chunks=4"], None,
              ["recipe=fsdp", "cluster.nproc_per_node=4", "train.loss_chunks=4"]),
     # tp, pp and tp_fsdp save asynchronously (DCP's async_save): the runs resumed from them
     # prove those checkpoints whole
@@ -46,7 +47,7 @@ RUNS = {
     "pp": (["recipe=pp", "parallel.pp_schedule=1f1b", "train.activation_checkpointing=selective", ASYNC], None),
     "tp_fsdp4": (["recipe=tp_fsdp", "cluster.nproc_per_node=4", "parallel.sequence_parallel=true",
                   "train.activation_checkpointing=op", ASYNC], None),
-    # resharding: another layout picks up a step-10 checkpoint
+    # resharding: another layout picks up a step-HALF checkpoint
     # pp x fsdp: two stages, each sharded over two ranks, two virtual stages per rank
     "pp_fsdp_interleaved4_from_ddp": (["recipe=pp_fsdp", "cluster.nproc_per_node=4",
                                        "parallel.pp_schedule=interleaved_1f1b"], "ddp"),
@@ -69,7 +70,7 @@ RUNS = {
                                            "tp4_untied"),
     # one process: the weights at step 0 must be those of every layout above
     "fsdp1": (["recipe=fsdp", "cluster.nproc_per_node=1", "train.stop_at=1", "checkpoint.every=0"], None),
-    # bf16: FSDP's mixed-precision policy; the first 8 of the 20 steps
+    # bf16: FSDP's mixed-precision policy; the first 8 of the STEPS
     "fsdp_bf16": (["recipe=fsdp", "precision=bf16", "train.stop_at=8", "recipe.fsdp.cpu_offload=true",
                    "recipe.fsdp.reshard_after_forward=false"], None),
 }
@@ -84,7 +85,7 @@ class Runs:
     def __call__(self, name: str) -> Path:
         if name not in self.done:
             overrides, source, *then = RUNS[name]
-            extra = [f"checkpoint.resume={self(source) / STEP10}"] if source else []
+            extra = [f"checkpoint.resume={self(source) / STEP_HALF}"] if source else []
             run = self.root / name
             if not any(o.startswith("precision=") for o in overrides):
                 extra.append("precision=fp32")
@@ -115,8 +116,8 @@ def assert_same_losses(run: Path, ref: Path, steps: range) -> float:
 
 
 @pytest.mark.parametrize("name", FRESH)
-def test_losses_match_ddp_over_20_steps(runs, name):
-    worst = assert_same_losses(runs(name), runs("ddp"), range(1, 21))
+def test_losses_match_ddp_over_every_step(runs, name):
+    worst = assert_same_losses(runs(name), runs("ddp"), range(1, STEPS + 1))
     print(f"{name}: max relative loss difference to ddp {worst:.1e}")
     rows = read_metrics(runs(name))
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]  # and it learns
@@ -126,7 +127,7 @@ def test_losses_match_ddp_over_20_steps(runs, name):
 def test_async_saves_of_the_dcp_layouts_were_written_in_the_background(runs, name):
     out = (runs(name) / "stdout.txt").read_text()
     assert "checkpoint.async_save: " in out, out[-2000:]  # the host buffers, made after the first step
-    for step in (10, 20):
+    for step in (HALF, STEPS):
         assert f"step_{step:08d} written in the background" in out, out[-2000:]
 
 
@@ -134,10 +135,10 @@ def test_async_saves_of_the_dcp_layouts_were_written_in_the_background(runs, nam
 def test_resume_at_another_layout_continues_the_loss(runs, name):
     run, source = runs(name), runs(RUNS[name][1])
     out = (run / "stdout.txt").read_text()
-    assert f"resumed from {source / STEP10} at step 10" in out
-    worst = assert_same_losses(run, runs("ddp"), range(11, 21))
+    assert f"resumed from {source / STEP_HALF} at step {HALF}" in out
+    worst = assert_same_losses(run, runs("ddp"), range(HALF + 1, STEPS + 1))
     print(f"{name}: max relative loss difference to ddp {worst:.1e}")
-    assert losses(run)[11] == pytest.approx(losses(source)[11], rel=REL)
+    assert losses(run)[HALF + 1] == pytest.approx(losses(source)[HALF + 1], rel=REL)
 
 
 def test_initial_weights_do_not_depend_on_the_layout(runs):
@@ -166,18 +167,18 @@ def test_relaunch_of_the_run_directory_on_more_ranks_continues(runs):
     """`make train RECIPE=fsdp ARGS="cluster.nproc_per_node=4"` on a run 2 ranks wrote."""
     run = runs("fsdp")
     out = (run / "stdout2.txt").read_text()
-    assert f"resumed from {run / STEP10} at step 10" in out and "4 rank(s)" in out
+    assert f"resumed from {run / STEP_HALF} at step {HALF}" in out and "4 rank(s)" in out
     assert "mesh: pp 1 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 1" in out
-    assert [r["step"] for r in read_metrics(run)] == list(range(1, 21))  # 1-10 on 2 ranks, 11-20 on 4
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, STEPS + 1))  # 1-HALF on 2 ranks, the rest on 4
 
 
 def test_untied_tensor_parallel_and_hsdp_match_ddp(runs):
     ref = runs("ddp_untied")
-    assert_same_losses(runs("tp4_untied"), ref, range(1, 21))
-    assert_same_losses(runs("hsdp4_from_tp4_untied"), ref, range(11, 21))
+    assert_same_losses(runs("tp4_untied"), ref, range(1, STEPS + 1))
+    assert_same_losses(runs("hsdp4_from_tp4_untied"), ref, range(HALF + 1, STEPS + 1))
     assert "mesh: pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1" in (runs("hsdp4_from_tp4_untied") / "stdout.txt").read_text()
     three = runs("pp_tp_fsdp4_untied_from_tp4_untied")
-    assert_same_losses(three, ref, range(11, 21))
+    assert_same_losses(three, ref, range(HALF + 1, STEPS + 1))
     assert "mesh: pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2" in (three / "stdout.txt").read_text()
 
 
@@ -201,14 +202,14 @@ def test_model_state_bytes_per_rank_match_the_formulas(runs):
 
     expected = {
         "ddp": 16 * psi + step_counters,
-        "fsdp": 16 * psi // 4 + step_counters,  # 16Ψ/N: steps 11-20 ran on 4 ranks
+        "fsdp": 16 * psi // 4 + step_counters,  # 16Ψ/N: the steps after HALF ran on 4 ranks
         "tp": 16 * (matmul // 2 + replicated) + step_counters,
         "tp_fsdp4": 16 * (matmul // 4 + replicated // 2) + step_counters,
         # rank 0 is the first stage: the embedding and layers 0, 1 (balanced: 2 + 2)
         "pp": 16 * (m.vocab_size * m.dim + 2 * block) + 4 * (1 + 2 * 9),
         "one_from_pp": 16 * psi + step_counters,
     }
-    on_two = read_metrics(runs("fsdp"))[9]  # step 10, still on 2 ranks
+    on_two = read_metrics(runs("fsdp"))[HALF - 1]  # step HALF, still on 2 ranks
     assert on_two["mem/model_state_bytes"] == 16 * psi // 2 + step_counters
     for name, want in expected.items():
         row = last(name)
@@ -217,23 +218,23 @@ def test_model_state_bytes_per_rank_match_the_formulas(runs):
         print(f"{name}: {row['mem/model_state_bytes']:,} bytes/rank = {row['mem/model_state_bytes'] / (16 * psi):.3f} x 16Ψ")
 
 
-def test_export_from_dcp_checkpoints_gives_the_same_model(runs, tmp_path):
+def test_export_from_dcp_checkpoints_gives_the_same_model(runs, tmp_path, capsys):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from launcher.launch.export import load_exported
 
-    ddp_final = torch.load(runs("ddp") / "checkpoints/step_00000020/engine/model.pt", weights_only=True)
+    final = f"checkpoints/step_{STEPS:08d}"
+    ddp_final = torch.load(runs("ddp") / final / "engine/model.pt", weights_only=True)
     reference = GPT(C.load_frozen(runs("ddp")).model)
     reference.load_state_dict(ddp_final)
     x = torch.randint(0, 256, (2, 64))
     for name in ("pp", "tp_fsdp4", "pp_fsdp_interleaved4_from_ddp"):  # stage-wise files; 2-D (strided) shards
         run = runs(name)
-        proc = launch(str(run), command="export")
-        path = run / "export" / "step_00000020" / "model.safetensors"
-        assert str(path) in proc.stdout
+        path = run / "export" / f"step_{STEPS:08d}" / "model.safetensors"
+        assert str(path) in export(run, capsys=capsys)
         exported = load_exported(path)
         # The same tensors as torch's own DCP converter reads (independent of our reader).
-        dcp_to_torch_save(run / "checkpoints/step_00000020/engine", tmp_path / f"{name}.pt")
+        dcp_to_torch_save(run / final / "engine", tmp_path / f"{name}.pt")
         direct = torch.load(tmp_path / f"{name}.pt", weights_only=True)["model"]
         state = exported.state_dict()
         assert set(direct) | {"output.weight"} == set(state)

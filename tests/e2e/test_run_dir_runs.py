@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from runs import FAST, REPO, launch, processes_of, start, wait_for_step
+from runs import FAST, REPO, export, launch, processes_of, start, wait_for_step
 from launcher import runlock
 from launcher.manifest import read_latest, run_of, verify
 
@@ -85,7 +85,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_a_fresh_start_never_mixes_two_runs(tmp_path):
+def test_a_fresh_start_never_mixes_two_runs(tmp_path, capsys):
     """Also: a relaunch with another model shape or a recipe that cannot read the format is
     refused on the launch side (issue: five rank tracebacks of `size mismatch`)."""
     run = tmp_path / "r"
@@ -138,8 +138,8 @@ def test_a_fresh_start_never_mixes_two_runs(tmp_path):
                         or k in ("config.yaml", "command.sh", "metrics.jsonl", "summary.json")},
                      "wandb_id": b"old0run1\n"}
     assert not (run / "wandb_id").exists()
-    exported = launch(str(home), command="export")  # the archive reads as a run directory
-    assert (home / "export" / "step_00000004" / "model.safetensors").is_file(), exported.stdout
+    exported = export(home, capsys=capsys)  # the archive reads as a run directory
+    assert (home / "export" / "step_00000004" / "model.safetensors").is_file(), exported
     assert all(verify(f) is None for f in (home / "checkpoints").glob("step_*"))
     second = read_latest(ckpts)[1]
     assert second not in (None, first)

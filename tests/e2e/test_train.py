@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import wandb_file
-from runs import REPO, assert_same_training, launch, read_metrics, token_file
+from runs import REPO, assert_same_training, export, launch, read_metrics, token_file
 from launcher.launch import cli
 from launcher import config as C
 from launcher.manifest import verify
@@ -97,10 +97,19 @@ def test_default_run_learns_logs_and_checkpoints(run_dir):
     assert "startup/host_peak_bytes" in proc.stdout
 
 
-def test_resume_continues_bit_identically(tmp_path):
-    common = ["train.steps=20", "optim.warmup_steps=4", "logger=none", "logger.log_every=1", "checkpoint.every=10"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    launch(*common, run_dir=straight)
+RESUMED = ["train.steps=20", "optim.warmup_steps=4", "logger=none", "logger.log_every=1", "checkpoint.every=10"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """20 steps without a stop: what the resumed run must equal, and what the export reads."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    launch(*RESUMED, run_dir=run)
+    return run
+
+
+def test_resume_continues_bit_identically(straight, tmp_path):
+    common, split = RESUMED, tmp_path / "split"
     # The split run also logs to W&B (offline): the resumed launch must continue that run.
     wandb_on = ["logger=wandb", "logger.mode=offline", "logger.system_metrics_s=0"]  # and no system monitor
     launch(*common, *wandb_on, "train.stop_at=10", run_dir=split)
@@ -189,25 +198,23 @@ def _umask() -> int:
     return mask
 
 
-def test_export_loads_into_the_model_with_the_same_logits(tmp_path):
+def test_export_loads_into_the_model_with_the_same_logits(straight, capsys):
     from launcher.launch.export import load_exported
     from launcher.models.gpt import GPT
 
-    run = tmp_path / "run"
-    launch("train.steps=8", "optim.warmup_steps=2", "logger=none", run_dir=run)
-    proc = launch(str(run), command="export")
-    path = run / "export" / "step_00000008" / "model.safetensors"
-    assert str(path) in proc.stdout
+    run = straight
+    path = run / "export" / "step_00000020" / "model.safetensors"
+    assert str(path) in export(run, capsys=capsys)
     exported = load_exported(path)
     trained = GPT(C.load_frozen(run).model)
-    trained.load_state_dict(torch.load(run / "checkpoints/step_00000008/engine/model.pt", weights_only=True))
+    trained.load_state_dict(torch.load(run / "checkpoints/step_00000020/engine/model.pt", weights_only=True))
     x = torch.randint(0, 256, (2, 64))
     with torch.no_grad():
         assert torch.equal(exported(x), trained(x))
     fp32_bytes = path.read_bytes()
-    proc = launch(str(run), "export.dtype=bf16", command="export")  # beside the fp32 export, not over it
-    half_path = run / "export" / "step_00000008-bf16" / "model.safetensors"
-    assert f"exported {half_path} (bf16)" in proc.stdout and path.read_bytes() == fp32_bytes
+    out = export(run, "export.dtype=bf16", capsys=capsys)  # beside the fp32 export, not over it
+    half_path = run / "export" / "step_00000020-bf16" / "model.safetensors"
+    assert f"exported {half_path} (bf16)" in out and path.read_bytes() == fp32_bytes
     assert {oct(p.stat().st_mode & 0o777) for p in (path, half_path)} == {oct(0o666 & ~_umask())}
     half = load_exported(half_path)
     with torch.no_grad():

@@ -41,6 +41,18 @@ def launch(*overrides: str, run_dir: Path | None = None, command: str = "train",
     return proc
 
 
+def export(run: Path, *overrides: str, capsys) -> str:
+    """`launcher export RUN overrides...` run here, in this process (the command a user types,
+    without a fresh interpreter to start): what it printed."""
+    from launcher.launch import cli
+
+    capsys.readouterr()
+    rc = cli.main(["export", str(run), *overrides])
+    out, err = capsys.readouterr()
+    assert rc == 0, f"launcher export {run} {' '.join(overrides)} exited {rc}\n{out[-3000:]}\n{err[-3000:]}"
+    return out
+
+
 def start(run_dir: Path, *overrides: str, env: dict | None = None, split_stderr: bool = False) -> subprocess.Popen:
     """`python -m launcher train ...` in the background (to signal or kill it while it
     trains). stderr joins stdout unless split_stderr (to check what went to which)."""
