@@ -27,7 +27,7 @@ def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
     from launcher.exits import EXIT_PREEMPTED
 
     run = tmp_path / "run"
-    args = ["train.steps=60", "optim.warmup_steps=5", "logger=none", "logger.log_every=1", "checkpoint.every=1000",
+    args = ["train.steps=30", "optim.warmup_steps=5", "logger=none", "logger.log_every=1", "checkpoint.every=1000",
             "checkpoint.save_final=true"]
     if sig == "SIGUSR1":  # async saves every 2 steps, each held back 1 s: the marker waits for them
         args += ["checkpoint.async_save=true", "checkpoint.every=2", "debug.async_save_delay_s=1"]
@@ -37,7 +37,7 @@ def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
     marker = json.loads((run / "preempted.json").read_text())
-    assert marker["signal"] == sig and 3 <= marker["step"] < 60
+    assert marker["signal"] == sig and 3 <= marker["step"] < 30
     assert (run / "checkpoints" / "latest").read_text().splitlines()[0] == f"step_{marker['step']:08d}"
     assert verify(run / "checkpoints" / f"step_{marker['step']:08d}") is None
     assert marker["checkpoint"] == str(run / "checkpoints" / f"step_{marker['step']:08d}")
@@ -49,7 +49,7 @@ def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
     if sig == "SIGTERM":  # the next launch of the same run directory resumes and finishes
         proc2 = launch(*args, run_dir=run)
         assert f"at step {marker['step']}" in proc2.stdout
-        assert [r["step"] for r in read_metrics(run)] == list(range(1, 61))
+        assert [r["step"] for r in read_metrics(run)] == list(range(1, 31))
         assert not (run / "preempted.json").exists()
 
 
