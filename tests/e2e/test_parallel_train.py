@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runs import export, launch, read_metrics
+from runs import here, launch, read_metrics
 from launcher.launch import cli
 from launcher import config as C
 from launcher.config import block_matmul_params, num_params
@@ -218,7 +218,7 @@ def test_model_state_bytes_per_rank_match_the_formulas(runs):
         print(f"{name}: {row['mem/model_state_bytes']:,} bytes/rank = {row['mem/model_state_bytes'] / (16 * psi):.3f} x 16Ψ")
 
 
-def test_export_from_dcp_checkpoints_gives_the_same_model(runs, tmp_path, capsys):
+def test_export_from_dcp_checkpoints_gives_the_same_model(runs, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from launcher.launch.export import load_exported
@@ -231,7 +231,7 @@ def test_export_from_dcp_checkpoints_gives_the_same_model(runs, tmp_path, capsys
     for name in ("pp", "tp_fsdp4", "pp_fsdp_interleaved4_from_ddp"):  # stage-wise files; 2-D (strided) shards
         run = runs(name)
         path = run / "export" / f"step_{STEPS:08d}" / "model.safetensors"
-        assert str(path) in export(run, capsys=capsys)
+        assert str(path) in here("export", str(run)).stdout
         exported = load_exported(path)
         # The same tensors as torch's own DCP converter reads (independent of our reader).
         dcp_to_torch_save(run / final / "engine", tmp_path / f"{name}.pt")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from runs import FAST, REPO, export, launch, processes_of, start, wait_for_step
+from runs import FAST, REPO, here, launch, processes_of, start, wait_for_step
 from launcher import runlock
 from launcher.manifest import read_latest, run_of, verify
 
@@ -85,7 +85,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_a_fresh_start_never_mixes_two_runs(tmp_path, capsys):
+def test_a_fresh_start_never_mixes_two_runs(tmp_path):
     """Also: a relaunch with another model shape or a recipe that cannot read the format is
     refused on the launch side (issue: five rank tracebacks of `size mismatch`)."""
     run = tmp_path / "r"
@@ -123,8 +123,8 @@ def test_a_fresh_start_never_mixes_two_runs(tmp_path, capsys):
             found = re.search(r"; (\d+) of (\d+) tensors differ, e\.g\. (\S+) \[([\d, ]+)\] there, \[([\d, ]+)\] here\)",
                               lines[0])
             assert found and 0 < int(found.group(1)) <= int(found.group(2)), lines[0]
-            there, here = (list(map(int, found.group(i).split(", "))) for i in (4, 5))
-            assert 128 in there and 96 in here and 96 not in there, lines[0]
+            theirs, ours = (list(map(int, found.group(i).split(", "))) for i in (4, 5))
+            assert 128 in theirs and 96 in ours and 96 not in theirs, lines[0]
 
     # Roll back to step 2 as a new run: the old one moves aside whole, nothing is deleted,
     # its W&B id included (the new run must not log into the old one's W&B run).
@@ -138,8 +138,8 @@ def test_a_fresh_start_never_mixes_two_runs(tmp_path, capsys):
                         or k in ("config.yaml", "command.sh", "metrics.jsonl", "summary.json")},
                      "wandb_id": b"old0run1\n"}
     assert not (run / "wandb_id").exists()
-    exported = export(home, capsys=capsys)  # the archive reads as a run directory
-    assert (home / "export" / "step_00000004" / "model.safetensors").is_file(), exported
+    exported = here("export", str(home))  # the archive reads as a run directory
+    assert (home / "export" / "step_00000004" / "model.safetensors").is_file(), exported.stdout
     assert all(verify(f) is None for f in (home / "checkpoints").glob("step_*"))
     second = read_latest(ckpts)[1]
     assert second not in (None, first)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import wandb_file
-from runs import REPO, assert_same_training, export, launch, read_metrics, token_file
+from runs import REPO, assert_same_training, here, launch, read_metrics, token_file
 from launcher.launch import cli
 from launcher import config as C
 from launcher.manifest import verify
@@ -198,13 +198,13 @@ def _umask() -> int:
     return mask
 
 
-def test_export_loads_into_the_model_with_the_same_logits(straight, capsys):
+def test_export_loads_into_the_model_with_the_same_logits(straight):
     from launcher.launch.export import load_exported
     from launcher.models.gpt import GPT
 
     run = straight
     path = run / "export" / "step_00000020" / "model.safetensors"
-    assert str(path) in export(run, capsys=capsys)
+    assert str(path) in here("export", str(run)).stdout
     exported = load_exported(path)
     trained = GPT(C.load_frozen(run).model)
     trained.load_state_dict(torch.load(run / "checkpoints/step_00000020/engine/model.pt", weights_only=True))
@@ -212,7 +212,7 @@ def test_export_loads_into_the_model_with_the_same_logits(straight, capsys):
     with torch.no_grad():
         assert torch.equal(exported(x), trained(x))
     fp32_bytes = path.read_bytes()
-    out = export(run, "export.dtype=bf16", capsys=capsys)  # beside the fp32 export, not over it
+    out = here("export", str(run), "export.dtype=bf16").stdout  # beside the fp32 export, not over it
     half_path = run / "export" / "step_00000020-bf16" / "model.safetensors"
     assert f"exported {half_path} (bf16)" in out and path.read_bytes() == fp32_bytes
     assert {oct(p.stat().st_mode & 0o777) for p in (path, half_path)} == {oct(0o666 & ~_umask())}

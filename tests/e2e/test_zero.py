@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runs import REPO, export, launch, processes_of, read_metrics, start, wait_for_step
+from runs import REPO, here, launch, processes_of, read_metrics, start, wait_for_step
 from launcher import config as C
 from launcher.manifest import verify
 from launcher.rank.preempt import EXIT_PREEMPTED
@@ -140,7 +140,7 @@ def test_checkpoint_resumes_at_other_world_sizes_on_the_same_curve(fp32_runs, tm
         assert r["lr"] == straight[r["step"]]["lr"]
 
 
-def test_export_of_zero_shards_gives_the_trained_model(fp32_runs, tmp_path, capsys):
+def test_export_of_zero_shards_gives_the_trained_model(fp32_runs, tmp_path):
     """`launcher export` on zero2 and zero3 checkpoints: the fp32 weights equal ddp's (the same
     training in fp32), so the exported model gives ddp's logits."""
     from launcher.launch.export import load_exported
@@ -153,7 +153,7 @@ def test_export_of_zero_shards_gives_the_trained_model(fp32_runs, tmp_path, caps
     with torch.no_grad():
         want = trained(x)
     for recipe in ("zero2", "zero3"):
-        out = export(fp32_runs[recipe], capsys=capsys)
+        out = here("export", str(fp32_runs[recipe])).stdout
         path = fp32_runs[recipe] / "export" / "step_00000020" / "model.safetensors"
         assert str(path) in out
         model = load_exported(path)
@@ -161,7 +161,7 @@ def test_export_of_zero_shards_gives_the_trained_model(fp32_runs, tmp_path, caps
             assert torch.allclose(model.state_dict()[name], p, rtol=0, atol=1e-5), (recipe, name)  # measured 2e-6
         with torch.no_grad():
             assert torch.allclose(model(x), want, rtol=1e-4, atol=1e-4), recipe
-    export(fp32_runs["zero3"], "export.dtype=bf16", f"export.out={tmp_path / 'bf16'}", capsys=capsys)
+    here("export", str(fp32_runs["zero3"]), "export.dtype=bf16", f"export.out={tmp_path / 'bf16'}")
     with torch.no_grad():
         assert torch.allclose(load_exported(tmp_path / "bf16" / "model.safetensors")(x), want, atol=0.05)
 

@@ -41,16 +41,18 @@ def launch(*overrides: str, run_dir: Path | None = None, command: str = "train",
     return proc
 
 
-def export(run: Path, *overrides: str, capsys) -> str:
-    """`launcher export RUN overrides...` run here, in this process (the command a user types,
-    without a fresh interpreter to start): what it printed."""
+def here(command: str, *args: str) -> subprocess.CompletedProcess:
+    """`launcher COMMAND args...` (plan, export) run in this process, as `launch` runs it in
+    a new one but without an interpreter to start: what it printed; a non-zero exit fails."""
+    import io
+
     from launcher.launch import cli
 
-    capsys.readouterr()
-    rc = cli.main(["export", str(run), *overrides])
-    out, err = capsys.readouterr()
-    assert rc == 0, f"launcher export {run} {' '.join(overrides)} exited {rc}\n{out[-3000:]}\n{err[-3000:]}"
-    return out
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main([command, *args])
+    assert rc == 0, f"launcher {command} {' '.join(args)} exited {rc}\n{out.getvalue()[-3000:]}\n{err.getvalue()[-4000:]}"
+    return subprocess.CompletedProcess(["launcher", command, *args], rc, out.getvalue(), err.getvalue())
 
 
 def start(run_dir: Path, *overrides: str, env: dict | None = None, split_stderr: bool = False) -> subprocess.Popen:

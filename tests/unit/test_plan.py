@@ -11,6 +11,7 @@ import subprocess
 import pytest
 import torch
 
+from runs import here
 from launcher.launch import cli, compose
 from launcher.config import ACMode
 from launcher.planner import plan as planner
@@ -60,16 +61,9 @@ def test_meta_device_counts_a_70b_model_without_memory():
 
 
 def run_plan(*overrides: str) -> subprocess.CompletedProcess:
-    """`launcher plan overrides...` run in this process (README's `make plan` line runs it
-    as a command: tests/e2e/test_readme.py)."""
-    import contextlib
-    import io
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = cli.main(["plan", *overrides])
-    assert rc == 0, f"launcher plan {' '.join(overrides)} exited {rc}\n{out.getvalue()[-3000:]}\n{err.getvalue()[-3000:]}"
-    return subprocess.CompletedProcess(["launcher", "plan", *overrides], rc, out.getvalue(), err.getvalue())
+    """`launcher plan` in this process (README's `make plan` line runs it as a command:
+    tests/e2e/test_readme.py)."""
+    return here("plan", *overrides)
 
 
 def test_plan_table_json_and_chart(tmp_path):
