@@ -58,9 +58,10 @@ def pip(*args: str) -> None:
         sys.exit(f"wheelhouse: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
 
 
-def needed_without_torch(reqs: list[str], python: str) -> dict[str, str]:
+def needed_without_torch(reqs: list[str], python: str, stop: tuple[str, ...] = ("torch",)) -> dict[str, str]:
     """{name: installed version} of the packages the requirements need on that Python,
-    followed through the installed packages' own requirements but never through torch."""
+    followed through the installed packages' own requirements but never through torch
+    (`stop`)."""
     from importlib import metadata
 
     from packaging.requirements import Requirement
@@ -71,7 +72,7 @@ def needed_without_torch(reqs: list[str], python: str) -> dict[str, str]:
     while todo:
         req = todo.pop()
         name = canon(req.name)
-        if name in seen or name == "torch" or (req.marker and not req.marker.evaluate(env)):
+        if name in seen or name in stop or (req.marker and not req.marker.evaluate(env)):
             continue
         try:
             dist = metadata.distribution(name)
@@ -84,6 +85,22 @@ def needed_without_torch(reqs: list[str], python: str) -> dict[str, str]:
             todo += [r for r in map(Requirement, dist.requires or []) if r.marker and r.marker.evaluate(env_x)]
         todo += [r for r in map(Requirement, dist.requires or []) if not (r.marker and "extra" in str(r.marker))]
     return seen
+
+
+def requirement_lines(needed: dict[str, str], python: str) -> list[str]:
+    """requirements.txt: each package pinned to the tested version, except those the node's
+    torch requires too (setuptools, typing-extensions, filelock, jinja2, fsspec, ...): the
+    node's torch came with its own versions and may bound them (torch 2.11 wants setuptools
+    below 82), so they are named without a version. pip keeps what the node has, and takes
+    the folder's wheel only where the node has none."""
+    torch_side = needed_without_torch(["torch"], python, stop=()) if "torch" in installed() else {}
+    return [f"{n}\n" if n in torch_side else f"{n}=={v}\n" for n, v in sorted(needed.items())]
+
+
+def installed() -> set[str]:
+    from importlib import metadata
+
+    return {canon(d.metadata["Name"]) for d in metadata.distributions()}
 
 
 def main() -> int:
@@ -115,7 +132,7 @@ def main() -> int:
     print(f"wheelhouse: downloading {len(wanted)} wheels for Python {args.python} on {args.platform} "
           "(torch and what only it needs left out)", flush=True)
     pip("download", "--quiet", "--no-deps", "--dest", str(out), *target, *wanted)
-    (out / "requirements.txt").write_text("".join(f"{n}=={v}\n" for n, v in sorted(needed.items())))
+    (out / "requirements.txt").write_text("".join(requirement_lines(needed, args.python)))
     size = sum(f.stat().st_size for f in out.glob("*.whl"))
     print(f"wheelhouse: {len(needed)} packages, {size / 2**20:,.0f} MiB in {out}; on a node without network: "
           f"make setup WHEELHOUSE={out} TORCH=system")
