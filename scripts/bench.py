@@ -105,6 +105,9 @@ class Bench:
         return [f"hydra.run.dir={run}", f"recipe={recipe}", *model_args(model), f"precision={a.dtype}",
                 f"train.steps={steps}", "optim.warmup_steps=5", f"train.seq_len={a.seq_len}",
                 f"train.micro_batch={a.micro_batch}", f"train.global_batch={a.micro_batch * a.nproc}",
+                # The loop computes the loss whole: so does the recipe (auto would slice a large
+                # vocabulary's logits on a GPU, a memory lever that costs time; docs/memory.md).
+                "train.loss_chunks=1",
                 "logger=none", "logger.log_every=10", "checkpoint.every=0", "checkpoint.save_final=false",
                 f"cluster.nproc_per_node={a.nproc}", *extra]
 
