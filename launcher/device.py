@@ -93,9 +93,13 @@ def returned_to_the_os():
     staying in glibc's heap, resident, for the whole run. Measured on CPU (gpt_125m, 2
     ranks, zero3 fp32): start-up peak 10.3 -> 9.0 bytes per parameter, held after it 8.5 ->
     6.5. Afterwards the threshold is glibc's own largest (32 MiB), where its dynamic
-    threshold would settle: steps reuse the heap as before (glibc's dynamic adjustment
-    stays off from then on). A no-op elsewhere, and when the user set
-    MALLOC_MMAP_THRESHOLD_ (their choice stands)."""
+    threshold would settle, and the trim threshold twice that, as glibc's dynamic rule sets
+    it: steps reuse the heap as before. Setting one threshold turns glibc's dynamic
+    adjustment off for both, so the trim threshold would stay at its 128 KiB: every step's
+    freed activations went back to the OS and were faulted in again in the next step (10%
+    more page faults than a hand-written loop on CPU, llama_5m). A no-op elsewhere, and
+    when the user set MALLOC_MMAP_THRESHOLD_ (their choice stands; MALLOC_TRIM_THRESHOLD_
+    likewise)."""
     libc = None
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         yield
@@ -112,10 +116,12 @@ def returned_to_the_os():
     finally:
         if libc is not None:
             libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+            if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+                libc.mallopt(_M_TRIM_THRESHOLD, 64 << 20)
             libc.malloc_trim(0)
 
 
-_M_MMAP_THRESHOLD = -3  # glibc malloc.h
+_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1  # glibc malloc.h
 
 
 # ----------------------------------------------------------------------------- profiler
