@@ -89,18 +89,12 @@ def needed_without_torch(reqs: list[str], python: str, stop: tuple[str, ...] = (
 
 def requirement_lines(needed: dict[str, str], python: str) -> list[str]:
     """requirements.txt: each package pinned to the tested version, except those the node's
-    torch requires too (setuptools, typing-extensions, filelock, jinja2, fsspec, ...): the
-    node's torch came with its own versions and may bound them (torch 2.11 wants setuptools
-    below 82), so they are named without a version. pip keeps what the node has, and takes
-    the folder's wheel only where the node has none."""
-    torch_side = needed_without_torch(["torch"], python, stop=()) if "torch" in installed() else {}
+    torch requires too (setuptools, typing-extensions, filelock, fsspec, markupsafe): the
+    node's torch came with its own versions and may bound them (the H200's torch 2.11 did
+    not take setuptools 84), so they are named without a version. pip keeps what the node
+    has, and takes the folder's wheel only where the node has none."""
+    torch_side = needed_without_torch(["torch"], python, stop=())
     return [f"{n}\n" if n in torch_side else f"{n}=={v}\n" for n, v in sorted(needed.items())]
-
-
-def installed() -> set[str]:
-    from importlib import metadata
-
-    return {canon(d.metadata["Name"]) for d in metadata.distributions()}
 
 
 def main() -> int:

@@ -52,16 +52,17 @@ def on_meta(cfg: Config) -> nn.Module:
     return skeleton(cfg, torch.device("meta"))
 
 
-def skeleton(cfg: Config, device: torch.device) -> nn.Module:
+def skeleton(cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> nn.Module:
     """The model's modules on `device` with their parameters allocated but not drawn
-    (torch's and transformers' own init skipped: materialize fills them). On meta
-    nothing is allocated; under deepspeed.zero.Init each module is partitioned as soon
-    as it is built."""
+    (torch's and transformers' own init skipped: materialize fills them), made in `dtype`
+    (default: torch's default). On meta nothing is allocated; under deepspeed.zero.Init
+    each module is partitioned as soon as it is built, and cast to the engine's dtype:
+    made in that dtype, no layer is first allocated and read whole in fp32."""
     import torch
 
-    from launcher.models.init import skip_torch_init
+    from launcher.models.init import default_dtype, skip_torch_init
 
-    with skip_torch_init(), torch.device(device):
+    with skip_torch_init(), default_dtype(dtype), torch.device(device):
         if cfg.model.kind == ModelKind.hf:
             from launcher.models import hf
 

@@ -160,6 +160,18 @@ def fill(dst: torch.Tensor, shape: tuple[int, ...], box, flat, spec: InitSpec, s
 
 
 @contextlib.contextmanager
+def default_dtype(dtype: torch.dtype | None):
+    """torch's default floating dtype set to `dtype` (None: left as it is) inside the block."""
+    saved = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+@contextlib.contextmanager
 def skip_torch_init():
     """Modules built in this block allocate their parameters without drawing them
     (nn.Linear's kaiming init, nn.Embedding's normal; launcher.models.hf.build adds

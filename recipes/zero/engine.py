@@ -56,18 +56,6 @@ def cpu_info_once() -> None:
         cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype | None):
-    """torch's default floating dtype set to `dtype` (None: left as it is) inside the block."""
-    saved = torch.get_default_dtype()
-    if dtype is not None:
-        torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(saved)
-
-
 class ZeroEngine:
     def __init__(self, ctx: BuildContext):
         deepspeed = import_deepspeed()
@@ -82,11 +70,8 @@ class ZeroEngine:
             deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
         low = torch.bfloat16 if self.config["bf16"]["enabled"] else torch.float16 if self.config["fp16"]["enabled"] else None
         if self.stage == 3:  # partitioned as it is built: no rank ever holds the whole model
-            # Each weight is made in the dtype zero.Init keeps (it casts whatever is made), so
-            # no layer is first allocated and read whole in fp32: twice its bytes at start-up,
-            # and on the 8B rehearsal a third of the build.
-            with deepspeed.zero.Init(config_dict_or_path=self.config), default_dtype(low):
-                model = models.prepare(models.skeleton(cfg, ctx.device), cfg)
+            with deepspeed.zero.Init(config_dict_or_path=self.config):  # made in the dtype it keeps
+                model = models.prepare(models.skeleton(cfg, ctx.device, low), cfg)
             models.materialize(model, cfg, ctx.device)
         else:  # stages 0-2 replicate the weights by design: built once, directly on the device,
             # in the dtype DeepSpeed keeps them in (it would cast an fp32 model: twice the bytes at start-up)

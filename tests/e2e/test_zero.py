@@ -116,8 +116,9 @@ def test_zero_stages_give_ddp_losses_in_fp32(fp32_runs):
 
 def test_checkpoint_resumes_at_other_world_sizes_on_the_same_curve(fp32_runs, tmp_path):
     """zero2's step-5 checkpoint (2 ranks) -> 1 rank to step 12 -> 4 ranks to 14 -> 2 ranks
-    to 20 (4 ranks on 2 cores step slowest: 2 steps there): every change of world size (down, up past the saving one, back) goes through
-    DeepSpeed's universal checkpoint, and the losses stay on the uninterrupted 2-rank run's curve."""
+    to 20 (4 ranks on 2 cores step slowest: 2 steps there): every change of world size
+    (down, up past the saving one, back) goes through DeepSpeed's universal checkpoint,
+    and the losses stay on the uninterrupted 2-rank run's curve."""
     straight = {r["step"]: r for r in read_metrics(fp32_runs["zero2"])}
     run = tmp_path / "chain"
     start = fp32_runs["zero2"] / "checkpoints" / "step_00000005"
