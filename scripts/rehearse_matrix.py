@@ -70,14 +70,26 @@ def rehearse_one(model: str, nodes: int, overrides: list[str]) -> dict:
     return row
 
 
+def share_cores(threads: int) -> None:
+    """A job's torch threads: its share of the cores (jobs x all cores' threads would spin
+    for the cores), unless OMP_NUM_THREADS says otherwise."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def run(only: set[str] | None = None, jobs: int = 1) -> list[dict]:
     """Every layout of MATRIX (of the `only` models), `jobs` at a time in processes of their
-    own; ZeRO-3's, built for real on the host and the slowest, start first. Rows in MATRIX's order."""
+    own, each with its share of the cores; ZeRO-3's, built for real on the host and the
+    slowest, start first. Rows in MATRIX's order."""
     todo = [m for m in MATRIX if not only or m[0] in only]
     if jobs <= 1:
         return [rehearse_one(*m) for m in todo]
     first = sorted(range(len(todo)), key=lambda i: "recipe=zero3" not in todo[i][2])
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    threads = max(1, len(os.sched_getaffinity(0)) // jobs)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=share_cores, initargs=(threads,)) as pool:
         futures = {i: pool.submit(rehearse_one, *todo[i]) for i in first}
         return [futures[i].result() for i in range(len(todo))]
 

@@ -8,12 +8,29 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+
+
+def share_the_cores() -> None:
+    """Under `pytest -n N` each worker's processes get cores / N threads (OMP_NUM_THREADS,
+    which the launcher keeps for its ranks as torchrun does), unless the shell set it: N
+    workers of a machine's whole thread count each would make 2N threads on N cores, whose
+    OpenMP workers spin for the cores instead of computing."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(threads)
+
+
+share_the_cores()
 
 
 @pytest.fixture(scope="session", autouse=True)

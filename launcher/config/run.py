@@ -144,7 +144,8 @@ class ClusterConfig:
     kills them after this long. Must cover one step plus one checkpoint save (with
     checkpoint.async_save: plus what is left of a save still being written)."""
     cpu_threads: Optional[int] = None
-    """Threads per rank on CPU (null: cores / processes, at least 1)."""
+    """Threads per rank on CPU (null: the launching shell's OMP_NUM_THREADS when it is
+    set, else cores / processes, at least 1)."""
     gpu_memory_gb: Optional[float] = None
     """Memory of one GPU, for the planner (null: read from nvidia-smi; required on a
     machine without GPUs when planning for one)."""

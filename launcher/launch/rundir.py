@@ -27,10 +27,22 @@ def free_port() -> int:
 
 def make_plan(cfg: C.Config, host: HostInfo) -> LaunchPlan:
     nproc = C.nproc_per_node(cfg, host)
-    threads = cfg.cluster.cpu_threads or max(1, host.cpus // nproc)
+    threads = cfg.cluster.cpu_threads or exported_threads() or max(1, host.cpus // nproc)
     port = cfg.cluster.master_port or free_port()
     return LaunchPlan(python=sys.executable, nproc_per_node=nproc, master_port=port, threads_per_rank=threads,
                       workdir=os.getcwd())
+
+
+def exported_threads() -> int | None:
+    """OMP_NUM_THREADS of the launching shell, the threads each rank takes where
+    cluster.cpu_threads is not set (as torchrun keeps it): a user's export is not overridden."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise C.ConfigError("OMP_NUM_THREADS", value, "a positive integer (threads per rank), or unset it "
+                            "(then cluster.cpu_threads, else cores / processes)")
+    return int(value)
 
 
 def writable_parent(path: Path, key: str) -> Path:

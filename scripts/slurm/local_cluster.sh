@@ -40,7 +40,7 @@ for s in socks:
 print(*(s.getsockname()[1] for s in socks))
 EOF
 )
-CPUS=$(nproc)
+CPUS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # the cores (nproc alone counts OMP_NUM_THREADS)
 MEM_MB=$(awk '/MemTotal/ {print int($2 / 1024) - 1024}' /proc/meminfo)  # the node's memory minus 1 GiB
 
 SOCKET=$DIR/munge/munge.socket.2

@@ -3,6 +3,7 @@ traceback; no rank started and no run directory made."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -292,6 +293,18 @@ def test_bad_input_from_a_real_process(overrides, tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value", ["many", "0", "-2"])
+def test_a_bad_omp_num_threads_is_refused_before_any_rank(value, tmp_path):
+    """The launching shell's OMP_NUM_THREADS becomes each rank's threads: a value that is not
+    a positive integer is refused in one line by the launcher process."""
+    proc = subprocess.run([sys.executable, "-m", "launcher", "train", f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": value})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"error: OMP_NUM_THREADS={value}: a positive integer (threads per rank), "
+                                                "or unset it (then cluster.cpu_threads, else cores / processes)"]
     assert not (tmp_path / "run").exists()
 
 

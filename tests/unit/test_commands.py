@@ -75,6 +75,23 @@ def test_the_ranks_get_the_flight_recorder_and_cluster_env_wins():
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in env and "TORCH_FR_DUMP_TEMP_FILE" not in env
 
 
+def test_threads_per_rank_keep_the_shells_omp_num_threads(monkeypatch):
+    """Threads per rank: cluster.cpu_threads, else the OMP_NUM_THREADS the user exported
+    (as torchrun keeps it), else this machine's cores / processes; into command.sh."""
+    from launcher.host import HostInfo
+    from launcher.launch.rundir import make_plan
+
+    host = HostInfo(cuda=False, gpus=0, cpus=8)
+    cfg, _, _ = cli.compose_config(["cluster.nproc_per_node=2"])
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert make_plan(cfg, host).threads_per_rank == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    plan = make_plan(cfg, host)
+    assert plan.threads_per_rank == 3 and rank_env(cfg, plan, "/runs/a")["OMP_NUM_THREADS"] == "3"
+    cfg, _, _ = cli.compose_config(["cluster.nproc_per_node=2", "cluster.cpu_threads=2"])
+    assert make_plan(cfg, host).threads_per_rank == 2
+
+
 def test_the_flight_recorder_variables_follow_the_installed_torch(tmp_path):
     """torch 2.11 and later read TORCH_FR_*, and every process warns on stderr for the old
     names; an older site torch gets the names it reads. A gloo process of the installed torch
