@@ -27,6 +27,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from launcher.host import usable_cores
+
 COMMON = ["train.seq_len=8192", "train.micro_batch=1", "train.activation_checkpointing=full", "cluster.gpus_per_node=8",
           "cluster.gpu_memory_gb=80"]
 
@@ -87,7 +89,7 @@ def run(only: set[str] | None = None, jobs: int = 1) -> list[dict]:
     if jobs <= 1:
         return [rehearse_one(*m) for m in todo]
     first = sorted(range(len(todo)), key=lambda i: "recipe=zero3" not in todo[i][2])
-    threads = max(1, len(os.sched_getaffinity(0)) // jobs)
+    threads = max(1, usable_cores() // jobs)
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
                              initializer=share_cores, initargs=(threads,)) as pool:
         futures = {i: pool.submit(rehearse_one, *todo[i]) for i in first}
@@ -119,7 +121,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--only", default="", help="comma-separated models")
-    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+    ap.add_argument("--jobs", type=int, default=usable_cores(),
                     help="layouts rehearsed at once, each in its own process (default: the cores this process may use)")
     args = ap.parse_args()
     started = time.perf_counter()

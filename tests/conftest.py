@@ -24,7 +24,9 @@ def share_the_cores() -> None:
     OpenMP workers spin for the cores instead of computing."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        from launcher.host import usable_cores
+
+        threads = max(1, usable_cores() // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(threads)
