@@ -54,9 +54,10 @@ class Holding:
     grads_freed: bool = False
     """The step's gradients are freed after the optimizer step (zero_grad(set_to_none=True))
     and made again in backward as activations are released, so the two never peak together:
-    the step holds the larger of them (FSDP2's engine, measured on an H200 and with torch's
-    MemTracker). Kept gradients (DDP's buckets, DeepSpeed's partitions, a pipeline's
-    accumulation over its micro-batches) add to the activations."""
+    the step holds the larger of them (FSDP2's engine; DeepSpeed's ZeRO without offload, less
+    the buffers it keeps: launcher.planner.footprint.grads_kept; measured on an H200 and with
+    torch's MemTracker). Kept gradients (DDP's buckets, a pipeline's accumulation over its
+    micro-batches) add to the activations."""
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,33 @@ def model_states(cfg: Config, layout: Layout,
     return params, grads, optim, where, host
 
 
+def grads_kept(cfg: Config, layout: Layout, grads: int) -> int:
+    """Device bytes of gradients a rank holds while the forward's activations are alive,
+    of the `grads` it holds at the update: all of them where the engine keeps them between
+    steps (ddp's buckets, the offloaded ZeRO recipes) or accumulates them over micro-batches
+    (grad_accum > 1, a pipeline); where it frees them after each update (Layout.grads_freed)
+    and backward makes them as it frees the activations, only what it keeps regardless:
+      fsdp, tp, tp_fsdp   nothing
+      zero1               nothing: each gradient is reduced through the buckets as backward
+                          makes it, and the fp32 copy of the shard is made by the step
+      zero2               the wP/n shard the buckets reduce into (grads_in_partition, made at
+                          backward's first reduction and freed by the step) and the gradients
+                          of the parameters across its edges
+      zero3               the wP/n gradient partition (made at start-up, never freed) and the
+                          reduce bucket
+    Measured on an H200 (bench/gpu.md) and against torch's MemTracker (tests/unit/test_step_peak.py)."""
+    if not layout.grads_freed or cfg.train.grad_accum > 1:
+        return grads
+    if layout.fsdp or layout.shard in ("none", "zero1"):
+        return 0
+    w = 4 if cfg.precision.name == Precision.fp32 else 2
+    n = layout.shard_ranks
+    shard = w * param_share(cfg, layout) // n
+    if layout.shard == "zero2":
+        return min(grads, shard + w * M.straddling(cfg.model, n))
+    return min(grads, shard + w * ds_config.reduce_bucket(cfg))
+
+
 # ----------------------------------------------------------------------------- start-up
 def start_up(cfg: Config, layout: Layout) -> tuple[int, int]:
     """(device bytes, host bytes) one rank holds when its engine is ready, before step 1:

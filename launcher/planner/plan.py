@@ -16,8 +16,8 @@ from pathlib import Path
 from launcher import jsonout
 from launcher.planner import memory as M
 from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig, block_matmul_params, ffn_dim
-from launcher.planner.footprint import (Layout, activations, loss_slices, model_states, numerics, param_share, pipeline,
-                                       pipeline_unsharded, start_up, temporaries)
+from launcher.planner.footprint import (Layout, activations, grads_kept, loss_slices, model_states, numerics, param_share,
+                                       pipeline, pipeline_unsharded, start_up, temporaries)
 from launcher.models.gpt import flops_per_token
 
 
@@ -58,16 +58,18 @@ class Row:
     startup_host_node: int = 0
     """Host bytes the ranks of one node hold then, beyond their processes' baseline."""
 
-    grads_with_activations: bool = True
-    """The gradients exist while the forward's activations do (kept between steps, or
-    accumulated over micro-batches); False: backward makes them as it frees activations,
-    so the step holds the larger of the two, not their sum (Layout.grads_freed, one
-    micro-batch a step)."""
+    grads_kept: int | None = None
+    """Device bytes of gradients that exist while the forward's activations do
+    (footprint.grads_kept): all of them (None) where the engine keeps them between steps
+    or accumulates them over micro-batches; less where backward makes them as it frees
+    the activations (Layout.grads_freed, one micro-batch a step), so that the step holds
+    the larger of the gradients and kept + activations, not their sum."""
 
     @property
     def total(self) -> int:
         grads = self.grads - self.host.get("grads", 0)
-        both = grads + self.activations if self.grads_with_activations else max(grads, self.activations)
+        kept = grads if self.grads_kept is None else min(self.grads_kept, grads)
+        both = max(grads, kept + self.activations)
         return self.params + self.optim - self.host.get("params", 0) - self.host.get("optim", 0) + both + self.temp
 
     @property
@@ -229,7 +231,7 @@ def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | N
     return Row(layout=layout, ac=ac, micro_batch=b, fits=False, params=params, grads=grads, optim=optim,
                activations=act, temp=tmp, where=where, host=host, startup=device,
                startup_host_node=host_rank * per_node,
-               grads_with_activations=not (layout.grads_freed and cfg.train.grad_accum == 1))
+               grads_kept=grads_kept(cfg, layout, grads - host["grads"]))
 
 
 def fits(cfg: Config, hw: Hardware, row: Row) -> bool:

@@ -34,10 +34,13 @@ def import_deepspeed():
 
 def holds(recipe) -> Holding:
     """The planner's formula: stage k shards the first k of optimizer states, gradients and
-    parameters over the data-parallel ranks; offload moves them to the host."""
+    parameters over the data-parallel ranks; offload moves them to the host. Without
+    offload, DeepSpeed frees the step's gradients after the update (zero_grad(set_to_none=True))
+    and keeps only the buffers launcher.planner.footprint.grads_kept counts."""
     z = recipe.zero
-    return Holding(shard=f"zero{z.stage}" if z.stage else "none", offload_optim=z.offload_optimizer.value != "none",
-                   offload_params=z.offload_param.value != "none")
+    offload = z.offload_optimizer.value != "none"
+    return Holding(shard=f"zero{z.stage}" if z.stage else "none", offload_optim=offload,
+                   offload_params=z.offload_param.value != "none", grads_freed=not offload)
 
 
 SPEC = RecipeSpec(engine="recipes.zero.engine", writes="deepspeed", reads=("deepspeed",), holds=holds, fp16=True,

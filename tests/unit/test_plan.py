@@ -83,10 +83,9 @@ def test_plan_table_json_and_chart(tmp_path):
             assert (r["host"][k] == 0) == (r["where"][k] == "device")
             assert (r["host"][k] == r[k]) == (r["where"][k] == "cpu")
         grads = r["grads"] - r["host"]["grads"]
-        both = grads + r["activations"] if r["grads_with_activations"] else max(grads, r["activations"])
-        assert r["total"] == on_device - grads + both + r["temp"]
-        # An engine that frees its gradients between steps holds the larger of them and the activations.
-        assert r["grads_with_activations"] == (not r["layout"]["grads_freed"])
+        assert r["total"] == on_device - grads + max(grads, r["grads_kept"] + r["activations"]) + r["temp"]
+        # An engine that frees its gradients between steps keeps fewer of them beside the activations.
+        assert (r["grads_kept"] < grads) == r["layout"]["grads_freed"] or grads == 0
         assert r["peak"] == max(r["total"], r["startup"]) and r["startup"] > 0 or r["layout"]["offload_params"]
         assert r["fits"] == (r["peak"] <= budget)
     if any(r["fits"] for r in rows):
