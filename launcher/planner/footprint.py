@@ -150,8 +150,8 @@ def grads_kept(cfg: Config, layout: Layout, grads: int) -> int:
     (grad_accum > 1, a pipeline); where it frees them after each update (Layout.grads_freed)
     and backward makes them as it frees the activations, only what it keeps regardless:
       fsdp, tp, tp_fsdp   nothing
-      zero1               nothing: each gradient is reduced through the buckets as backward
-                          makes it, and the fp32 copy of the shard is made by the step
+      zero1               nothing: the gradients backward makes are reduced and cleared after
+                          it (grads_at_peak counts them), the fp32 copy of the shard is made by the step
       zero2               the wP/n shard the buckets reduce into (grads_in_partition, made at
                           backward's first reduction and freed by the step) and the gradients
                           of the parameters across its edges
@@ -168,6 +168,27 @@ def grads_kept(cfg: Config, layout: Layout, grads: int) -> int:
     if layout.shard == "zero2":
         return min(grads, shard + w * M.straddling(cfg.model, n))
     return min(grads, shard + w * ds_config.reduce_bucket(cfg))
+
+
+def grads_at_peak(cfg: Config, layout: Layout, grads: int) -> int:
+    """The most gradient bytes a rank holds at once once the activations are gone (the end
+    of backward, the update): the `grads` of the update, and for DeepSpeed's ZeRO without
+    offload, more for a moment:
+      zero1-3   + wP/n: the update flattens the reduced shard into a copy before casting it to
+                fp32 (stage_1_and_2.py, stage3.py: `flatten(averaged_gradients)`), so shard,
+                flat copy and fp32 copy are alive together
+      zero1     at least wP + w x bucket without overlap_comm (the recipe's default): the
+                whole gradients build up through backward and are reduced after it
+                (reduce_gradients), through one bucket"""
+    if not layout.shard.startswith("zero") or layout.fsdp or layout.offload_optim:
+        return grads
+    w = 4 if cfg.precision.name == Precision.fp32 else 2
+    P = param_share(cfg, layout)
+    peak = grads + w * P // layout.shard_ranks
+    overlap = cfg.recipe.zero.overlap_comm if cfg.recipe.zero.overlap_comm is not None else layout.shard == "zero3"
+    if layout.shard == "zero1" and not overlap:
+        peak = max(peak, w * P + w * ds_config.reduce_bucket(cfg))
+    return peak
 
 
 # ----------------------------------------------------------------------------- start-up

@@ -16,7 +16,7 @@ from pathlib import Path
 from launcher import jsonout
 from launcher.planner import memory as M
 from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig, block_matmul_params, ffn_dim
-from launcher.planner.footprint import (Layout, activations, grads_kept, loss_slices, model_states, numerics, param_share,
+from launcher.planner.footprint import (Layout, activations, grads_at_peak, grads_kept, loss_slices, model_states, numerics, param_share,
                                        pipeline, pipeline_unsharded, start_up, temporaries)
 from launcher.models.gpt import flops_per_token
 
@@ -65,11 +65,16 @@ class Row:
     the activations (Layout.grads_freed, one micro-batch a step), so that the step holds
     the larger of the gradients and kept + activations, not their sum."""
 
+    grads_peak: int | None = None
+    """Device bytes of gradients at their own peak, the activations gone (the end of
+    backward, the update; footprint.grads_at_peak): `grads` (None), or more where the
+    engine makes transient copies of them."""
+
     @property
     def total(self) -> int:
         grads = self.grads - self.host.get("grads", 0)
         kept = grads if self.grads_kept is None else min(self.grads_kept, grads)
-        both = max(grads, kept + self.activations)
+        both = max(grads if self.grads_peak is None else max(self.grads_peak, grads), kept + self.activations)
         return self.params + self.optim - self.host.get("params", 0) - self.host.get("optim", 0) + both + self.temp
 
     @property
@@ -231,7 +236,8 @@ def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | N
     return Row(layout=layout, ac=ac, micro_batch=b, fits=False, params=params, grads=grads, optim=optim,
                activations=act, temp=tmp, where=where, host=host, startup=device,
                startup_host_node=host_rank * per_node,
-               grads_kept=grads_kept(cfg, layout, grads - host["grads"]))
+               grads_kept=grads_kept(cfg, layout, grads - host["grads"]),
+               grads_peak=grads_at_peak(cfg, layout, grads - host["grads"]))
 
 
 def fits(cfg: Config, hw: Hardware, row: Row) -> bool:

@@ -40,7 +40,7 @@ def holds(recipe) -> Holding:
     z = recipe.zero
     offload = z.offload_optimizer.value != "none"
     return Holding(shard=f"zero{z.stage}" if z.stage else "none", offload_optim=offload,
-                   offload_params=z.offload_param.value != "none", grads_freed=not offload)
+                   offload_params=z.offload_param.value != "none", grads_freed=z.stage > 0 and not offload)
 
 
 SPEC = RecipeSpec(engine="recipes.zero.engine", writes="deepspeed", reads=("deepspeed",), holds=holds, fp16=True,

@@ -282,3 +282,29 @@ def test_model_state_bytes_per_rank_against_the_zero_paper(tmp_path):
         extra, _name = EXTRA[stage]
         # what is left after the named term: buckets, padding, persistent parameters (< 0.7% pinned)
         assert measured - paper == pytest.approx(extra(psi, n), abs=0.008 * measured), (recipe, model, n, _name)
+
+
+def test_zero1_holds_the_whole_gradients_when_backward_ends(tmp_path):
+    """One micro-batch a step on two ranks: when backward ends, zero1 holds every gradient
+    whole (it reduces them only then), zero2 little more than its shard (its buckets reduced
+    the rest as backward made them; the last bucket's are still whole). The planner's gradients at their
+    peak (footprint.grads_at_peak) hold the whole ones for zero1, at any world size: on 8 ranks
+    of gpt_7b with full recomputation they, not the activations, set the step's peak."""
+    from launcher.launch import cli
+    from launcher.planner import plan as planner
+    from launcher.planner.memory import ParamCounts
+
+    out = tmp_path / "held.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "tests/helpers/zero_backward_probe.py", str(out), "zero1", "zero2"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    ranks = json.loads(out.read_text())["ranks"]
+    assert [r["zero1"] for r in ranks] == [PSI_TINY] * 2
+    assert all(r["zero2"] < 0.6 * PSI_TINY for r in ranks), ranks  # measured: 0.52 and 0.57
+    for world, model in ((2, "gpt_tiny"), (8, "gpt_7b")):
+        cfg, _, _ = cli.compose_config(["recipe=zero1", f"model={model}", "precision=bf16", "train.micro_batch=1",
+                                        "train.activation_checkpointing=full"])
+        row = planner.memory_row(cfg, planner.layout_for(cfg, world), cfg.train.activation_checkpointing, 1)
+        assert row.grads_peak >= 2 * ParamCounts.of(cfg.model).total, (model, world)
+    assert row.total >= row.params + row.optim + row.grads_peak > row.params + row.optim + row.activations

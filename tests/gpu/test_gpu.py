@@ -277,6 +277,7 @@ def test_the_plan_holds_on_the_gpu(runs, model, recipe):
                                       "measured": measured, "ratio": ratio,
                                       "parts": {"params": row.params, "grads": row.grads, "optim": row.optim,
                                                 "activations": row.activations, "temp": row.temp,
+                                                "grads_kept": row.grads_kept, "grads_peak": row.grads_peak,
                                                 "startup": row.startup}})
     assert abs(ratio - 1) <= 0.10, f"{model} {recipe}: {measured / 2**30:.2f} GiB measured, {row.peak / 2**30:.2f} planned"
 
