@@ -71,11 +71,19 @@ class Row:
     engine makes transient copies of them."""
 
     @property
-    def total(self) -> int:
+    def grads_split(self) -> tuple[int, int]:
+        """(device gradients held beside the activations, how many more their own peak
+        needs): with the activations they add up to max(grads at peak, kept + activations)."""
         grads = self.grads - self.host.get("grads", 0)
         kept = grads if self.grads_kept is None else min(self.grads_kept, grads)
-        both = max(grads if self.grads_peak is None else max(self.grads_peak, grads), kept + self.activations)
-        return self.params + self.optim - self.host.get("params", 0) - self.host.get("optim", 0) + both + self.temp
+        peak = grads if self.grads_peak is None else max(self.grads_peak, grads)
+        return kept, max(0, peak - kept - self.activations)
+
+    @property
+    def total(self) -> int:
+        kept, beyond = self.grads_split
+        return (self.params + self.optim - self.host.get("params", 0) - self.host.get("optim", 0) + kept
+                + self.activations + beyond + self.temp)
 
     @property
     def peak(self) -> int:
@@ -371,10 +379,13 @@ def chart(rows: list[Row], hw: Hardware, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = [f"{r.layout.label}\n{r.ac.value} mb={r.micro_batch}" for r in rows]
+    # stacked as Row.total adds them: the gradients kept beside the activations, and what
+    # their own peak (the end of backward, the update) needs beyond the activations
     parts = [("params", lambda r: r.params - r.host.get("params", 0)),
-             ("grads", lambda r: r.grads - r.host.get("grads", 0)),
              ("optim", lambda r: r.optim - r.host.get("optim", 0)),
-             ("activations", lambda r: r.activations), ("temp", lambda r: r.temp)]
+             ("grads beside the activations", lambda r: r.grads_split[0]),
+             ("activations", lambda r: r.activations),
+             ("grads at their peak, beyond", lambda r: r.grads_split[1]), ("temp", lambda r: r.temp)]
     fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(rows)), 6))
     bottom = [0.0] * len(rows)
     for name, get in parts:
