@@ -79,6 +79,12 @@ def prefetch_bucket(cfg: C.Config) -> int:
     return cfg.recipe.zero.prefetch_bucket_size or C.block_matmul_params(model_shape(cfg))
 
 
+def overlap_comm(cfg: C.Config) -> bool:
+    """overlap_comm: recipe.zero's, or DeepSpeed's own default (on for stage 3 only)."""
+    z = cfg.recipe.zero
+    return z.overlap_comm if z.overlap_comm is not None else z.stage == 3
+
+
 def persistence_threshold(cfg: C.Config) -> int:
     """stage3_param_persistence_threshold: recipe.zero's, or 10 x model.dim (the norms)."""
     z = cfg.recipe.zero
@@ -94,7 +100,7 @@ def deepspeed_config(cfg: C.Config, world_size: int, cuda: bool) -> dict[str, An
     zero: dict[str, Any] = {
         "stage": z.stage,
         # DeepSpeed's own default, made explicit so ds_config.json says what runs.
-        "overlap_comm": z.overlap_comm if z.overlap_comm is not None else z.stage == 3,
+        "overlap_comm": overlap_comm(cfg),
         "contiguous_gradients": z.contiguous_gradients,
         "reduce_scatter": z.reduce_scatter,
         "reduce_bucket_size": reduce_bucket(cfg),

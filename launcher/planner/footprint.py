@@ -63,6 +63,11 @@ class Layout:
 
 
 # ----------------------------------------------------------------------------- states
+def ds_weight_bytes(cfg: Config) -> int:
+    """w: bytes of each of DeepSpeed's weights (and gradients): 4 in fp32, else 2."""
+    return 4 if cfg.precision.name == Precision.fp32 else 2
+
+
 def pipeline(cfg: Config) -> tuple[int, int, str, list[int] | None]:
     """(micro-batches, stages per rank, schedule, user split) of the pipeline settings."""
     p = getattr(cfg, "parallel", None)
@@ -121,7 +126,6 @@ def model_states(cfg: Config, layout: Layout,
     an fp32 master shard even in fp32, with offload splitting parts to the host.
     """
     P = param_share(cfg, layout, pp_rank)
-    precision = cfg.precision.name
     n = layout.shard_ranks
     where = {"params": "device", "grads": "device", "optim": "device"}
     host = {"params": 0, "grads": 0, "optim": 0}
@@ -132,7 +136,7 @@ def model_states(cfg: Config, layout: Layout,
     else:
         parts = M.zero_states(int(layout.shard[-1]), P, n, cfg.train.grad_accum, layout.offload_optim,
                               layout.offload_params, largest_param=M.largest_param(cfg.model),
-                              weight_bytes=4 if precision == Precision.fp32 else 2,
+                              weight_bytes=ds_weight_bytes(cfg),
                               straddle=M.straddling(cfg.model, n),
                               kept_whole=M.persistent(cfg.model, ds_config.persistence_threshold(cfg)),
                               bucket=ds_config.reduce_bucket(cfg))
@@ -162,12 +166,12 @@ def grads_kept(cfg: Config, layout: Layout, grads: int) -> int:
         return grads
     if layout.fsdp or layout.shard in ("none", "zero1"):
         return 0
-    w = 4 if cfg.precision.name == Precision.fp32 else 2
+    w = ds_weight_bytes(cfg)
     n = layout.shard_ranks
     shard = w * param_share(cfg, layout) // n
     if layout.shard == "zero2":
-        return min(grads, shard + w * M.straddling(cfg.model, n))
-    return min(grads, shard + w * ds_config.reduce_bucket(cfg))
+        return shard + w * M.straddling(cfg.model, n)
+    return shard + w * ds_config.reduce_bucket(cfg)
 
 
 def grads_at_peak(cfg: Config, layout: Layout, grads: int) -> int:
@@ -182,11 +186,10 @@ def grads_at_peak(cfg: Config, layout: Layout, grads: int) -> int:
                 (reduce_gradients), through one bucket"""
     if not layout.shard.startswith("zero") or layout.fsdp or layout.offload_optim:
         return grads
-    w = 4 if cfg.precision.name == Precision.fp32 else 2
+    w = ds_weight_bytes(cfg)
     P = param_share(cfg, layout)
     peak = grads + w * P // layout.shard_ranks
-    overlap = cfg.recipe.zero.overlap_comm if cfg.recipe.zero.overlap_comm is not None else layout.shard == "zero3"
-    if layout.shard == "zero1" and not overlap:
+    if layout.shard == "zero1" and not ds_config.overlap_comm(cfg):
         peak = max(peak, w * P + w * ds_config.reduce_bucket(cfg))
     return peak
 
@@ -215,7 +218,7 @@ def start_up(cfg: Config, layout: Layout) -> tuple[int, int]:
     P = param_share(cfg, layout)
     n = layout.shard_ranks
     psi = M.ParamCounts.of(cfg.model).total
-    w = 4 if cfg.precision.name == Precision.fp32 else 2
+    w = ds_weight_bytes(cfg)
     if layout.shard == "none":
         return (8 if layout.grad_buckets else 4) * P, 0
     if layout.fsdp:

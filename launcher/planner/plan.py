@@ -16,8 +16,8 @@ from pathlib import Path
 from launcher import jsonout
 from launcher.planner import memory as M
 from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig, block_matmul_params, ffn_dim
-from launcher.planner.footprint import (Layout, activations, grads_at_peak, grads_kept, loss_slices, model_states, numerics, param_share,
-                                       pipeline, pipeline_unsharded, start_up, temporaries)
+from launcher.planner.footprint import (Layout, activations, grads_at_peak, grads_kept, loss_slices, model_states,
+                                       numerics, param_share, pipeline, pipeline_unsharded, start_up, temporaries)
 from launcher.models.gpt import flops_per_token
 
 
@@ -58,26 +58,21 @@ class Row:
     startup_host_node: int = 0
     """Host bytes the ranks of one node hold then, beyond their processes' baseline."""
 
-    grads_kept: int | None = None
-    """Device bytes of gradients that exist while the forward's activations do
-    (footprint.grads_kept): all of them (None) where the engine keeps them between steps
-    or accumulates them over micro-batches; less where backward makes them as it frees
-    the activations (Layout.grads_freed, one micro-batch a step), so that the step holds
-    the larger of the gradients and kept + activations, not their sum."""
-
-    grads_peak: int | None = None
-    """Device bytes of gradients at their own peak, the activations gone (the end of
-    backward, the update; footprint.grads_at_peak): `grads` (None), or more where the
-    engine makes transient copies of them."""
+    grads_kept: int = 0
+    """Device bytes of gradients alive with the forward's activations (footprint.grads_kept):
+    all where the engine keeps them between steps or accumulates them, less where backward
+    makes them as it frees the activations (Layout.grads_freed, one micro-batch a step)."""
+    grads_peak: int = 0
+    """Device bytes of gradients at their own peak, the activations gone (the end of backward,
+    the update; footprint.grads_at_peak): the device gradients, or more for transient copies."""
 
     @property
     def grads_split(self) -> tuple[int, int]:
-        """(device gradients held beside the activations, how many more their own peak
-        needs): with the activations they add up to max(grads at peak, kept + activations)."""
+        """(device gradients beside the activations, how many more their own peak needs):
+        with the activations they add up to max(grads at peak, kept + activations)."""
         grads = self.grads - self.host.get("grads", 0)
-        kept = grads if self.grads_kept is None else min(self.grads_kept, grads)
-        peak = grads if self.grads_peak is None else max(self.grads_peak, grads)
-        return kept, max(0, peak - kept - self.activations)
+        kept = min(self.grads_kept, grads)
+        return kept, max(0, max(self.grads_peak, grads) - kept - self.activations)
 
     @property
     def total(self) -> int:

@@ -27,8 +27,7 @@ def deepspeed_buffers(engine) -> list[torch.Tensor]:
     before the tracker starts and held by no module or torch optimizer, so named to it."""
     from recipes.zero.engine import _tensors, terms_held
 
-    held = [ts for _, _, _, ts in terms_held(engine.optimizer, engine.model)]
-    return [t for t in _tensors(held + [getattr(engine.optimizer, "grad_partitions_flat_buffer", None)])]
+    return list(_tensors([ts for _, _, _, ts in terms_held(engine.optimizer, engine.model)]))
 
 
 @pytest.fixture(scope="module")
