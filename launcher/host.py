@@ -192,7 +192,28 @@ def current_rss() -> int:
 # ----------------------------------------------------------------------------- DeepSpeed
 def deepspeed_env() -> None:
     """Tell DeepSpeed its accelerator before it is imported: it would otherwise probe for one
-    and print a warning on a CPU-only machine (on stdout, into every launch's output)."""
+    and print a warning on a CPU-only machine (on stdout, into every launch's output). And
+    where its just-in-time ops are cached: one folder per Python environment
+    (`ops_cache_dir`), unless TORCH_EXTENSIONS_DIR says otherwise."""
     import torch
 
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", ops_cache_dir())
+
+
+def ops_cache_dir() -> str:
+    """torch's cache of compiled ops (~/.cache/torch_extensions), one folder per Python
+    environment: torch keys an op's folder by its name and rebuilds it whenever the build
+    command changes, and the command names the environment's include paths. Two virtual
+    environments on one host (two checkouts, a CI clone beside a work tree) sharing one
+    folder rebuild each other's ops (20-40 s each on 2 cores), inside the first rank that
+    loads one."""
+    import hashlib
+    import sys
+
+    import torch._appdirs
+
+    root = os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions"))
+    env = os.path.realpath(sys.prefix)
+    name = os.path.basename(env).lstrip(".") or "python"  # .venv: not a hidden folder
+    return os.path.join(root, f"{name}-{hashlib.sha256(env.encode()).hexdigest()[:10]}")

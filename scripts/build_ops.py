@@ -1,7 +1,7 @@
 """Compile DeepSpeed's just-in-time ops once, at `make setup`, instead of in the first ranks
 that need them: CPU Adam (zero*_offload's optimizer step) and, on a host without a GPU,
 the shared-memory communication op that every DeepSpeed rank loads when it joins its
-process group. torch caches them in ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR), where
+process group. torch caches them in launcher.host.ops_cache_dir() (TORCH_EXTENSIONS_DIR), where
 every later rank finds them in about a second; compiled in a rank they cost 20-40 s each
 on a 2-core machine, paid by whichever run comes first and, with several ranks starting at
 once, waited for behind one lock.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +140,29 @@ def test_a_back_off_rebatches_the_json_that_deepspeed_then_reads(tmp_path):
     assert (read["train_micro_batch_size_per_gpu"], read["gradient_accumulation_steps"], read["train_batch_size"]) == (4, 2, 16)
     with pytest.raises(ValueError, match="would change the batch"):
         D.rebatch(tmp_path, 2, 2)
+
+
+def test_compiled_ops_are_cached_per_python_environment(monkeypatch, tmp_path):
+    """Where torch builds and finds DeepSpeed's just-in-time ops (cpu_adam, the shared-memory
+    op): one folder per Python environment under torch's cache, so two environments on one
+    host never rebuild each other's ops; a TORCH_EXTENSIONS_DIR the user set is kept."""
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    def build_dir(prefix: str, user: str | None = None) -> Path:
+        monkeypatch.setattr(sys, "prefix", prefix)
+        if user is None:
+            monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCH_EXTENSIONS_DIR", user)
+        deepspeed_env()
+        return Path(_get_build_directory("cpu_adam", verbose=False))
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    work, ci = build_dir(str(tmp_path / "work" / ".venv")), build_dir(str(tmp_path / "ci" / ".venv"))
+    assert work != ci and work.name == ci.name == "cpu_adam"
+    for path in (work, ci):
+        assert path.parents[1] == tmp_path / "cache" / "torch_extensions" and path.parent.name.startswith("venv-")
+    assert build_dir(str(tmp_path / "work" / ".venv")) == work  # the same environment finds its own again
+    assert build_dir(str(tmp_path / "work" / ".venv"), user=str(tmp_path / "mine")).parent == tmp_path / "mine"
