@@ -82,6 +82,10 @@ class RecipeSpec:
     """recipe config (RecipeConfig) -> Holding: where its model states live."""
     fp16: bool = False
     """It has an fp16 loss scaler (precision=fp16 is refused otherwise)."""
+    fp8: bool = False
+    """torchao's float8 linear layers run under it without tensor or pipeline parallel
+    (precision=fp8 is refused otherwise): its wrapper leaves the swapped nn.Linear
+    modules whole (DeepSpeed's partitioning and DTensor's plans do not)."""
     deepspeed: bool = False
     """Runs inside DeepSpeed: the launch side writes and checks RUN_DIR/ds_config.json, and
     DeepSpeed's own launcher (cluster.runner=deepspeed) may start it."""

@@ -7,14 +7,12 @@ with one line on stderr and exit code 2, before any rank starts.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import shutil
 import sys
 from pathlib import Path
-from typing import NamedTuple
 
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
@@ -23,6 +21,7 @@ from launcher import config as C, offline, provenance, runlock
 from launcher.launch import fit, identity, k8s, plaintext, slurm
 from launcher.manifest import lock_folders, root_of
 from launcher.launch.commands import command_script, launch_argv, LaunchPlan, rank_env, sbatch_script, SLURM_STEPS
+from launcher.launch.args import parse_args, USAGE
 from launcher.launch.compose import compose_config, describe, expand_sweep, UsageError
 from launcher.host import HostInfo
 from launcher.exits import EXIT_INTERRUPTED
@@ -34,68 +33,6 @@ from launcher.launch.rundir import (check_checkpoint_space, check_resume_is_data
 from launcher.launch.validate import validate
 
 
-COMMANDS = ("train", "export", "plan", "submit", "rehearse", "data")
-
-
-USAGE = """usage: launcher train [key=value ...] [--dry-run] [-m|--multirun]
-       launcher plan [key=value ...] [--json]
-       launcher submit [key=value ...] [--dry-run] [-m|--multirun]   (a Slurm job, cluster=slurm; or cluster=k8s)
-       launcher export RUN_DIR [export.key=value ...]
-       launcher rehearse [key=value ...] [--ranks R,R,...] [--json]   (ranks of a cluster's layout, built here on meta)
-       launcher data [data.key=value ...]   (data=hf_text tokenized into the shared cache, by every core)"""
-
-
-class Args(NamedTuple):
-    command: str
-    overrides: list[str]
-    dry_run: bool = False
-    multirun: bool = False
-    as_json: bool = False
-    ranks: str | None = None
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line and exit 2 (main), not argparse's usage block
-        raise UsageError(f"{self.prog}: {message} (launcher --help)")
-
-
-def parse_args(argv: list[str]) -> Args:
-    """`launcher [COMMAND] [flags] [key=value ...]`; COMMAND defaults to train. Flags are
-    flags (never written into config.yaml); everything else is a Hydra override."""
-    command = "train"
-    if argv and not argv[0].startswith("-") and "=" not in argv[0]:
-        command, argv = argv[0], argv[1:]
-        if command not in COMMANDS:
-            raise UsageError(f"unknown command '{command}'; allowed: {', '.join(COMMANDS)}")
-    parser = _Parser(prog=f"launcher {command}", add_help=False, allow_abbrev=False)
-    parser.add_argument("overrides", nargs="*")
-    if command in ("train", "submit"):
-        parser.add_argument("--dry-run", action="store_true", help="print the run's files and command; start nothing")
-        parser.add_argument("-m", "--multirun", action="store_true", help="a sweep: one run per point")
-    if command in ("plan", "rehearse"):
-        parser.add_argument("--json", action="store_true", dest="as_json", help="the table as JSON")
-    if command == "rehearse":
-        parser.add_argument("--ranks", default=None, help="comma-separated ranks (default: first, last, each stage's "
-                            "first, each tensor-parallel position)")
-    parsed, unknown = parser.parse_known_intermixed_args(argv)
-    if unknown:
-        flags = {"train": "--dry-run, -m/--multirun", "submit": "--dry-run, -m/--multirun", "plan": "--json",
-                 "rehearse": "--ranks, --json"}
-        raise UsageError(f"unknown flag '{unknown[0]}' for {command}; allowed: {flags.get(command, 'none')}, "
-                         "or key=value overrides")
-    args = Args(command, parsed.overrides, getattr(parsed, "dry_run", False), getattr(parsed, "multirun", False),
-                getattr(parsed, "as_json", False), getattr(parsed, "ranks", None))
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parser = OverridesParser.create()
-    for o in args.overrides if command in ("train", "submit", "data") else []:
-        try:
-            parser.parse_overrides([o])
-        except HydraException as e:
-            raise UsageError(f"{o}: cannot parse ({str(e).splitlines()[0]}); overrides look like key=value")
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help", "help"):
@@ -104,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     offline()  # nothing is fetched from a model or dataset hub; torchrun and the ranks inherit it
     try:
         args = parse_args(argv)
+        if args.help:
+            print(args.help, end="")
+            return 0
         if args.command == "export":
             return cmd_export(args.overrides)
         if args.command == "plan":

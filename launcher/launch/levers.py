@@ -34,15 +34,17 @@ def validate_levers(cfg: Config, host) -> None:
 def validate_fp8(cfg: Config, host) -> None:
     """precision=fp8: torchao installed, bf16 around it, ddp or fsdp without tensor or
     pipeline parallel, and float8 tensor cores (or precision.fp8_emulate=true)."""
+    import recipes
     from launcher.host import fp8_capable, gpu_name
 
     p = cfg.parallel
     if cfg.precision.name != Precision.bf16:
         raise ConfigError("precision", "fp8", f"runs inside bf16 autocast; precision.name={cfg.precision.name.value} "
                                      "(use precision=fp8, which sets both)")
-    if cfg.recipe.strategy not in ("ddp", "fsdp") or p.tp > 1 or p.pp > 1:
+    if not recipes.spec(cfg.recipe.strategy).fp8 or p.tp > 1 or p.pp > 1:
+        engines = [name for name, spec in recipes.specs().items() if spec.fp8]  # RecipeSpec.fp8
         raise ConfigError("precision", "fp8", f"recipe {cfg.recipe.name} (tp {p.tp}, pp {p.pp}): float8 linear layers run "
-                                     "under ddp and fsdp (recipe=ddp or fsdp, tp 1, pp 1)")
+                                     f"under {' and '.join(engines)} (recipe={' or '.join(engines)}, tp 1, pp 1)")
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("precision", "fp8", "needs torchao (pip install 'torchao>=0.18'; make setup installs it)")
     if cfg.precision.fp8_emulate:

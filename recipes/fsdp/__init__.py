@@ -23,4 +23,4 @@ def fsdp_holds(recipe) -> Holding:
 
 
 SPEC = RecipeSpec(Parallelism(shards=True, cp=True), engine="recipes.fsdp.engine", builds_on_meta=True, writes="dcp",
-                  reads=("ddp", "dcp"), holds=fsdp_holds)
+                  reads=("ddp", "dcp"), fp8=True, holds=fsdp_holds)

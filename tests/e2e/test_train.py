@@ -161,7 +161,7 @@ def test_dry_run_prints_and_starts_nothing(run_dir):
     assert refused.returncode == 2 and "dry_run" in refused.stderr and not run_dir.exists()
     refused = launch("--json", run_dir=run_dir, check=False)  # plan's flag, not train's
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
-        "error: unknown flag '--json' for train; allowed: --dry-run, -m/--multirun, or key=value overrides"]
+        "error: unknown flag '--json' for train; allowed: --dry-run, -m/--multirun, -h/--help, or key=value overrides"]
 
 
 def test_multirun_makes_one_run_dir_per_point(tmp_path):

@@ -182,3 +182,19 @@ def test_torchrun_options_follow_the_installed_torchrun(monkeypatch):
     monkeypatch.setattr(commands, "torchrun_takes", lambda option: option != "--shutdown-timeout")
     argv = torchrun_argv(cfg, "/runs/a", PLAN)
     assert not any(a.startswith("--shutdown-timeout") for a in argv) and "--max-restarts=0" in argv
+
+
+@pytest.mark.parametrize("command,flags", [("train", ["--dry-run", "--multirun"]), ("submit", ["--dry-run"]),
+                                           ("plan", ["--json"]), ("rehearse", ["--ranks", "--json"]),
+                                           ("export", ["RUN_DIR"]), ("data", [])])
+def test_each_command_prints_its_own_flags_and_runs_nothing(command, flags, tmp_path, capsys, monkeypatch):
+    """`launcher COMMAND --help` (or -h, anywhere on the line): the command's flags and what
+    it does, exit 0, nothing composed or written; `launcher --help` names every command."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([command, "model=gpt_small", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: launcher {command} [-h]") and all(f in out for f in flags), out
+    assert cli.main([command, "-h"]) == 0 and capsys.readouterr().out == out
+    assert list(tmp_path.iterdir()) == []  # no run directory, no outputs/
+    assert cli.main(["--help"]) == 0
+    assert f"launcher {command} " in capsys.readouterr().out

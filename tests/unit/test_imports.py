@@ -1,7 +1,7 @@
 """The import graph: no cycle among the project's modules (lazy imports inside functions
 included), launcher/config/ imports nothing else of the project, and no module changes
 the environment when it is imported (the hub's offline switches are set by the entry
-points: the launcher, a rank)."""
+points: the launcher, a rank); and no Python file over 400 lines."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 from runs import REPO
 
 PACKAGES = ("launcher", "recipes")
+LINES = 400  # the most a Python file of the project may hold
 
 
 def modules() -> dict[str, ast.Module]:
@@ -224,3 +225,11 @@ def test_the_suite_is_split_by_what_it_starts():
                         wrong.append(f"{folder}/{path.name}::{node.name}")
     assert len(list((REPO / "tests" / "e2e").glob("test_*.py"))) > 10
     assert wrong == [], wrong
+
+
+def test_no_python_file_is_over_400_lines():
+    """A file a newcomer can read whole: every Python file of the project (the packages, the
+    scripts, the tests) holds at most LINES lines; a longer one is split by concern."""
+    long = {str(path.relative_to(REPO)): n for folder in (*PACKAGES, "scripts", "tests")
+            for path in sorted((REPO / folder).rglob("*.py")) if (n := len(path.read_text().splitlines())) > LINES}
+    assert long == {}, long
