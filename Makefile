@@ -75,10 +75,11 @@ export: setup ## consolidated weights: RUN=<run dir> [export.dtype=bf16] [export
 	@$(PY) -m launcher export "$(RUN)" $(foreach k,format dtype step out,$(if $(export.$(k)),export.$(k)=$(export.$(k)))) $(ARGS)
 
 # pytest-xdist workers, whole test files each (a file's shared runs stay in one worker): a
-# run uses 2-4 processes, so half the cores, and 2 on 2 cores (about 30 minutes there).
+# run uses 2-4 processes, so half the cores, and 2 on 2 cores (about 25 minutes there; 3
+# workers on 2 cores were no faster, 24:28: the suite is bound by its processes' CPU).
 TEST_WORKERS ?= $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? n / 2 : 2 )))
 
-test: setup ## the full test suite: tests/unit and tests/e2e (real processes; about 30 minutes on 2 cores) [TEST_WORKERS=N]
+test: setup ## the full test suite: tests/unit and tests/e2e (real processes; about 25 minutes on 2 cores) [TEST_WORKERS=N]
 	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 test-quick: setup ## tests/unit only: in-process checks and quick commands, no multi-process runs (about 4 minutes)

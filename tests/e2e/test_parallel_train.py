@@ -4,12 +4,14 @@ Every run below trains the same STEPS (12) steps (same seed, data and global bat
 is compared with ddp: the loss of every step within REL. The runs that resume start from
 another run's step-6 checkpoint (HALF: DCP, or ddp's files) at another layout (resharding)
 and must continue with ddp's losses for steps 7-12. The same runs give the memory per rank and the
-exports. Runs are launched once, on first use, and shared by the tests.
+exports and the held-out loss (train.eval_every, at HALF and STEPS). Runs are launched
+once, on first use, and shared by the tests.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,7 @@ REL = 1e-4
 STEPS, HALF = 12, 6  # every run's steps; the checkpoint (and stop) half-way, where the resumed runs start
 COMMON = [f"train.steps={STEPS}", "optim.warmup_steps=4", "train.seq_len=64", "train.micro_batch=2",
           "train.global_batch=8", "logger=none", "logger.log_every=1", f"checkpoint.every={HALF}",
-          "debug.startup_digest=true"]
+          "debug.startup_digest=true", f"train.eval_every={HALF}", "train.eval_samples=16"]
 STEP_HALF = f"checkpoints/step_{HALF:08d}"
 ASYNC = "checkpoint.async_save=true"
 
@@ -139,6 +141,33 @@ def test_resume_at_another_layout_continues_the_loss(runs, name):
     worst = assert_same_losses(run, runs("ddp"), range(HALF + 1, STEPS + 1))
     print(f"{name}: max relative loss difference to ddp {worst:.1e}")
     assert losses(run)[HALF + 1] == pytest.approx(losses(source)[HALF + 1], rel=REL)
+
+
+def evaluated(run: Path) -> dict[int, float]:
+    """val/loss by step; no step evaluated twice (a resumed run evaluates on from its checkpoint)."""
+    rows = [r for r in read_metrics(run) if "val/loss" in r]
+    assert len({r["step"] for r in rows}) == len(rows), f"a step evaluated twice: {[r['step'] for r in rows]}"
+    for r in rows:
+        assert r["val/perplexity"] == pytest.approx(math.exp(r["val/loss"]), rel=1e-9)
+    return {r["step"]: r["val/loss"] for r in rows}
+
+
+def test_every_layout_evaluates_ddps_held_out_loss(runs):
+    """train.eval_every: each engine's forward-only pass (Engine.eval_step) evaluates the
+    whole model on the same held-out samples, whatever holds its parts (shards, stages,
+    tensor-parallel slices; a pipeline evaluates a step's batch at a time): ddp's val/loss
+    within REL. fsdp was stopped right after its evaluation at HALF and relaunched on 4
+    ranks, which evaluates each step once; the resumed layouts evaluate at STEPS.
+    Held-out windows of a token file: tests/unit/test_held_out.py; ZeRO: test_zero.py."""
+    reference = evaluated(runs("ddp"))
+    assert sorted(reference) == [HALF, STEPS] and reference[STEPS] < reference[HALF]
+    summary = json.loads((runs("ddp") / "summary.json").read_text())
+    assert (summary["val_loss"], summary["val_step"]) == (reference[STEPS], STEPS)
+    for name in [*FRESH, *RESUMED]:
+        got = evaluated(runs(name))
+        assert sorted(got) == ([STEPS] if name in RESUMED else [HALF, STEPS]), (name, got)
+        for step, value in got.items():
+            assert value == pytest.approx(reference[step], rel=REL), (name, step, value, reference[step])
 
 
 def test_initial_weights_do_not_depend_on_the_layout(runs):

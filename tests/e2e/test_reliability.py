@@ -7,6 +7,7 @@ import dataclasses
 import json
 import random
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -91,43 +92,32 @@ def test_a_killed_rank_restarts_resumes_and_ends_bit_identical(recipe, kill_afte
         assert "written in the background" in out and "MiB of host memory staged in" in out, out[-2000:]
 
 
-def test_each_attempt_of_a_restarted_group_has_a_namespace_of_its_own(monkeypatch):
-    """store.job_store: keys a dead attempt left in torchrun's store (a peer's address) are
-    not seen by the next attempt, which a real store on this machine shows."""
-    import socket
-
-    from launcher.rank.store import job_store
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    host = job_store(rank=0, world_size=2, timeout_s=10)  # rank 0 hosts it, as without torchrun
-    host.set("peer/1", "node-a.invalid:1234")
-    assert job_store(rank=None, world_size=2, timeout_s=10).check(["peer/1"])  # the same attempt sees it
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    again = job_store(rank=None, world_size=2, timeout_s=10)
-    assert not again.check(["peer/1"])
-    again.set("peer/1", "127.0.0.1:5678")
-    assert host.get("peer/1") == b"node-a.invalid:1234"  # the old attempt's key is its own
-
-
 # ----------------------------------------------------------------------------- 2. kill in a save
+KILLED: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+
+def killed_in_save(point: str, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A run killed by debug.fault=`point` in its step-10 save, launched once per point (the
+    cases that damage or resume it work on copies)."""
+    if point not in KILLED:
+        run = tmp_path_factory.mktemp(f"killed-{point}") / "run"
+        KILLED[point] = run, launch(*COMMON, f"debug.fault={point}", "debug.fault_step=10", "debug.fault_rank=0",
+                                    run_dir=run, check=False)
+    return KILLED[point]
+
+
 @pytest.mark.parametrize("point,resumes_from,corrupt", [
     ("save_engine_written", 5, False), ("save_manifest_written", 5, False), ("save_renamed", 10, False),
     ("save_latest_written", 10, False), ("save_latest_written", 5, True)])
-def test_a_kill_inside_a_save_keeps_the_last_complete_checkpoint(point, resumes_from, corrupt, reference, tmp_path):
+def test_a_kill_inside_a_save_keeps_the_last_complete_checkpoint(point, resumes_from, corrupt, reference, tmp_path,
+                                                                 tmp_path_factory):
     """`corrupt`: then a byte of rank 1's share of step 10 is flipped (same size): the ranks,
     each checking its own share of the digests, agree to skip it for step 5. The next launch
     resumes from what find_latest names (checked for every point): it runs, to the
     uninterrupted run's weights, after a kill with `latest` behind (a manifest written, the
     pointer not moved), with `latest` moved, and with a damaged share."""
-    run = tmp_path / "run"
-    proc = launch(*COMMON, f"debug.fault={point}", "debug.fault_step=10", "debug.fault_rank=0", run_dir=run,
-                  check=False)
+    source, proc = killed_in_save(point, tmp_path_factory)
+    run = shutil.copytree(source, tmp_path / "run", symlinks=True)  # this case's own copy of the killed run
     assert proc.returncode != 0 and f"injected fault {point} at step 10" in proc.stderr
     ckpts = run / "checkpoints"
     latest = (ckpts / "latest").read_text().splitlines()[0]

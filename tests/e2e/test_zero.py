@@ -43,6 +43,7 @@ BF16_REL = 1e-3  # bf16 weights (ZeRO) against bf16 autocast with fp32 weights (
 
 
 PSI_TINY = 885_888  # gpt_tiny's parameters
+EVAL = ["train.eval_every=10", "train.eval_samples=16"]  # fp32_runs: the held-out loss at steps 10 and 20
 
 
 def rel(a: float, b: float) -> float:
@@ -55,13 +56,13 @@ def fp32_runs(tmp_path_factory) -> dict[str, Path]:
     zero3 computes its loss in 4 slices of the sequence (train.loss_chunks: the head is
     called as a module, so ZeRO-3 gathers its weight, and its gradient comes back through
     autograd) and recomputes its blocks at op level (train.activation_checkpointing=op), still
-    ddp's losses."""
+    ddp's losses. Each evaluates its held-out loss (EVAL)."""
     root = tmp_path_factory.mktemp("fp32")
     runs = {}
     for recipe in ("ddp", "zero1", "zero2", "zero3"):
         ckpt = ["checkpoint.every=5", "checkpoint.keep=4"] if recipe == "zero2" else ["checkpoint.every=0"]
         sliced = ["train.loss_chunks=4", "train.activation_checkpointing=op"] if recipe == "zero3" else []
-        launch(f"recipe={recipe}", *FP32, *ckpt, *sliced, run_dir=root / recipe)
+        launch(f"recipe={recipe}", *FP32, *ckpt, *sliced, *EVAL, run_dir=root / recipe)
         runs[recipe] = root / recipe
     return runs
 
@@ -112,6 +113,21 @@ def test_zero_stages_give_ddp_losses_in_fp32(fp32_runs):
             "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= files, files
     assert json.loads((step / "engine" / "zero.json").read_text())["world_size"] == 2
     assert sorted(p.name for p in (step / "trainer").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+
+
+def test_zero_stages_evaluate_ddps_held_out_loss(fp32_runs):
+    """train.eval_every under DeepSpeed: each stage's forward-only pass (zero3 gathers its
+    partitions for it) gives ddp's val/loss on the same held-out samples; the other engines:
+    tests/e2e/test_parallel_train.py."""
+    def evaluated(run: Path) -> dict[int, float]:
+        return {r["step"]: r["val/loss"] for r in read_metrics(run) if "val/loss" in r}
+
+    want = evaluated(fp32_runs["ddp"])
+    assert sorted(want) == [10, 20] and want[20] < want[10]
+    for recipe in ("zero1", "zero2", "zero3"):
+        got = evaluated(fp32_runs[recipe])
+        assert sorted(got) == [10, 20], (recipe, got)
+        assert all(rel(got[s], want[s]) < FP32_REL for s in want), (recipe, got, want)
 
 
 def test_checkpoint_resumes_at_other_world_sizes_on_the_same_curve(fp32_runs, tmp_path):

@@ -1,7 +1,7 @@
 """train.eval_every's held-out samples (launcher/data/read.py): a token file's last
 data.val_fraction of windows never train and are what validation reads, in file order;
 data.val_path is read whole; synthetic data holds out indices training never reaches.
-The evaluation itself, through every engine: tests/e2e/test_validation_runs.py."""
+The evaluation itself, through every engine: tests/e2e/test_parallel_train.py and test_zero.py."""
 
 from __future__ import annotations
 
