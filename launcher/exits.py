@@ -5,6 +5,9 @@ exits 1 whatever happened, so the launcher (launch/supervise.py) reads the marke
 exits with the code that says why, after printing the reason.
 """
 
+import os
+import sys
+
 EXIT_BAD_INPUT = 2  # refused on the launch side, nothing started
 EXIT_CHECKPOINT_FAILED = 74  # sysexits EX_IOERR: a checkpoint could not be written; the last good one stays
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: stopped on a signal after saving; launch again to resume
@@ -24,3 +27,13 @@ MARKERS = {
     HANG_MARKER: EXIT_HANG,
     PREEMPTED_MARKER: EXIT_PREEMPTED,
 }
+
+
+def exit_now(code: int) -> None:
+    """End a process of a gloo group (a rank, a probe, a hand-written loop) without the
+    interpreter's teardown: C++ threads torn down during finalization can abort a process
+    that finished cleanly ("terminate called without an active exception"), and torchrun
+    would report a failure. stdout and stderr are flushed first; nothing else is pending."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -15,12 +15,12 @@ import contextlib
 import json
 import math
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+from launcher.exits import exit_now
 from launcher.device import backend_for, local_device, memory_stats, synchronize
 
 
@@ -133,13 +133,9 @@ def timed_loop(args, optimizer, step_fn, vocab_size: int) -> float:
 
 
 def finish() -> None:
-    """Leave as the project's ranks do (launcher/rank/__main__.py): with gloo, C++ threads
-    torn down during interpreter finalization can abort a process that already finished
-    ("terminate called without an active exception"), and torchrun would report a failure."""
+    """Leave as the project's ranks do (launcher.exits.exit_now: no interpreter teardown)."""
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 def report(args, elapsed: float, model_state_bytes: int) -> None:

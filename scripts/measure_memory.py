@@ -27,7 +27,6 @@ import dataclasses
 import itertools
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from launcher.launch.compose import CONF_DIR, compose_config, group_configs, rec
 from launcher.config import ACMode, ConfigError
 from launcher.launch.validate import validate
 from launcher.data.read import build_dataset
+from launcher.exits import exit_now
 from launcher.host import HostInfo, deepspeed_env
 from launcher.device import local_device
 from launcher.planner.memory import ActivationCounter
@@ -225,5 +225,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    os._exit(0)  # as launcher.rank.entry: skip gloo's teardown at interpreter exit, which can abort a finished rank
+    exit_now(0)  # as a rank: no interpreter teardown, which can abort a finished gloo process

@@ -75,11 +75,10 @@ def parse_args(argv: list[str]) -> Args:
     parsed, unknown = parser.parse_known_intermixed_args(argv)
     if parsed.help:
         return Args(command, [], help=parser.format_help())
-    if unknown:
-        flags = {"train": "--dry-run, -m/--multirun, ", "submit": "--dry-run, -m/--multirun, ", "plan": "--json, ",
-                 "rehearse": "--ranks, --json, "}
-        raise UsageError(f"unknown flag '{unknown[0]}' for {command}; allowed: {flags.get(command, '')}-h/--help, "
-                         "or key=value overrides")
+    if unknown:  # the command's own flags, as the parser has them, then -h/--help
+        flags = sorted((a for a in parser._actions if a.option_strings), key=lambda a: a.dest == "help")
+        raise UsageError(f"unknown flag '{unknown[0]}' for {command}; allowed: "
+                         f"{', '.join('/'.join(a.option_strings) for a in flags)}, or key=value overrides")
     args = Args(command, parsed.overrides, getattr(parsed, "dry_run", False), getattr(parsed, "multirun", False),
                 getattr(parsed, "as_json", False), getattr(parsed, "ranks", None))
     from hydra.core.override_parser.overrides_parser import OverridesParser

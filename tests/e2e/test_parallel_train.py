@@ -11,13 +11,12 @@ once, on first use, and shared by the tests.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from runs import here, launch, read_metrics
+from runs import evaluated, here, launch, read_metrics
 from launcher.launch import cli
 from launcher import config as C
 from launcher.config import block_matmul_params, num_params
@@ -141,15 +140,6 @@ def test_resume_at_another_layout_continues_the_loss(runs, name):
     worst = assert_same_losses(run, runs("ddp"), range(HALF + 1, STEPS + 1))
     print(f"{name}: max relative loss difference to ddp {worst:.1e}")
     assert losses(run)[HALF + 1] == pytest.approx(losses(source)[HALF + 1], rel=REL)
-
-
-def evaluated(run: Path) -> dict[int, float]:
-    """val/loss by step; no step evaluated twice (a resumed run evaluates on from its checkpoint)."""
-    rows = [r for r in read_metrics(run) if "val/loss" in r]
-    assert len({r["step"] for r in rows}) == len(rows), f"a step evaluated twice: {[r['step'] for r in rows]}"
-    for r in rows:
-        assert r["val/perplexity"] == pytest.approx(math.exp(r["val/loss"]), rel=1e-9)
-    return {r["step"]: r["val/loss"] for r in rows}
 
 
 def test_every_layout_evaluates_ddps_held_out_loss(runs):

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runs import REPO, here, launch, processes_of, read_metrics, start, wait_for_step
+from runs import REPO, evaluated, here, launch, processes_of, read_metrics, start, wait_for_step
 from launcher import config as C
 from launcher.manifest import verify
 from launcher.rank.preempt import EXIT_PREEMPTED
@@ -119,9 +119,6 @@ def test_zero_stages_evaluate_ddps_held_out_loss(fp32_runs):
     """train.eval_every under DeepSpeed: each stage's forward-only pass (zero3 gathers its
     partitions for it) gives ddp's val/loss on the same held-out samples; the other engines:
     tests/e2e/test_parallel_train.py."""
-    def evaluated(run: Path) -> dict[int, float]:
-        return {r["step"]: r["val/loss"] for r in read_metrics(run) if "val/loss" in r}
-
     want = evaluated(fp32_runs["ddp"])
     assert sorted(want) == [10, 20] and want[20] < want[10]
     for recipe in ("zero1", "zero2", "zero3"):

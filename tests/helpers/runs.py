@@ -109,6 +109,17 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def evaluated(run_dir: Path) -> dict[int, float]:
+    """train.eval_every's val/loss by step; no step evaluated twice (a resumed run evaluates
+    on from its checkpoint) and val/perplexity its exp."""
+    import math
+
+    rows = [r for r in read_metrics(run_dir) if "val/loss" in r]
+    assert len({r["step"] for r in rows}) == len(rows), f"a step evaluated twice: {[r['step'] for r in rows]}"
+    assert all(abs(r["val/perplexity"] / math.exp(r["val/loss"]) - 1) < 1e-9 for r in rows), rows
+    return {r["step"]: r["val/loss"] for r in rows}
+
+
 def assert_same_training(a: Path, b: Path, steps: int) -> None:
     """Two runs trained identically: the same loss and gradient norm at every step (exactly)
     and the same weights in the last checkpoint."""

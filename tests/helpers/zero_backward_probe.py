@@ -12,7 +12,6 @@ counts the first; tests/e2e/test_zero.py reads OUT.json.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from launcher import models
+from launcher.exits import exit_now
 from launcher.host import deepspeed_env
 from launcher.launch.compose import compose_config
 from launcher.parallel import ds_config
@@ -65,5 +65,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    os._exit(0)  # as launcher.rank.entry: skip gloo's teardown at interpreter exit, which can abort a finished rank
+    exit_now(0)  # as a rank: no interpreter teardown, which can abort a finished gloo process

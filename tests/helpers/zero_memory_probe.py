@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import torch.distributed as dist
 import recipes
 from launcher.launch import cli
 from launcher.parallel import ds_config
+from launcher.exits import exit_now
 from launcher.host import deepspeed_env
 from launcher.rank.engine import BuildContext
 from launcher.models.gpt import GPT
@@ -93,5 +93,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    os._exit(0)  # as launcher.rank.entry: skip gloo's teardown at interpreter exit
+    exit_now(0)  # as a rank: no interpreter teardown, which can abort a finished gloo process
