@@ -132,6 +132,12 @@ class DataConfig:
     shard_mb: int = 256
     """hf_text: MiB of input per work unit; each unit writes one shard of the prepared data.
     Smaller: finer progress and a relaunch redoes less; larger: fewer files."""
+    document_masking: bool = False
+    """Packed windows whose samples (data=chat) or documents (hf_text: split at the
+    tokenizer's end-of-document token) do not see each other: positions restart at each
+    sample and attention is block-causal within it. Costs a mask (or FlexAttention's block
+    mask) per micro-batch; without it a packed window attends across its samples, as plain
+    pretraining does. Not with parallel.cp > 1."""
     cache_dir: Optional[str] = None
     """hf_text: the shared cache of prepared data, one directory per content key (files'
     sha256, format, field, tokenizer): every run and sweep point with the same inputs reads
