@@ -94,6 +94,7 @@ class Backend(str, enum.Enum):
 class Runner(str, enum.Enum):
     torchrun = "torchrun"
     deepspeed = "deepspeed"
+    accelerate = "accelerate"
 
 
 class OffloadDevice(str, enum.Enum):

@@ -122,7 +122,10 @@ class ClusterConfig:
     runner: Runner = Runner.torchrun
     """How ranks start: torchrun (python -m torch.distributed.run), or deepspeed (DeepSpeed's
     own launcher, `deepspeed --num_nodes --num_gpus`, recipe.strategy=zero only; several nodes
-    are started from the first one over ssh/pdsh with a generated RUN_DIR/hostfile)."""
+    are started from the first one over ssh/pdsh with a generated RUN_DIR/hostfile), or
+    accelerate (`accelerate launch --config_file RUN_DIR/accelerate_config.yaml`, for those who
+    start everything with it: torchrun underneath, the same ranks and losses, every recipe; one
+    node, `make train` only: several nodes and Slurm/Kubernetes jobs use torchrun)."""
     hosts: list[str] = field(default_factory=list)
     """runner=deepspeed with nnodes > 1: the nodes' hostnames, the first one runs the launcher
     (written to RUN_DIR/hostfile with nproc_per_node slots each; needs passwordless ssh)."""

@@ -26,7 +26,7 @@ USAGE = """usage: launcher train [key=value ...] [--dry-run] [-m|--multirun]
 
 ABOUT = {
     "train": "Compose conf/ with the overrides, validate, write the run directory and start the ranks here "
-             "(torchrun, or deepspeed with cluster.runner=deepspeed).",
+             "(torchrun, deepspeed or accelerate launch: cluster.runner).",
     "submit": "As train, as a Slurm job (cluster=slurm, the default) or as Kubernetes pods (cluster=k8s).",
     "plan": "The memory plan of the composed run: each layout and micro-batch on its cluster, and what fits.",
     "rehearse": "Ranks of the cluster's layout built here on the meta device, against the plan.",

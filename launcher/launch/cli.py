@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from launcher import config as C, offline, provenance, runlock
 from launcher.launch import fit, identity, k8s, plaintext, slurm
 from launcher.manifest import lock_folders, root_of
-from launcher.launch.commands import command_script, launch_argv, LaunchPlan, rank_env, sbatch_script, SLURM_STEPS
+from launcher.launch.commands import command_script, launch_argv, launch_env, LaunchPlan, sbatch_script, SLURM_STEPS
 from launcher.launch.args import parse_args, USAGE
 from launcher.launch.compose import compose_config, describe, expand_sweep, UsageError
 from launcher.host import HostInfo
@@ -122,6 +122,8 @@ def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool)
         if c.runner not in SLURM_STEPS:
             raise C.ConfigError("cluster.runner", c.runner.value,
                                 f"submit supports: {', '.join(r.value for r in SLURM_STEPS)}")
+    if command == "train" and c.runner == C.Runner.accelerate:
+        check_accelerate(cfg)
     if command == "train" and c.nnodes > 1 and c.runner != C.Runner.deepspeed:  # deepspeed: one launch for all
         key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
         if not any(o.startswith(key + "=") for o in point):
@@ -131,6 +133,20 @@ def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool)
         from launcher.launch.rendezvous import check_master_addr
 
         check_master_addr(cfg)
+
+
+def check_accelerate(cfg: C.Config) -> None:
+    """cluster.runner=accelerate: one node (accelerate launch on node 0 refuses a port in use,
+    and the nodes' launchers meet on it first: launcher/launch/rendezvous.py), and accelerate
+    importable by this interpreter, which runs it (found, not imported: it imports torch)."""
+    import importlib.util
+
+    if cfg.cluster.nnodes > 1:
+        raise C.ConfigError("cluster.runner", "accelerate", f"accelerate launch starts one node's ranks here, not "
+                            f"cluster.nnodes={cfg.cluster.nnodes}: several nodes run with cluster.runner=torchrun")
+    if importlib.util.find_spec("accelerate") is None:
+        raise C.ConfigError("cluster.runner", "accelerate", f"accelerate is not installed for {sys.executable} "
+                            "(pip install accelerate, or the project's hf extra); or use cluster.runner=torchrun")
 
 
 def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> int:
@@ -145,7 +161,7 @@ def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> in
                 print(f"# {name}")
                 print(text, end="")
             print("# command")
-            print(command_script(launch_argv(cfg, str(run_dir), plan), rank_env(cfg, plan, str(run_dir)),
+            print(command_script(launch_argv(cfg, str(run_dir), plan), launch_env(cfg, plan, str(run_dir)),
                                  plan.workdir, str(run_dir)), end="")
             continue
         if nothing_to_train(cfg, run_dir):

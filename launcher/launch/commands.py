@@ -89,13 +89,17 @@ def torchrun_argv(cfg: Config, run_dir: str, plan: LaunchPlan, node: NodeArgs | 
         f"--rdzv-conf=join_timeout={join_timeout(cfg)}",
         f"--max-restarts={c.max_restarts}",
         # Forward SIGUSR1 too (Slurm's warning signal); give ranks time to save.
-        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        f"--signals-to-handle={SIGNALS}",
         # torchrun before torch 2.13 has no such option: the ranks get its fixed 30 s.
         *([f"--shutdown-timeout={c.shutdown_timeout_s}"] if torchrun_takes("--shutdown-timeout") else []),
     ]
     if c.local_addr:
         argv.append(f"--local-addr={c.local_addr}")
     return argv + ["-m", "launcher.rank", run_dir]
+
+
+SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+"""The signals torchrun passes on to its ranks."""
 
 
 @functools.cache
@@ -136,11 +140,69 @@ def hostfile_text(cfg: Config, plan: LaunchPlan) -> str:
     return "".join(f"{host} slots={plan.nproc_per_node}\n" for host in cfg.cluster.hosts)
 
 
+ACCELERATE_CONFIG = "accelerate_config.yaml"
+
+
+def accelerate_argv(cfg: Config, run_dir: str, plan: LaunchPlan) -> list[str]:
+    """`accelerate launch` (`python -m accelerate.commands.launch`, what the `accelerate`
+    script's launch runs, with this interpreter) of RUN_DIR/accelerate_config.yaml, never
+    accelerate's default config in ~/.cache: the run directory alone reproduces the launch.
+    The config's MULTI_GPU is torchrun underneath (torch.distributed.run in accelerate's own
+    process, which stays our child; gloo ranks on CPU too). accelerate's own defaults win over
+    both its config file and torchrun's environment for rdzv_backend, rdzv_conf and
+    max_restarts: they are flags here; torchrun's other options come from accelerate_env."""
+    return [plan.python, "-m", "accelerate.commands.launch", f"--config_file={run_dir}/{ACCELERATE_CONFIG}",
+            "--rdzv_backend=c10d", f"--rdzv_conf=join_timeout={join_timeout(cfg)}",
+            f"--max_restarts={cfg.cluster.max_restarts}", "--module", "launcher.rank", run_dir]
+
+
+def accelerate_config_text(cfg: Config, plan: LaunchPlan) -> str:
+    """RUN_DIR/accelerate_config.yaml: one machine, nproc_per_node processes under torchrun
+    (MULTI_GPU; accelerate's MULTI_CPU would start them with mpirun), its rendezvous at
+    127.0.0.1:master_port. Precision, compilation and devices stay the ranks' own (no mixed
+    precision, no dynamo, every GPU visible): accelerate only starts the ranks, which never
+    build its Accelerator."""
+    import yaml
+
+    values = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_machines": 1,
+              "machine_rank": 0, "num_processes": plan.nproc_per_node, "main_process_ip": "127.0.0.1",
+              "main_process_port": plan.master_port, "rdzv_backend": "c10d", "same_network": False, "gpu_ids": "all",
+              "mixed_precision": "no", "use_cpu": False, "debug": False, "downcast_bf16": False,
+              "enable_cpu_affinity": False, "dynamo_config": {}}
+    return ("# This run's accelerate config (cluster.runner=accelerate): command.sh runs `accelerate launch\n"
+            "# --config_file` on it; torchrun's other options are that command's flags and PET_* variables\n"
+            "# (accelerate takes rdzv_backend from its flag, not from here).\n"
+            + yaml.safe_dump(values, sort_keys=False))
+
+
+def accelerate_env(cfg: Config, run_dir: str, plan: LaunchPlan) -> dict[str, str]:
+    """torchrun's options that accelerate has no flag for, as torchrun reads them from the
+    environment (PET_<OPTION>, in accelerate's process where torchrun parses them): the c10d
+    endpoint and id, the signals it passes on (SIGUSR1 too), the ranks' time to save."""
+    c = cfg.cluster
+    env = {"PET_RDZV_ENDPOINT": node_args(cfg, plan).endpoint, "PET_RDZV_ID": rendezvous_id(run_dir),
+           "PET_SIGNALS_TO_HANDLE": SIGNALS}
+    if torchrun_takes("--shutdown-timeout"):
+        env["PET_SHUTDOWN_TIMEOUT"] = str(c.shutdown_timeout_s)
+    if c.local_addr:
+        env["PET_LOCAL_ADDR"] = c.local_addr
+    return env
+
+
 def launch_argv(cfg: Config, run_dir: str, plan: LaunchPlan) -> list[str]:
     """The command of `cluster.runner`."""
     if cfg.cluster.runner == Runner.deepspeed:
         return deepspeed_argv(cfg, run_dir, plan)
+    if cfg.cluster.runner == Runner.accelerate:
+        return accelerate_argv(cfg, run_dir, plan)
     return torchrun_argv(cfg, run_dir, plan)
+
+
+def launch_env(cfg: Config, plan: LaunchPlan, run_dir: str) -> dict[str, str]:
+    """command.sh's environment: the ranks' (rank_env), and the runner's own options where it
+    reads them from there (accelerate's torchrun)."""
+    runner = accelerate_env(cfg, run_dir, plan) if cfg.cluster.runner == Runner.accelerate else {}
+    return {**runner, **rank_env(cfg, plan, run_dir)}
 
 
 def rendezvous_id(run_dir: str) -> str:

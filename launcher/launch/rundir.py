@@ -15,7 +15,8 @@ from pathlib import Path
 
 from launcher import config as C
 from launcher.manifest import root_of
-from launcher.launch.commands import command_script, HOSTFILE, hostfile_text, launch_argv, LaunchPlan, rank_env
+from launcher.launch.commands import (ACCELERATE_CONFIG, accelerate_config_text, command_script, HOSTFILE, hostfile_text,
+                                      launch_argv, launch_env, LaunchPlan)
 from launcher.host import HostInfo
 
 
@@ -143,7 +144,7 @@ def check_resume_is_data(cfg: C.Config, run_dir: Path) -> None:
 
 def run_files(cfg: C.Config, plan: LaunchPlan, ds: dict | None) -> dict[str, str]:
     """Files besides config.yaml the ranks or the runner read: ds_config.json (ZeRO), the
-    hostfile (runner=deepspeed on several nodes)."""
+    hostfile (runner=deepspeed on several nodes), accelerate_config.yaml (runner=accelerate)."""
     from launcher.parallel import ds_config
 
     files = {}
@@ -151,6 +152,8 @@ def run_files(cfg: C.Config, plan: LaunchPlan, ds: dict | None) -> dict[str, str
         files[ds_config.FILE] = ds_config.text(ds)
     if cfg.cluster.runner == C.Runner.deepspeed and cfg.cluster.nnodes > 1:
         files[HOSTFILE] = hostfile_text(cfg, plan)
+    if cfg.cluster.runner == C.Runner.accelerate:
+        files[ACCELERATE_CONFIG] = accelerate_config_text(cfg, plan)
     return files
 
 
@@ -159,7 +162,7 @@ def prepare_run(cfg: C.Config, run_dir: Path, plan: LaunchPlan,
     """Write RUN_DIR/config.yaml, command.sh and `files`; return the command and its
     environment. A failure here removes a run directory this call created."""
     argv = launch_argv(cfg, str(run_dir), plan)
-    env = rank_env(cfg, plan, str(run_dir))
+    env = launch_env(cfg, plan, str(run_dir))
     # Several nodes share the run directory: node 0 writes command.sh, node k command.node<k>.sh.
     name = "command.sh" if cfg.cluster.node_rank == 0 else f"command.node{cfg.cluster.node_rank}.sh"
     write_run_dir(cfg, run_dir, {name: command_script(argv, env, plan.workdir, str(run_dir))}, files)

@@ -181,7 +181,10 @@ CASES = [
     (["recipe=zero2", "+recipe.zero.extra.scheduler.type=WarmupCosineLR"],
      ["recipe.zero.extra.scheduler", "lr_factor"]),
     (["cluster.runner=deepspeed"], ["cluster.runner=deepspeed", "recipe.strategy=zero", "cluster.runner=torchrun"]),
-    (["cluster.runner=mpirun"], ["cluster.runner=mpirun", "torchrun, deepspeed"]),
+    (["cluster.runner=mpirun"], ["cluster.runner=mpirun", "torchrun, deepspeed, accelerate"]),
+    (["cluster.runner=accelerate", "cluster.nnodes=2", "cluster.master_port=29400"],
+     ["cluster.runner=accelerate", "cluster.nnodes=2", "cluster.runner=torchrun"]),
+    (["submit", "cluster.runner=accelerate"], ["cluster.runner=accelerate", "submit supports: torchrun"]),
     (["recipe=zero2", "cluster.runner=deepspeed", "cluster.nnodes=2", "cluster.master_port=29400"],
      ["cluster.hosts=[]", "2 hostnames"]),
     (["recipe=zero2", "cluster.runner=deepspeed", "cluster.nnodes=2", "cluster.master_port=29400",
@@ -306,6 +309,17 @@ def test_a_bad_omp_num_threads_is_refused_before_any_rank(value, tmp_path):
     assert proc.stderr.strip().splitlines() == [f"error: OMP_NUM_THREADS={value}: a positive integer (threads per rank), "
                                                 "or unset it (then cluster.cpu_threads, else cores / processes)"]
     assert not (tmp_path / "run").exists()
+
+
+def test_runner_accelerate_where_accelerate_cannot_be_imported(tmp_path, capsys, monkeypatch):
+    """An environment without accelerate (a None in sys.modules is how Python itself says a
+    module cannot be imported; the launcher looks it up without importing it): one line, exit 2."""
+    monkeypatch.setitem(sys.modules, "accelerate", None)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", "cluster.runner=accelerate", f"hydra.run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: cluster.runner=accelerate: accelerate is not installed for "), err
+    assert "cluster.runner=torchrun" in err[0] and not (tmp_path / "run").exists()
 
 
 def test_at_least_thirty_cases():

@@ -14,8 +14,9 @@ import pytest
 
 from golden import check_golden
 from launcher.launch import cli
-from launcher.launch.commands import (LaunchPlan, command_script, deepspeed_argv, flight_recorder_names,
-                                      hostfile_text, launch_argv, rank_env, sbatch_quote, sbatch_script, torchrun_argv)
+from launcher.launch.commands import (ACCELERATE_CONFIG, LaunchPlan, accelerate_argv, accelerate_config_text,
+                                      command_script, deepspeed_argv, flight_recorder_names, hostfile_text, launch_argv,
+                                      launch_env, rank_env, sbatch_quote, sbatch_script, torchrun_argv)
 
 PLAN = LaunchPlan(python="/opt/venv/bin/python", nproc_per_node=2, master_port=29512, threads_per_rank=1,
                   workdir="/home/me/launcher")
@@ -169,6 +170,69 @@ def test_default_runner_is_torchrun_for_every_recipe():
     for recipe in ("ddp", "zero1", "zero3_offload"):
         cfg, _, _ = cli.compose_config([f"recipe={recipe}"])
         assert launch_argv(cfg, "/runs/a", PLAN) == torchrun_argv(cfg, "/runs/a", PLAN)
+
+
+def test_accelerate_argv_and_its_config_file():
+    """cluster.runner=accelerate: `accelerate launch --config_file RUN_DIR/accelerate_config.yaml`
+    with torchrun's options accelerate's own defaults would otherwise win over as flags, the
+    rest in command.sh's environment (PET_*), after the ranks' own."""
+    cfg, _, _ = cli.compose_config(["cluster.runner=accelerate", "cluster.max_restarts=2", "dist.timeout_s=120"])
+    argv = accelerate_argv(cfg, "/runs/f", PLAN)
+    assert launch_argv(cfg, "/runs/f", PLAN) == argv  # cluster.runner=accelerate picks it
+    check_golden("accelerate_single.txt", " \\\n  ".join(argv) + "\n")
+    check_golden("accelerate_config.yaml", accelerate_config_text(cfg, PLAN))
+    env = launch_env(cfg, PLAN, "/runs/f")
+    assert {k: v for k, v in env.items() if k.startswith("PET_")} == {
+        "PET_RDZV_ENDPOINT": "127.0.0.1:29512", "PET_RDZV_ID": torchrun_argv(cfg, "/runs/f", PLAN)[7].split("=")[1],
+        "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "PET_SHUTDOWN_TIMEOUT": "300"}
+    assert rank_env(cfg, PLAN, "/runs/f").items() <= env.items()
+    torchrun, _, _ = cli.compose_config([])
+    assert not any(k.startswith("PET_") for k in launch_env(torchrun, PLAN, "/runs/f"))
+
+
+def test_accelerate_hands_torchrun_the_launch_torchrun_gets(tmp_path, monkeypatch):
+    """accelerate's own parsing of the command (its config file written, command.sh's
+    environment set) up to where it calls torchrun: torchrun's launch config, ranks and module
+    are those of torchrun_argv (rendezvous, restarts, signals, the time to save), and one
+    machine of nproc_per_node processes. accelerate 1.15 passes rdzv_backend, rdzv_conf and
+    max_restarts only from its flags (its defaults win over a config file and over PET_*)."""
+    import dataclasses
+
+    import torch.distributed.run as distrib_run
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    cfg, _, _ = cli.compose_config(["cluster.runner=accelerate", "cluster.max_restarts=2", "dist.timeout_s=120",
+                                    "cluster.local_addr=10.1.2.3"])
+    run_dir = str(tmp_path)
+    (tmp_path / ACCELERATE_CONFIG).write_text(accelerate_config_text(cfg, PLAN))
+    for key, value in launch_env(cfg, PLAN, run_dir).items():
+        monkeypatch.setenv(key, value)
+    handed = []
+    monkeypatch.setattr(distrib_run, "run", handed.append)  # where accelerate would start torchrun's agent
+    argv = accelerate_argv(cfg, run_dir, PLAN)
+    assert argv[:3] == [PLAN.python, "-m", "accelerate.commands.launch"]
+    launch_command(launch_command_parser().parse_args(argv[3:]))
+    ours, cmd, cmd_args = distrib_run.config_from_args(handed[0])
+    theirs, cmd_t, cmd_args_t = distrib_run.config_from_args(distrib_run.parse_args(torchrun_argv(cfg, run_dir, PLAN)[3:]))
+    assert (cmd, cmd_args) == (cmd_t, cmd_args_t) and cmd_args[-2:] == ["launcher.rank", run_dir]
+    differ = {f.name for f in dataclasses.fields(ours) if getattr(ours, f.name) != getattr(theirs, f.name)}
+    assert differ <= {"logs_specs"}, {k: (getattr(ours, k), getattr(theirs, k)) for k in differ}  # a fresh object each
+    assert (ours.nproc_per_node, ours.max_nodes, ours.max_restarts, ours.rdzv_backend) == (2, 1, 2, "c10d")
+    assert ours.rdzv_configs["join_timeout"] == "120" and ours.local_addr == "10.1.2.3"
+    assert "SIGUSR1" in ours.signals_to_handle and ours.shutdown_timeout == 300
+
+
+def test_dry_run_of_accelerate_prints_its_config_and_command(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    assert cli.main(["train", "cluster.runner=accelerate", f"hydra.run.dir={run}", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    config = out.split(f"# {ACCELERATE_CONFIG}\n", 1)[1].split("# command\n")[0]
+    assert "distributed_type: MULTI_GPU" in config and "num_processes: 2" in config
+    exec_line = [line for line in out.splitlines() if line.startswith("exec ")][0]
+    assert shlex.split(exec_line)[3:6] == ["accelerate.commands.launch", f"--config_file={run}/{ACCELERATE_CONFIG}",
+                                           "--rdzv_backend=c10d"]
+    assert "export PET_RDZV_ENDPOINT=127.0.0.1:" in out and not run.exists()
 
 
 def test_torchrun_options_follow_the_installed_torchrun(monkeypatch):
