@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -133,6 +134,41 @@ def test_resume_continues_bit_identically(straight, tmp_path):
     ob = torch.load(split / "checkpoints/step_00000020/engine/optim.pt", weights_only=True)
     for pid, st in oa["optimizer"]["state"].items():
         assert torch.equal(st["exp_avg_sq"], ob["optimizer"]["state"][pid]["exp_avg_sq"])
+
+
+def test_accelerate_launch_trains_as_torchrun_and_stops_and_resumes(straight, tmp_path):
+    """cluster.runner=accelerate: the same 20 steps as torchrun's (losses, gradient norms and
+    the last weights identical), through a SIGTERM (exit 75 from the rank's marker, the step
+    saved) and a resume by RUN_DIR/command.sh alone, its accelerate config in the run
+    directory; accelerate's default config (~/.cache/huggingface/accelerate, here one that
+    would start 7 processes under mpirun) is never read. Rank 0 is slowed from step 4 (a
+    sleep, the numbers unchanged) so the stop lands well before step 20."""
+    import signal
+
+    from runs import start, wait_for_step
+
+    hf_home = tmp_path / "hf"
+    (hf_home / "accelerate").mkdir(parents=True)
+    default = "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 7\nuse_cpu: true\n"
+    (hf_home / "accelerate" / "default_config.yaml").write_text(default)
+    run, env = tmp_path / "acc", {"HF_HOME": str(hf_home)}
+    proc = start(run, *RESUMED, "cluster.runner=accelerate", "debug.fault=slow", "debug.fault_step=4",
+                 "debug.fault_steps=9", "debug.slow_s=0.25", env=env)
+    wait_for_step(run, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out[-3000:]
+    step = json.loads((run / "preempted.json").read_text())["step"]
+    assert 3 <= step < 20 and f"preempted by SIGTERM after step {step}" in out
+    assert "distributed_type: MULTI_GPU" in (run / "accelerate_config.yaml").read_text()
+    script = (run / "command.sh").read_text()
+    assert f"-m accelerate.commands.launch --config_file={run}/accelerate_config.yaml" in script
+    resumed = subprocess.run(["bash", str(run / "command.sh")], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, **env})
+    assert resumed.returncode == 0 and f"at step {step}" in resumed.stdout, resumed.stderr[-3000:]
+    assert_same_training(straight, run, 20)
+    assert [p.name for p in (hf_home / "accelerate").iterdir()] == ["default_config.yaml"]
+    assert (hf_home / "accelerate" / "default_config.yaml").read_text() == default
 
 
 def test_rank_entry_by_hand_with_a_token_file(tmp_path):
