@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from chat_data import TEMPLATE, chat_tokenizer, rows, write_tokenizer
+from chat_data import TEMPLATE, chat_tokenizer, rows
 from launcher.config import TrainOn
 from launcher.data.chat import COUNTS, START, RowError, Template, conversation, render
 from launcher.data.inputs import load_tokenizer
@@ -104,7 +104,7 @@ def test_pack_keeps_samples_whole_and_cuts_the_long_one():
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """The preparation of 300 rows (one of them longer than the windows below), through the
-    real pool into a cache: (folder, rows)."""
+    real pool into a cache: (folder, rows, the config)."""
     from launcher.data.cache import prepare
 
     tmp = tmp_path_factory.mktemp("chat")
@@ -116,11 +116,11 @@ def prepared(tmp_path_factory):
                                 f"data.cache_dir={tmp / 'cache'}", "data.num_proc=2"])
     got = prepare(cfg, unit_bytes=8 << 10)  # several units and shards
     assert len(got.index["shards"]) > 2 and got.index["documents"] == 300
-    return got.dir, data
+    return got.dir, data, cfg
 
 
 def test_the_prepared_shards_hold_transformers_tokens_and_masks(prepared):
-    folder, data = prepared
+    folder, data, _ = prepared
     index = json.loads((folder / "index.json").read_text())
     tok = hf()
     tokens = np.concatenate([np.fromfile(folder / s["file"], dtype=index["dtype"]) for s in index["shards"]])
@@ -136,8 +136,26 @@ def test_the_prepared_shards_hold_transformers_tokens_and_masks(prepared):
     assert index["kind"] == "chat" and index["train_on"] == "assistant" and len(index["template_sha256"]) == 64
 
 
+def test_the_launch_says_how_full_and_how_many_are_cut(prepared, tmp_path):
+    """make train's lines: the prepared data reused, its windows at train.seq_len, the one
+    conversation longer than a window; RUN_DIR/data/chat.json names the folder."""
+    import dataclasses
+
+    from launcher.data.prepare import prepare_cache
+
+    folder, _, cfg = prepared
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=64))
+    lines = prepare_cache(cfg, tmp_path).splitlines()
+    packed = Packed(folder, 65)
+    assert lines[0].startswith("data: 300 conversations, ") and f"{packed.windows:,} windows of 64 packed" in lines[0]
+    assert "reused" in lines[0] and f"{packed.efficiency():.1%} full" in lines[0]
+    assert lines[1] == ("data: 1 of 300 conversations are longer than train.seq_len + 1 = 65 tokens: each is cut to "
+                        "one window (its tail is not trained)")
+    assert json.loads((tmp_path / "data" / "chat.json").read_text())["dir"] == str(folder)
+
+
 def test_windows_pad_restart_positions_and_are_the_same_every_time(prepared):
-    folder, data = prepared
+    folder, data, _ = prepared
     size = 65
     packed, again = Packed(folder, size), Packed(folder, size)
     assert packed.truncated == 1 and packed.samples == 300 and 0.5 < packed.efficiency() <= 1
@@ -161,7 +179,7 @@ def test_chat_windows_follow_the_epoch_order_and_resume_anywhere(prepared):
     samples_seen yields what the uninterrupted one yields from there (any world size)."""
     from launcher.data.read import ChatFile, StepSampler
 
-    folder, _ = prepared
+    folder, _, _ = prepared
     data = ChatFile(str(folder), 64, seed=3, val_fraction=0.1, document_masking=True)
     n = data.windows
     assert data.held_out == int(np.ceil(0.1 * data.packed.windows)) and n + data.held_out == data.packed.windows
@@ -213,4 +231,3 @@ def test_no_template_and_a_template_that_does_not_render_are_refused(tmp_path):
     broken.write_text("{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}")
     with pytest.raises(ConfigError, match="does not render a user and an assistant turn"):
         load_template(DataConfig(tokenizer=str(chat_tokenizer()), chat_template=str(broken)), hf())
-    assert write_tokenizer  # the helper the bad-input table uses for its folders
