@@ -231,3 +231,33 @@ def test_no_template_and_a_template_that_does_not_render_are_refused(tmp_path):
     broken.write_text("{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}")
     with pytest.raises(ConfigError, match="does not render a user and an assistant turn"):
         load_template(DataConfig(tokenizer=str(chat_tokenizer()), chat_template=str(broken)), hf())
+
+
+def test_parquet_rows_prepare_as_json_lines_do_and_a_bad_row_is_named(tmp_path):
+    """The same conversations as parquet (a list of structs) give the same tokens and mask;
+    a bad row is named by its 1-based row number across row groups."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from launcher.config import ConfigError
+    from launcher.data.cache import prepare, read_tokens
+
+    data = rows(40, seed=9)
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    pq.write_table(pa.table({"messages": [r["messages"] for r in data]}), tmp_path / "a.parquet", row_group_size=16)
+    made = {}
+    for name, files in (("json", tmp_path / "j" / "a.jsonl"), ("parquet", tmp_path / "a.parquet")):
+        cfg, _, _ = compose_config(["data=chat", f"data.files={files}", f"data.tokenizer={chat_tokenizer()}",
+                                    f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=1"])
+        got = prepare(cfg)
+        masks = np.concatenate([np.fromfile(got.dir / s["mask"], dtype=np.uint8) for s in got.index["shards"]])
+        made[name] = (read_tokens(got.dir)[0], masks)
+    assert (made["json"][0] == made["parquet"][0]).all() and (made["json"][1] == made["parquet"][1]).all()
+    bad = [r["messages"] for r in data]
+    bad[33] = [{"role": "user", "content": "no answer"}]
+    pq.write_table(pa.table({"messages": bad}), tmp_path / "bad.parquet", row_group_size=16)
+    cfg, _, _ = compose_config(["data=chat", f"data.files={tmp_path / 'bad.parquet'}", f"data.tokenizer={chat_tokenizer()}",
+                                f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=1"])
+    with pytest.raises(ConfigError, match=r"bad.parquet: row 34: has no assistant turn"):
+        prepare(cfg)
