@@ -58,7 +58,7 @@ wheelhouse: setup ## wheels of every dependency but torch for offline nodes: WHE
 train: setup ## train: RECIPE=<name> ARGS="<overrides>" (--dry-run in ARGS prints, starts nothing)
 	@$(PY) -m launcher train $(if $(RECIPE),recipe=$(RECIPE)) $(ARGS)
 
-data: setup ## data=hf_text tokenized once, by every core, into the shared cache (ARGS="data.files='corpus/*.jsonl' data.tokenizer=byte")
+data: setup ## data=hf_text (or data=chat) tokenized once, by every core, into the shared cache (ARGS="data.files='corpus/*.jsonl' data.tokenizer=byte")
 	@$(PY) -m launcher data $(ARGS)
 
 plan: setup ## memory per GPU of every recipe, the largest micro-batch that fits, the recommendation (ARGS="... --json")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from launcher.config.enums import (ACMode, Backend, ConfigError, DataKind, ExportDtype, ExportFormat, FaultPoint,
                                    HFAttention, K8sKind, LoggerKind, ModelKind, OffloadDevice, OnExisting, PPSchedule,
-                                   Precision, Runner, Scheduler, TextFormat, TokenDtype, WandbMode)
+                                   Precision, Runner, Scheduler, TextFormat, TokenDtype, TrainOn, WandbMode)
 from launcher.config.recipe import DDPOptions, FSDPOptions, ParallelConfig, RecipeConfig, ZeroOptions
 from launcher.config.model import DataConfig, ModelConfig
 from launcher.config.train import DistConfig, OptimConfig, PrecisionConfig, TrainConfig
@@ -37,7 +37,7 @@ from launcher.config.derived import (block_matmul_params, ffn_dim, held_out_wind
 __all__ = [
     "ACMode", "Backend", "ConfigError", "DataKind", "ExportDtype", "ExportFormat", "FaultPoint", "HFAttention", "K8sKind",
     "LoggerKind", "ModelKind", "OffloadDevice", "OnExisting", "PPSchedule", "Precision", "Runner", "Scheduler",
-    "TextFormat", "TokenDtype", "WandbMode", "DDPOptions", "FSDPOptions", "ParallelConfig",
+    "TextFormat", "TokenDtype", "TrainOn", "WandbMode", "DDPOptions", "FSDPOptions", "ParallelConfig",
     "RecipeConfig", "ZeroOptions", "DataConfig", "ModelConfig", "DistConfig", "OptimConfig", "PrecisionConfig",
     "TrainConfig", "CheckpointConfig", "ClusterConfig", "K8sConfig", "DebugConfig", "ExportConfig", "LoggerConfig", "PlanConfig",
     "ProfileConfig", "Config", "GROUPS", "RETIRED", "read_frozen", "load_frozen", "register_configs", "to_dict",

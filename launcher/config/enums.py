@@ -45,6 +45,20 @@ class DataKind(str, enum.Enum):
     synthetic = "synthetic"
     memmap = "memmap"
     hf_text = "hf_text"
+    chat = "chat"
+
+
+class TrainOn(str, enum.Enum):
+    """data=chat: which tokens count in the loss (the rest are context only)."""
+
+    assistant = "assistant"
+    """Every assistant turn (its content and its end-of-turn token), the default: what TRL's
+    assistant_only_loss and axolotl's roles_to_train train on."""
+    completion = "completion"
+    """The last assistant turn of a `messages` row, or the whole `completion` of a
+    prompt/completion row: earlier turns are context, as in TRL's completion_only_loss."""
+    all = "all"
+    """Every token of the rendered conversation (prompts, system turns and headers too)."""
 
 
 class TextFormat(str, enum.Enum):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from launcher.config.enums import DataKind, HFAttention, ModelKind, TextFormat, TokenDtype
+from launcher.config.enums import DataKind, HFAttention, ModelKind, TextFormat, TokenDtype, TrainOn
 
 
 @dataclass
@@ -66,7 +66,10 @@ class DataConfig:
     name: DataKind = DataKind.synthetic
     """synthetic: an order-k Markov source generated from a seed, with a known entropy
     rate (the loss floor). memmap: a flat token file (.bin) as nanoGPT writes it;
-    scripts/prepare_data.py makes one from a local text file."""
+    scripts/prepare_data.py makes one from a local text file. hf_text: local text files
+    tokenized once into the shared cache. chat: local conversations (`messages`, or
+    `prompt`/`completion`) rendered with a chat template, tokenized once with a loss mask,
+    packed into windows of whole samples (docs/data.md)."""
     vocab_size: int = 256
     """synthetic: alphabet of the source. memmap: the largest token id + 1 in the file
     (256 for scripts/prepare_data.py's byte-level encoding). hf_text: unused (the
@@ -92,7 +95,7 @@ class DataConfig:
     val_path: Optional[str] = None
     """memmap: a token file of its own (same dtype) for train.eval_every's validation."""
     val_fraction: float = 0.0
-    """memmap, hf_text: the last fraction of the token windows held out from training for
+    """memmap, hf_text, chat: the last fraction of the token windows held out from training for
     validation (0: none; up to 0.5). Changes which windows train: set it from the start."""
     sources: Any = None
     """memmap: a weighted mixture instead of data.path, a list of {name, path, weight}
@@ -109,13 +112,14 @@ class DataConfig:
     pin_memory: bool = True
     """Page-locked host buffers on CUDA for faster, asynchronous copies (ignored on CPU)."""
     files: Any = None
-    """hf_text: a glob or a list of globs of local files (`'corpus/*.jsonl'`, `[a.parquet,
+    """hf_text, chat: a glob or a list of globs of local files (`'corpus/*.jsonl'`, `[a.parquet,
     'b/*.parquet']`); relative to the directory the launcher runs in. All files must have
     one format. Documents are tokenized once, on the launch side, before any rank starts
     (`make data` alone, or `make train`), into the shared cache (data.cache_dir)."""
     format: TextFormat = TextFormat.auto
-    """hf_text: json (JSON lines, one document per line), parquet, text (one document per
-    line) or auto: from the files' extension (.jsonl/.json, .parquet, .txt/.text)."""
+    """hf_text, chat: json (JSON lines, one document or conversation per line), parquet,
+    text (hf_text: one document per line) or auto: from the files' extension (.jsonl/.json,
+    .parquet, .txt/.text)."""
     text_field: str = "text"
     """hf_text: the column holding each document's text (plain text files have only
     `text`). A missing field is refused before launch, naming the fields there are."""
@@ -124,13 +128,14 @@ class DataConfig:
     scripts/prepare_data.py), end of document = 255, a byte UTF-8 text never contains, so
     the vocabulary stays 256; or a local folder AutoTokenizer loads offline (tokenizer.json,
     tokenizer_config.json...; a model folder with them works too); its EOS token ends each
-    document. Its vocabulary must fit the model's embedding."""
+    document. Its vocabulary must fit the model's embedding. data=chat: a folder (its
+    chat_template renders the conversations, unless data.chat_template names one)."""
     num_proc: Optional[int] = None
-    """hf_text: processes that tokenize (null: the cores this process may use, its CPU
+    """hf_text, chat: processes that tokenize (null: the cores this process may use, its CPU
     affinity). Work units are files and newline-aligned pieces of large ones (parquet: row
     groups), so one big file uses every process too."""
     shard_mb: int = 256
-    """hf_text: MiB of input per work unit; each unit writes one shard of the prepared data.
+    """hf_text, chat: MiB of input per work unit; each unit writes one shard of the prepared data.
     Smaller: finer progress and a relaunch redoes less; larger: fewer files."""
     document_masking: bool = False
     """Packed windows whose samples (data=chat) or documents (hf_text: split at the
@@ -139,7 +144,22 @@ class DataConfig:
     mask) per micro-batch; without it a packed window attends across its samples, as plain
     pretraining does. Not with parallel.cp > 1."""
     cache_dir: Optional[str] = None
-    """hf_text: the shared cache of prepared data, one directory per content key (files'
-    sha256, format, field, tokenizer): every run and sweep point with the same inputs reads
+    """hf_text, chat: the shared cache of prepared data, one directory per content key
+    (files' sha256, format, fields, tokenizer; chat: the template's text and train_on): every run and sweep point with the same inputs reads
     the same one. null: $LAUNCHER_DATA_CACHE, else ~/.cache/launcher/data. Several nodes or
     a Slurm/Kubernetes job read it: a shared folder."""
+    chat_template: Optional[str] = None
+    """chat: a Jinja template file (a `chat_template.jinja`, as transformers writes one)
+    rendering the conversations instead of the tokenizer folder's own chat_template (null:
+    the tokenizer's). A template that marks the assistant's tokens ({% generation %}) gets
+    its mask from transformers; any other is rendered prefix by prefix (refused when a
+    longer prefix changes the tokens of a shorter one)."""
+    train_on: TrainOn = TrainOn.assistant
+    """chat: the tokens that count in the loss. assistant: every assistant turn (the usual
+    supervised fine-tune); completion: the last assistant turn, or a prompt/completion
+    row's completion (earlier turns are context only); all: every token, the prompts too
+    (more signal per sample, but the model also learns to write the users' side)."""
+    messages_field: str = "messages"
+    """chat: the column holding a conversation, a list of {role, content} (roles system,
+    user, assistant, tool). Rows without it need `prompt` and `completion` (strings: one
+    user and one assistant turn; or lists of messages, TRL's conversational form)."""

@@ -9,9 +9,13 @@ index.json = {"format": "launcher-tokens", "version": 1, "dtype": "uint16"|"uint
 "tokens", "documents", "shards": [{"file", "tokens", "documents"}, ...] (in order),
 "tokenizer" (its identity), "tokenizer_spec" (data.tokenizer as given), "vocab_size",
 "eos_id", "text_field", "source_format", "sources": [{"path", "bytes", "sha256"}, ...]}.
+data=chat adds a mask and a lengths file beside each shard (launcher/data/chat_units.py),
+named in its entry ("mask", "lengths"), and "kind": "chat", the template's sha256,
+train_on, the messages field and "counted" (the tokens that count in the loss).
 
 The key covers the files' contents (their sha256, in order), the format, the field, the
-tokenizer's identity and its end-of-document token: every run and sweep point with the
+tokenizer's identity and its end-of-document token (data=chat: and the template's text, train_on and
+the messages field): every run and sweep point with the
 same inputs reads the same directory, wherever the files lie. Not train.seq_len: windows
 are cut when the ranks read.
 
@@ -36,8 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.config import Config, ConfigError, DataConfig
-from launcher.data import units
+from launcher.config import Config, ConfigError, DataConfig, DataKind
+from launcher.data import chat_units, units
+from launcher.data.chat import settings as chat_settings
 from launcher.data.inputs import file_format, load_tokenizer, resolve_files, token_dtype
 from launcher.data.progress import Meter, count
 from launcher.host import usable_cores
@@ -156,9 +161,9 @@ def digests(root: Path, files: list[Path], threads: int, out=None) -> tuple[list
     return [found[p] for p, _, _ in wanted], hashed
 
 
-def cache_key(sums: list[str], fmt: str, field: str, tok) -> str:
+def cache_key(sums: list[str], fmt: str, field: str, tok, extra: dict | None = None) -> str:
     what = {"version": VERSION, "sources": sums, "format": fmt, "text_field": field, "tokenizer": tok.identity,
-            "eos": int(tok.eos_id)}
+            "eos": int(tok.eos_id), **(extra or {})}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -171,13 +176,14 @@ def prepare(cfg: Config, unit_bytes: int | None = None, out=None) -> Prepared:
     files = resolve_files(d)
     fmt = file_format(d, files)
     tok = load_tokenizer(d.tokenizer)
+    chat = chat_settings(d, tok) if d.name == DataKind.chat else {"key": None, "job": {}}
     root = cache_root(d)
     try:
         root.mkdir(parents=True, exist_ok=True)
         nproc, t0 = processes(d), time.perf_counter()
         stats = [f.stat() for f in files]
         sums, _ = digests(root, files, nproc, out)
-        folder = root / cache_key(sums, fmt.value, d.text_field, tok)
+        folder = root / cache_key(sums, fmt.value, d.text_field, tok, chat["key"])
         if whole(folder, out):
             return Prepared(folder, json.loads((folder / INDEX).read_text()), reused=True)
 
@@ -196,14 +202,14 @@ def prepare(cfg: Config, unit_bytes: int | None = None, out=None) -> Prepared:
             done = _recorded(folder, len(plan), dtype.width)
             jobs = [{"unit": k, "dir": str(folder), "format": fmt.value, "field": d.text_field,
                      "tokenizer": d.tokenizer, "dtype": dtype.value, "bytes": sum(map(units.piece_bytes, pieces)),
-                     "pieces": [{**p, "path": str(files[p["file"]])} for p in pieces]}
+                     "pieces": [{**p, "path": str(files[p["file"]])} for p in pieces], **chat["job"]}
                     for k, pieces in enumerate(plan) if k not in done]
             total = sum(units.piece_bytes(p) for pieces in plan for p in pieces)
             meter = Meter(total, total - sum(j["bytes"] for j in jobs), out)
             room(folder, sum(j["bytes"] for j in jobs), dtype.width, d.tokenizer == "byte", out)
             resumed = len(done)
             try:
-                done.update(_run(jobs, nproc, fd, meter))
+                done.update(_run(jobs, nproc, fd, meter, chat_units.tokenize_chat_unit if chat["key"] else None))
             except InputError:
                 shutil.rmtree(folder, ignore_errors=True)
                 raise
@@ -213,7 +219,7 @@ def prepare(cfg: Config, unit_bytes: int | None = None, out=None) -> Prepared:
                 shutil.rmtree(folder, ignore_errors=True)
                 raise ConfigError("data.files", changed[0], "changed while it was prepared; launch again once the "
                                   "files stay as they are")
-            index = _index(cfg, tok, dtype, fmt, files, sizes, sums, [done[k] for k in range(len(plan))])
+            index = _index(cfg, tok, dtype, fmt, files, sizes, sums, [done[k] for k in range(len(plan))], chat["key"])
             _fsync_dir(folder)  # every shard's and record's rename is on disk before the index says they are whole
             units.write_json_atomic(folder / INDEX, index)
             _fsync_dir(folder)
@@ -282,13 +288,16 @@ def _recorded(folder: Path, n: int, width: int) -> dict[int, dict]:
             continue
         shard = folder / record["file"] if record.get("file") else None
         whole = shard.is_file() and shard.stat().st_size == record["tokens"] * width if shard else record["tokens"] == 0
-        if whole:
+        sides = {"mask": record["tokens"], "lengths": record["documents"] * 4}  # data=chat's files beside it
+        if whole and all((folder / record[k]).is_file() and (folder / record[k]).stat().st_size == size
+                         for k, size in sides.items() if k in record):
             done[k] = record
     return done
 
 
-def _run(jobs: list[dict], nproc: int, lock_fd: int, meter: Meter) -> dict[int, dict]:
-    """The units of `jobs` by a pool of processes (the records by unit), with progress."""
+def _run(jobs: list[dict], nproc: int, lock_fd: int, meter: Meter, work=None) -> dict[int, dict]:
+    """The units of `jobs` by a pool of processes, each by `work` (units.run_unit's), with
+    progress: the records by unit."""
     import multiprocessing as mp
     import queue as queues
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -313,7 +322,7 @@ def _run(jobs: list[dict], nproc: int, lock_fd: int, meter: Meter) -> dict[int, 
 
     records: dict[int, dict] = {}
     try:
-        pending = {pool.submit(units.run_unit, job): job["unit"] for job in jobs}  # forks the workers
+        pending = {pool.submit(units.run_unit, job, work): job["unit"] for job in jobs}  # forks the workers
         with meter:
             while pending:
                 finished, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
@@ -341,14 +350,16 @@ def _run(jobs: list[dict], nproc: int, lock_fd: int, meter: Meter) -> dict[int, 
 
 
 def _index(cfg: Config, tok, dtype, fmt, files: list[Path], sizes: list[int], sums: list[str],
-           records: list[dict]) -> dict:
+           records: list[dict], chat: dict | None = None) -> dict:
     d = cfg.data
-    shards = [{"file": r["file"], "tokens": r["tokens"], "documents": r["documents"]} for r in records if r["tokens"]]
+    shards = [{k: r[k] for k in ("file", "tokens", "documents", "mask", "lengths") if k in r} for r in records
+              if r["tokens"]]
     return {"format": FORMAT, "version": VERSION, "dtype": dtype.value,
             "tokens": sum(r["tokens"] for r in records), "documents": sum(r["documents"] for r in records),
             "shards": shards, "tokenizer": tok.identity, "tokenizer_spec": d.tokenizer, "vocab_size": tok.vocab_size,
             "eos_id": int(tok.eos_id), "text_field": d.text_field, "source_format": fmt.value,
-            "sources": [{"path": str(f), "bytes": size, "sha256": s} for f, size, s in zip(files, sizes, sums)]}
+            "sources": [{"path": str(f), "bytes": size, "sha256": s} for f, size, s in zip(files, sizes, sums)],
+            **({**chat, "counted": sum(r["counted"] for r in records)} if chat else {})}
 
 
 def _tidy(folder: Path, index: dict, n: int) -> None:
@@ -356,8 +367,8 @@ def _tidy(folder: Path, index: dict, n: int) -> None:
     for k in range(n):
         (folder / units.record_name(k)).unlink(missing_ok=True)
     (folder / PLAN).unlink(missing_ok=True)
-    named = {s["file"] for s in index["shards"]}
-    for shard in folder.glob("shard_*.bin"):
+    named = {s[k] for s in index["shards"] for k in ("file", "mask", "lengths") if k in s}
+    for shard in folder.glob("shard_*"):
         if shard.name not in named:
             shard.unlink()
 

@@ -30,7 +30,8 @@ WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 # ----------------------------------------------------------------------------- files
 def patterns(d: DataConfig) -> list[str]:
     if d.files is None or d.files == "???":
-        raise ConfigError("data.files", None, "missing: data=hf_text needs data.files='corpus/*.jsonl' (a glob or a list)")
+        raise ConfigError("data.files", None, f"missing: data={d.name.value} needs data.files='corpus/*.jsonl' (a glob or "
+                          "a list)")
     items = [d.files] if isinstance(d.files, str) else list(d.files) if isinstance(d.files, (list, tuple)) else None
     if not items or not all(isinstance(p, str) and p for p in items):
         raise ConfigError("data.files", d.files, "a glob or a list of globs of local files")

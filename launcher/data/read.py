@@ -1,15 +1,22 @@
-"""Data: a synthetic Markov source (the default) and memory-mapped token files.
+"""Data: a synthetic Markov source (the default), memory-mapped token files and packed
+chat windows; `micro_batch`, the one place a batch becomes what the engines get.
 
 Every sample has a global index. The batch of optimizer step s is the global indices
 [start + s*G, start + (s+1)*G) (G = global batch); data-parallel rank r takes its
 contiguous slice and splits it into micro-batches. So the position in the data is one
 number (`samples_seen`), a resume continues with the next unseen batch, and a resume at
 another world size with the same global batch sees exactly the same data.
+
+A sample is (seq_len + 1,) tokens, or (3, seq_len + 1): tokens, loss mask (1 where the token
+counts as a target), positions (restarting at each sample or document with
+data.document_masking, else 0..seq_len): data=chat's windows, and data=hf_text's with
+data.document_masking. A batch is their stack.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import zlib
 from pathlib import Path
@@ -21,6 +28,21 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from launcher.config import Config, DataConfig, DataKind, TokenDtype, held_out_windows
 from launcher.data import sources
+from launcher.data.packing import Packed, restart_positions
+
+IGNORE = -100
+"""A target no loss counts (torch's cross_entropy ignore_index, transformers' labels)."""
+
+
+def micro_batch(batch: torch.Tensor, document_masking: bool = True) -> tuple[torch.Tensor, ...]:
+    """A batch as the engines take it: (inputs, targets) of a (B, T + 1) batch; of a (B, 3,
+    T + 1) one, targets IGNORE where the mask says the token does not count, and with
+    `document_masking` (data.document_masking) the inputs' positions third."""
+    if batch.dim() == 2:
+        return batch[:, :-1], batch[:, 1:]
+    tokens, mask, positions = batch[:, 0], batch[:, 1], batch[:, 2]
+    targets = tokens[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE)
+    return (tokens[:, :-1], targets, positions[:, :-1]) if document_masking else (tokens[:, :-1], targets)
 
 
 class MarkovSource(Dataset):
@@ -112,8 +134,10 @@ class TokenFile(Dataset):
     file stays open, whatever the number of shards and sources, and the dataset pickles
     small into loader workers."""
 
-    def __init__(self, cfg: DataConfig, seq_len: int, seed: int, path: str | None = None, key: int = 0):
+    def __init__(self, cfg: DataConfig, seq_len: int, seed: int, path: str | None = None, key: int = 0,
+                 eos_id: int | None = None):
         where = path or cfg.path
+        self.eos_id = eos_id  # data.document_masking: (3, T + 1) windows, positions restarting after each EOS
         self.stream = sources.stream("data.path", where, cfg.dtype)
         self.seq_len, self.seed, self.key = seq_len, seed, key
         per_file = self.stream.windows(seq_len)
@@ -142,7 +166,11 @@ class TokenFile(Dataset):
         start = (w - (int(self.ends[f - 1]) if f else 0)) * self.seq_len
         dtype = _np_dtype(self.stream.dtype)
         tokens = np.fromfile(self.stream.files[f], dtype=dtype, count=self.seq_len + 1, offset=start * dtype().itemsize)
-        return torch.from_numpy(tokens.astype(np.int64))
+        tokens = tokens.astype(np.int64)
+        if self.eos_id is not None:
+            positions = restart_positions(np.r_[True, tokens[:-1] == self.eos_id])
+            tokens = np.stack([tokens, np.ones_like(tokens), positions])
+        return torch.from_numpy(tokens)
 
     def fingerprint(self) -> str:
         """What decides the order: the order's kind, the windows trained and held out."""
@@ -150,6 +178,36 @@ class TokenFile(Dataset):
 
     def __getitems__(self, indices: list[int]) -> torch.Tensor:
         return torch.stack([self[i] for i in indices])
+
+
+class ChatFile(TokenFile):
+    """data=chat: windows of whole samples (launcher/data/packing.py), each epoch in a fresh
+    order as a token file's; the last data.val_fraction of them held out."""
+
+    def __init__(self, folder: str, seq_len: int, seed: int, val_fraction: float, document_masking: bool):
+        self.packed, self.document_masking = Packed(folder, seq_len + 1), document_masking
+        self.seq_len, self.seed, self.key = seq_len, seed, 0
+        self.held_out = held_out_windows(self.packed.windows, val_fraction)
+        self.windows = self.packed.windows - self.held_out
+        if self.windows < 1:
+            raise ValueError(f"{folder}: {self.packed.windows} packed window(s), {self.held_out} held out by "
+                             f"data.val_fraction={val_fraction}: none left to train on")
+
+    def window(self, w: int) -> torch.Tensor:
+        return torch.from_numpy(self.packed.window(w, self.document_masking))
+
+    def fingerprint(self) -> str:
+        return f"feistel {self.windows}+{self.held_out} packed windows of {self.seq_len} in {len(self.packed.files)} shard(s)"
+
+    def real_tokens(self, first: int, last: int) -> int:
+        """The tokens of samples (not padding) in global samples [first, last)."""
+        idx = np.arange(first, last, dtype=np.int64)
+        epochs, pos = np.divmod(idx, self.windows)
+        total = 0
+        for e in np.unique(epochs):
+            w = sources.permuted_many(pos[epochs == e], self.windows, sources.epoch_key(self.seed, self.key, int(e)))
+            total += int(self.packed.real[w].sum())
+        return total
 
 
 class Mixture(Dataset):
@@ -285,10 +343,14 @@ def _as_is(batch):
 def build_dataset(cfg: Config, run_dir: Path | None = None) -> Dataset:
     if cfg.data.name == DataKind.synthetic:
         return MarkovSource(cfg.data, cfg.train.seq_len)
-    if cfg.data.name == DataKind.hf_text:  # the launch side tokenized into the run directory
+    if cfg.data.name in (DataKind.hf_text, DataKind.chat):  # prepared by the launch side, in the shared cache
         from launcher.data.prepare import token_file_config
 
-        return TokenFile(token_file_config(cfg, run_dir), cfg.train.seq_len, cfg.train.seed)
+        d = token_file_config(cfg, run_dir)
+        if cfg.data.name == DataKind.chat:
+            return ChatFile(d.path, cfg.train.seq_len, cfg.train.seed, d.val_fraction, d.document_masking)
+        eos = int(json.loads((Path(d.path) / sources.INDEX).read_text())["eos_id"]) if d.document_masking else None
+        return TokenFile(d, cfg.train.seq_len, cfg.train.seed, eos_id=eos)
     if cfg.data.sources is not None:
         return Mixture(cfg, cfg.train.seed)
     return TokenFile(cfg.data, cfg.train.seq_len, cfg.train.seed)

@@ -94,15 +94,18 @@ def indexed(key: str, path: str, index: Path) -> Stream:
             raise ValueError("not a prepared token index (make data writes one)")
         dtype = TokenDtype(meta["dtype"])
         shards = [(index.parent / s["file"], int(s["tokens"])) for s in meta["shards"]]
+        # data=chat: a byte of mask per token and a uint32 length per sample beside each shard
+        sides = [(index.parent / s[k], int(s["tokens"] if k == "mask" else 4 * s["documents"]), 1)
+                 for s in meta["shards"] for k in ("mask", "lengths") if k in s]
     except KeyError as err:
         raise ConfigError(key, path, f"{index} has no {err} (not an index make data wrote)")
     except (ValueError, TypeError, AttributeError) as err:  # not JSON, a wrong type, an unknown dtype
         raise ConfigError(key, path, f"{index}: {err}")
-    for f, tokens in shards:
+    for f, tokens, width in [(f, t, dtype.width) for f, t in shards] + sides:
         size = f.stat().st_size if f.is_file() else None
-        if size is None or size // dtype.width < tokens:
-            raise ConfigError(key, path, f"{index} names {f.name} with {tokens} tokens; "
-                              + ("it is missing" if size is None else f"it holds {size // dtype.width}"))
+        if size is None or size // width < tokens:
+            raise ConfigError(key, path, f"{index} names {f.name} with {tokens} {'tokens' if width > 1 else 'bytes'}; "
+                              + ("it is missing" if size is None else f"it holds {size // width}"))
     return Stream(tuple(str(f) for f, _ in shards), tuple(t for _, t in shards), dtype)
 
 
@@ -219,3 +222,28 @@ def permuted(i: int, n: int, key: int) -> int:
         x = (left << half) | right
         if x < n:
             return x
+
+
+def _mix_array(x: np.ndarray) -> np.ndarray:
+    """_mix of each uint64 (numpy's uint64 arithmetic wraps as the masks above do)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def permuted_many(i: np.ndarray, n: int, key: int) -> np.ndarray:
+    """`permuted` of every position in `i` at once (the same values)."""
+    if n <= 1:
+        return np.zeros(len(i), dtype=np.int64)
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    shift, mask = np.uint64(half), np.uint64((1 << half) - 1)
+    out = np.asarray(i, dtype=np.uint64).copy()
+    todo = np.arange(len(out))
+    while len(todo):
+        left, right = out[todo] >> shift, out[todo] & mask
+        for r in range(4):
+            left, right = right, left ^ (_mix_array(np.uint64(key ^ (r << 56)) ^ right) & mask)
+        out[todo] = (left << shift) | right
+        todo = todo[out[todo] >= n]
+    return out.astype(np.int64)

@@ -258,11 +258,12 @@ def init_worker(queue, parent: int, inherited_fd: int | None) -> None:
             pass
 
 
-def run_unit(job: dict) -> dict:
-    """One unit, in a pool process: its record, or {"error": [key, value, allowed]} (a
+def run_unit(job: dict, work=None) -> dict:
+    """One unit, in a pool process, by `work` (tokenize_unit, or data=chat's
+    chat_units.tokenize_chat_unit): its record, or {"error": [key, value, allowed]} (a
     ConfigError does not survive pickling)."""
     try:
-        return tokenize_unit(job, _report)
+        return (work or tokenize_unit)(job, _report)
     except ConfigError as err:
         return {"error": [err.key, str(err.value), err.allowed], "resumable": isinstance(err, Unreadable)}
 

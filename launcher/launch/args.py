@@ -20,7 +20,7 @@ USAGE = """usage: launcher train [key=value ...] [--dry-run] [-m|--multirun]
        launcher submit [key=value ...] [--dry-run] [-m|--multirun]   (a Slurm job, cluster=slurm; or cluster=k8s)
        launcher export RUN_DIR [export.key=value ...]
        launcher rehearse [key=value ...] [--ranks R,R,...] [--json]   (ranks of a cluster's layout, built here on meta)
-       launcher data [data.key=value ...]   (data=hf_text tokenized into the shared cache, by every core)
+       launcher data [data.key=value ...]   (data=hf_text or chat tokenized into the shared cache)
        launcher COMMAND --help   (the command's flags)"""
 
 
@@ -31,7 +31,7 @@ ABOUT = {
     "plan": "The memory plan of the composed run: each layout and micro-batch on its cluster, and what fits.",
     "rehearse": "Ranks of the cluster's layout built here on the meta device, against the plan.",
     "export": "RUN_DIR's checkpoint as safetensors: the full model, consolidated from its shards.",
-    "data": "data=hf_text tokenized into the shared cache, by every core, before a run needs it.",
+    "data": "data=hf_text (or data=chat) tokenized into the shared cache, by every core, before a run needs it.",
 }
 
 

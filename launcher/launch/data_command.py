@@ -1,4 +1,4 @@
-"""`launcher data [key=value ...]` (`make data`): prepare data=hf_text into the shared cache
+"""`launcher data [key=value ...]` (`make data`): prepare data=hf_text (or data=chat) into the shared cache
 now, without training; `make train` with the same data.* then reuses it (or does the same
 preparation itself when nobody ran this first)."""
 
@@ -18,15 +18,16 @@ def cmd_data(overrides: list[str]) -> int:
     files and tokenizer (no model: the prepared data serves any model its vocabulary fits),
     prepare, say where."""
     from launcher.data.cache import describe, prepare
-    from launcher.data.prepare import validate_hf_text
+    from launcher.data.prepare import validate_chat, validate_hf_text
 
     with interrupts_held():
         named = any(o.split("=", 1)[0].lstrip("+~") == "data" for o in overrides)
         cfg, _, _ = compose_config(overrides if named else ["data=hf_text", *overrides])
-        if cfg.data.name != C.DataKind.hf_text:
+        if cfg.data.name not in (C.DataKind.hf_text, C.DataKind.chat):
             raise C.ConfigError("data", cfg.data.name.value, "make data prepares data=hf_text (local JSON lines, "
-                                "parquet or text files and a tokenizer); leave data= out, or data=hf_text")
-        validate_hf_text(cfg, against_model=False)
+                                "parquet or text files and a tokenizer) or data=chat (conversations); leave data= out, "
+                                "or name one of them")
+        (validate_chat if cfg.data.name == C.DataKind.chat else validate_hf_text)(cfg, against_model=False)
     try:
         got = prepare(cfg)
     except KeyboardInterrupt:
@@ -35,8 +36,9 @@ def cmd_data(overrides: list[str]) -> int:
         return EXIT_INTERRUPTED
     index = got.index
     shards = len(index["shards"])
-    print(f"data: {index['documents']:,} documents, {index['tokens']:,} tokens ({index['dtype']}, {shards} "
+    what = "conversations" if cfg.data.name == C.DataKind.chat else "documents"
+    print(f"data: {index['documents']:,} {what}, {index['tokens']:,} tokens ({index['dtype']}, {shards} "
           f"shard{'s' if shards != 1 else ''}); {describe(got)}", flush=True)
-    print(f"train on it: make train ARGS=\"<the same data.*>\", or data=memmap data.path={shlex.quote(str(got.dir))}",
-          flush=True)
+    memmap = "" if cfg.data.name == C.DataKind.chat else f", or data=memmap data.path={shlex.quote(str(got.dir))}"
+    print(f"train on it: make train ARGS=\"<the same data.*>\"{memmap}", flush=True)
     return 0

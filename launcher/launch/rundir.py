@@ -186,19 +186,20 @@ def write_run_dir(cfg: C.Config, run_dir: Path, scripts: dict[str, str], files: 
         if created:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise C.ConfigError("hydra.run.dir", str(run_dir), f"cannot write the run directory ({err.strerror})")
-    if cfg.data.name == C.DataKind.hf_text and cfg.cluster.node_rank == 0:
+    prepared = cfg.data.name in (C.DataKind.hf_text, C.DataKind.chat)
+    if prepared and cfg.cluster.node_rank == 0:
         prepare_data(cfg, run_dir, created)
-    elif cfg.data.name == C.DataKind.hf_text:  # node 0's launcher prepares; this node's ranks start after it
-        print(f"node {cfg.cluster.node_rank}: data=hf_text is prepared by node 0 (its ranks read "
-              f"{run_dir / 'data' / 'hf_text.json'}); for a large corpus run `make data` first, so the nodes do not "
+    elif prepared:  # node 0's launcher prepares; this node's ranks start after it
+        print(f"node {cfg.cluster.node_rank}: data={cfg.data.name.value} is prepared by node 0 (its ranks read "
+              f"{run_dir / 'data' / cfg.data.name.value}.json); for a large corpus run `make data` first, so the nodes do not "
               f"wait for it in the rendezvous (cluster.join_timeout_s)", flush=True)
     return created
 
 
 def prepare_data(cfg: C.Config, run_dir: Path, created: bool) -> None:
-    """data=hf_text: prepared once, here, before any rank starts, into the shared cache
+    """data=hf_text, chat: prepared once, here, before any rank starts, into the shared cache
     (reused when `make data` or another run prepared the same inputs; the ranks read the
-    directory RUN_DIR/data/hf_text.json names). A failure removes a run directory this
+    directory RUN_DIR/data/<data.name>.json names). A failure removes a run directory this
     launch created."""
     from launcher.data.prepare import prepare_cache
 

@@ -61,7 +61,7 @@ def validate(cfg: Config, host) -> list[str]:
 
     # data
     _positive("data.vocab_size", d.vocab_size)
-    if d.vocab_size > model_vocab_size(cfg) and d.name != DataKind.hf_text:  # hf_text: the tokenizer's, checked below
+    if d.vocab_size > model_vocab_size(cfg) and d.name not in (DataKind.hf_text, DataKind.chat):  # the tokenizer's, below
         raise ConfigError("data.vocab_size", d.vocab_size, f"must be <= model.vocab_size={model_vocab_size(cfg)}")
     if d.name == DataKind.synthetic:
         _positive("data.order", d.order)
@@ -82,6 +82,13 @@ def validate(cfg: Config, host) -> list[str]:
         from launcher.data.prepare import validate_hf_text  # loads the tokenizer: only when used
 
         validate_hf_text(cfg)
+    elif d.name == DataKind.chat:
+        from launcher.data.prepare import validate_chat  # loads the tokenizer and its template: only when used
+
+        validate_chat(cfg)
+    if d.document_masking and d.name not in (DataKind.chat, DataKind.hf_text):
+        raise ConfigError("data.document_masking", True, f"data={d.name.value} has no sample boundaries to mask at; "
+                          "data=chat (its samples) and data=hf_text (its documents) have")
     if d.num_workers is not None and d.num_workers < 0:
         raise ConfigError("data.num_workers", d.num_workers, "must be >= 0 (or null for auto)")
     _positive("data.prefetch_factor", d.prefetch_factor)

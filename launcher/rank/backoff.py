@@ -88,9 +88,8 @@ def first_line(err: BaseException) -> str:
 def split(micro_batches: list, micro_batch: int) -> list:
     """The step's batch (already in hand) cut into micro-batches of `micro_batch`: the same
     sequences in the same order."""
-    x = torch.cat([x for x, _ in micro_batches])
-    y = torch.cat([y for _, y in micro_batches])
-    return list(zip(x.split(micro_batch), y.split(micro_batch)))
+    whole = [torch.cat(parts) for parts in zip(*micro_batches)]  # inputs, targets (and positions)
+    return list(zip(*(t.split(micro_batch) for t in whole)))
 
 
 def record(job, step: int, err: BaseException) -> None:

@@ -23,11 +23,11 @@ from launcher.parallel.degrees import degrees
 from launcher.rank import backoff
 from launcher.rank.checkpoint import Checkpointer
 from launcher.config import Config, FaultPoint
-from launcher.data.read import SourceMeter, build_loader, loss_floor
+from launcher.data.read import SourceMeter, build_loader, loss_floor, micro_batch
 from launcher.device import host_values, memory_stats, peak_flops, reset_peak_memory, synchronize
 from launcher.rank.engine import StepResult, local_shard, owners_sum
 from launcher.planner.memory import ActivationCounter
-from launcher.rank.metrics import RankZeroLogger, Throughput
+from launcher.rank.metrics import PackMeter, RankZeroLogger, Throughput
 from launcher.exits import CHECKPOINT_FAILED_MARKER, EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
 from launcher.rank.faults import poisoned, strike
 from launcher.rank.guard import LossGuard
@@ -114,6 +114,7 @@ def run(job: Job) -> int:
     guard = LossGuard(cfg, device, job.dp_size * cp, log.print)  # train.max_bad_steps
     stragglers = Stragglers(cfg, engine, device, job.rank, job.world_size, log.print)  # train.straggler_factor
     drawn = SourceMeter(job.dataset, samples_seen, log.print)  # data/<source>/tokens, epochs run out
+    packing = PackMeter(job.dataset, samples_seen, job.world_size // job.dp_size, job.preemption.group)
     job.preemption.started(step)
     while step < last:
         strike(cfg.debug, FaultPoint.hang, step + 1, job.rank)
@@ -121,11 +122,10 @@ def run(job: Job) -> int:
         t0 = time.perf_counter()
         micro_batches = []
         for _ in range(job.grad_accum):
-            batch = next(batches).to(device, non_blocking=True)
-            inputs, targets = batch[:, :-1], batch[:, 1:]
-            if cp > 1:
-                inputs, targets = local_positions(inputs, cp_rank, cp), local_positions(targets, cp_rank, cp)
-            micro_batches.append((inputs, targets))
+            batch = next(batches)
+            packing.count(batch)  # data=chat: the targets it counts, on the host
+            mb = micro_batch(batch.to(device, non_blocking=True), cfg.data.document_masking)
+            micro_batches.append(tuple(local_positions(t, cp_rank, cp) for t in mb) if cp > 1 else mb)
         meter.data_wait += (fetched := time.perf_counter() - t0)
         logged = ((step + 1) % cfg.logger.log_every == 0 or step + 1 == last
                   or bool(cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0))
@@ -190,7 +190,7 @@ def run(job: Job) -> int:
             metrics = {"step": step, "loss": read[0] / (job.dp_size * cp), "lr": engine.lr(),
                        "grad_norm": read[1], **meter.rates(), **memory_stats(device),
                        **engine.state_bytes().as_metrics(), **measured, **guard.metrics(),
-                       **stragglers.report(step), **drawn.metrics(step, samples_seen)}
+                       **stragglers.report(step), **drawn.metrics(step, samples_seen), **packing.metrics(samples_seen)}
             if scaled:
                 metrics["loss_scale"] = read[2]
                 metrics["skipped_steps"] = int(read[3])

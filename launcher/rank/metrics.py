@@ -64,6 +64,36 @@ class Throughput:
         return out
 
 
+class PackMeter:
+    """data=chat, at log steps, over the interval since the last one (all ranks):
+    data/tokens_seen (input tokens of the windows), data/tokens_trained (targets the loss
+    counted: counted on the host from each batch before it goes to the device, summed
+    over ranks on the CPU group) and data/packing_efficiency (sample tokens over window
+    tokens, from the windows' table)."""
+
+    def __init__(self, dataset, samples_seen: int, replicas: int, group):
+        self.on = hasattr(dataset, "packed")  # launcher/data/read.py's ChatFile
+        self.dataset, self.seen, self.replicas, self.group, self.counted = dataset, samples_seen, replicas, group, 0
+
+    def count(self, batch) -> None:
+        if self.on:
+            self.counted += int(batch[:, 1, 1:].count_nonzero())
+
+    def metrics(self, samples_seen: int) -> dict:
+        if not self.on or samples_seen == self.seen:
+            return {}
+        import torch
+        import torch.distributed as dist
+
+        counted = torch.tensor([self.counted], dtype=torch.int64)
+        dist.all_reduce(counted, group=self.group)  # every rank logs at the same steps
+        n, size = samples_seen - self.seen, self.dataset.seq_len
+        out = {"data/tokens_seen": n * size, "data/tokens_trained": int(counted) // self.replicas,
+               "data/packing_efficiency": self.dataset.real_tokens(self.seen, samples_seen) / (n * (size + 1))}
+        self.seen, self.counted = samples_seen, 0
+        return out
+
+
 def keep_rows_up_to(path: Path, step: int) -> None:
     """metrics.jsonl as the run resumes at `step`: the rows of steps after it (logged by a
     launch that died before its next checkpoint, to be logged again) and a row cut short

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from launcher.data.read import val_sets
+from launcher.data.read import micro_batch, val_sets
 from launcher.parallel.context import local_positions
 from launcher.rank.engine import StepResult, owners_sum
 
@@ -27,8 +27,8 @@ def held_out_batches(job, cp: int, cp_rank: int) -> list[tuple[str, float, list]
         batches = []
         for k in range(n):
             batch = data.__getitems__(list(range(first + k * mb, first + (k + 1) * mb))).to(job.device)
-            x, y = batch[:, :-1], batch[:, 1:]
-            batches.append((local_positions(x, cp_rank, cp), local_positions(y, cp_rank, cp)) if cp > 1 else (x, y))
+            parts = micro_batch(batch, cfg.data.document_masking)  # data=chat: the loss on the counted targets
+            batches.append(tuple(local_positions(t, cp_rank, cp) for t in parts) if cp > 1 else parts)
         out.append((name, weight, batches))
     return out
 

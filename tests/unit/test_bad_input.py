@@ -11,12 +11,20 @@ import pytest
 
 from runs import REPO
 from hf_models import bad_hf_files, bad_hf_weights
+from chat_data import bad_chat_files, chat_tokenizer
 from launcher.launch import cli
 
 HF = bad_hf_files()  # small config folders for the model=hf rows
 W = bad_hf_weights()  # save_pretrained folders, one good and four broken
 README = REPO / "README.md"  # a file of tokens as far as data=memmap can tell
 CORPUS = REPO / "tests" / "data" / "hf" / "corpus.jsonl"  # fields: id, text
+CHAT = bad_chat_files()  # JSON lines with a bad row, templates, a tokenizer without a template
+TOK = chat_tokenizer()  # a tokenizer folder whose template marks generation
+
+
+def chat(name: str, *more: str) -> list[str]:
+    return ["data=chat", f"data.files={CHAT[name]}", f"data.tokenizer={TOK}", *more]
+
 
 # (overrides, words the one line must contain)
 CASES = [
@@ -237,6 +245,24 @@ CASES = [
     (["data=hf_text", f"data.files={CORPUS}", "model.vocab_size=200"],
      ["data.tokenizer=byte", "256 tokens", "model.vocab_size=200"]),
     (["data=hf_text", f"data.files={CORPUS}", "data.format=xml"], ["data.format=xml", "json, parquet, text"]),
+    # data=chat: the file and its 1-based line, the template, the tokenizer
+    (chat("no_assistant.jsonl"), [f"data.files={CHAT['no_assistant.jsonl']}", "line 2", "no assistant turn",
+                                  "data.train_on=assistant", "data.train_on=all"]),
+    (chat("robot.jsonl", "data.train_on=all"), [f"data.files={CHAT['robot.jsonl']}", "line 3", "'robot'",
+                                                "system, user, assistant, tool"]),
+    (chat("system.jsonl", f"data.chat_template={CHAT['raises.jinja']}"),
+     [f"data.files={CHAT['system.jsonl']}", "line 3", "does not render it", "this template takes no system turn"]),
+    (chat("no_field.jsonl"), [f"data.files={CHAT['no_field.jsonl']}", "line 2", "no `messages` field"]),
+    (chat("text.jsonl"), ["data.messages_field=messages", "text.jsonl", "its fields: text"]),
+    (chat("two_turns.jsonl", f"data.chat_template={CHAT['rewrites.jinja']}"),
+     [f"data.chat_template={CHAT['rewrites.jinja']}", f"{CHAT['two_turns.jsonl']} line 1", "do not extend",
+      "{% generation %}"]),
+    (["data=chat", f"data.files={CHAT['two_turns.jsonl']}", f"data.tokenizer={CHAT['bare_tokenizer']}"],
+     [f"data.tokenizer={CHAT['bare_tokenizer']}", "has no chat template", "data.chat_template=<file.jinja>"]),
+    (["data=chat", f"data.files={CHAT['two_turns.jsonl']}"], ["data.tokenizer=byte", "tokenizer folder"]),
+    (chat("two_turns.jsonl", "data.chat_template=/no/such.jinja"), ["data.chat_template=/no/such.jinja", "no such file"]),
+    (chat("two_turns.jsonl", "data.train_on=everything"), ["data.train_on=everything", "assistant, completion, all"]),
+    (["data.document_masking=true"], ["data.document_masking=True", "data=synthetic", "data=chat"]),
     (["profile.enabled=true", "profile.steps=[8,5]"], ["profile.steps=[8, 5]", "first <= last"]),
     (["profile.enabled=true", "profile.steps=[5,500]"], ["profile.steps=[5, 500]", "train.steps=200"]),
     (["profile.enabled=true", "profile.steps=[5]"], ["profile.steps=[5]", "[first, last]"]),
@@ -261,7 +287,8 @@ def case_id(overrides: list[str]) -> str:
     """The same on every collection (pytest-xdist's workers compare them): the session's
     temporary folders by name."""
     text = " ".join(overrides)
-    for name, folder in {"<hf>": next(iter(HF.values())).parent, "<weights>": next(iter(W.values())).parent}.items():
+    for name, folder in {"<hf>": next(iter(HF.values())).parent, "<weights>": next(iter(W.values())).parent,
+                         "<chat>": next(iter(CHAT.values())).parent, "<tok>": TOK}.items():
         text = text.replace(str(folder), name)
     return text
 

@@ -71,6 +71,10 @@ def test_combination_composes_and_validates(recipe, model, data, precision, tmp_
         corpus = tmp_path / "corpus.jsonl"
         corpus.write_text('{"text": "a document"}\n')
         overrides.append(f"data.files={corpus}")
+    if data == "chat":
+        from chat_data import chat_tokenizer, write_data
+
+        overrides += [f"data.files={write_data(tmp_path / 'chat.jsonl', 4)}", f"data.tokenizer={chat_tokenizer()}"]
     cfg, run_dir, _ = cli.compose_config(overrides)
     assert cfg.recipe.name == recipe and cfg.model.name == model
     assert cfg.precision.name.value == precision or (precision, cfg.precision.name.value, cfg.precision.fp8) == ("fp8", "bf16", True)
