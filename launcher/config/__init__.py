@@ -22,25 +22,25 @@ nothing else of the project.
 from __future__ import annotations
 
 from launcher.config.enums import (ACMode, Backend, ConfigError, DataKind, ExportDtype, ExportFormat, FaultPoint,
-                                   HFAttention, K8sKind, LoggerKind, ModelKind, OffloadDevice, OnExisting, PPSchedule,
+                                   HFAttention, K8sKind, LoggerKind, LoraBase, ModelKind, OffloadDevice, OnExisting, PPSchedule,
                                    Precision, Runner, Scheduler, TextFormat, TokenDtype, TrainOn, WandbMode)
 from launcher.config.recipe import DDPOptions, FSDPOptions, ParallelConfig, RecipeConfig, ZeroOptions
-from launcher.config.model import DataConfig, ModelConfig
+from launcher.config.model import DataConfig, LoraConfig, ModelConfig
 from launcher.config.train import DistConfig, OptimConfig, PrecisionConfig, TrainConfig
 from launcher.config.run import (CheckpointConfig, ClusterConfig, DebugConfig, ExportConfig, K8sConfig, LoggerConfig,
                                  PlanConfig, ProfileConfig)
 from launcher.config.root import (Config, GROUPS, RETIRED, load_frozen, read_frozen, register_configs, to_dict,
                                   to_typed, to_yaml, write_frozen)
 from launcher.config.derived import (block_matmul_params, ffn_dim, held_out_windows, loss_chunks, lr_factor, matmul_params,
-                                     nproc_per_node, num_params, pipeline_stages, sliceable_loss)
+                                     nproc_per_node, num_params, pipeline_stages, shape_key, sliceable_loss)
 
 __all__ = [
     "ACMode", "Backend", "ConfigError", "DataKind", "ExportDtype", "ExportFormat", "FaultPoint", "HFAttention", "K8sKind",
-    "LoggerKind", "ModelKind", "OffloadDevice", "OnExisting", "PPSchedule", "Precision", "Runner", "Scheduler",
+    "LoggerKind", "LoraBase", "ModelKind", "OffloadDevice", "OnExisting", "PPSchedule", "Precision", "Runner", "Scheduler",
     "TextFormat", "TokenDtype", "TrainOn", "WandbMode", "DDPOptions", "FSDPOptions", "ParallelConfig",
-    "RecipeConfig", "ZeroOptions", "DataConfig", "ModelConfig", "DistConfig", "OptimConfig", "PrecisionConfig",
+    "RecipeConfig", "ZeroOptions", "DataConfig", "LoraConfig", "ModelConfig", "DistConfig", "OptimConfig", "PrecisionConfig",
     "TrainConfig", "CheckpointConfig", "ClusterConfig", "K8sConfig", "DebugConfig", "ExportConfig", "LoggerConfig", "PlanConfig",
     "ProfileConfig", "Config", "GROUPS", "RETIRED", "read_frozen", "load_frozen", "register_configs", "to_dict",
     "to_typed", "to_yaml", "write_frozen", "ffn_dim", "block_matmul_params", "matmul_params", "num_params", "lr_factor", "nproc_per_node",
-    "pipeline_stages", "loss_chunks", "sliceable_loss", "held_out_windows",
+    "pipeline_stages", "shape_key", "loss_chunks", "sliceable_loss", "held_out_windows",
 ]

@@ -93,3 +93,9 @@ def sliceable_loss(cfg: Config, pp: int, tp: int) -> bool:
     from launcher.config.enums import ModelKind
 
     return cfg.model.kind != ModelKind.hf and pp == 1 and tp == 1
+
+
+def shape_key(m: ModelConfig) -> tuple:
+    """A decoder's shape fields as a hashable key (caches of counts by shape); the adapters
+    (model.lora) are not part of the shape."""
+    return tuple(sorted((k, v) for k, v in vars(m).items() if k != "lora"))

@@ -150,6 +150,15 @@ class ModelKind(str, enum.Enum):
     hf = "hf"
 
 
+class LoraBase(str, enum.Enum):
+    """model.lora.base_dtype: how the frozen base weights of a LoRA run are held."""
+
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    nf4 = "nf4"
+
+
 class HFAttention(str, enum.Enum):
     """model=hf: transformers' attention implementation (config._attn_implementation)."""
 

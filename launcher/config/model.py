@@ -4,10 +4,43 @@ LM) and on what tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from launcher.config.enums import DataKind, HFAttention, ModelKind, TextFormat, TokenDtype, TrainOn
+from launcher.config.enums import DataKind, HFAttention, LoraBase, ModelKind, TextFormat, TokenDtype, TrainOn
+
+
+@dataclass
+class LoraConfig:
+    """model.lora.*: low-rank adapters (LoRA, Hu et al. 2021) on named projections; the base
+    weights frozen. `make train ARGS="model=hf model.pretrained=DIR model.lora.rank=16"`."""
+
+    rank: int = 0
+    """Adapter rank r (0: off, every weight trains). Each targeted linear W (out x in) gets
+    A (r x in) and B (out x r), B zero at the start: r x (in + out) trainable parameters
+    instead of in x out, so gradients and optimizer states shrink about in/(2r)-fold
+    (Llama-3-8B, r=16, every projection: 42M trainable of 8.0B). Higher r fits more,
+    costs more; 8-64 is usual."""
+    alpha: float = 16.0
+    """The adapters' output is scaled by alpha / rank (PEFT's lora_alpha): with alpha fixed,
+    a higher rank does not need another learning rate."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (PEFT's lora_dropout); 0 keeps one activation fewer."""
+    targets: Optional[list] = None
+    """Projection names to adapt, matched against the last part of each linear's name inside
+    the decoder layers (q_proj, v_proj, ... for model=hf; wq, wk, wv, wo, w1, w2, w3 for the
+    project's decoder). null: every linear inside the decoder layers (PEFT's all-linear: not
+    the output head). A name that matches no module is refused at launch."""
+    base_dtype: LoraBase = LoraBase.auto
+    """How the frozen base weights are held. auto: in the compute dtype (bf16 under
+    precision=bf16: 2 bytes a parameter instead of the 4 of an fp32 master copy, which a
+    frozen weight does not need; fp32 under fp32). nf4: 4-bit NormalFloat (QLoRA,
+    torchao's NF4 tensor: about 0.52 bytes a parameter, dequantized block by block in each
+    forward: slower matmuls), the targeted linears only (embeddings, norms and the head
+    stay in the compute dtype); ddp only for now."""
+    base_digest: Optional[str] = None
+    """Set by the launcher: the sha256 of model.pretrained's files. A checkpoint records it;
+    a resume onto another base is refused."""
 
 
 @dataclass
@@ -56,6 +89,8 @@ class ModelConfig:
     it holds, in fp32 (the master copy; precision.name decides the compute dtype); names
     must match the model's own (no key conversion: MoE folders that need transformers'
     conversion mapping are refused). Exactly one of config/pretrained."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters over a frozen base (model.lora.rank > 0): see LoraConfig."""
     attn_implementation: HFAttention = HFAttention.sdpa
     """hf: sdpa (torch's fused attention; the causal mask is implicit, no mask tensor)
     or eager (transformers' matmul-softmax reference: slower, materialises seq^2 scores)."""

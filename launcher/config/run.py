@@ -302,6 +302,12 @@ class ExportConfig:
     out: Optional[str] = None
     """Output folder (null = RUN_DIR/export/step_XXXXXXXX, with -hf for format=hf and -bf16
     for dtype=bf16: each export has its own folder)."""
+    merge_lora: bool = False
+    """A LoRA run (model.lora.rank > 0): false exports the adapters alone as a PEFT folder
+    (adapter_config.json, adapter_model.safetensors: megabytes, loaded over the base with
+    peft.PeftModel.from_pretrained; model=hf, export.format=hf); true merges them into the
+    base weights read from model.pretrained (W + alpha/r x B A) and exports the whole model
+    as format says, with nothing of PEFT needed to load it."""
 
 
 @dataclass

@@ -110,6 +110,10 @@ def compose_jobs(command: str, overrides: list[str], multirun: bool,
 
 def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool) -> None:
     """The config fits the command: Slurm configs are submitted, others trained here."""
+    if cfg.model.lora.rank > 0:
+        from launcher.models.lora import check_trainable
+
+        check_trainable(cfg)
     c = cfg.cluster
     kind = {C.Scheduler.slurm: "Slurm", C.Scheduler.k8s: "Kubernetes"}.get(c.scheduler)
     if command == "train" and kind:

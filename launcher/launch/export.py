@@ -53,6 +53,17 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
     dtype = {C.ExportDtype.fp32: torch.float32, C.ExportDtype.bf16: torch.bfloat16}[cfg.export.dtype]
     # Each dtype has its own default folder: a bf16 export never replaces the fp32 one.
     suffix = "" if cfg.export.dtype == C.ExportDtype.fp32 else f"-{cfg.export.dtype.value}"
+    if cfg.model.lora.rank > 0:  # the checkpoint holds the adapters: alone as PEFT's folder, or merged
+        from launcher.models import lora
+
+        if not cfg.export.merge_lora:
+            out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / f"{folder.name}-peft{suffix}"
+            return readable(lora.write_peft(cfg, state, out, dtype))
+        from launcher import models
+
+        base = models.build(lora.plain(cfg), torch.device("cpu")).state_dict()  # model.pretrained, read again
+        state = lora.merged(cfg, state, base)
+        suffix = f"-merged{suffix}"
     if cfg.export.format == C.ExportFormat.hf:  # a from_pretrained folder (launcher/models/hf.py)
         from launcher.models.hf_export import save_pretrained
 

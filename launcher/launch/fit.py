@@ -50,6 +50,7 @@ def check(cfg: C.Config, run_dir: Path) -> None:
     except (OSError, ValueError):
         return  # the ranks' own check names it
     old = manifest.get("params") if isinstance(manifest, dict) else None
+    check_base(cfg, folder, manifest, out)
     if not isinstance(old, dict):
         return  # written before manifests recorded the model: nothing to compare
     new = shapes(cfg)
@@ -63,6 +64,17 @@ def check(cfg: C.Config, run_dir: Path) -> None:
     raise C.ConfigError(key, value, f"{folder} holds another model ({what}; {len(differ)} of "
                                     f"{len(old.keys() | new.keys())} tensors differ, e.g. {example}); "
                                     f"set the keys back to continue it, or {out}")
+
+
+def check_base(cfg: C.Config, folder: Path, manifest, out: str) -> None:
+    """model.lora: the adapters of `folder` were trained over the base this launch reads
+    (model.pretrained's sha256, launcher/models/lora.py::base_digest)."""
+    lora = ((manifest.get("model") or {}).get("lora") or {}) if isinstance(manifest, dict) else {}
+    old, new = lora.get("base_digest") if isinstance(lora, dict) else None, cfg.model.lora.base_digest
+    if old and new and old != new:
+        raise C.ConfigError("model.pretrained", cfg.model.pretrained, f"{folder} holds adapters trained over another "
+                            f"base (sha256 {old[:12]}... there, {new[:12]}... here); give the base they were trained "
+                            f"on to continue, or {out}")
 
 
 def _shape(s) -> str:

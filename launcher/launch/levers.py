@@ -29,6 +29,8 @@ def validate_levers(cfg: Config, host) -> None:
 
     if cfg.precision.fp8:
         validate_fp8(cfg, host)
+    if cfg.model.lora.rank != 0:
+        validate_lora(cfg)
 
 
 def validate_fp8(cfg: Config, host) -> None:
@@ -79,3 +81,59 @@ def validate_context_parallel(cfg: Config, m, name: str, allowed: bool) -> None:
         raise ConfigError("parallel.cp", p.cp, f"must divide the attention heads per tensor-parallel rank: "
                           f"model.n_heads={m.n_heads} / parallel.tp={p.tp} = {heads} (all-to-all splits them)")
 
+
+def validate_lora(cfg: Config) -> None:
+    """model.lora: adapters over the whole layers (ddp, fsdp, ZeRO): tensor parallel would
+    have to split each adapter with its layer, a pipeline stage's optimizer is its own."""
+    from launcher.planner.lora import ENGINES
+
+    p, lora = cfg.parallel, cfg.model.lora
+    if lora.rank < 0:
+        raise ConfigError("model.lora.rank", lora.rank, "must be >= 0 (0: off, every weight trains)")
+    if cfg.recipe.strategy not in ENGINES or p.tp > 1 or p.pp > 1:
+        raise ConfigError("model.lora.rank", lora.rank, f"not with recipe={cfg.recipe.name} (tp={p.tp}, pp={p.pp}): "
+                          "adapters train under ddp, fsdp and zero1-3 without tensor or pipeline parallel")
+    if lora.alpha <= 0:
+        raise ConfigError("model.lora.alpha", lora.alpha, "must be > 0 (the adapters' scale is alpha / rank)")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError("model.lora.dropout", lora.dropout, "must be in [0, 1)")
+    if lora.targets is not None and (not isinstance(lora.targets, (list, tuple)) or not lora.targets):
+        raise ConfigError("model.lora.targets", lora.targets, "a non-empty list of projection names, or null (every "
+                          "linear inside the decoder layers)")
+    if lora.base_dtype.value == "nf4" and cfg.recipe.strategy != "ddp":
+        raise ConfigError("model.lora.base_dtype", "nf4", f"the 4-bit base runs under the ddp engine for now (one GPU "
+                          f"or replicas), not recipe={cfg.recipe.name}; use base_dtype auto or bf16 there")
+    if cfg.precision.fp8:
+        raise ConfigError("precision", "fp8", "not with model.lora (float8 layers would replace the adapted linears)")
+    from launcher import models  # imports torch: only for a LoRA run
+    from launcher.models.lora import plain, targets
+
+    base = models.on_meta(plain(cfg))
+    linears = sorted({n.rsplit(".", 1)[-1] for n in targets(base, models.model_layout(base).layers, None)})
+    missing = [t for t in (lora.targets or []) if str(t) not in linears]
+    if missing:
+        raise ConfigError("model.lora.targets", missing[0], f"names no linear inside the decoder layers; this model's "
+                          f"are {', '.join(linears)}")
+    if cfg.model.kind == ModelKind.hf and cfg.model.pretrained is not None:  # what the adapters train over
+        from launcher.data.cache import cache_root
+
+        lora.base_digest = base_digest(cfg.model.pretrained, cache_root(cfg.data))
+
+
+def base_digest(folder: str, memo_root, threads: int = 4) -> str:
+    """sha256 over model.pretrained's config.json and *.safetensors, each file's sha256
+    memoised as the data cache's are (by path, size and times: a later launch hashes nothing
+    unchanged). A checkpoint records it; a resume onto another base is refused
+    (launcher/launch/fit.py)."""
+    import hashlib
+    from pathlib import Path
+
+    from launcher.data.cache import digests
+
+    root = Path(folder)
+    files = sorted([root / "config.json", *root.glob("*.safetensors")])
+    sums, _ = digests(memo_root, files, threads)
+    h = hashlib.sha256()
+    for f, digest in zip(files, sums):
+        h.update(f"{f.name}\0{digest}\0".encode())
+    return h.hexdigest()

@@ -66,10 +66,17 @@ def skeleton(cfg: Config, device: torch.device, dtype: torch.dtype | None = None
         if cfg.model.kind == ModelKind.hf:
             from launcher.models import hf
 
-            return hf.build(cfg.model, device)
-        from launcher.models.gpt import GPT
+            model = hf.build(cfg.model, device)
+        else:
+            from launcher.models.gpt import GPT
 
-        return GPT(cfg.model)
+            model = GPT(cfg.model)
+        if cfg.model.lora.rank > 0:  # adapters before any recipe parallelizes (launcher/models/lora.py)
+            from launcher.models import lora
+
+            lora.inject(model, cfg.model.lora, model_layout(model).layers,
+                        lora.base_dtype(cfg) if torch.device(device).type == "meta" else None)
+        return model
 
 
 def materialize(model: nn.Module, cfg: Config, device: torch.device, storage: torch.device | None = None) -> nn.Module:
@@ -80,9 +87,19 @@ def materialize(model: nn.Module, cfg: Config, device: torch.device, storage: to
     model.pretrained (launcher/models/init.py). No collective."""
     from launcher.models import init
 
-    return init.materialize(model, device, init_specs(cfg), cfg.train.seed, layout(cfg).tied_names(),
-                            init_buffers, cfg.model.pretrained if cfg.model.kind == ModelKind.hf else None,
-                            storage=storage)
+    specs, fresh = init_specs(cfg), frozenset()
+    if cfg.model.lora.rank > 0:  # the adapters are drawn, whatever the base is read from
+        from launcher.models import lora
+
+        fresh = lora.init_specs(model, cfg.model.lora.rank)
+        specs |= fresh
+    init.materialize(model, device, specs, cfg.train.seed, layout(cfg).tied_names(), init_buffers,
+                     cfg.model.pretrained if cfg.model.kind == ModelKind.hf else None, storage=storage, fresh=fresh)
+    if cfg.model.lora.base_dtype.value == "nf4" and cfg.model.lora.rank > 0 and device.type != "meta":
+        from launcher.models import lora
+
+        lora.quantize_base(model)
+    return model
 
 
 def cast_params(model: nn.Module, dtype: torch.dtype) -> nn.Module:

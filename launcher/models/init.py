@@ -264,11 +264,12 @@ def canonical(name: str, tied: tuple[str, str] | None) -> str:
 
 def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpec], seed: int,
                 tied: tuple[str, str] | None, init_buffers, pretrained: str | Path | None = None,
-                storage: torch.device | None = None) -> nn.Module:
+                storage: torch.device | None = None, fresh=frozenset()) -> nn.Module:
     """Storage on `storage` (default `device`) for what this rank holds (`to_empty`:
     untouched memory), its buffers computed (`init_buffers(model, device)`), its
     parameters drawn on `device` from `specs` or read from `pretrained`. No collective:
-    every rank fills its own part. On the meta device (a rehearsal, launcher/planner/rehearse.py)
+    every rank fills its own part. Names in `fresh` (LoRA's adapters) are drawn even when
+    the rest is read from `pretrained`. On the meta device (a rehearsal, launcher/planner/rehearse.py)
     the shapes are all there is: nothing is allocated or drawn."""
     if device.type == "meta":
         return model
@@ -301,7 +302,7 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
             done.add(id(p))
             key = canonical(name, tied)
             dst, shape, box, flat = local_part(p)
-            if entries is not None:
+            if entries is not None and key not in fresh:
                 _read(entries, key, dst, shape, box, flat)
             else:
                 fill(dst, shape, box, flat, specs[key], seed, key, device)

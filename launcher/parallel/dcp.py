@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from launcher.config import Config
-from launcher.rank.engine import param_groups
+from launcher.rank.engine import param_groups, trained_state
 from launcher import models
 
 OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)  # keys "state.<fqn>.<exp_avg|...>"
@@ -58,10 +58,18 @@ def _canonical(state: dict[str, torch.Tensor], tied: tuple[str, str] | None, pre
     return out
 
 
+def model_options(model: nn.Module) -> StateDictOptions | None:
+    """With frozen parameters (model.lora's base) the state is what trains: the base is read
+    from model.pretrained again."""
+    if all(p.requires_grad for p in model.parameters()):
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer, tied: tuple[str, str] | None):
     """(model state, optimizer state, what goes into DCP): the first two are the live
     tensors (DCP loads in place into them), the third is their canonical, tensor-only view."""
-    model_sd = get_model_state_dict(model)
+    model_sd = get_model_state_dict(model, options=model_options(model))
     optim_sd = get_optimizer_state_dict(model, optimizer, options=OPTIM)  # initialises Adam's state if empty
     saved = {"model": _canonical(model_sd, tied),
              "optim": _canonical({k: v for k, v in optim_sd.items() if k.startswith("state.")}, tied, "state.")}
@@ -111,7 +119,7 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config) -> Non
     else:
         dcp.load(wanted, storage_reader=SafeReader(path))
         schedule = torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True)["scheduler"]
-    set_model_state_dict(model, model_sd)
+    set_model_state_dict(model, model_sd, options=model_options(model))
     set_optimizer_state_dict(model, optimizer, optim_sd, options=OPTIM)
     scheduler.load_state_dict(schedule)
     # The LR lives in the optimizer's param groups, which DCP does not hold: the schedule sets it.
@@ -147,7 +155,7 @@ def consolidate(cfg: Config, engine_dir: Path) -> dict[str, torch.Tensor]:
     model = models.on_meta(cfg).to_empty(device="cpu")  # storage without the cost of initialising it
     if layout.tied:  # to_empty gave each module its own tensor: tie them again
         model.get_submodule(layout.head).weight = model.get_submodule(layout.embed).weight
-    state = model.state_dict()
+    state = trained_state(model)  # model.lora: the adapters alone
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": no_dist=True says so
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": _canonical(state, layout.tied_names())}, storage_reader=SafeReader(engine_dir),

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from launcher.parallel import ds_config
-from launcher.planner import memory as M
+from launcher.planner import lora, memory as M
 from launcher.config import ACMode, Config, ModelConfig, Precision, loss_chunks, sliceable_loss
 
 
@@ -129,22 +129,35 @@ def model_states(cfg: Config, layout: Layout,
     n = layout.shard_ranks
     where = {"params": "device", "grads": "device", "optim": "device"}
     host = {"params": 0, "grads": 0, "optim": 0}
+    if lora.enabled(cfg.model):  # adapters train, the base is frozen (launcher/planner/lora.py)
+        return (*lora.states(cfg.model, cfg.precision.name, layout.shard, n, layout.fsdp, ds_weight_bytes(cfg),
+                             lambda t: zero_terms(cfg, layout, t)), where, host)
     if layout.shard == "none":
         params, grads, optim = 4 * P, 4 * P, 8 * P
     elif layout.fsdp:
         params, grads, optim = 4 * P // n, 4 * P // n, 8 * P // n
     else:
-        parts = M.zero_states(int(layout.shard[-1]), P, n, cfg.train.grad_accum, layout.offload_optim,
-                              layout.offload_params, largest_param=M.largest_param(cfg.model),
-                              weight_bytes=ds_weight_bytes(cfg),
-                              straddle=M.straddling(cfg.model, n),
-                              kept_whole=M.persistent(cfg.model, ds_config.persistence_threshold(cfg)),
-                              bucket=ds_config.reduce_bucket(cfg))
+        parts = zero_terms(cfg, layout, P)
         params, grads, optim = (int(d + h) for d, h in parts.values())
         for k, (d, h) in parts.items():
             host[k] = int(h)
             where[k] = "cpu" if not d else ("device+cpu" if h else "device")
     return params, grads, optim, where, host
+
+
+def zero_terms(cfg: Config, layout: Layout, P: int) -> dict[str, tuple[float, float]]:
+    """DeepSpeed's model states for P trained parameters on one rank (memory.zero_states)."""
+    n = layout.shard_ranks
+    return M.zero_states(int(layout.shard[-1]), P, n, cfg.train.grad_accum, layout.offload_optim,
+                         layout.offload_params, largest_param=M.largest_param(cfg.model),
+                         weight_bytes=ds_weight_bytes(cfg), straddle=M.straddling(cfg.model, n),
+                         kept_whole=M.persistent(cfg.model, ds_config.persistence_threshold(cfg)),
+                         bucket=ds_config.reduce_bucket(cfg))
+
+
+def trained_share(cfg: Config, layout: Layout) -> int:
+    """The parameters one rank trains before sharding: all it holds, or model.lora's adapters."""
+    return lora.counts(cfg.model).trainable if lora.enabled(cfg.model) else param_share(cfg, layout)
 
 
 def grads_kept(cfg: Config, layout: Layout, grads: int) -> int:
@@ -168,7 +181,7 @@ def grads_kept(cfg: Config, layout: Layout, grads: int) -> int:
         return 0
     w = ds_weight_bytes(cfg)
     n = layout.shard_ranks
-    shard = w * param_share(cfg, layout) // n
+    shard = w * trained_share(cfg, layout) // n
     if layout.shard == "zero2":
         return shard + w * M.straddling(cfg.model, n)
     return shard + w * ds_config.reduce_bucket(cfg)
@@ -187,7 +200,7 @@ def grads_at_peak(cfg: Config, layout: Layout, grads: int) -> int:
     if not layout.shard.startswith("zero") or layout.fsdp or layout.offload_optim:
         return grads
     w = ds_weight_bytes(cfg)
-    P = param_share(cfg, layout)
+    P = trained_share(cfg, layout)
     peak = grads + w * P // layout.shard_ranks
     if layout.shard == "zero1" and not ds_config.overlap_comm(cfg):
         peak = max(peak, w * P + w * ds_config.reduce_bucket(cfg))
@@ -219,6 +232,8 @@ def start_up(cfg: Config, layout: Layout) -> tuple[int, int]:
     n = layout.shard_ranks
     psi = M.ParamCounts.of(cfg.model).total
     w = ds_weight_bytes(cfg)
+    if lora.enabled(cfg.model):
+        return lora_start_up(cfg, layout)
     if layout.shard == "none":
         return (8 if layout.grad_buckets else 4) * P, 0
     if layout.fsdp:
@@ -235,6 +250,22 @@ def start_up(cfg: Config, layout: Layout) -> tuple[int, int]:
     device = (0 if layout.offload_params else weights) + (0 if layout.offload_optim else grads + optimizer)
     host = (weights if layout.offload_params else 0) + (grads + optimizer if layout.offload_optim else 0)
     return device, host
+
+
+def lora_start_up(cfg: Config, layout: Layout) -> tuple[int, int]:
+    """model.lora: the base materialized in its dtype before nf4 quantizes it (2 bytes a
+    parameter under bf16), the adapters as a full run's parameters, ddp's buckets of them."""
+    c, n = lora.counts(cfg.model), layout.shard_ranks
+    t = c.trainable
+    whole = c.frozen * (2 if cfg.precision.name in (Precision.bf16, Precision.fp16) else 4)
+    base = max(whole, lora.base_bytes(cfg.model, cfg.precision.name))
+    if layout.shard == "none":
+        return base + 4 * t + (4 * t if layout.grad_buckets else 0), 0
+    if layout.fsdp:
+        return (base + 4 * t) // n, 0
+    w = ds_weight_bytes(cfg)
+    frozen = w * c.frozen // (n if layout.shard == "zero3" else 1)
+    return frozen + w * t + 8 * t // n, 0
 
 
 # ----------------------------------------------------------------------------- step memory
@@ -281,8 +312,21 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
             per_rank.append(total)
         return max(per_rank) if pp_rank is None else per_rank[pp_rank]
     return _split(where, cfg, M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp, loss_chunks=loss_slices(cfg, layout, b),
-                                                 cp=layout.cp),
+                                                 cp=layout.cp) + lora_activations(cfg, layout, ac, b, n),
                   _offloaded(m, b, s, n, ac, every, m.n_layers, layout.tp, 1, 0, layout.cp))
+
+
+def lora_activations(cfg: Config, layout: Layout, ac: ACMode, b: int, n: M.Numerics) -> int:
+    """model.lora: the adapters' own activations in the blocks that keep theirs, less
+    autocast's copies of the weights, which a base held in the compute dtype never makes."""
+    m = cfg.model
+    if not lora.enabled(m):
+        return 0
+    s, kept = layout.seq(cfg.train.seq_len), m.n_layers - M.recomputed(m.n_layers, ac, cfg.train.ac_every)
+    extra = lora.activations(m, b, s, n.compute) * kept // m.n_layers
+    if n.autocast and lora.base_bytes(m, cfg.precision.name) < 4 * lora.counts(m).frozen:
+        extra -= M.weight_copies(M.Shape.of(m, b, s), n, kept, True, layout.tp, loss_slices(cfg, layout, b))
+    return extra
 
 
 def _split(where: str, cfg: Config, total: int, offloaded: int) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from launcher.config import ACMode, ModelConfig, block_matmul_params, ffn_dim
+from launcher.config import ACMode, ModelConfig, block_matmul_params, ffn_dim, shape_key
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class ParamCounts:
 
     @staticmethod
     def of(m: ModelConfig) -> "ParamCounts":
-        return _param_counts(tuple(sorted(vars(m).items())))
+        return _param_counts(shape_key(m))
 
 
 def _meta_gpt(m: ModelConfig) -> nn.Module:
@@ -105,7 +105,7 @@ def straddling(m: ModelConfig, world: int) -> int:
     params_in_partition), not only its part inside. At most two such parameters per
     group and rank: for Llama-3-8B on 8 ranks a crossing embedding alone is half a shard."""
     worst = [0] * world
-    for sizes in _group_sizes(tuple(sorted(vars(m).items()))):
+    for sizes in _group_sizes(shape_key(m)):
         step = -(-sum(sizes) // (2 * world)) * 2
         start = 0
         for size in sizes:
@@ -121,7 +121,7 @@ def persistent(m: ModelConfig, threshold: int) -> int:
     """Elements of the parameters ZeRO-3 keeps whole on every rank (numel <= threshold,
     stage3_param_persistence_threshold: deepspeed/runtime/zero/parameter_offload.py,
     mark_persistent_parameters): the norms, under the launcher's default of 10 x dim."""
-    return sum(n for sizes in _group_sizes(tuple(sorted(vars(m).items()))) for n in sizes if n <= threshold)
+    return sum(n for sizes in _group_sizes(shape_key(m)) for n in sizes if n <= threshold)
 
 
 def largest_param(m: ModelConfig) -> int:

@@ -14,24 +14,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from launcher import jsonout
-from launcher.planner import memory as M
-from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig, block_matmul_params, ffn_dim
+from launcher.planner import lora, memory as M
+from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig
+from launcher.planner.cost import step_time
 from launcher.planner.footprint import (Layout, activations, grads_at_peak, grads_kept, loss_slices, model_states,
-                                       numerics, param_share, pipeline, pipeline_unsharded, start_up, temporaries)
-from launcher.models.gpt import flops_per_token
+                                       pipeline, pipeline_unsharded, start_up, temporaries)
 
 
 GiB = 2**30
 
 
 DEFAULT_TFLOPS = 989.0  # H100 SXM dense bf16
-OP_RECOMPUTE = 0.1
-"""activation_checkpointing=op: the elementwise work (norms, SiLU, products, casts, rotary)
-a block recomputes, as a share of its forward's time. Few FLOPs but memory-bound; an
-estimate (10%), not yet measured on a GPU. The three matmuls it makes again (wk, wo, w3)
-are counted by their FLOPs on top (M.op_recomputed_params)."""
-
-
 @dataclass
 class Row:
     layout: Layout
@@ -101,62 +94,6 @@ class Hardware:
 
 
 # ----------------------------------------------------------------------------- cost
-def step_time(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode, b: int) -> tuple[float, int]:
-    """Seconds per optimizer step and tokens per step, for the global batch this
-    micro-batch gives with the configured accumulation."""
-    p = cfg.plan
-    m, s = cfg.model, cfg.train.seq_len
-    accum = cfg.train.grad_accum
-    tokens = b * accum * layout.dp * s
-    # A recomputed block runs its forward again (2 of 6 FLOPs a parameter and token); at op
-    # level its elementwise work (OP_RECOMPUTE) and three of its seven matmuls.
-    share = (OP_RECOMPUTE + op_recomputed_params(m) / block_matmul_params(m)) if ac == ACMode.op else 1.0
-    recompute = 1 + (2 / 6) * share * M.recomputed(m.n_layers, ac, cfg.train.ac_every) / m.n_layers
-    flops = tokens * flops_per_token(m, s) * recompute / (layout.dp * layout.cp * layout.tp * layout.pp)
-    compute = flops / (hw.tflops * 1e12 * p.mfu)
-    if layout.pp > 1:  # the pipeline bubble: (pp - 1) idle micro-batch slots per step
-        compute *= (accum + layout.pp - 1) / accum
-
-    def bandwidth(group: int, spans_nodes: bool) -> float:
-        return (p.inter_node_gbps if spans_nodes else p.intra_node_gbps) * 1e9
-
-    P = param_share(cfg, layout)
-    dp_spans = layout.dp * layout.cp * layout.tp * layout.pp > hw.gpus_per_node
-    grad_ranks = layout.dp * layout.cp  # context-parallel ranks average gradients too
-    ring = 2 * (grad_ranks - 1) / grad_ranks if grad_ranks > 1 else 0.0
-    if layout.shard in ("zero3",):
-        volume = 1.5 * ring * 2 * P  # all-gather forward and backward, reduce-scatter grads
-    elif layout.shard in ("zero1", "zero2"):
-        volume = ring * 2 * P  # reduce-scatter bf16 grads, all-gather bf16 params
-    else:
-        volume = ring * 4 * P  # all-reduce fp32 grads
-    comm = volume / bandwidth(layout.dp, dp_spans)
-    if layout.cp > 1:  # 4 all-to-alls (q, k, v, out) per layer forward and 4 backward, (cp-1)/cp of each moves
-        act = b * layout.seq(s) * m.dim * numerics(cfg.precision.name, layout).compute
-        comm += accum * m.n_layers / layout.pp * 8 * ((layout.cp - 1) / layout.cp) * act / bandwidth(layout.cp, False)
-    if layout.tp > 1:  # 4 all-reduces of b*s*h activations per layer per micro-batch
-        act = b * layout.seq(s) * m.dim * numerics(cfg.precision.name, layout).compute
-        comm += accum * m.n_layers / layout.pp * 4 * (2 * (layout.tp - 1) / layout.tp) * act / bandwidth(layout.tp, False)
-    if layout.pp > 1:  # activations forward and gradients back across each boundary
-        comm += accum * 2 * b * s * m.dim * numerics(cfg.precision.name, layout).compute / bandwidth(2, dp_spans)
-    offload = 0.0
-    if layout.offload_optim:
-        shard = P / layout.dp
-        offload += (4 * shard + 2 * shard) / (p.pcie_gbps * 1e9) + shard / p.cpu_adam_params_per_s
-    if layout.offload_params:
-        offload += 2 * 2 * (P / layout.dp) / (p.pcie_gbps * 1e9)
-    if cfg.train.activation_offload:  # each micro-batch's activations out in forward and back in backward
-        offload += accum * 2 * activations(cfg, layout, ac, b, where="host") / (p.pcie_gbps * 1e9)
-    return compute + comm + offload, tokens
-
-
-def op_recomputed_params(m) -> int:
-    """The matmul weights whose products op-level recomputation makes again (wk, wo, w3:
-    launcher/models/gpt.py::keep_matmuls)."""
-    kv = (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
-    return m.dim * kv + m.dim * m.dim + m.dim * ffn_dim(m)
-
-
 # ----------------------------------------------------------------------------- candidates
 TP_DEGREES = (2, 4, 8)
 PP_DEGREES = (2, 4)
@@ -278,6 +215,8 @@ def plan(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig], micro_ba
     cfg = planned_model(cfg)
     rows = []
     for layout in candidates(cfg, hw, available):
+        if not lora.runs_under(cfg.model, available[layout.recipe].strategy, layout.tp, layout.pp):
+            continue
         for ac in (ACMode.none, ACMode.op, ACMode.selective, ACMode.full):
             if micro_batch is None:
                 row = largest_fitting(cfg, hw, layout, ac)
@@ -310,7 +249,7 @@ def planned_model(cfg: Config) -> Config:
     if not hf.is_llama_like(cfg.model) or M.ParamCounts.of(shape).total != params:
         raise ConfigError("model", f"hf ({shape.name})", f"not a Llama-layout decoder ({params:,} parameters): the "
                           "planner's memory formulas (docs/memory.md) do not apply; choose the recipe and micro-batch by hand")
-    return dataclasses.replace(cfg, model=shape)
+    return dataclasses.replace(cfg, model=dataclasses.replace(shape, lora=cfg.model.lora))
 
 
 def recommended(rows: list[Row]) -> Row | None:

@@ -130,7 +130,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         seen.add(id(p))
         # A ZeRO-3 partitioned parameter's tensor is a flat placeholder: its shape is ds_shape.
         (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # model.lora's adapters are all matrices: no empty group (DCP trips on one)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -191,8 +192,35 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_bytes(tensors) -> int:
-    """Bytes these tensors occupy on this rank (a DTensor: its local shard only)."""
-    return sum(local_shard(t).numel() * t.element_size() for t in tensors if t is not None)
+    """Bytes these tensors occupy on this rank (a DTensor: its local shard only; a tensor
+    subclass that packs its values, as NF4 weights: the tensors it holds)."""
+    return sum(held_bytes(local_shard(t)) for t in tensors if t is not None)
+
+
+def held_bytes(t: torch.Tensor) -> int:
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None or not hasattr(t, "__tensor_flatten__"):
+        return t.numel() * t.element_size()
+    names, _ = t.__tensor_flatten__()
+    return sum(held_bytes(getattr(t, n)) for n in names)
+
+
+def trained_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of the model: its state dict, or with frozen parameters
+    (model.lora) only what trains (the base is read from model.pretrained again on resume:
+    megabytes instead of the model's gigabytes)."""
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    state = model.state_dict()
+    return {k: v for k, v in state.items() if k not in frozen} if frozen else state
+
+
+def load_trained(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """The inverse of trained_state: every trained tensor must be there, frozen ones may not."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    if unexpected or set(missing) - frozen:
+        raise RuntimeError(f"checkpoint does not match the model: missing {sorted(set(missing) - frozen)[:3]}, "
+                           f"unexpected {sorted(unexpected)[:3]}")
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

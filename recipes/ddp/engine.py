@@ -17,7 +17,7 @@ from launcher import models
 from launcher.parallel import degrees as D
 from launcher.device import autocast_dtype
 from launcher.rank.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
-                                  evaluate, optimizer_state_bytes, tensor_bytes)
+                                  evaluate, load_trained, optimizer_state_bytes, tensor_bytes, trained_state)
 
 
 def no_buffer_sync() -> dict:
@@ -117,7 +117,7 @@ class DDPEngine:
         return self.scheduler.get_last_lr()[0]
 
     def state_bytes(self) -> MemoryBreakdown:
-        params = tensor_bytes(self.params)
+        params = tensor_bytes(self.module.parameters())  # frozen ones too (model.lora: the base)
         grads = tensor_bytes(p.grad for p in self.params)
         if not self.cfg.recipe.ddp.gradient_as_bucket_view:
             grads *= 2  # DDP's reducer keeps its own bucket copy of every gradient
@@ -143,7 +143,7 @@ class DDPEngine:
         write()
 
     def _files(self) -> dict:
-        return {"model.pt": self.module.state_dict(),
+        return {"model.pt": trained_state(self.module),
                 "optim.pt": {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                              "scaler": self.scaler.state_dict() if self.scaler else None}}
 
@@ -159,7 +159,7 @@ class DDPEngine:
             dcp.load(path, self.module, self.optimizer, self.scheduler, self.cfg)
             dist.barrier()
             return
-        self.module.load_state_dict(torch.load(path / "model.pt", map_location=self.device, weights_only=True))
+        load_trained(self.module, torch.load(path / "model.pt", map_location=self.device, weights_only=True))
         state = torch.load(path / "optim.pt", map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

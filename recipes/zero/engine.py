@@ -86,6 +86,7 @@ class ZeroEngine:
         self.model = self.engine.module
         self.accum = self.config["gradient_accumulation_steps"]
         self.memory = ZeroMemory(self.optimizer, self.model, ctx.device)
+        self.strict = all(p.requires_grad for p in self.model.parameters())  # model.lora: the base is not saved
         self.steps = 0
         self.memory.sample()  # before the first step: what the engine holds at rest
 
@@ -165,7 +166,8 @@ class ZeroEngine:
         held = StagedFiles(own, staging) if staging is not None else None
         self.engine.checkpoint_engine = held or own
         try:
-            self.engine.save_checkpoint(str(path), tag=TAG, client_state=dict(UNIVERSAL_INFO), save_latest=False)
+            self.engine.save_checkpoint(str(path), tag=TAG, client_state=dict(UNIVERSAL_INFO), save_latest=False,
+                                        exclude_frozen_parameters=True)  # model.lora: the base is model.pretrained
         finally:
             self.engine.checkpoint_engine = own
         if self.rank == 0:
@@ -184,7 +186,7 @@ class ZeroEngine:
         saved = json.loads((path / META).read_text())
         if saved["world_size"] == self.world_size or saved["stage"] == 0:  # stage 0 shards nothing
             with weights_only_loads():
-                loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG)
+                loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_module_strict=self.strict)
         else:
             loaded = self._load_resharded(path, saved["world_size"])
         if loaded is None:
@@ -205,7 +207,7 @@ class ZeroEngine:
         self.engine._config.load_universal_checkpoint = True  # for this one load only
         try:
             with weights_only_loads():
-                loaded, _ = self.engine.load_checkpoint(str(scratch), tag=TAG)
+                loaded, _ = self.engine.load_checkpoint(str(scratch), tag=TAG, load_module_strict=self.strict)
         finally:
             self.engine._config.load_universal_checkpoint = False
         dist.barrier()

@@ -1,0 +1,120 @@
+"""model.lora in the plan: trainable adapters beside a frozen base (docs/memory.md, LoRA).
+
+The adapters are counted from the decoder's shape (no model is built): each targeted
+projection W (in x out) of every layer gets r x (in + out) trainable parameters (T in
+total); the other parameters, F of them, are frozen and held in the base dtype (2 bytes
+under bf16/fp16, 4 under fp32), the targeted projections in about 0.52 bytes with
+model.lora.base_dtype=nf4 (4-bit codes, an int8 scale per 64, an fp32 factor per 256
+scales). A frozen parameter has no gradient and no optimizer state, so per rank:
+
+    ddp    params F_b + 4T, grads 4T, optimizer 8T             (b: base bytes; T: adapters)
+    fsdp   the same over the n ranks that shard it
+    zero   DeepSpeed's terms (memory.zero_states) for T, plus the frozen base in DeepSpeed's
+           weight dtype (w bytes): whole on every rank under stage 1/2, w F / n under stage 3
+
+The activations gain each adapter's r-wide output (b s r a bytes per projection) and,
+with dropout, its dropped input and mask.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from launcher.config import LoraBase, ModelConfig, Precision, ffn_dim, shape_key
+from launcher.planner import memory as M
+
+HF_NAMES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w1", "up_proj": "w3",
+            "down_proj": "w2"}
+"""The Llama family's projection names (model=hf) on the project decoder's (the plan's shape)."""
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""torchao's NF4 tensor: 4-bit codes, an int8 scale per block of 64, an fp32 factor per 256 scales."""
+
+
+@dataclass(frozen=True)
+class Counts:
+    trainable: int
+    """T: the adapters' parameters."""
+    frozen: int
+    """F: every parameter of the base."""
+    adapted: int
+    """The frozen parameters of the targeted projections (what nf4 quantizes)."""
+    projections: int
+    """Targeted projections in the whole model (adapters: one A and one B each)."""
+
+
+def projections(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each linear of a block: (in, out)."""
+    head = m.dim // m.n_heads
+    q, kv, f = m.n_heads * head, (m.n_kv_heads or m.n_heads) * head, ffn_dim(m)
+    return {"wq": (m.dim, q), "wk": (m.dim, kv), "wv": (m.dim, kv), "wo": (q, m.dim),
+            "w1": (m.dim, f), "w3": (m.dim, f), "w2": (f, m.dim)}
+
+
+def counts(m: ModelConfig) -> Counts:
+    lora = m.lora
+    return _counts(shape_key(m), lora.rank,
+                   None if lora.targets is None else tuple(sorted(str(t) for t in lora.targets)))
+
+
+@functools.lru_cache(maxsize=32)
+def _counts(key: tuple, rank: int, targets: tuple | None) -> Counts:
+    m = ModelConfig(**dict(key))
+    wanted = None if targets is None else {HF_NAMES.get(t, t) for t in targets}
+    chosen = [io for name, io in projections(m).items() if wanted is None or name in wanted]
+    return Counts(trainable=m.n_layers * sum(rank * (i + o) for i, o in chosen), frozen=M.ParamCounts.of(m).total,
+                  adapted=m.n_layers * sum(i * o for i, o in chosen), projections=m.n_layers * len(chosen))
+
+
+ENGINES = ("ddp", "fsdp", "zero")
+"""The engines adapters train under (without tensor or pipeline parallel); nf4: ddp alone."""
+
+
+def enabled(m: ModelConfig) -> bool:
+    return m.lora.rank > 0
+
+
+def runs_under(m: ModelConfig, strategy: str, tp: int, pp: int) -> bool:
+    """Whether a LoRA run of `m` can use this engine and these degrees (any, without LoRA)."""
+    if not enabled(m):
+        return True
+    allowed = ("ddp",) if m.lora.base_dtype == LoraBase.nf4 else ENGINES
+    return strategy in allowed and tp == pp == 1
+
+
+def base_bytes(m: ModelConfig, precision: Precision) -> int:
+    """Bytes of the frozen base on one unsharded rank (launcher/models/lora.py's base_dtype)."""
+    c = counts(m)
+    b = {LoraBase.fp32: 4, LoraBase.bf16: 2}.get(m.lora.base_dtype, 2 if precision in (Precision.bf16, Precision.fp16)
+                                                 else 4)
+    if m.lora.base_dtype == LoraBase.nf4:
+        return int((c.frozen - c.adapted) * b + c.adapted * NF4_BYTES)
+    return c.frozen * b
+
+
+def states(m: ModelConfig, precision: Precision, shard: str, n: int, fsdp: bool, w: int,
+           zero_terms) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes on one rank (module docstring). `zero_terms(T)`:
+    DeepSpeed's {"params"|"grads"|"optim": (device, host)} for T trainable parameters."""
+    c = counts(m)
+    t = c.trainable
+    if shard == "none":
+        return base_bytes(m, precision) + 4 * t, 4 * t, 8 * t
+    if fsdp:
+        return (base_bytes(m, precision) + 4 * t) // n, 4 * t // n, 8 * t // n
+    parts = zero_terms(t)
+    frozen = w * c.frozen // (n if shard == "zero3" else 1)
+    params, grads, optim = (int(d + h) for d, h in parts.values())
+    return params + frozen, grads, optim
+
+
+def activations(m: ModelConfig, b: int, s: int, act_bytes: int) -> int:
+    """What the adapters add to one micro-batch's saved activations: A's output (b s r)
+    per projection, and with dropout its input (b s in) and a one-byte mask."""
+    lora = m.lora
+    extra = counts(m).projections * b * s * lora.rank * act_bytes
+    if lora.dropout > 0:
+        wanted = None if lora.targets is None else {HF_NAMES.get(str(t), str(t)) for t in lora.targets}
+        ins = sum(i for name, (i, _) in projections(m).items() if wanted is None or name in wanted)
+        extra += m.n_layers * b * s * ins * (act_bytes + 1)
+    return extra
