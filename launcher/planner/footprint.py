@@ -7,11 +7,12 @@ them up per layout and finds what fits; docs/memory.md derives them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from launcher.parallel import ds_config
 from launcher.planner import memory as M
-from launcher.config import ACMode, Config, ModelConfig, Precision, loss_chunks, sliceable_loss
+from launcher.config import ACMode, Config, ModelConfig, ModelKind, Precision, loss_chunks, sliceable_loss
 
 
 @dataclass(frozen=True)
@@ -278,11 +279,27 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
                                                                with_head=last, with_embedding=emb, in_flight=in_flight,
                                                                first_layer=first),
                                 _offloaded(m, mb, s, n, ac, every, end - first, layout.tp, in_flight, first))
+                total += in_flight * document_mask(cfg, mb, s, n) if where == "device" else 0
             per_rank.append(total)
         return max(per_rank) if pp_rank is None else per_rank[pp_rank]
     return _split(where, cfg, M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp, loss_chunks=loss_slices(cfg, layout, b),
                                                  cp=layout.cp),
-                  _offloaded(m, b, s, n, ac, every, m.n_layers, layout.tp, 1, 0, layout.cp))
+                  _offloaded(m, b, s, n, ac, every, m.n_layers, layout.tp, 1, 0, layout.cp)) + (
+        document_mask(cfg, b, s, n) if where == "device" else 0)
+
+
+def document_mask(cfg: Config, b: int, s: int, n: M.Numerics) -> int:
+    """data.document_masking: the block-causal mask of a packed micro-batch, made once per
+    forward and held by every layer until backward (launcher/models/attention.py). model=hf:
+    SDPA's additive mask, b x s x s in the attention's dtype (bf16: 128 MiB a sequence at
+    s=8192, 2% of a Llama 3 8B's activations under full recomputation, 0.2% without). The project's
+    decoder on GPUs: FlexAttention's block mask, four int32 tables of (s/128)^2 blocks a
+    sequence (64 KiB at 8192); its dense CPU mask (4 b s^2) is not planned."""
+    if not cfg.data.document_masking:
+        return 0
+    if cfg.model.kind == ModelKind.hf:
+        return n.compute * b * s * s
+    return 16 * b * math.ceil(s / 128) ** 2
 
 
 def _split(where: str, cfg: Config, total: int, offloaded: int) -> int:
