@@ -87,10 +87,9 @@ def first_line(err: BaseException) -> str:
 
 def split(micro_batches: list, micro_batch: int) -> list:
     """The step's batch (already in hand) cut into micro-batches of `micro_batch`: the same
-    sequences in the same order."""
-    x = torch.cat([x for x, _ in micro_batches])
-    y = torch.cat([y for _, y in micro_batches])
-    return list(zip(x.split(micro_batch), y.split(micro_batch)))
+    sequences in the same order ((inputs, targets) or (inputs, targets, positions))."""
+    whole = [torch.cat(part) for part in zip(*micro_batches)]
+    return list(zip(*(part.split(micro_batch) for part in whole)))
 
 
 def record(job, step: int, err: BaseException) -> None:
