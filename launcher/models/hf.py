@@ -169,11 +169,13 @@ class HFCausalLM(nn.Module):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or the mean loss over the counted targets. `positions` (B, T): packed
         samples, as position_ids (rotary angles restart at each sample) with the
-        block-causal mask (`packed_mask`)."""
-        packed = {} if positions is None else {
-            "position_ids": positions,
-            "attention_mask": packed_mask(positions, self.hf.get_input_embeddings().weight.dtype)}
-        logits = self.hf(input_ids=tokens, use_cache=False, **packed).logits
+        block-causal mask (`packed_mask`) in the dtype of the embedded tokens."""
+        if positions is None:
+            logits = self.hf(input_ids=tokens, use_cache=False).logits
+        else:
+            h = self.hf.get_input_embeddings()(tokens)
+            logits = self.hf(inputs_embeds=h, position_ids=positions, attention_mask=packed_mask(positions, h.dtype),
+                             use_cache=False).logits
         return logits if targets is None else lm_loss(logits, targets)
 
     def run_blocks(self, layers, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
