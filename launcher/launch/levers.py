@@ -62,11 +62,16 @@ def validate_fp8(cfg: Config, host) -> None:
 
 
 def validate_context_parallel(cfg: Config, m, name: str, allowed: bool) -> None:
-    """parallel.cp > 1: a recipe that splits the sequence, the project's decoder (its
-    attention does the all-to-all), and a sequence and heads that divide."""
+    """parallel.cp > 1: no packed samples' mask (data.document_masking), a recipe that splits
+    the sequence, the project's decoder (its attention does the all-to-all), and a
+    sequence and heads that divide."""
     import recipes
 
     p = cfg.parallel
+    if cfg.data.document_masking:
+        raise ConfigError("parallel.cp", p.cp, "not with data.document_masking=true: each rank attends the whole "
+                          "sequence for its heads, and the packed samples' positions and mask would have to follow "
+                          "the split; use parallel.cp=1 (or data.document_masking=false)")
     if not allowed:
         which = ", ".join(n for n, s in recipes.specs().items() if s.parallelism.cp)
         raise ConfigError("parallel.cp", p.cp, f"recipe {cfg.recipe.name} does not split the sequence; allowed recipes: {which}")

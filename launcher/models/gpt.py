@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from launcher.config import ACMode, ModelConfig, ffn_dim, matmul_params
+from launcher.models.attention import Attention, DocumentMask, rotary_at, rotary_table
 from launcher.models.init import InitSpec, init_skipped
 
 
@@ -33,68 +34,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return out.type_as(x) * self.weight
-
-
-def rotary_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
-    """(max_seq_len, head_dim/2, 2): cos and sin for each position and frequency, on the
-    current default device. Computed on the CPU: the same values wherever it lands, and on
-    the meta device torch would first spend about a second setting up its reference kernels
-    (on every launch and every rank)."""
-    cpu = torch.device("cpu")
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=cpu) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=cpu), freqs)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1).to(torch.get_default_device())
-
-
-def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """x: (batch, seq, heads, head_dim). Rotates pairs of channels by position."""
-    t = x.shape[1]
-    xf = x.float().reshape(*x.shape[:-1], -1, 2)
-    cos = table[:t, None, :, 0]
-    sin = table[:t, None, :, 1]
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return out.flatten(-2).type_as(x)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.n_heads = cfg.n_heads
-        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
-        self.cp_group = None  # parallel.cp > 1: this rank's context-parallel group (launcher/parallel/context.py)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        # -1 rather than the configured head count: under tensor parallelism each rank
-        # holds a slice of the heads.
-        q = self.wq(x).view(b, t, -1, self.head_dim)
-        k = self.wk(x).view(b, t, -1, self.head_dim)
-        v = self.wv(x).view(b, t, -1, self.head_dim)
-        if self.cp_group is not None:  # this rank's positions, all heads -> all positions, its heads
-            from launcher.parallel.context import seq_to_heads
-
-            cp = self.cp_group.size()
-            if k.shape[2] % cp:  # key/value heads that do not split: repeated to the query heads first
-                k, v = (y.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for y in (k, v))
-            q, k, v = (seq_to_heads(y, self.cp_group) for y in (q, k, v))
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        q, k, v = (y.transpose(1, 2) for y in (q, k, v))  # (b, heads, t, head_dim)
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-        if self.cp_group is not None:
-            from launcher.parallel.context import heads_to_seq
-
-            y = heads_to_seq(y, self.cp_group)
-        return self.wo(y.reshape(b, t, -1))
 
 
 class FeedForward(nn.Module):
@@ -119,8 +58,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        # mask by keyword: tensor parallel's input layouts name the positional inputs only
+        x = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -169,10 +109,12 @@ class GPT(nn.Module):
         self.register_buffer("rope", table.to(self.rope.device), persistent=False)
 
     # -------------------------------------------------------------------------- forward
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits, or the mean cross-entropy when targets are given."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, or the mean cross-entropy over the counted targets (not -100) when
+        targets are given. `positions` (B, T): packed samples (launcher/models/attention.py)."""
         h = self.tok_embeddings(tokens)
-        h = run_layers(enumerate(self.layers), h, self.rope, self.checkpointed, self.op_level, self.offload(h))
+        h = self.run_blocks(enumerate(self.layers), h, positions)
         h = self.norm(h)
         if targets is None:
             return self.output(h)
@@ -180,9 +122,11 @@ class GPT(nn.Module):
             return self.output(h, targets, self.loss_chunks)
         return lm_loss(self.output(h), targets)
 
-    def run_blocks(self, layers, h: torch.Tensor) -> torch.Tensor:
+    def run_blocks(self, layers, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """(index, block) pairs in order: a pipeline stage's middle (launcher/parallel/plan.py's Stage)."""
-        return run_layers(layers, h, self.rope, self.checkpointed, self.op_level, self.offload(h))
+        mask = None if positions is None else DocumentMask(positions)
+        return run_layers(layers, h, rotary_at(self.rope, positions), self.checkpointed, self.op_level,
+                          self.offload(h), mask)
 
     def offload(self, h: torch.Tensor):
         """train.activation_offload: the hooks that move what the blocks save to the host."""
@@ -239,25 +183,25 @@ def init_specs(cfg: ModelConfig) -> dict[str, InitSpec]:
 
 
 def run_layers(layers, h: torch.Tensor, rope: torch.Tensor, checkpointed: set[int], op_level: bool = False,
-               offload=None) -> torch.Tensor:
+               offload=None, mask: DocumentMask | None = None) -> torch.Tensor:
     """The blocks in order; (index, block) pairs. Blocks in `checkpointed` keep only their
     input and recompute the rest in backward (activation checkpointing); with `op_level`
     they keep attention's output and every other matmul's too (keep_matmuls). `offload`: saved
-    tensors hooks (launcher/models/offload.py) around them all."""
+    tensors hooks (launcher/models/offload.py) around them all. `mask`: packed samples'."""
     with offload if offload is not None else contextlib.nullcontext():
-        return _run_layers(layers, h, rope, checkpointed, op_level)
+        return _run_layers(layers, h, rope, checkpointed, op_level, mask)
 
 
-def _run_layers(layers, h, rope, checkpointed, op_level):
+def _run_layers(layers, h, rope, checkpointed, op_level, mask=None):
     for i, layer in layers:
         if i in checkpointed and torch.is_grad_enabled():
             table = _as_fsdp_casts(layer, rope, h)
             if op_level:
-                h = checkpoint(layer, h, table, use_reentrant=False, context_fn=keep_matmuls)
+                h = checkpoint(layer, h, table, mask, use_reentrant=False, context_fn=keep_matmuls)
             else:
-                h = checkpoint(layer, h, table, use_reentrant=False)
+                h = checkpoint(layer, h, table, mask, use_reentrant=False)
         else:
-            h = layer(h, rope)
+            h = layer(h, rope, mask)
     return h
 
 
@@ -278,6 +222,7 @@ MATMUL_OPS = frozenset(op for name in ("mm", "addmm", "bmm") if hasattr(torch.op
 ATTENTION_OPS = frozenset(op for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                                           "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
                           if hasattr(torch.ops.aten, name) for op in [getattr(torch.ops.aten, name).default])
+ATTENTION_OPS |= {torch.ops.higher_order.flex_attention} if hasattr(torch.ops.higher_order, "flex_attention") else set()
 
 
 def _keep_policy():
@@ -308,8 +253,10 @@ def keep_matmuls():
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in fp32."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+    """Mean next-token cross-entropy over the counted targets (-100: not counted), in fp32;
+    0 with zero gradients when none counts (a chat window of prompt alone), never NaN."""
+    total = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+    return total / (targets != -100).sum().clamp(min=1)
 
 
 class Head(nn.Linear):
@@ -321,8 +268,9 @@ class Head(nn.Linear):
         if targets is None:
             return super().forward(h)
         if not torch.is_grad_enabled():  # an evaluation: the loss alone, slice by slice
+            count = (targets != -100).sum().clamp(min=1)  # none counted: 0
             return sum(F.cross_entropy(F.linear(a, self.weight).float().flatten(0, 1), b.flatten(), reduction="sum")
-                       for a, b in zip(h.chunk(chunks, 1), targets.chunk(chunks, 1))) / (targets != -100).sum()
+                       for a, b in zip(h.chunk(chunks, 1), targets.chunk(chunks, 1))) / count
         return SlicedLoss.apply(h, self.weight, targets, chunks)
 
 
@@ -345,7 +293,7 @@ class SlicedLoss(torch.autograd.Function):
             grad_h = torch.empty_like(h) if grads else None
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
             total = torch.zeros((), dtype=torch.float32, device=h.device)
-            count = (targets != -100).sum()
+            count = (targets != -100).sum().clamp(min=1)  # none counted: loss 0, gradients 0
             for sl in _slices(h.size(1), chunks):
                 hc, tc = hd[:, sl].reshape(-1, h.size(-1)), targets[:, sl].reshape(-1)
                 logits = (hc @ wd.t()).float()

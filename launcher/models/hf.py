@@ -165,22 +165,31 @@ class HFCausalLM(nn.Module):
             self.add_module(name, child)
         self.layout = _layout_of(model)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.hf(input_ids=tokens, use_cache=False).logits
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, or the mean loss over the counted targets. `positions` (B, T): packed
+        samples, as position_ids (rotary angles restart at each sample) with the
+        block-causal mask (`packed_mask`) in the dtype of the embedded tokens."""
+        if positions is None:
+            logits = self.hf(input_ids=tokens, use_cache=False).logits
+        else:
+            h = self.hf.get_input_embeddings()(tokens)
+            logits = self.hf(inputs_embeds=h, position_ids=positions, attention_mask=packed_mask(positions, h.dtype),
+                             use_cache=False).logits
         return logits if targets is None else lm_loss(logits, targets)
 
-    def run_blocks(self, layers, h: torch.Tensor) -> torch.Tensor:
+    def run_blocks(self, layers, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """(index, layer) pairs in order on hidden states `h`, as the base model's forward
         calls them (a pipeline stage's middle): positions, rotary table and causal mask
-        for the whole sequence."""
+        for the whole sequence (`positions`: packed samples, block-causal)."""
         from transformers.masking_utils import create_causal_mask
 
         base = self.hf.get_submodule(self.hf.base_model_prefix)
-        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0) if positions is None else positions
         rotary = getattr(base, "rotary_emb", None)
         emb = rotary(h, position_ids=pos) if rotary is not None else None
-        mask = create_causal_mask(config=self.hf.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
-                                  position_ids=pos)
+        mask = create_causal_mask(config=self.hf.config, inputs_embeds=h, past_key_values=None, position_ids=pos,
+                                  attention_mask=None if positions is None else packed_mask(positions, h.dtype))
         for _, layer in layers:
             h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=emb)
         return h
@@ -218,6 +227,21 @@ class HFCausalLM(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def packed_mask(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive block-causal mask (B, 1, T, T) of packed samples, for transformers' sdpa
+    and eager attention (a 4-D mask is used as given), in the dtype the attention computes
+    in: autocast's, else `dtype` (the model's). transformers would build the same mask
+    from packed position_ids itself (masking_utils.find_packed_sequence_indices: the same
+    logits, tests/unit/test_packing.py), but as booleans, which SDPA copies to floats at
+    every layer and saves for backward: B x T x T per layer instead of once."""
+    from launcher.models.attention import DocumentMask
+
+    device = positions.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    return DocumentMask(positions, flex=False).additive(dtype)
 
 
 # ----------------------------------------------------------------------------- layout

@@ -176,10 +176,12 @@ class Stage(nn.Module):
                 _place(self, name, self.parts[part])
         _place(self, layout.layers, self.blocks)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: packed samples' (B, T), handed to every stage by the schedule as a
+        keyword (recipes/pp/engine.py), beside the hidden states it sends between stages."""
         if self.parts["embed"] is not None:
             h = self.parts["embed"](h)
-        h = self.parts["run"](((int(i), layer) for i, layer in self.blocks.items()), h)
+        h = self.parts["run"](((int(i), layer) for i, layer in self.blocks.items()), h, positions)
         if self.parts["head"] is not None:
             h = self.parts["head"](self.parts["norm"](h))
         return h

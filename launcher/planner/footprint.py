@@ -7,11 +7,12 @@ them up per layout and finds what fits; docs/memory.md derives them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from launcher.parallel import ds_config
 from launcher.planner import lora, memory as M
-from launcher.config import ACMode, Config, ModelConfig, Precision, loss_chunks, sliceable_loss
+from launcher.config import ACMode, Config, ModelConfig, ModelKind, Precision, loss_chunks, sliceable_loss
 
 
 @dataclass(frozen=True)
@@ -232,8 +233,8 @@ def start_up(cfg: Config, layout: Layout) -> tuple[int, int]:
     n = layout.shard_ranks
     psi = M.ParamCounts.of(cfg.model).total
     w = ds_weight_bytes(cfg)
-    if lora.enabled(cfg.model):
-        return lora_start_up(cfg, layout)
+    if lora.enabled(cfg.model):  # the base in its dtype, the adapters as a full run's parameters
+        return lora.start_up(cfg.model, cfg.precision.name, layout.shard, n, layout.fsdp, layout.grad_buckets, w), 0
     if layout.shard == "none":
         return (8 if layout.grad_buckets else 4) * P, 0
     if layout.fsdp:
@@ -250,22 +251,6 @@ def start_up(cfg: Config, layout: Layout) -> tuple[int, int]:
     device = (0 if layout.offload_params else weights) + (0 if layout.offload_optim else grads + optimizer)
     host = (weights if layout.offload_params else 0) + (grads + optimizer if layout.offload_optim else 0)
     return device, host
-
-
-def lora_start_up(cfg: Config, layout: Layout) -> tuple[int, int]:
-    """model.lora: the base materialized in its dtype before nf4 quantizes it (2 bytes a
-    parameter under bf16), the adapters as a full run's parameters, ddp's buckets of them."""
-    c, n = lora.counts(cfg.model), layout.shard_ranks
-    t = c.trainable
-    whole = c.frozen * (2 if cfg.precision.name in (Precision.bf16, Precision.fp16) else 4)
-    base = max(whole, lora.base_bytes(cfg.model, cfg.precision.name))
-    if layout.shard == "none":
-        return base + 4 * t + (4 * t if layout.grad_buckets else 0), 0
-    if layout.fsdp:
-        return (base + 4 * t) // n, 0
-    w = ds_weight_bytes(cfg)
-    frozen = w * c.frozen // (n if layout.shard == "zero3" else 1)
-    return frozen + w * t + 8 * t // n, 0
 
 
 # ----------------------------------------------------------------------------- step memory
@@ -309,24 +294,37 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
                                                                with_head=last, with_embedding=emb, in_flight=in_flight,
                                                                first_layer=first),
                                 _offloaded(m, mb, s, n, ac, every, end - first, layout.tp, in_flight, first))
+                total += in_flight * document_mask(cfg, mb, s, n) if where == "device" else 0
             per_rank.append(total)
         return max(per_rank) if pp_rank is None else per_rank[pp_rank]
     return _split(where, cfg, M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp, loss_chunks=loss_slices(cfg, layout, b),
                                                  cp=layout.cp) + lora_activations(cfg, layout, ac, b, n),
-                  _offloaded(m, b, s, n, ac, every, m.n_layers, layout.tp, 1, 0, layout.cp))
+                  _offloaded(m, b, s, n, ac, every, m.n_layers, layout.tp, 1, 0, layout.cp)) + (
+        document_mask(cfg, b, s, n) if where == "device" else 0)
+
+
+def document_mask(cfg: Config, b: int, s: int, n: M.Numerics) -> int:
+    """data.document_masking: the block-causal mask of a packed micro-batch, made once per
+    forward and held by every layer until backward (launcher/models/attention.py). model=hf:
+    SDPA's additive mask, b x s x s in the attention's dtype (bf16: 128 MiB a sequence at
+    s=8192, 2% of a Llama 3 8B's activations under full recomputation, 0.2% without). The project's
+    decoder on GPUs: FlexAttention's block mask, four int32 tables of (s/128)^2 blocks a
+    sequence (64 KiB at 8192); its dense CPU mask (4 b s^2) is not planned."""
+    if not cfg.data.document_masking:
+        return 0
+    if cfg.model.kind == ModelKind.hf:
+        return n.compute * b * s * s
+    return 16 * b * math.ceil(s / 128) ** 2
 
 
 def lora_activations(cfg: Config, layout: Layout, ac: ACMode, b: int, n: M.Numerics) -> int:
-    """model.lora: the adapters' own activations in the blocks that keep theirs, less
-    autocast's copies of the weights, which a base held in the compute dtype never makes."""
+    """model.lora (launcher/planner/lora.py): in the blocks that keep their activations."""
     m = cfg.model
     if not lora.enabled(m):
         return 0
     s, kept = layout.seq(cfg.train.seq_len), m.n_layers - M.recomputed(m.n_layers, ac, cfg.train.ac_every)
-    extra = lora.activations(m, b, s, n.compute) * kept // m.n_layers
-    if n.autocast and lora.base_bytes(m, cfg.precision.name) < 4 * lora.counts(m).frozen:
-        extra -= M.weight_copies(M.Shape.of(m, b, s), n, kept, True, layout.tp, loss_slices(cfg, layout, b))
-    return extra
+    copies = M.weight_copies(M.Shape.of(m, b, s), n, kept, True, layout.tp, loss_slices(cfg, layout, b))
+    return lora.activation_delta(m, cfg.precision.name, b, s, n, kept, copies)
 
 
 def _split(where: str, cfg: Config, total: int, offloaded: int) -> int:

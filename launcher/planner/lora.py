@@ -108,6 +108,33 @@ def states(m: ModelConfig, precision: Precision, shard: str, n: int, fsdp: bool,
     return params + frozen, grads, optim
 
 
+def start_up(m: ModelConfig, precision: Precision, shard: str, n: int, fsdp: bool, grad_buckets: bool,
+             w: int) -> int:
+    """Device bytes at start-up: the base materialized in its dtype before nf4 quantizes it
+    (2 bytes a parameter under bf16), the adapters as a full run's parameters, ddp's buckets
+    of them; DeepSpeed's set-up (its fp32 master and gradient shards) of the adapters."""
+    c = counts(m)
+    t = c.trainable
+    whole = c.frozen * (2 if precision in (Precision.bf16, Precision.fp16) else 4)
+    base = max(whole, base_bytes(m, precision))
+    if shard == "none":
+        return base + 4 * t + (4 * t if grad_buckets else 0)
+    if fsdp:
+        return (base + 4 * t) // n
+    return w * c.frozen // (n if shard == "zero3" else 1) + w * t + 8 * t // n
+
+
+def activation_delta(m: ModelConfig, precision: Precision, b: int, s: int, n: M.Numerics, kept: int,
+                     copies: int) -> int:
+    """What the adapters change in the activations of the `kept` blocks that keep theirs:
+    their own (activations()), less autocast's weight copies (`copies`), which a base held
+    in the compute dtype never makes."""
+    extra = activations(m, b, s, n.compute) * kept // m.n_layers
+    if n.autocast and base_bytes(m, precision) < 4 * counts(m).frozen:
+        extra -= copies
+    return extra
+
+
 def activations(m: ModelConfig, b: int, s: int, act_bytes: int) -> int:
     """What the adapters add to one micro-batch's saved activations: A's output (b s r)
     per projection, and with dropout its input (b s in) and a one-byte mask."""

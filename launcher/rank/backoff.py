@@ -87,9 +87,9 @@ def first_line(err: BaseException) -> str:
 
 def split(micro_batches: list, micro_batch: int) -> list:
     """The step's batch (already in hand) cut into micro-batches of `micro_batch`: the same
-    sequences in the same order."""
-    whole = [torch.cat(parts) for parts in zip(*micro_batches)]  # inputs, targets (and positions)
-    return list(zip(*(t.split(micro_batch) for t in whole)))
+    sequences in the same order ((inputs, targets) or (inputs, targets, positions))."""
+    whole = [torch.cat(part) for part in zip(*micro_batches)]
+    return list(zip(*(part.split(micro_batch) for part in whole)))
 
 
 def record(job, step: int, err: BaseException) -> None:

@@ -19,7 +19,10 @@ from launcher.config import Config, OptimConfig, lr_factor
 from launcher.models.init import is_dtensor
 
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each (micro_batch, seq_len)
+# (inputs, targets), each (micro_batch, seq_len) int64, targets -100 where a token is not
+# counted in the loss; with data.document_masking a third, positions, restarting at 0 where
+# each packed sample starts: model(*batch) takes them all.
+Batch = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -154,15 +157,15 @@ def evaluate(model: nn.Module, micro_batches: list[Batch], device: torch.device,
              loss_owner: bool = True) -> StepResult:
     """train.eval_every: the mean loss over `micro_batches`, forward only (no gradients, the
     model in eval mode), in the training's autocast; an engine's eval_step for a model that
-    takes (inputs, targets) and returns the loss. Sharded and replicated models alike:
+    takes (inputs, targets[, positions]) and returns the loss. Sharded and replicated models alike:
     every rank runs it, as the forward's collectives need."""
     was = model.training
     model.eval()
     try:
         with torch.no_grad(), autocast(device, dtype):
             total = torch.zeros((), device=device)
-            for x, y in micro_batches:
-                total += model(x, y).detach().float()
+            for batch in micro_batches:
+                total += model(*batch).detach().float()
     finally:
         model.train(was)
     return StepResult(loss=total / len(micro_batches), grad_norm=torch.zeros((), device=device), loss_owner=loss_owner)

@@ -57,12 +57,12 @@ class DDPEngine:
     def train_step(self, micro_batches, guard=None) -> StepResult:
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro_batches):
+        for i, batch in enumerate(micro_batches):  # (inputs, targets[, positions])
             # Only the last micro-batch all-reduces; the others accumulate locally.
             sync = contextlib.nullcontext() if i == n - 1 else self.model.no_sync()
             with sync:
                 with autocast(self.device, self.dtype):
-                    loss = self.model(x, y)
+                    loss = self.model(*batch)
                 scaled = loss / n
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += loss.detach()

@@ -51,11 +51,11 @@ class ShardedEngine:
     def train_step(self, micro_batches, guard=None) -> StepResult:
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
-        for x, y in micro_batches:
+        for batch in micro_batches:  # (inputs, targets[, positions])
             # FSDP reduce-scatters after every micro-batch's backward and accumulates the
             # sharded gradients: the full gradient is never held, at n reduce-scatters a step.
             with autocast(self.device, self.dtype):
-                loss = self.model(x, y)
+                loss = self.model(*batch)
             (loss / n).backward()
             total += loss.detach()
         if not self.sharded:

@@ -106,13 +106,22 @@ class PipelineEngine:
         and spike hook it; `model` is never called as a whole)."""
         return self.stages[-1].submod
 
+    def _inputs(self, micro_batches, losses: list) -> tuple[tuple, dict]:
+        """The schedule's arguments for this rank's whole batch: the tokens (first stage),
+        targets and the list of losses (last stage), and packed samples' positions (every
+        stage: the schedule splits keyword inputs into the same micro-batches as the tokens
+        and hands each stage its chunk, so the positions go beside the hidden states, never
+        through the stages' sends, and need no gradient)."""
+        x, y, *positions = (torch.cat(part) for part in zip(*micro_batches))
+        kwargs = {"target": y, "losses": losses} if self.last else {}
+        if positions:
+            kwargs["positions"] = positions[0]
+        return ((x,) if self.first else ()), kwargs
+
     def train_step(self, micro_batches, guard=None) -> StepResult:
         # One pass of the schedule over this data-parallel rank's whole batch.
-        x = torch.cat([mb[0] for mb in micro_batches])
-        y = torch.cat([mb[1] for mb in micro_batches])
         losses: list[torch.Tensor] = []
-        args = (x,) if self.first else ()
-        kwargs = {"target": y, "losses": losses} if self.last else {}
+        args, kwargs = self._inputs(micro_batches, losses)
         with autocast(self.device, self.dtype):
             self.schedule.step(*args, **kwargs)
         if not self.sharded and self.deg.tp > 1:
@@ -135,14 +144,12 @@ class PipelineEngine:
 
     def eval_step(self, micro_batches) -> StepResult:
         """The schedule's forward-only pass (PipelineSchedule.eval) over the whole batch."""
-        x = torch.cat([mb[0] for mb in micro_batches])
-        y = torch.cat([mb[1] for mb in micro_batches])
         losses: list[torch.Tensor] = []
+        args, kwargs = self._inputs(micro_batches, losses)
         self.model.eval()
         try:
             with torch.no_grad(), autocast(self.device, self.dtype):
-                self.schedule.eval(*((x,) if self.first else ()),
-                                   **({"target": y, "losses": losses} if self.last else {}))
+                self.schedule.eval(*args, **kwargs)
         finally:
             self.model.train()
         zero = torch.zeros((), device=self.device)

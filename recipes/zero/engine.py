@@ -99,8 +99,8 @@ class ZeroEngine:
         total = torch.zeros((), device=self.device)
         own_norm = None
         why = value = None
-        for i, (x, y) in enumerate(micro_batches):
-            loss = self.engine(x, y)
+        for i, batch in enumerate(micro_batches):  # (inputs, targets[, positions]): DeepSpeed passes them on
+            loss = self.engine(*batch)
             total += loss.detach().float()
             if guard is not None and i == len(micro_batches) - 1:  # train.spike_factor: judged before the last backward
                 why, value = guard.judge_loss(total / len(micro_batches), True)

@@ -13,28 +13,22 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+import probes
 from launcher import models
 from launcher.exits import exit_now
-from launcher.host import deepspeed_env
 from launcher.launch.compose import compose_config
-from launcher.parallel import ds_config
 from launcher.rank.entry import build_engine
 
 
 def held_at_reduction(recipe: str, rank: int, world: int, scratch: Path) -> int:
     cfg, _, _ = compose_config([f"recipe={recipe}", "model=gpt_tiny", "precision=bf16", "train.micro_batch=2",
                                 "train.seq_len=32", "train.grad_accum=1", f"cluster.nproc_per_node={world}"])
-    run_dir = scratch / recipe
-    if rank == 0:
-        run_dir.mkdir()
-        (run_dir / ds_config.FILE).write_text(ds_config.text(ds_config.launch_config(cfg, world, cuda=False)))
-    dist.barrier()
+    run_dir = probes.run_dir(cfg, scratch / recipe, rank, world)
     engine = build_engine(cfg, models.prepare(models.on_meta(cfg), cfg), torch.device("cpu"), rank, world, rank, run_dir)
     opt, seen = engine.engine.optimizer, []
     for name in ("reduce_gradients", "overlapping_partition_gradients_reduce_epilogue"):  # stage 1, stage 2
@@ -50,12 +44,8 @@ def held_at_reduction(recipe: str, rank: int, world: int, scratch: Path) -> int:
 
 def main() -> None:
     out, recipes = Path(sys.argv[1]), sys.argv[2:]
-    deepspeed_env()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    scratch = [tempfile.mkdtemp(prefix="zero-backward-") if rank == 0 else None]
-    dist.broadcast_object_list(scratch)
-    held = {recipe: held_at_reduction(recipe, rank, world, Path(scratch[0])) for recipe in recipes}
+    rank, world, scratch = probes.join("zero-backward-")
+    held = {recipe: held_at_reduction(recipe, rank, world, scratch) for recipe in recipes}
     everyone = [None] * world
     dist.all_gather_object(everyone, held)
     if rank == 0:

@@ -153,6 +153,7 @@ CASES = [
     (["recipe=tp_fsdp", "parallel.cp=4", "cluster.nproc_per_node=8"], ["parallel.cp=4", "parallel.tp=2 = 2"]),
     (["recipe=fsdp", "parallel.cp=4"], ["parallel.cp=4", "world size 2", "cp(4)", "= 4"]),
     (["recipe=fsdp", "parallel.cp=0"], ["parallel.cp=0", ">= 1"]),
+    (["recipe=fsdp", "parallel.cp=2", "data.document_masking=true"], ["parallel.cp=2", "data.document_masking=true"]),
     (["model=hf", f"model.config={HF['llama']}", "recipe=fsdp", "parallel.cp=2"], ["parallel.cp=2", "model=hf"]),
     (["recipe=pp", "parallel.pp=4", "cluster.nproc_per_node=4", "parallel.pp_schedule=interleaved_1f1b"],
      ["parallel.pp=4", "8 stages", "model.n_layers=4"]),

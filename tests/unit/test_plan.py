@@ -34,7 +34,9 @@ REGIMES = {  # name -> (how the model runs, what the formula is told)
                                     "model.n_layers=5"]], ids=["tiny", "small", "tiny-gqa-untied"])
 def test_activation_formula_matches_autograd(regime, model):
     """Predicted activation bytes = what saved_tensors_hooks count, to the byte (bar the
-    4-byte loss), in every numerics regime, with and without checkpointing."""
+    loss's 12: the fp32 weight total of its sum and the int64 count it divides by, which
+    keeps a window with nothing counted at 0), in every numerics regime, with and without
+    checkpointing."""
     autocast, cast_module, numerics = REGIMES[regime]
     cfg, _, _ = cli.compose_config(model)
     torch.manual_seed(0)
@@ -50,7 +52,7 @@ def test_activation_formula_matches_autograd(regime, model):
                     loss = m(x[:, :-1], x[:, 1:])
                 loss.backward()
             predicted = activation_bytes(cfg.model, b, 64, numerics, ac, ac_every=2)
-            assert abs(predicted - counter.bytes) <= 4, (ac, b, predicted, counter.bytes)
+            assert abs(predicted - counter.bytes) <= 12, (ac, b, predicted, counter.bytes)
 
 
 def test_meta_device_counts_a_70b_model_without_memory():
