@@ -7,8 +7,11 @@ them up per layout and finds what fits; docs/memory.md derives them.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass
 
+from launcher import optim as O
 from launcher.parallel import ds_config
 from launcher.planner import memory as M
 from launcher.config import ACMode, Config, ModelConfig, Precision, loss_chunks, sliceable_loss
@@ -130,9 +133,9 @@ def model_states(cfg: Config, layout: Layout,
     where = {"params": "device", "grads": "device", "optim": "device"}
     host = {"params": 0, "grads": 0, "optim": 0}
     if layout.shard == "none":
-        params, grads, optim = 4 * P, 4 * P, 8 * P
+        params, grads, optim = 4 * P, 4 * P, optimizer_states(cfg, P, 1)
     elif layout.fsdp:
-        params, grads, optim = 4 * P // n, 4 * P // n, 8 * P // n
+        params, grads, optim = 4 * P // n, 4 * P // n, optimizer_states(cfg, P, n)
     else:
         parts = M.zero_states(int(layout.shard[-1]), P, n, cfg.train.grad_accum, layout.offload_optim,
                               layout.offload_params, largest_param=M.largest_param(cfg.model),
@@ -145,6 +148,33 @@ def model_states(cfg: Config, layout: Layout,
             host[k] = int(h)
             where[k] = "cpu" if not d else ("device+cpu" if h else "device")
     return params, grads, optim, where, host
+
+
+def optimizer_states(cfg: Config, P: int, n: int) -> int:
+    """Bytes of optimizer state for P parameters (a rank's share before data-parallel
+    sharding) split over n ranks: launcher.optim.state_bytes (optim.name's family). adamw:
+    8 bytes a parameter. The others depend on each tensor's shape and shard (torchao
+    quantizes a shard of at least 4096 elements, Adafactor keeps whole rows and columns,
+    Muon takes the hidden matrices): the model's trainable tensors each as FSDP2 holds
+    it on the rank with the most (ceil(rows / n) rows), scaled from the whole model to P
+    (tensor-parallel and pipeline shares take the whole model's mix of tensors)."""
+    if cfg.optim.name == "adamw":
+        return 8 * P // n
+    tensors = trainable_tensors(cfg.model)
+    held = [O.Trainable(shape, -(-shape[0] // n) * math.prod(shape[1:]), embedding) for shape, embedding in tensors]
+    return round(O.state_bytes(cfg.optim, held) * P / sum(math.prod(shape) for shape, _ in tensors))
+
+
+def trainable_tensors(m: ModelConfig) -> tuple[tuple[tuple[int, ...], bool], ...]:
+    """(shape, is the embedding or the head) of each trainable parameter of the model (all of
+    them: a tied head is the embedding's)."""
+    return _trainable(tuple(sorted(vars(m).items())))
+
+
+@functools.lru_cache(maxsize=32)
+def _trainable(key: tuple) -> tuple[tuple[tuple[int, ...], bool], ...]:
+    model = M._meta_gpt(ModelConfig(**dict(key)))
+    return tuple((tuple(p.shape), name.startswith(("tok_embeddings.", "output."))) for name, p in model.named_parameters())
 
 
 def grads_kept(cfg: Config, layout: Layout, grads: int) -> int:
