@@ -57,14 +57,15 @@ def offered(model: str, world: int, recipes: list[str]) -> list[planner.Layout]:
     return planner.candidates(cfg, hw, recipe_configs(set(recipes)))
 
 
-def compose(layout: planner.Layout, model: str, mb: int, seq: int, world: int):
+def compose(layout: planner.Layout, model: str, mb: int, seq: int, world: int, optim: str = "adamw"):
     """A layout's config as `make train` composes it. A pipeline cuts each step's batch into
     parallel.pp_microbatches, at least one per stage under 1F1B: pp of them, and a
     micro-batch of at least pp sequences. Composed once per layout: each precision is its
     own conf/precision/ file on it (nothing in conf/ interpolates the precision group)."""
     extra = [f"parallel.pp_microbatches={layout.pp}"] if layout.pp > 1 else []
     cfg, _, _ = compose_config([*layout.overrides(), f"model={model}", f"train.micro_batch={max(mb, layout.pp)}",
-                                f"train.seq_len={seq}", "logger=none", f"cluster.nproc_per_node={world}", *extra])
+                                f"train.seq_len={seq}", "logger=none", f"cluster.nproc_per_node={world}", f"optim={optim}",
+                                *extra])
     return cfg
 
 
@@ -143,15 +144,16 @@ def _run(args, rank: int, world: int, device, scratch: Path) -> list[dict]:
     precisions = args.precisions.split(",") if args.precisions else ["fp32", "bf16", "fp16"]
     typed = group_configs("precision", set(precisions))
     rows = []
-    for model in args.models.split(","):
+    for model, optim in itertools.product(args.models.split(","), args.optims.split(",")):
         for layout in offered(model, world, recipes):
             for mb in [int(b) for b in args.micro_batches.split(",")]:
-                composed = compose(layout, model, mb, args.seq_len, world)
+                composed = compose(layout, model, mb, args.seq_len, world, optim)
                 for precision in precisions:
                     rows += measure_precision(dataclasses.replace(composed, precision=typed[precision]), args,
                                               layout, rank, world, device, scratch,
                                               {"recipe": layout.recipe, "layout": layout.label, "model": model,
-                                               "micro_batch": mb, "precision": precision, "world": world, "rank": rank})
+                                               "micro_batch": mb, "precision": precision, "world": world, "rank": rank,
+                                               "optim": optim})
     return rows
 
 
@@ -181,11 +183,12 @@ def table(rows: list[dict]) -> str:
              "| activations plan / measured (MiB) | ratio |", "|---|---|---|---|---|---|---|---|---|"]
     cells: dict[tuple, dict] = {}
     for r in rows:
-        k = (r["world"], r["layout"], r["model"], r["micro_batch"], r["precision"], r["grad_accum"], r["ac"])
+        k = (r["world"], r["layout"], r["optim"], r["model"], r["micro_batch"], r["precision"], r["grad_accum"], r["ac"])
         if "refused" in r or k not in cells or r["measured"]["model_state"] > cells[k]["measured"]["model_state"]:
             cells[k] = r
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
-    for (world, layout, _, _, precision, accum, ac), r in cells.items():
+    for (world, layout, optim, _, _, precision, accum, ac), r in cells.items():
+        layout = layout if optim == "adamw" else f"{layout} {optim}"
         if "refused" in r:
             lines.append(f"| {world} | {layout} | {precision} | {accum} | {ac} | refused: {r['refused']} | | | |")
             continue
@@ -200,6 +203,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipes", default="", help="comma-separated; default: every recipe in conf/recipe")
     ap.add_argument("--models", default="gpt_tiny")
+    ap.add_argument("--optims", default="adamw", help="comma-separated optim= names (conf/optim)")
     ap.add_argument("--micro-batches", default="2")
     ap.add_argument("--precisions", default="", help="default fp32,bf16,fp16 (fp16 is refused without CUDA)")
     ap.add_argument("--grad-accums", default="1,2")

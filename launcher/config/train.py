@@ -13,6 +13,15 @@ from launcher.config.enums import ACMode, Backend, Precision
 @dataclass
 class OptimConfig:
     name: str = "adamw"
+    """The optimizer (launcher/optim/, one conf/optim/<name>.yaml each), by its state bytes
+    per trainable parameter: adamw 8 (two fp32 moments); adamw8bit about 2 and adamw4bit
+    about 1 (torchao's block-wise quantized moments: 1/4 and 1/8 of the memory, a little
+    noise in the update; tensors under 4096 elements keep fp32 moments); adafactor 4 x
+    (rows + columns) per matrix (a factored second moment, no first moment: the least
+    memory, a different, relative step size: its own lr scale); muon 4 for the hidden
+    matrices (one momentum, orthogonalised by Newton-Schulz: more FLOPs per step, fewer
+    steps to a loss), AdamW's 8 for the embedding, head and vectors. Not under DeepSpeed's
+    ZeRO (it runs its own AdamW on flat partitions): adamw there."""
     lr: float = 1e-3
     """Peak learning rate, reached after warm-up."""
     min_lr_ratio: float = 0.1
@@ -28,7 +37,26 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 = off). Guards against loss spikes."""
     fused: Optional[bool] = None
-    """Fused AdamW kernel (null: on for CUDA, off on CPU where it does not exist)."""
+    """Fused AdamW kernel (null: on for CUDA, off on CPU where it does not exist); adamw and
+    muon's AdamW part only."""
+    adafactor_beta2_decay: float = -0.8
+    """adafactor: the second moment's decay is 1 - step^this (torch's default -0.8): closer
+    to 0 forgets faster. Its lr is relative (a step is lr x the parameter's RMS, lr capped
+    at 1/sqrt(step)): about 1e-2, not AdamW's."""
+    adafactor_clip: float = 1.0
+    """adafactor: an update whose RMS exceeds this is scaled down to it (torch's d): lower
+    is steadier, slower."""
+    muon_momentum: float = 0.95
+    """muon: momentum of the matrices' update (the Muon authors' 0.95)."""
+    muon_nesterov: bool = True
+    """muon: Nesterov momentum (the authors' default)."""
+    muon_ns_steps: int = 5
+    """muon: Newton-Schulz iterations orthogonalising each matrix's update: each costs about
+    3 matmuls of the matrix's size in bf16; fewer is cheaper and less orthogonal."""
+    muon_adjust_lr: str = "match_rms_adamw"
+    """muon: how the matrices' lr scales with their shape: match_rms_adamw (Moonshot: 0.2 x
+    sqrt(max(rows, cols)), so AdamW's lr and weight decay carry over and one schedule drives
+    both parts) or original (Keller Jordan's sqrt(max(1, rows/cols)): wants lr about 0.02)."""
 
 
 @dataclass

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from launcher.config import (Backend, Config, ConfigError, DataKind, ModelKind, OffloadDevice, PPSchedule, Precision, Runner, Scheduler, TokenDtype, ffn_dim, nproc_per_node, pipeline_stages)
+from launcher import optim
 from launcher.launch.held_out import validate_evaluation, validate_token_data
 from launcher.launch.levers import validate_context_parallel, validate_levers
 from launcher.parallel.degrees import data_parallel_size, grad_accum
@@ -96,8 +97,11 @@ def validate(cfg: Config, host) -> list[str]:
     # optimizer
     if not o.lr > 0:
         raise ConfigError("optim.lr", o.lr, "must be > 0")
-    if o.name != "adamw":
-        raise ConfigError("optim.name", o.name, "allowed: adamw")
+    import recipes  # as validate_parallel does
+
+    spec = recipes.spec(cfg.recipe.strategy)
+    optim.validate(o, cfg.recipe.name, spec.deepspeed, spec.parallelism.shards and cfg.recipe.fsdp.cpu_offload,
+                   host.cuda)
     if o.warmup_steps < 0:
         raise ConfigError("optim.warmup_steps", o.warmup_steps, "must be >= 0")
     if o.warmup_steps > t.steps:  # as torchtitan does: a short run (a smoke test) warms up throughout

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from launcher.config import Config
-from launcher.rank.engine import param_groups, trained_state
+from launcher.rank.engine import param_groups, set_lrs, trained_state
 from launcher import models
 
 OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)  # keys "state.<fqn>.<exp_avg|...>"
@@ -123,8 +123,7 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config) -> Non
     set_optimizer_state_dict(model, optimizer, optim_sd, options=OPTIM)
     scheduler.load_state_dict(schedule)
     # The LR lives in the optimizer's param groups, which DCP does not hold: the schedule sets it.
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr
+    set_lrs(scheduler)
 
 
 DDP_MODEL, DDP_OPTIM = "model.pt", "optim.pt"  # recipes/ddp/engine.py's files

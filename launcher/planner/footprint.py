@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from launcher.parallel import ds_config
 from launcher.planner import lora, memory as M
+from launcher.planner.optimizer import optimizer_states
 from launcher.config import ACMode, Config, ModelConfig, ModelKind, Precision, loss_chunks, sliceable_loss
 
 
@@ -132,11 +133,12 @@ def model_states(cfg: Config, layout: Layout,
     host = {"params": 0, "grads": 0, "optim": 0}
     if lora.enabled(cfg.model):  # adapters train, the base is frozen (launcher/planner/lora.py)
         return (*lora.states(cfg.model, cfg.precision.name, layout.shard, n, layout.fsdp, ds_weight_bytes(cfg),
-                             lambda t: zero_terms(cfg, layout, t)), where, host)
+                             lambda t: zero_terms(cfg, layout, t), lambda t, k: optimizer_states(cfg, t, k)),
+                where, host)
     if layout.shard == "none":
-        params, grads, optim = 4 * P, 4 * P, 8 * P
+        params, grads, optim = 4 * P, 4 * P, optimizer_states(cfg, P, 1)
     elif layout.fsdp:
-        params, grads, optim = 4 * P // n, 4 * P // n, 8 * P // n
+        params, grads, optim = 4 * P // n, 4 * P // n, optimizer_states(cfg, P, n)
     else:
         parts = zero_terms(cfg, layout, P)
         params, grads, optim = (int(d + h) for d, h in parts.values())

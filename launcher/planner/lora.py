@@ -7,7 +7,7 @@ under bf16/fp16, 4 under fp32), the targeted projections in about 0.52 bytes wit
 model.lora.base_dtype=nf4 (4-bit codes, an int8 scale per 64, an fp32 factor per 256
 scales). A frozen parameter has no gradient and no optimizer state, so per rank:
 
-    ddp    params F_b + 4T, grads 4T, optimizer 8T             (b: base bytes; T: adapters)
+    ddp    params F_b + 4T, grads 4T, optimizer 8T (adamw)     (b: base bytes; T: adapters)
     fsdp   the same over the n ranks that shard it
     zero   DeepSpeed's terms (memory.zero_states) for T, plus the frozen base in DeepSpeed's
            weight dtype (w bytes): whole on every rank under stage 1/2, w F / n under stage 3
@@ -70,6 +70,15 @@ ENGINES = ("ddp", "fsdp", "zero")
 """The engines adapters train under (without tensor or pipeline parallel); nf4: ddp alone."""
 
 
+def adapter_tensors(m: ModelConfig) -> tuple[tuple[tuple[int, ...], bool], ...]:
+    """(shape, False) of every adapter matrix: A (r x in) and B (out x r) per projection."""
+    wanted = None if m.lora.targets is None else {HF_NAMES.get(str(t), str(t)) for t in m.lora.targets}
+    r = m.lora.rank
+    one = [shape for name, (i, o) in projections(m).items() if wanted is None or name in wanted
+           for shape in ((r, i), (o, r))]
+    return tuple(((shape, False) for shape in one)) * m.n_layers
+
+
 def enabled(m: ModelConfig) -> bool:
     return m.lora.rank > 0
 
@@ -93,15 +102,16 @@ def base_bytes(m: ModelConfig, precision: Precision) -> int:
 
 
 def states(m: ModelConfig, precision: Precision, shard: str, n: int, fsdp: bool, w: int,
-           zero_terms) -> tuple[int, int, int]:
+           zero_terms, optimizer) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes on one rank (module docstring). `zero_terms(T)`:
-    DeepSpeed's {"params"|"grads"|"optim": (device, host)} for T trainable parameters."""
+    DeepSpeed's {"params"|"grads"|"optim": (device, host)} for T trainable parameters;
+    `optimizer(T, n)`: optim.name's state bytes for T adapters over n ranks (8T/n: adamw)."""
     c = counts(m)
     t = c.trainable
     if shard == "none":
-        return base_bytes(m, precision) + 4 * t, 4 * t, 8 * t
+        return base_bytes(m, precision) + 4 * t, 4 * t, optimizer(t, 1)
     if fsdp:
-        return (base_bytes(m, precision) + 4 * t) // n, 4 * t // n, 8 * t // n
+        return (base_bytes(m, precision) + 4 * t) // n, 4 * t // n, optimizer(t, n)
     parts = zero_terms(t)
     frozen = w * c.frozen // (n if shard == "zero3" else 1)
     params, grads, optim = (int(d + h) for d, h in parts.values())

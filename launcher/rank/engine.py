@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from launcher import optim
 from launcher.config import Config, OptimConfig, lr_factor
 from launcher.models.init import is_dtensor
 
@@ -138,13 +139,30 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
-    fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             eps=cfg.eps, fused=fused or None)
+    """optim.name's optimizer (launcher/optim/) over param_groups(model)."""
+    return optim.build(param_groups(model, cfg.weight_decay), model, cfg, device)
+
+
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR whose learning rates read back as floats: torchao's optimizers keep each
+    group's lr as a tensor (the schedule fills it in place); metrics want a number."""
+
+    def get_last_lr(self) -> list[float]:
+        return [float(lr) for lr in super().get_last_lr()]
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.train.steps, cfg.optim))
+    return Schedule(optimizer, lambda s: lr_factor(s, cfg.train.steps, cfg.optim))
+
+
+def set_lrs(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """The schedule's current learning rates into the optimizer's groups (after a load
+    brought other ones back), in place where a group keeps its lr as a tensor (torchao)."""
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+        if torch.is_tensor(group["lr"]):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
@@ -196,16 +214,17 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 def tensor_bytes(tensors) -> int:
     """Bytes these tensors occupy on this rank (a DTensor: its local shard only; a tensor
-    subclass that packs its values, as NF4 weights: the tensors it holds)."""
-    return sum(held_bytes(local_shard(t)) for t in tensors if t is not None)
+    subclass such as torchao's quantized optimizer states: the tensors it holds, its codes
+    and scales, not the dtype it shows)."""
+    return sum(held_bytes(t) for t in tensors if t is not None)
 
 
 def held_bytes(t: torch.Tensor) -> int:
-    flatten = getattr(type(t), "__tensor_flatten__", None)
-    if flatten is None or not hasattr(t, "__tensor_flatten__"):
+    t = local_shard(t)
+    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
         return t.numel() * t.element_size()
-    names, _ = t.__tensor_flatten__()
-    return sum(held_bytes(getattr(t, n)) for n in names)
+    inner, _ = t.__tensor_flatten__()
+    return sum(held_bytes(getattr(t, name)) for name in inner)
 
 
 def trained_state(model: nn.Module) -> dict[str, torch.Tensor]:

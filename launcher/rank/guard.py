@@ -23,7 +23,7 @@ from collections import deque
 import torch
 
 from launcher.device import host_values
-from launcher.rank.engine import owners_sum
+from launcher.rank.engine import owners_sum, set_lrs
 
 WINDOW = 32
 """Applied steps whose losses make the recent mean."""
@@ -133,8 +133,7 @@ class LossGuard:
             state = checkpointer.load(newest, engine)
         scheduler.load_state_dict(schedule)
         # The optimizer's state brought the checkpoint's learning rates back: the schedule's, as its step() sets them
-        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr
+        set_lrs(scheduler)
         self.in_row = self.applied_since_rollback = 0
         self.rollbacks += 1
         self.say(f"loss guard: {self.limit} bad step{'s' * (self.limit > 1)} in a row; weights and optimizer state back to {newest} "
