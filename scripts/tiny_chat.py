@@ -35,7 +35,7 @@ TEMPLATE = ("{{ bos_token }}{% for message in messages %}"
 """Every turn ends with <|end|>; the assistant's content and its <|end|> are generated."""
 LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
-             initializer_range=0.02)
+             initializer_range=0.125)
 
 
 def vocabulary() -> list[str]:

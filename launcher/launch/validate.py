@@ -95,8 +95,6 @@ def validate(cfg: Config, host) -> list[str]:
     _positive("data.prefetch_factor", d.prefetch_factor)
 
     # optimizer
-    if not o.lr > 0:
-        raise ConfigError("optim.lr", o.lr, "must be > 0")
     import recipes  # as validate_parallel does
 
     spec = recipes.spec(cfg.recipe.strategy)
@@ -108,17 +106,6 @@ def validate(cfg: Config, host) -> list[str]:
         notes.append(f"optim.warmup_steps={o.warmup_steps} is longer than train.steps={t.steps}: warming up over "
                      f"all {t.steps} steps")
         o.warmup_steps = t.steps
-    if not 0 <= o.min_lr_ratio <= 1:
-        raise ConfigError("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
-    for key in ("beta1", "beta2"):
-        if not 0 <= getattr(o, key) < 1:
-            raise ConfigError(f"optim.{key}", getattr(o, key), "must be in [0, 1)")
-    if o.weight_decay < 0:
-        raise ConfigError("optim.weight_decay", o.weight_decay, "must be >= 0")
-    if o.grad_clip < 0:
-        raise ConfigError("optim.grad_clip", o.grad_clip, "must be >= 0 (0 = off)")
-    if o.fused and not host.cuda:
-        raise ConfigError("optim.fused", o.fused, "fused AdamW needs CUDA; this machine has none (use null)")
 
     # precision and device
     if cfg.precision.name == Precision.fp16 and not host.cuda:

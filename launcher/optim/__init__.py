@@ -72,6 +72,8 @@ def build(groups: list[dict], model, cfg: OptimConfig, device):
 
 def validate(cfg: OptimConfig, recipe: str, deepspeed: bool, fsdp_cpu_offload: bool, cuda: bool) -> None:
     """The optimizer's own checks on the launch side; one ConfigError each."""
+    if not cfg.lr > 0:
+        raise ConfigError("optim.lr", cfg.lr, "must be > 0")
     if cfg.name not in FAMILIES:
         raise ConfigError("optim.name", cfg.name, f"allowed: {', '.join(NAMES)}")
     if deepspeed and cfg.name not in ZERO_TAKES:
@@ -85,3 +87,14 @@ def validate(cfg: OptimConfig, recipe: str, deepspeed: bool, fsdp_cpu_offload: b
                                                   f"recipe.fsdp.cpu_offload=true the shards live in host memory: use "
                                                   f"adamw, adamw8bit or adamw4bit")
     family(cfg.name).validate(cfg)
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ConfigError("optim.min_lr_ratio", cfg.min_lr_ratio, "must be in [0, 1]")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(cfg, key) < 1:
+            raise ConfigError(f"optim.{key}", getattr(cfg, key), "must be in [0, 1)")
+    if cfg.weight_decay < 0:
+        raise ConfigError("optim.weight_decay", cfg.weight_decay, "must be >= 0")
+    if cfg.grad_clip < 0:
+        raise ConfigError("optim.grad_clip", cfg.grad_clip, "must be >= 0 (0 = off)")
+    if cfg.fused and not cuda:
+        raise ConfigError("optim.fused", cfg.fused, "fused AdamW needs CUDA; this machine has none (use null)")

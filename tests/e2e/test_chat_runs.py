@@ -4,8 +4,9 @@ pretrained model's masked loss at step 1, computed here with transformers), val/
 the held-out windows' assistant tokens (the final weights' masked loss, computed here),
 and the data/* metrics, counted here from the same windows.
 
-data.document_masking=false: the engines take positions with the packing engineer's
-change; until then a packed window attends across its samples (2-tuples, targets -100)."""
+data.document_masking=false here: a packed window attends across its samples (2-tuples,
+targets -100), as transformers computes it below; the block-causal path (positions) is
+tests/e2e/test_lora_runs.py's chat run and tests/e2e/test_packing_runs.py."""
 
 from __future__ import annotations
 

@@ -67,7 +67,8 @@ def test_every_engine_trains_the_same_adapters(runs):
         assert len(got) == 4, (recipe, got)
         assert got == pytest.approx(losses["ddp"], rel=1e-5), (recipe, got, losses["ddp"])
     summary = json.loads((runs["ddp"] / "summary.json").read_text())
-    assert summary["model_state_bytes"] > 0
+    trained = summary["startup"]["trainable_params"]
+    assert trained == [16384, 16384] and summary["startup"]["params"][0] == trained[0] + 202816, summary["startup"]
 
 
 def test_a_checkpoint_holds_the_adapters_and_the_base_digest(runs, base):
@@ -155,3 +156,27 @@ def test_the_plan_holds_the_model_states_the_ranks_hold(runs):
         params, grads, optim, _, _ = model_states(cfg, layout_for(cfg, 2))
         held = read_metrics(run)[-1]["mem/model_state_bytes"]
         assert held == pytest.approx(params + grads + optim, rel=0.02), (recipe, held, params, grads, optim)
+
+
+def test_100_lora_steps_on_the_shipped_chat_data_learn(tmp_path):
+    """The README's fine-tune: the shipped chat file, the tiny chat model, rank-16 adapters,
+    packed windows whose samples do not see each other, the loss on the assistant's tokens.
+    100 steps lower the held-out assistant loss by at least 10% from the base model's own
+    (computed here on the same held-out windows)."""
+    from chat_data import EXAMPLE, chat_model
+    from launcher.data.read import Held, build_dataset, micro_batch
+    from launcher.rank.engine import evaluate
+
+    folder, run = chat_model(), tmp_path / "chat"
+    launch("recipe=ddp", "model=hf", f"model.pretrained={folder}", "data=chat", f"data.files={EXAMPLE}",
+           f"data.tokenizer={folder}", "model.lora.rank=16", "train.seq_len=128", "train.micro_batch=8",
+           "train.steps=100", "optim.lr=1e-2", "optim.warmup_steps=10", "data.val_fraction=0.05",
+           "train.eval_every=100", "train.eval_samples=16", "checkpoint.every=0", "logger=none", run_dir=run)
+    cfg = C.load_frozen(run)
+    data = build_dataset(cfg, run)
+    held = Held(data, data.windows, data.held_out)
+    batches = [micro_batch(held.__getitems__(list(range(r * 8, (r + 1) * 8)))) for r in range(2)]
+    base = models.build(lora.plain(cfg), torch.device("cpu"))
+    before = evaluate(base, batches, torch.device("cpu"), None).loss.item()
+    after = read_metrics(run)[-1]["val/loss"]
+    assert after < 0.9 * before, (before, after)

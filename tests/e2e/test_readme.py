@@ -112,6 +112,10 @@ def home(tmp_path_factory) -> Path:
     from corpus import WORDS, make_tokenizer
 
     make_tokenizer(home / "tok", list(WORDS))
+    shutil.copytree(REPO / "examples", home / "examples")  # the shipped chat file, as in a clone
+    from chat_data import write_model
+
+    write_model(home / "tiny_chat")  # the README's `scripts/tiny_chat.py model tiny_chat`, for the lines that use it
     torch.manual_seed(0)
     fields = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
     AutoModelForCausalLM.from_config(LlamaConfig(**fields)).save_pretrained(home / "tiny_llama")
@@ -241,6 +245,8 @@ def check(command: str, out: str, home: Path) -> None:
         assert "offline-run-" in out, out
     elif "tensorboard" in command:
         assert "loss" in out, out[-2000:]
+    elif "tiny_chat.py model" in command:
+        assert (home / "tiny_chat" / "chat_template.jinja").is_file() and (home / "tiny_chat" / "config.json").is_file()
     elif "prepare_data.py" in command:
         assert (home / "data" / "corpus.bin").stat().st_size == 2 * len((home / "corpus.txt").read_bytes())
     elif command == "outputs/a/command.sh":  # the run is finished: it says so and rewrites nothing
