@@ -143,3 +143,17 @@ class DataConfig:
     sha256, format, field, tokenizer): every run and sweep point with the same inputs reads
     the same one. null: $LAUNCHER_DATA_CACHE, else ~/.cache/launcher/data. Several nodes or
     a Slurm/Kubernetes job read it: a shared folder."""
+
+
+SOURCE_KEYS: dict[str, tuple[DataKind, ...]] = {
+    **{k: (DataKind.synthetic,) for k in ("order", "context_bits", "temperature", "seed")},
+    **{k: (DataKind.memmap,) for k in ("path", "dtype")},
+    "vocab_size": (DataKind.synthetic, DataKind.memmap),
+    **{k: (DataKind.hf_text,) for k in ("files", "format", "text_field", "tokenizer", "num_proc", "shard_mb",
+                                          "cache_dir")},
+}
+"""The data.* keys only some sources read (val_path, val_fraction and sources are checked with
+train.eval_every's held-out data). A run that sets one its data= does not read is refused
+(launcher/launch/asked.py): `data.files=...` without data=hf_text would otherwise train on
+synthetic data, without a word."""
+

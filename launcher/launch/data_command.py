@@ -37,6 +37,7 @@ def cmd_data(overrides: list[str]) -> int:
     shards = len(index["shards"])
     print(f"data: {index['documents']:,} documents, {index['tokens']:,} tokens ({index['dtype']}, {shards} "
           f"shard{'s' if shards != 1 else ''}); {describe(got)}", flush=True)
-    print(f"train on it: make train ARGS=\"<the same data.*>\", or data=memmap data.path={shlex.quote(str(got.dir))}",
+    same = " ".join(shlex.quote(o) for o in ["data=hf_text", *(o for o in overrides if o.startswith("data."))])
+    print(f"train on it: make train ARGS=\"{same}\" (or data=memmap data.path={shlex.quote(str(got.dir))})",
           flush=True)
     return 0
