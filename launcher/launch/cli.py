@@ -173,6 +173,10 @@ def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> in
             continue
         if nothing_to_train(cfg, run_dir):
             continue
+        if ds is not None:  # a DeepSpeed recipe: its ops compiled here, once per environment, not in the ranks
+            from launcher import ops
+
+            ops.build(ops.needed(cfg, host.cuda))
         created = not run_dir.exists()
         with contextlib.ExitStack() as held:
             owner = cfg.cluster.node_rank == 0  # the other nodes of a launch by hand share node 0's directory

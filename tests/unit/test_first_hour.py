@@ -79,3 +79,15 @@ def test_make_plan_without_a_gpu_plans_for_this_machine(capsys):
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     assert f"this machine: 2 CPU process(es) sharing {ram:.0f} GiB" in out, out[:500]
     assert "zero2_offload" not in out and "recommended: make train" in out or "nothing fits" in out, out[-1500:]
+
+
+@pytest.mark.parametrize("recipe,cuda,want", [
+    ("ddp", False, []), ("fsdp", True, []), ("zero2", True, []), ("zero2", False, ["ShareMemCommBuilder"]),
+    ("zero2_offload", True, ["CPUAdamBuilder"]), ("zero3_offload", False, ["CPUAdamBuilder", "ShareMemCommBuilder"])])
+def test_the_deepspeed_ops_a_run_compiles_first(recipe, cuda, want):
+    """Set-up no longer compiles them (4.6 of its 7 minutes, issue 48): a launch compiles
+    the ones its run loads, once per environment, before its ranks start."""
+    from launcher import ops
+
+    cfg, _, _ = compose_config([f"recipe={recipe}"])
+    assert ops.needed(cfg, cuda) == want
