@@ -8,6 +8,12 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TESTED := $(VENV)/.installed-test
+# The first run's install (model=hf, data=hf_text, fine-tuning, TensorBoard); the suite's and the
+# GPU check's on top of it: pytest, torchao (precision=fp8: GPUs of compute capability 8.9+) and the
+# Kubernetes schemas (tests only).
+RUN_EXTRAS := hf,tb
+TEST_EXTRAS := dev,fp8,k8s
 RECIPE ?=
 ARGS   ?=
 RUN    ?=
@@ -22,14 +28,15 @@ help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 	@echo '  RECIPE=<conf/recipe name>  ARGS="<hydra overrides>"  e.g. make train RECIPE=ddp ARGS="train.steps=300"'
 
-setup: $(STAMP) ## make .venv, install the project (torch pinned; CPU wheel here, CUDA on GPU hosts), compile DeepSpeed's JIT ops once; offline: WHEELHOUSE=<dir> [TORCH=system]
+setup: $(STAMP) ## make .venv, install the project and the hf, tb extras (torch pinned; CPU wheel here, CUDA on GPU hosts); BUILD_OPS=1 also compiles DeepSpeed's ops now; offline: WHEELHOUSE=<dir> [TORCH=system]
 
 # Offline (make wheelhouse wrote <dir>): everything from <dir> with --no-index. TORCH=system keeps
 # the torch the system Python imports (a site's CUDA build; the venv reads its site-packages
 # after its own, through a .pth file), else the wheelhouse must hold torch==2.13.0 too.
-# BUILD_OPS=0 skips the DeepSpeed op compile (the first rank that needs an op compiles it).
+# DeepSpeed's ops compile when a run first needs one (the launcher says so; launcher/ops.py), or
+# here with BUILD_OPS=1; the test set-up compiles them (the suite runs every ZeRO recipe) unless BUILD_OPS=0.
 $(STAMP): pyproject.toml
-	@echo 'setting up $(VENV) (once): python -m venv, pip install -e .[dev,hf,tb,fp8,k8s]$(if $(FROM), from $(FROM) offline), scripts/build_ops.py' >&2
+	@echo 'setting up $(VENV) (once, 2-3 minutes): python -m venv, pip install -e .[$(RUN_EXTRAS)]$(if $(FROM), from $(FROM) offline)' >&2
 	@case '$(TORCH)' in ''|system) ;; *) echo "error: TORCH=$(TORCH): allowed: system (keep the torch $(PYTHON) imports), or leave it out" >&2; exit 2;; esac
 	@test -n '$(FROM)' -o -z '$(TORCH)' || { echo 'error: TORCH=system goes with WHEELHOUSE=<dir> (make wheelhouse); online, make setup installs the pinned torch' >&2; exit 2; }
 ifneq ($(FROM),)
@@ -44,15 +51,25 @@ else
 	@$(VENV)/bin/pip install --quiet --no-index --find-links '$(FROM)' 'torch==2.13.0' >&2
 endif
 	@$(VENV)/bin/pip install --quiet --no-index --find-links '$(FROM)' -r '$(FROM)/requirements.txt' >&2
-	@$(VENV)/bin/pip install --quiet --no-index --find-links '$(FROM)' --no-deps -e . >&2
+	@PYTHONWARNINGS=ignore $(VENV)/bin/pip install --quiet --no-index --find-links '$(FROM)' --no-deps -e . >&2
 else
 	@$(VENV)/bin/pip install --quiet --upgrade pip >&2
-	@$(VENV)/bin/pip install --quiet -e '.[dev,hf,tb,fp8,k8s]' >&2
+	@PYTHONWARNINGS=ignore $(VENV)/bin/pip install --quiet -e '.[$(RUN_EXTRAS)]' >&2
 endif
-	@$(if $(filter 0,$(BUILD_OPS)),true,$(PY) scripts/build_ops.py)
+	@$(if $(filter 1,$(BUILD_OPS)),$(PY) scripts/build_ops.py,true)
 	@touch $(STAMP)
 
-wheelhouse: setup ## wheels of every dependency but torch for offline nodes: WHEELHOUSE=<dir> PYVER=3.12 [PLATFORM=manylinux2014_x86_64] [EXTRAS=dev,hf,tb,fp8]
+# What the suite, the GPU check and the wheelhouse need beyond the first run's install (offline,
+# the wheelhouse's requirements.txt installed everything it holds already).
+$(TESTED): $(STAMP)
+	@echo 'setting up the tests (once): pip install -e .[$(RUN_EXTRAS),$(TEST_EXTRAS)]$(if $(filter 0,$(BUILD_OPS)),, and DeepSpeed ops (scripts/build_ops.py))' >&2
+ifeq ($(FROM),)
+	@PYTHONWARNINGS=ignore $(VENV)/bin/pip install --quiet -e '.[$(RUN_EXTRAS),$(TEST_EXTRAS)]' >&2
+endif
+	@$(if $(filter 0,$(BUILD_OPS)),true,$(PY) scripts/build_ops.py)
+	@touch $(TESTED)
+
+wheelhouse: $(TESTED) ## wheels of every dependency but torch for offline nodes: WHEELHOUSE=<dir> PYVER=3.12 [PLATFORM=manylinux2014_x86_64] [EXTRAS=dev,hf,tb,fp8]
 	@$(PY) scripts/wheelhouse.py --out '$(or $(WHEELHOUSE),wheelhouse)' $(if $(PYVER),--python '$(PYVER)') $(if $(PLATFORM),--platform '$(PLATFORM)') $(if $(filter undefined,$(origin EXTRAS)),,--extras '$(EXTRAS)')
 
 train: setup ## train: RECIPE=<name> ARGS="<overrides>" (--dry-run in ARGS prints, starts nothing)
@@ -79,13 +96,13 @@ export: setup ## consolidated weights: RUN=<run dir> [export.dtype=bf16] [export
 # workers on 2 cores were no faster, 24:28: the suite is bound by its processes' CPU).
 TEST_WORKERS ?= $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? n / 2 : 2 )))
 
-test: setup ## the full test suite: tests/unit and tests/e2e (real processes; about 25 minutes on 2 cores) [TEST_WORKERS=N]
+test: $(TESTED) ## the full test suite: tests/unit and tests/e2e (real processes; about 25 minutes on 2 cores) [TEST_WORKERS=N]
 	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
-test-quick: setup ## tests/unit only: in-process checks and quick commands, no multi-process runs (about 4 minutes)
+test-quick: $(TESTED) ## tests/unit only: in-process checks and quick commands, no multi-process runs (about 4 minutes)
 	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit
 
-gpu-check: setup ## on a GPU machine: the GPU test set (pytest -m gpu) and the GPU bench, into bench/gpu.md; without a GPU it says so and exits 0
+gpu-check: $(TESTED) ## on a GPU machine: the GPU test set (pytest -m gpu) and the GPU bench, into bench/gpu.md; without a GPU it says so and exits 0
 	@$(PY) scripts/gpu_check.py $(ARGS)
 
 bench: setup ## recipes against hand-written loops, interleaved, and start-up; writes bench/results.md (ARGS="--models llama_5m --only ddp zero2")

@@ -30,3 +30,38 @@ def offline() -> None:
     _os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                        HF_HUB_DISABLE_TELEMETRY="1")
     _os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    quiet_imports()
+
+
+IMPORT_NOISE = {
+    # torchao's CUDA kernels (mxfp8, CUTLASS) where they cannot load (no CUDA, another
+    # Python's build): precision=fp8 uses its Python float8, which loads. transformers
+    # imports torchao whenever it is installed: every model=hf run, export and plan.
+    "torchao": ("Failed to load ",),
+    # torchao registers its Enums with torch's pytree, which torch 2.13 deprecates.
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+}
+"""Log lines libraries print when imported that tell a user nothing (12 lines on every
+model=hf run, export and plan, issue 48): logger name -> the messages dropped."""
+
+
+def quiet_imports() -> None:
+    """Drop IMPORT_NOISE's lines at their loggers (a filter on each; their other messages
+    pass). Called by offline(), so before any import of transformers or torchao of ours."""
+    import logging
+
+    for name, starts in IMPORT_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(getattr(f, "drops", None) == starts for f in logger.filters):
+            logger.addFilter(_Drop(starts))
+
+
+class _Drop:
+    """A logging filter: records whose message holds one of `drops` go no further."""
+
+    def __init__(self, drops: tuple[str, ...]):
+        self.drops = drops
+
+    def filter(self, record) -> bool:
+        message = str(record.msg)
+        return not any(d in message for d in self.drops)

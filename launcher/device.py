@@ -8,10 +8,8 @@ from here, so the rest of the code runs unchanged on a CPU-only machine with glo
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -149,10 +147,6 @@ def dump_memory_snapshot(device: torch.device, path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- peak FLOPs
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "launcher"
-
-
 def use_tf32(device: torch.device, enabled: bool) -> None:
     """precision.tf32: fp32 matmuls and convolutions on CUDA's tensor cores in TF32. The
     CUDA switches only: torch.set_float32_matmul_precision would change CPU (oneDNN) matmuls too."""
@@ -161,63 +155,20 @@ def use_tf32(device: torch.device, enabled: bool) -> None:
         torch.backends.cudnn.allow_tf32 = enabled
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype | None, tflops: float | None = None) -> tuple[float, str | None]:
-    """Peak FLOP/s of one device for MFU, and a warning when it is a guess. On GPUs:
-    `tflops` (cluster.peak_tflops), else the device table by name, else the measured matmul
-    rate (warned); halved in fp32 with TF32 (half the bf16 rate), measured in IEEE fp32
-    (no tensor cores). On CPU: measured once and cached."""
-    if device.type == "cuda":
-        if dtype is None and not torch.backends.cuda.matmul.allow_tf32:
-            return measure_matmul_flops(device, torch.float32), None
-        name = torch.cuda.get_device_name(device)
-        known = tflops or table_tflops(name)
-        if known is not None:
-            return known * 1e12 * (1.0 if dtype is not None else 0.5), None
-        measured = measure_matmul_flops(device, dtype or torch.float32)
-        return measured, (f"warning: no peak FLOP/s known for the GPU {name!r}: MFU divides by its measured matmul "
-                          f"rate ({measured / 1e12:.0f} TFLOP/s), which overstates MFU; set cluster.peak_tflops")
-    dtype = dtype or torch.float32
-    key = f"{_cpu_model()}|threads={torch.get_num_threads()}|{dtype}"
-    path = _cache_dir() / "cpu_peak_flops.json"
-    cache = {}
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        pass
-    if key not in cache:
-        cache[key] = measure_matmul_flops(device, dtype)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1))
-            os.replace(tmp, path)
-        except OSError:
-            pass
-    return float(cache[key]), None
-
-
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, seconds: float = 0.3) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    synchronize(device)
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        synchronize(device)
-        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
-    return best
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return sys.platform
+def peak_flops(device: torch.device, dtype: torch.dtype | None, tflops: float | None = None) -> tuple[float | None, str | None]:
+    """Peak FLOP/s of one device for MFU, or None where the launcher knows none, and the line
+    that says so. `tflops` (cluster.peak_tflops) first; else a GPU's data-sheet figure by its
+    name (launcher/host.py; fp32 with TF32 is half the bf16 rate; IEEE fp32 has no entry).
+    A CPU has no known peak: a matmul measured in bf16 on a CPU without native bf16 gave an
+    MFU of 500-1007% (issue 48), so no MFU is reported there unless cluster.peak_tflops says."""
+    if tflops:
+        return tflops * 1e12, None
+    if device.type != "cuda":
+        return None, None
+    name = torch.cuda.get_device_name(device)
+    known = table_tflops(name)
+    if known is None:
+        return None, f"MFU not reported: no peak FLOP/s known for the GPU {name!r}; set cluster.peak_tflops"
+    if dtype is None and not torch.backends.cuda.matmul.allow_tf32:
+        return None, "MFU not reported: IEEE fp32 (precision.tf32=false) has no peak in the device table; set cluster.peak_tflops"
+    return known * 1e12 * (1.0 if dtype is not None else 0.5), None

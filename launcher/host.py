@@ -171,6 +171,24 @@ def table_tflops(name: str | None) -> float | None:
     return None
 
 
+def native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 natively (x86: AVX-512 BF16 or AMX; Arm: the bf16
+    feature), from /proc/cpuinfo's flags (or `cpuinfo`, its text). Without it torch emulates
+    bf16 matmuls on the CPU: a step of the tiny model took 8-14x as long as in fp32 (1,052-1,235
+    against 15,031 tokens/s, issue 48). False where the flags cannot be read."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features") and {"avx512_bf16", "amx_bf16", "bf16"} & set(value.split()):
+            return True
+    return False
+
+
 def process_start_time() -> float:
     """When this process started (time.time() scale): the kernel's record, so imports count."""
     try:

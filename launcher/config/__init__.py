@@ -25,7 +25,7 @@ from launcher.config.enums import (ACMode, Backend, ConfigError, DataKind, Expor
                                    HFAttention, K8sKind, LoggerKind, LoraBase, ModelKind, OffloadDevice, OnExisting, PPSchedule,
                                    Precision, Runner, Scheduler, TextFormat, TokenDtype, TrainOn, WandbMode)
 from launcher.config.recipe import DDPOptions, FSDPOptions, ParallelConfig, RecipeConfig, ZeroOptions
-from launcher.config.model import DataConfig, LoraConfig, ModelConfig
+from launcher.config.model import DataConfig, LoraConfig, ModelConfig, SOURCE_KEYS
 from launcher.config.train import DistConfig, OptimConfig, PrecisionConfig, TrainConfig
 from launcher.config.run import (CheckpointConfig, ClusterConfig, DebugConfig, ExportConfig, K8sConfig, LoggerConfig,
                                  PlanConfig, ProfileConfig)
@@ -38,7 +38,7 @@ __all__ = [
     "ACMode", "Backend", "ConfigError", "DataKind", "ExportDtype", "ExportFormat", "FaultPoint", "HFAttention", "K8sKind",
     "LoggerKind", "LoraBase", "ModelKind", "OffloadDevice", "OnExisting", "PPSchedule", "Precision", "Runner", "Scheduler",
     "TextFormat", "TokenDtype", "TrainOn", "WandbMode", "DDPOptions", "FSDPOptions", "ParallelConfig",
-    "RecipeConfig", "ZeroOptions", "DataConfig", "LoraConfig", "ModelConfig", "DistConfig", "OptimConfig", "PrecisionConfig",
+    "RecipeConfig", "ZeroOptions", "DataConfig", "LoraConfig", "ModelConfig", "SOURCE_KEYS", "DistConfig", "OptimConfig", "PrecisionConfig",
     "TrainConfig", "CheckpointConfig", "ClusterConfig", "K8sConfig", "DebugConfig", "ExportConfig", "LoggerConfig", "PlanConfig",
     "ProfileConfig", "Config", "GROUPS", "RETIRED", "read_frozen", "load_frozen", "register_configs", "to_dict",
     "to_typed", "to_yaml", "write_frozen", "ffn_dim", "block_matmul_params", "matmul_params", "num_params", "lr_factor", "nproc_per_node",

@@ -18,14 +18,14 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from launcher import config as C, offline, provenance, runlock
-from launcher.launch import fit, identity, k8s, plaintext, slurm
+from launcher.launch import asked, fit, identity, k8s, plaintext, slurm
 from launcher.manifest import lock_folders, root_of
 from launcher.launch.commands import command_script, launch_argv, launch_env, LaunchPlan, sbatch_script, SLURM_STEPS
 from launcher.launch.args import parse_args, USAGE
 from launcher.launch.compose import compose_config, describe, expand_sweep, UsageError
 from launcher.host import HostInfo
 from launcher.exits import EXIT_INTERRUPTED
-from launcher.launch.planning import cmd_plan, cmd_rehearse, planned_host, resolve_auto
+from launcher.launch.planning import check_cpu_fit, cmd_plan, cmd_rehearse, planned_host, resolve_auto
 from launcher.launch.supervise import interrupts_held, supervise
 from launcher.launch.rundir import (check_checkpoint_space, check_resume_is_data, check_run_dir_name, check_writable,
                                     make_plan, nothing_to_train, prepare_run, run_files, schedule_change, write_run_dir,
@@ -86,16 +86,26 @@ def compose_jobs(command: str, overrides: list[str], multirun: bool,
                 run_dir = sweep_dir / str(i)
             run_dir = run_dir.resolve()
             check_command(command, cfg, point, multirun)
-            # A Slurm job is validated against the nodes it asks for, not this login machine.
+            # A Slurm job is validated against the nodes it asks for, not this login machine; a
+            # dry run naming GPUs this machine lacks (the planner's command), against those.
             host = slurm.node_host(cfg, here) if command == "submit" else here
-            notes += validate(cfg, host)
+            if command == "train" and dry_run:
+                host, note = planned_nodes(cfg, here)
+                notes.append(note)
+            names = asked.named(point)
+            cfg, kept, settled = asked.keep_run_values(cfg, names, run_dir, host)  # a relaunch: the run's own values
+            cfg, note = asked.fit_precision(cfg, names | settled, host)
+            notes += [kept, note, *validate(cfg, host)]
+            asked.check_data_keys(cfg, names)
+            if command == "train":
+                check_cpu_fit(cfg, host)
             if command == "submit" and cfg.cluster.scheduler == C.Scheduler.k8s:
                 k8s.validate_k8s(cfg, run_dir)
             plaintext.check(cfg)
             plaintext.check_remote_shell(cfg, run_dir, os.getcwd())
             check_run_dir_name(run_dir)
             check_writable(run_dir)
-            check_checkpoint_space(cfg, run_dir)
+            notes.append(check_checkpoint_space(cfg, run_dir, dry_run))
             check_resume_is_data(cfg, run_dir)
             identity.decide(cfg, run_dir)  # a fresh start into another run's checkpoints: refused here
             fit.check(cfg, run_dir)  # a checkpoint of another shape or format: refused here
@@ -106,6 +116,19 @@ def compose_jobs(command: str, overrides: list[str], multirun: bool,
         for note in dict.fromkeys(n for n in notes if n):  # once every point passed: bad input stays one line
             print(f"warning: {note}", file=sys.stderr, flush=True)
     return jobs
+
+
+def planned_nodes(cfg: C.Config, here: HostInfo) -> tuple[HostInfo, str | None]:
+    """`train --dry-run` of a run for GPUs this machine does not have (cluster.gpus_per_node:
+    the planner's recommended command, pasted on the machine that planned it): checked as a
+    plan for such a node, and a line saying what only that node can answer."""
+    gpus = cfg.cluster.gpus_per_node
+    if gpus is None or here.cuda and here.gpus >= gpus:
+        return here, None
+    has = f"{here.gpus} GPU(s)" if here.cuda else "no GPU"
+    return HostInfo(cuda=True, gpus=gpus, cpus=here.cpus), (
+        f"checked as a plan for nodes of {gpus} GPUs (cluster.gpus_per_node={gpus}); this machine has {has}: "
+        f"the GPUs, their memory and the checkpoint disk are checked where it launches")
 
 
 def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool) -> None:
@@ -156,7 +179,7 @@ def check_accelerate(cfg: C.Config) -> None:
 def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> int:
     """Compose and validate every point first (bad input starts nothing), then run each."""
     rc = 0
-    for cfg, run_dir, host, choice, ds in compose_jobs("train", overrides, multirun):
+    for cfg, run_dir, host, choice, ds in compose_jobs("train", overrides, multirun, dry_run):
         plan = make_plan(cfg, host)
         files = run_files(cfg, plan, ds)
         if dry_run:
@@ -170,6 +193,10 @@ def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> in
             continue
         if nothing_to_train(cfg, run_dir):
             continue
+        if ds is not None:  # a DeepSpeed recipe: its ops compiled here, once per environment, not in the ranks
+            from launcher import ops
+
+            ops.build(ops.needed(cfg, host.cuda))
         created = not run_dir.exists()
         with contextlib.ExitStack() as held:
             owner = cfg.cluster.node_rank == 0  # the other nodes of a launch by hand share node 0's directory

@@ -39,6 +39,8 @@ def cmd_data(overrides: list[str]) -> int:
     what = "conversations" if cfg.data.name == C.DataKind.chat else "documents"
     print(f"data: {index['documents']:,} {what}, {index['tokens']:,} tokens ({index['dtype']}, {shards} "
           f"shard{'s' if shards != 1 else ''}); {describe(got)}", flush=True)
-    memmap = "" if cfg.data.name == C.DataKind.chat else f", or data=memmap data.path={shlex.quote(str(got.dir))}"
-    print(f"train on it: make train ARGS=\"<the same data.*>\"{memmap}", flush=True)
+    same = " ".join(shlex.quote(o) for o in [f"data={cfg.data.name.value}",
+                                             *(o for o in overrides if o.startswith("data."))])
+    memmap = "" if cfg.data.name == C.DataKind.chat else f" (or data=memmap data.path={shlex.quote(str(got.dir))})"
+    print(f"train on it: make train ARGS=\"{same}\"{memmap}", flush=True)
     return 0

@@ -48,7 +48,7 @@ def validate_fp8(cfg: Config, host) -> None:
         raise ConfigError("precision", "fp8", f"recipe {cfg.recipe.name} (tp {p.tp}, pp {p.pp}): float8 linear layers run "
                                      f"under {' and '.join(engines)} (recipe={' or '.join(engines)}, tp 1, pp 1)")
     if importlib.util.find_spec("torchao") is None:
-        raise ConfigError("precision", "fp8", "needs torchao (pip install 'torchao>=0.18'; make setup installs it)")
+        raise ConfigError("precision", "fp8", "needs torchao, the fp8 extra (.venv/bin/pip install -e '.[fp8]'; make test installs it)")
     if cfg.precision.fp8_emulate:
         return
     if not host.cuda:

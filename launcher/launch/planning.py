@@ -30,17 +30,21 @@ def planned_host(command: str, point: list[str], here: HostInfo) -> HostInfo:
 
 
 def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "Hardware":
-    """The GPUs to plan for: the configured cluster, or this machine's."""
+    """The GPUs to plan for: the configured cluster, or this machine's; on a machine without
+    GPUs and no cluster named (cluster.gpus_per_node, cluster.gpu_memory_gb), its CPU
+    processes (cluster.nproc_per_node, 2 by default), each with its share of the memory."""
     from launcher.planner import plan as planner
     from launcher.host import gpu_memory_bytes, gpu_name, table_tflops
 
     c = cfg.cluster
+    world_from_launch = world_from_launch or on_this_cpu(cfg, host)
     if world_from_launch:
         gpn = C.nproc_per_node(cfg, host)
     else:
         gpn = c.gpus_per_node or (host.gpus if host.cuda else None)
         if gpn is None:
-            raise C.ConfigError("cluster.gpus_per_node", None, "needed to plan on a machine without GPUs (e.g. 8)")
+            raise C.ConfigError("cluster.gpus_per_node", None, "needed with cluster.gpu_memory_gb on a machine "
+                                                               "without GPUs (e.g. 8); without both, the plan is for this machine's CPU")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's memory
     mem = int(c.gpu_memory_gb * 2**30) if c.gpu_memory_gb else gpu_memory_bytes()
     if mem is None and world_from_launch and not host.cuda:  # ranks on this CPU: each gets its share of memory
@@ -52,6 +56,43 @@ def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "Hardwar
     if host_bytes is None and world_from_launch:  # planning for this machine: its memory
         host_bytes = ram
     return planner.Hardware(gpu_bytes=mem, gpus_per_node=gpn, nnodes=c.nnodes, tflops=tflops, host_bytes=host_bytes)
+
+
+def on_this_cpu(cfg: C.Config, host: HostInfo) -> bool:
+    """A plan for this machine's CPU processes: it has no GPU and the config names none."""
+    return not host.cuda and cfg.cluster.gpus_per_node is None and not cfg.cluster.gpu_memory_gb
+
+
+def check_cpu_fit(cfg: C.Config, host: HostInfo) -> None:
+    """Ranks on this machine's CPU whose plan does not fit its memory (model=gpt_1b under
+    ddp on 23 GiB: killed by the kernel mid-start-up, issue 48): refused in one line, with
+    what it needs. The planner imports torch (1-2 s), so a run whose model states and
+    activations are far below the memory (the tiny default: a few MiB of 24 GiB) is passed
+    by arithmetic alone."""
+    if host.cuda:
+        return
+    n = C.nproc_per_node(cfg, host) * cfg.cluster.nnodes
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    m, t = cfg.model, cfg.train
+    if m.kind != C.ModelKind.hf:
+        rough = 16 * C.num_params(m) + t.micro_batch * t.seq_len * (40 * m.n_layers * m.dim + 12 * m.vocab_size)
+        if rough * n < ram // 8:
+            return
+    from launcher.planner import plan as planner
+
+    hw = hardware(cfg, host, world_from_launch=True)
+    try:
+        shaped = planner.planned_model(cfg)
+    except C.ConfigError:  # a model the planner's formulas do not cover: not refused on a guess
+        return
+    row = planner.memory_row(shaped, planner.layout_for(shaped, hw.world), t.activation_checkpointing, t.micro_batch, hw)
+    if planner.fits(shaped, hw, row):
+        return
+    GiB = 2**30
+    raise C.ConfigError("model", m.name, f"{cfg.recipe.name} at train.micro_batch={t.micro_batch} needs about "
+                        f"{row.peak / GiB:.1f} GiB per process (the planner), but {n} process(es) share this machine's "
+                        f"{ram / GiB:.0f} GiB ({hw.gpu_bytes / GiB - cfg.plan.reserve_gb:.1f} GiB each, less "
+                        f"plan.reserve_gb): `make plan` with the same model shows what fits here")
 
 
 def available_recipes(cuda: bool = True) -> dict[str, C.RecipeConfig]:
@@ -145,16 +186,26 @@ def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
     cfg, _, _ = compose_config(overrides)
     host = HostInfo.detect()
     hw = hardware(cfg, host, world_from_launch=False)
-    validate_for_cluster(cfg, hw.world, host)
-    rows = planner.plan(cfg, hw, available_recipes())
+    cpu = on_this_cpu(cfg, host)
+    if cpu:  # this machine's ranks, as `make train` starts them here (its default precision too)
+        from launcher.launch.asked import fit_precision, named
+
+        cfg, note = fit_precision(cfg, named(overrides), host)
+        for note in [note] * bool(note) + validate(cfg, host):
+            print(f"warning: {note}", file=sys.stderr, flush=True)
+    else:
+        validate_for_cluster(cfg, hw.world, host)
+    rows = planner.plan(cfg, hw, available_recipes(not cpu))
     if as_json:
         print(planner.to_json(rows, hw))
     else:
         from rich.console import Console
 
         console = Console(width=200)
-        title = (f"{cfg.model.name}: seq {cfg.train.seq_len}, {cfg.precision.name.value}, "
+        where = (f"this machine: {hw.gpus_per_node} CPU process(es) sharing {hw.host_bytes / 2**30:.0f} GiB (no GPU; "
+                 f"cluster.gpus_per_node and cluster.gpu_memory_gb plan for GPUs)" if cpu else
                  f"{hw.nnodes} node(s) x {hw.gpus_per_node} GPU(s) of {hw.gpu_bytes / 2**30:.0f} GiB")
+        title = f"{cfg.model.name}: seq {cfg.train.seq_len}, {cfg.precision.name.value}, {where}"
         console.print(planner.table(rows, hw, title))
         best = planner.recommended(rows)
         if best is None:

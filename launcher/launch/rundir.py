@@ -88,11 +88,12 @@ def checkpoints_written(cfg: C.Config) -> int:
     return max(1, -(-steps // every)) if every else 1
 
 
-def check_checkpoint_space(cfg: C.Config, run_dir: Path) -> None:
+def check_checkpoint_space(cfg: C.Config, run_dir: Path, dry_run: bool = False) -> str | None:
     """The checkpoint folder is writable and its disk has room for the checkpoints that
     can exist at once: keep + 1 (the newest is written before the oldest is deleted), or
     fewer when the run's complete ones and the ones this launch writes are fewer; found
-    here, not mid-run."""
+    here, not mid-run. A dry run (a plan, perhaps for another machine's disk: the planner's
+    recommended command) gets the shortfall as a note, checked again when it launches."""
     from launcher.manifest import complete_checkpoints
 
     root = root_of(cfg, run_dir)
@@ -103,12 +104,17 @@ def check_checkpoint_space(cfg: C.Config, run_dir: Path) -> None:
     at_once = min(cfg.checkpoint.keep + 1, len(done) + checkpoints_written(cfg))
     need = max(each, each * at_once - existing)
     free = shutil.disk_usage(probe).free
-    if free < need:
-        raise C.ConfigError("checkpoint.dir", str(root),
-                            f"{free / 2**30:.2f} GiB free, but {at_once} checkpoints at once (keep={cfg.checkpoint.keep}, "
-                            f"{checkpoints_written(cfg)} written by this run) of up to {each / 2**30:.2f} GiB need "
-                            f"{need / 2**30:.2f} GiB; free space, lower checkpoint.keep, raise checkpoint.every, "
-                            f"or choose another checkpoint.dir")
+    if free >= need:
+        return None
+    written = checkpoints_written(cfg)
+    fewer = "lower checkpoint.keep, raise checkpoint.every, " if at_once > 1 else ""
+    what = (f"{at_once} checkpoints at once (keep={cfg.checkpoint.keep}, {written} written by this run) of up to "
+            f"{each / 2**30:.2f} GiB need" if at_once > 1 else f"a checkpoint of up to {each / 2**30:.2f} GiB needs")
+    if dry_run:
+        return (f"checkpoint.dir={root}: {what} {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free on this machine "
+                f"(a dry run: the disk of the machine that launches it is checked there)")
+    raise C.ConfigError("checkpoint.dir", str(root), f"{free / 2**30:.2f} GiB free, but {what} {need / 2**30:.2f} GiB; "
+                                                     f"free space, {fewer}or choose another checkpoint.dir")
 
 
 def schedule_change(cfg: C.Config, run_dir: Path) -> str | None:

@@ -95,7 +95,7 @@ def run(job: Job) -> int:
     peak, guessed = peak_flops(device, job.compute_dtype, cfg.cluster.peak_tflops)
     if guessed:
         log.print(guessed)
-    meter = Throughput(tokens_per_step, global_batch, job.flops_per_token, peak * job.world_size)
+    meter = Throughput(tokens_per_step, global_batch, job.flops_per_token, peak and peak * job.world_size)
     reset_peak_memory(device)
     first_step = step
 
@@ -364,7 +364,7 @@ def summarize(job: Job, history: list[dict], steps_run: int, digest: bool = Fals
         "final_loss": history[-1]["loss"] if history else float("nan"),
         "loss_floor": floor if floor is not None else float("nan"),
         "tokens_per_s": _mean(steady, "tokens_per_s"),
-        "mfu": _mean(steady, "mfu"),
+        "mfu": _mean(steady, "mfu") if all("mfu" in h for h in steady) else None,  # only against a known peak
         "data_wait_frac": _mean(steady, "data_wait_frac"),
         "peak_mem_bytes": max((h["mem/peak_bytes"] for h in history), default=0),
         "model_state_bytes": history[-1]["mem/model_state_bytes"] if history else 0,

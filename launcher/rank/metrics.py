@@ -28,9 +28,10 @@ from rich.table import Table
 from launcher import jsonout, provenance
 from launcher.config import Config, LoggerKind, WandbMode, to_dict
 
-# The names users, dashboards and tests rely on. Keep them stable.
+# The names users, dashboards and tests rely on. Keep them stable. `mfu` joins them where
+# the device's peak is known (launcher/device.py::peak_flops), never above 1.
 STEP_METRICS = (
-    "step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "samples_per_s", "mfu",
+    "step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "samples_per_s",
     "data_wait_frac", "mem/peak_bytes", "mem/reserved_bytes", "mem/params_bytes", "mem/grads_bytes",
     "mem/optim_bytes", "mem/model_state_bytes", "mem/host_bytes",
 )
@@ -43,8 +44,9 @@ class Throughput:
     tokens_per_step: int
     samples_per_step: int
     flops_per_token: float
-    peak_flops_total: float
-    """Peak FLOP/s of one device times the number of devices."""
+    peak_flops_total: float | None
+    """Peak FLOP/s of one device times the number of devices; None where no peak is known
+    (a CPU without cluster.peak_tflops, a GPU not in the table): no `mfu` then."""
     steps: int = 0
     data_wait: float = 0.0
     start: float = field(default_factory=time.perf_counter)
@@ -57,9 +59,11 @@ class Throughput:
             "step_time_s": step_time,
             "tokens_per_s": tokens_per_s,
             "samples_per_s": self.samples_per_step / step_time,
-            "mfu": tokens_per_s * self.flops_per_token / self.peak_flops_total,
             "data_wait_frac": min(1.0, self.data_wait / elapsed),
         }
+        mfu = tokens_per_s * self.flops_per_token / self.peak_flops_total if self.peak_flops_total else None
+        if mfu is not None and mfu <= 1.0:  # above: the peak given is not the device's; no figure is better
+            out["mfu"] = mfu
         self.steps, self.data_wait, self.start = 0, 0.0, time.perf_counter()
         return out
 
@@ -166,7 +170,8 @@ class RankZeroLogger:
                     self.tb.add_scalar(k, v, metrics["step"], new_style=True, double_precision=True)
         line = (f"step {metrics['step']:>6}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  "
                 f"gnorm {metrics['grad_norm']:.3f}  {metrics['tokens_per_s']:,.0f} tok/s  "
-                f"mfu {100 * metrics['mfu']:.1f}%  peak {metrics['mem/peak_bytes'] / 2**20:,.0f} MiB"
+                + (f"mfu {100 * metrics['mfu']:.1f}%  " if "mfu" in metrics else "")
+                + f"peak {metrics['mem/peak_bytes'] / 2**20:,.0f} MiB"
                 + (f"  skipped {metrics['skipped_steps']} (fp16 overflow)" if metrics.get("skipped_steps") else "")
                 + (f"  val {metrics['val/loss']:.4f}" if "val/loss" in metrics else ""))
         if self.progress is not None:
@@ -195,7 +200,8 @@ class RankZeroLogger:
             self.progress.stop()
         table = Table(title=f"run {self.run_dir.name}", show_header=False)
         for k, v in flat_summary(summary).items():
-            table.add_row(k, _fmt(v))
+            if v is not None:  # a figure not taken (mfu without a known peak, digests not asked for)
+                table.add_row(k, _fmt(v))
         self.console.print(table)
         try:
             (self.run_dir / "summary.json").write_text(jsonout.dumps(summary, indent=1) + "\n")

@@ -145,7 +145,7 @@ def test_random_init_is_the_same_on_every_rank_ddp_and_fsdp_agree(runs):
     assert ddp == pytest.approx(fsdp, rel=REL)
     assert ddp[-1] < ddp[0]
     rows = read_metrics(runs("ddp"))
-    assert rows[0]["mfu"] > 0 and rows[0]["mem/model_state_bytes"] > 0
+    assert "mfu" not in rows[0] and rows[0]["mem/model_state_bytes"] > 0  # no MFU without a known peak (a CPU)
     summary = json.loads((runs("fsdp") / "summary.json").read_text())
     assert summary["world_size"] == 2
 

@@ -25,11 +25,13 @@ from pathlib import Path
 import pytest
 
 from runs import REPO
+from launcher.host import HostInfo
 from launcher.launch import cli
 
 README = REPO / "README.md"
 BIN = Path(sys.executable).parent  # the environment running the suite: `make test`'s .venv/bin
 STARTS = ("make ", ".venv/bin/", "cd RUN_DIR ", "RUN_DIR/")
+TESTED = ".venv/.installed-test"  # the test set-up (make test, gpu-check); like .venv/.installed, never remade here
 
 
 def shell_env() -> dict[str, str]:
@@ -187,8 +189,8 @@ def run(command: str, home: Path, capsys) -> str:
         proc = subprocess.run(shlex.split(command.split(" | ")[0]) + [f"PY={sys.executable}", "-o", ".venv/.installed"],
                               cwd=REPO, env=shell_env(), capture_output=True, text=True, timeout=300)
     elif head == ["make", "test"]:  # this suite: make runs pytest over tests/, which holds this file
-        proc = subprocess.run(["make", "-s", "-n", "-o", ".venv/.installed", "test"], cwd=REPO, env=shell_env(), capture_output=True,
-                              text=True, timeout=60)
+        proc = subprocess.run(["make", "-s", "-n", "-o", ".venv/.installed", "-o", TESTED, "test"], cwd=REPO, env=shell_env(),
+                              capture_output=True, text=True, timeout=60)
         words = proc.stdout.split()  # pytest-xdist workers: half the cores, 2 on 2 cores (the Makefile's TEST_WORKERS)
         cores = len(os.sched_getaffinity(0))  # what nproc counts
         workers = str(cores // 2 if cores > 4 else 2)
@@ -196,7 +198,8 @@ def run(command: str, home: Path, capsys) -> str:
                          "--durations=25", "tests"], proc.stdout
         assert REPO / "tests" in Path(__file__).parents
     elif head[0] == "make":  # make rehearse builds a 70B layout's ranks: a minute alone, more on a busy machine
-        proc = subprocess.run(shlex.split(command), cwd=REPO, env=shell_env(), capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([*shlex.split(command), "-o", ".venv/.installed", "-o", TESTED], cwd=REPO, env=shell_env(),
+                              capture_output=True, text=True, timeout=600)
     elif "/launcher train" in command:  # the console script, for its own exit code
         proc = shell(command.replace("; echo", " --dry-run; echo"), home)
     elif "wandb sync" in command:  # uploading needs the network: say what would be synced
@@ -252,3 +255,41 @@ def check(command: str, out: str, home: Path) -> None:
     elif command == "outputs/a/command.sh":  # the run is finished: it says so and rewrites nothing
         assert "nothing to train: " in out, out
         assert json.loads((run_a / "summary.json").read_text())["steps_this_launch"] == 2
+
+
+# ----------------------------------------------------------------------------- the first tasks
+# A new user's three first tasks (issue 48), each from the README's own lines. The rest of
+# each is proven where the suite already runs it: a corpus of one's own learns
+# (tests/e2e/test_hf_text_runs.py::test_fsdp_hf_text_parquet_with_a_local_tokenizer), a
+# Hugging Face model fine-tuned, exported and loaded by transformers
+# (tests/e2e/test_hf_model_runs.py::test_export_hf_loads_with_from_pretrained_and_gives_the_trained_logits).
+DATA_LINE = """make data ARGS="data.files='corpus/*.jsonl' data.tokenizer=path/to/tokenizer\""""
+
+
+@pytest.mark.slow
+def test_make_data_says_the_train_command_that_trains_on_it(home, monkeypatch, capsys):
+    """`make data`'s closing line is a command that trains on that data: it led into
+    training on synthetic data when it said `make train ARGS="<the same data.*>"`."""
+    monkeypatch.chdir(home)
+    out = run(concrete(readme_line(DATA_LINE))[0], home, capsys)
+    hint = next(line for line in out.splitlines() if line.startswith("train on it: "))
+    command = hint.removeprefix("train on it: ").split(" (or data=memmap", 1)[0]
+    printed = in_process(launcher_argv(command, "--dry-run", "hydra.run.dir=outputs/own"), command, capsys)
+    assert "data:\n  name: hf_text\n" in printed and "files: corpus/*.jsonl" in printed, printed[:1500]
+
+
+@pytest.mark.slow
+def test_the_planners_recommended_command_passes_a_dry_run_here(home, monkeypatch, capsys):
+    """Pasted on the machine that planned it, with --dry-run: checked as a plan for the
+    nodes it names (it failed on this machine's disk, issue 48); what only those nodes
+    can answer is said so."""
+    monkeypatch.chdir(home)
+    for line in (PLAN_LINE, 'make plan ARGS="model=llama3_8b cluster.gpus_per_node=8 cluster.gpu_memory_gb=24 '
+                            'train.seq_len=4096"'):
+        out = in_process(launcher_argv(line), line, capsys)
+        command = next(x for x in out.splitlines() if x.startswith("recommended: ")).removeprefix("recommended: ")
+        printed = in_process(launcher_argv(command, "--dry-run"), command, capsys)
+        assert "# command" in printed, printed[-2000:]
+        if not HostInfo.detect().cuda:
+            assert "this machine has no GPU: the GPUs, their memory and the checkpoint disk are checked where it " \
+                   "launches" in printed, printed[-2000:]

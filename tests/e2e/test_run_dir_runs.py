@@ -91,9 +91,22 @@ def test_a_fresh_start_never_mixes_two_runs(tmp_path):
     run = tmp_path / "r"
     ckpts = run / "checkpoints"
     base = ["train.steps=4", "checkpoint.every=2", "optim.warmup_steps=1", "logger.log_every=1", "logger.name=none",
-            "cluster.nproc_per_node=1"]
+            "cluster.nproc_per_node=1", "train.micro_batch=4", "train.grad_accum=2"]
     launch(*base, run_dir=run)
     first = (run / "config.yaml").read_text().split("run_id: ", 1)[1].split()[0]
+
+    # A relaunch naming neither the batch nor the model keeps the run's (issue 48: `train.steps=30`
+    # alone resumed a run of micro_batch 4 x grad_accum 4 with a global batch of 16, not 32), at
+    # another process count too, through train.global_batch; one line says so. Dry runs: nothing moves.
+    plain = [o for o in base if not o.startswith(("train.micro_batch", "train.grad_accum"))]
+    for procs in (1, 2):
+        proc = launch(*plain[:-1], f"cluster.nproc_per_node={procs}", "train.steps=6", "--dry-run", run_dir=run)
+        config = proc.stdout.split("\ntrain:\n", 1)[1]
+        assert "  micro_batch: 4\n  grad_accum: 2\n" in config
+        assert ("  global_batch: null\n" if procs == 1 else "  global_batch: 8\n") in config
+        said = [line for line in proc.stderr.splitlines() if "resumes its run" in line]
+        assert len(said) == 1 and "the run's own train.micro_batch=4, train.grad_accum=2" in said[0], proc.stderr
+        assert ("global batch of 8 samples at 2 process(es)" in said[0]) is (procs == 2), said[0]
     assert [run_of(f) for f in sorted(ckpts.glob("step_*"))] == [first, first]
     assert read_latest(ckpts) == ("step_00000004", first)
     before = snapshot(run)

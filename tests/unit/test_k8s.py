@@ -33,7 +33,7 @@ def rendered(run_dir: Path, capsys, *more: str) -> list[dict]:
 
 
 def test_the_job_and_its_service_validate_against_the_kubernetes_schemas(tmp_path, capsys):
-    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the k8s extra (make setup installs it)")
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the k8s extra (make test installs it)")
 
     run = tmp_path / "runs" / "a"
     service, job = rendered(run, capsys)
@@ -69,7 +69,7 @@ def test_the_job_and_its_service_validate_against_the_kubernetes_schemas(tmp_pat
 
 
 def test_the_trainjob_validates_against_the_trainers_api_models(tmp_path, capsys):
-    pytest.importorskip("kubeflow_trainer_api", reason="the k8s extra (make setup installs it)")
+    pytest.importorskip("kubeflow_trainer_api", reason="the k8s extra (make test installs it)")
     from kubeflow_trainer_api.models.trainer_v1alpha1_train_job import TrainerV1alpha1TrainJob
 
     run = tmp_path / "runs" / "b"
@@ -153,7 +153,7 @@ def test_the_rehearsed_405b_layout_renders_as_a_64_pod_job(capsys, monkeypatch):
     from launcher.launch import rundir
     from runs import REPO
 
-    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the k8s extra (make setup installs it)")
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the k8s extra (make test installs it)")
     monkeypatch.chdir(REPO)
 
     class ParallelFilesystem:  # 4 checkpoints of 6 TB on the cluster's shared volume

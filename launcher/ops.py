@@ -1,0 +1,75 @@
+"""DeepSpeed's just-in-time ops, compiled once per Python environment when a run first needs
+one (the launch side, before any rank starts, with a line that says so) or by `make setup
+BUILD_OPS=1` / scripts/build_ops.py when asked, not by every set-up: compiling them took 4.6
+of set-up's 7 minutes on 2 cores (cpu_adam 174 s, the shared-memory op 102 s), for the
+default ddp run that never loads one (issue 48). Compiled inside the ranks instead, each
+would wait behind one lock and a 2-step zero2 run took 43.6 s instead of 10.3 s.
+
+torch keeps them in launcher.host.ops_cache_dir() (TORCH_EXTENSIONS_DIR, one folder per
+environment), where every later rank loads them in about a second. Imported by the launch
+side only when a DeepSpeed recipe launches, and by scripts/build_ops.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from launcher import config as C
+
+CPU_ADAM, SHM_COMM = "CPUAdamBuilder", "ShareMemCommBuilder"
+ALL = (CPU_ADAM, SHM_COMM)
+
+
+def needed(cfg: C.Config, cuda: bool) -> list[str]:
+    """The ops a run of this config loads: CPU Adam where the optimizer steps on the host
+    (recipe.zero.offload_optimizer), DeepSpeed's shared-memory collectives on a CPU."""
+    import recipes
+
+    if not recipes.spec(cfg.recipe.strategy).deepspeed:
+        return []
+    offload = cfg.recipe.zero.offload_optimizer != C.OffloadDevice.none
+    return [name for name, use in ((CPU_ADAM, offload), (SHM_COMM, not cuda)) if use]
+
+
+def built(builder) -> bool:
+    """Whether torch's cache holds the op's library (a changed build command still rebuilds
+    it, in torch's own load)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return os.path.isfile(os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so"))
+
+
+def build(names: list[str] | tuple[str, ...], quiet_when_built: bool = True) -> None:
+    """Compile the named ops that are not built yet, one line before and after each (on
+    stderr). An op that cannot be built (no compiler, no CUDA toolkit) is said in one line and
+    left to the rank that needs it, which fails with DeepSpeed's own message: nothing here
+    ends a run."""
+    from launcher.host import deepspeed_env
+
+    if not names:
+        return
+    deepspeed_env()  # the accelerator and the cache folder a rank will use
+    try:
+        from deepspeed.accelerator import get_accelerator
+    except ImportError as err:
+        print(f"DeepSpeed ops: DeepSpeed is not installed ({err}); nothing to build", file=sys.stderr, flush=True)
+        return
+    accelerator = get_accelerator()
+    for name in names:
+        builder = accelerator.create_op_builder(name)
+        if builder is None or not builder.is_compatible(verbose=False):
+            continue
+        if built(builder) and quiet_when_built:
+            continue
+        print(f"DeepSpeed ops: compiling {builder.NAME} for this environment (once; 1-3 minutes on 2 cores, "
+              f"into {os.environ['TORCH_EXTENSIONS_DIR']})", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        try:
+            builder.load(verbose=False)
+        except Exception as err:  # noqa: BLE001 -- a missing compiler: the rank that needs the op says it too
+            print(f"DeepSpeed ops: {builder.NAME} not built ({type(err).__name__}: {str(err).splitlines()[0][:200]})",
+                  file=sys.stderr, flush=True)
+            continue
+        print(f"DeepSpeed ops: {builder.NAME} ready ({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)

@@ -1,0 +1,93 @@
+"""The first hour of a new user (issue 48): the default precision fits the CPU, MFU only
+against a peak the launcher knows, `make plan` on a machine without GPUs plans for it.
+(Data keys without their source and a CPU run that cannot fit: tests/unit/test_bad_input.py;
+a relaunch that keeps the run's values: tests/e2e/test_run_dir_runs.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.host import HostInfo, native_bf16
+from launcher.launch import asked, cli
+from launcher.launch.compose import compose_config
+
+ZEN4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_vnni\n"
+SKYLAKE = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_vnni\n"
+SAPPHIRE = "flags\t\t: avx512f amx_tile amx_bf16 amx_int8\n"
+GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+GRAVITON2 = "processor\t: 0\nFeatures\t: fp asimd asimddp\n"
+
+
+@pytest.mark.parametrize("cpuinfo,native", [(ZEN4, True), (SKYLAKE, False), (SAPPHIRE, True), (GRAVITON3, True),
+                                            (GRAVITON2, False), ("", False)])
+def test_native_bf16_from_the_cpu_flags(cpuinfo, native):
+    assert native_bf16(cpuinfo) is native
+
+
+def test_the_default_precision_is_fp32_on_a_cpu_without_native_bf16():
+    """bf16 was emulated there: 1,052-1,235 tokens/s against 15,031 in fp32 (issue 48)."""
+    cpu = HostInfo(cuda=False, gpus=0, cpus=2)
+    cfg, _, _ = compose_config([])
+    fitted, note = asked.fit_precision(cfg, asked.named([]), cpu, native=False)
+    assert fitted.precision.name.value == "fp32" and "no native bf16" in note and "precision=bf16" in note
+    for chosen in (["precision=bf16"], ["precision.name=bf16"], ["precision=fp8"]):  # asked for: kept
+        cfg, _, _ = compose_config(chosen)
+        assert asked.fit_precision(cfg, asked.named(chosen), cpu, native=False) == (cfg, None)
+    cfg, _, _ = compose_config([])
+    assert asked.fit_precision(cfg, set(), cpu, native=True) == (cfg, None)
+    assert asked.fit_precision(cfg, set(), HostInfo(cuda=True, gpus=1, cpus=2), native=False) == (cfg, None)
+
+
+def test_a_dry_run_on_this_machine_says_the_precision_once(tmp_path, capsys, monkeypatch):
+    """`make train ARGS=--dry-run` with the default precision: this CPU's flags decide."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", f"hydra.run.dir={tmp_path / 'run'}", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    want = "bf16" if native_bf16() else "fp32"
+    assert f"precision:\n  name: {want}\n" in out
+    assert err.count("no native bf16") == (0 if native_bf16() else 1), err
+
+
+def test_mfu_only_against_a_known_peak_and_never_above_one():
+    import torch
+
+    from launcher.device import peak_flops
+    from launcher.rank.metrics import Throughput
+
+    assert peak_flops(torch.device("cpu"), torch.bfloat16) == (None, None)  # a CPU: no peak known
+    assert peak_flops(torch.device("cpu"), None, tflops=2.0) == (2e12, None)  # cluster.peak_tflops
+    assert "mfu" not in Throughput(100, 1, 6e6, None, steps=1).rates()
+    rates = Throughput(100, 1, 6e6, 1e12, steps=1, start=0.0).rates()  # a long interval: a small MFU
+    assert 0 < rates["mfu"] < 1
+    import time
+
+    assert "mfu" not in Throughput(10**6, 1, 6e9, 1e9, steps=1, start=time.perf_counter() - 1).rates()  # 6000x
+
+
+def test_make_plan_without_a_gpu_plans_for_this_machine(capsys):
+    """No cluster named on a machine without GPUs: its CPU processes and memory (issue 48:
+    it stopped at `cluster.gpus_per_node=None: needed to plan`)."""
+    import os
+
+    host = HostInfo.detect()
+    if host.cuda:
+        pytest.skip("a GPU machine plans for its GPUs")
+    from launcher.launch.planning import cmd_plan
+
+    assert cmd_plan(["model=gpt_1b"]) == 0
+    out = capsys.readouterr().out
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    assert f"this machine: 2 CPU process(es) sharing {ram:.0f} GiB" in out, out[:500]
+    assert "zero2_offload" not in out and "recommended: make train" in out or "nothing fits" in out, out[-1500:]
+
+
+@pytest.mark.parametrize("recipe,cuda,want", [
+    ("ddp", False, []), ("fsdp", True, []), ("zero2", True, []), ("zero2", False, ["ShareMemCommBuilder"]),
+    ("zero2_offload", True, ["CPUAdamBuilder"]), ("zero3_offload", False, ["CPUAdamBuilder", "ShareMemCommBuilder"])])
+def test_the_deepspeed_ops_a_run_compiles_first(recipe, cuda, want):
+    """Set-up no longer compiles them (4.6 of its 7 minutes, issue 48): a launch compiles
+    the ones its run loads, once per environment, before its ranks start."""
+    from launcher import ops
+
+    cfg, _, _ = compose_config([f"recipe={recipe}"])
+    assert ops.needed(cfg, cuda) == want
