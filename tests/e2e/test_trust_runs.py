@@ -3,10 +3,14 @@ launches; docs/reliability.md section 12 names these tests."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
-from runs import launch
-from launcher.manifest import read_latest, verify
+from corpus import documents, write_jsonl
+from runs import assert_refused, here, launch, start, wait_for_step
+from launcher.manifest import read_latest, run_of, verify
 
 pytestmark = pytest.mark.slow
 
@@ -49,3 +53,38 @@ def test_keep_k_never_deletes_the_good_checkpoints_after_a_corrupt_one_is_skippe
     done = launch("train.steps=6", "checkpoint.every=2", "checkpoint.keep=1", *SHORT, run_dir=run)
     assert "at step 3 " in done.stdout, done.stdout[-2000:]
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000004.failed", "step_00000006"]
+
+
+def test_no_command_moves_a_live_runs_checkpoints(tmp_path, monkeypatch):
+    """Run A trains with checkpoint.every=4. Each command pointed at A's checkpoint folder with
+    checkpoint.resume=never checkpoint.on_existing=archive, against the live run: train and
+    submit (a stub sbatch on PATH: submit exited 0 and moved them) are refused in one line
+    naming A's launch; export and data move nothing. A ends as it would have, its checkpoints
+    and run id untouched."""
+    run, other = tmp_path / "A", tmp_path / "B"
+    live = start(run, "train.steps=100000", "checkpoint.every=4", *SHORT)
+    try:
+        wait_for_step(run, 6, live)
+        ckpts = run / "checkpoints"
+        owner = read_latest(ckpts)[1]
+        archive = [f"checkpoint.dir={ckpts}", "checkpoint.resume=never", "checkpoint.on_existing=archive", *SHORT]
+        stub = tmp_path / "bin"
+        stub.mkdir()
+        (stub / "sbatch").write_text("#!/bin/sh\necho 4242\n")
+        (stub / "sbatch").chmod(0o755)
+        env = {"PATH": f"{stub}:{os.environ['PATH']}"}
+        for command, extra in (("train", []), ("submit", ["cluster.requeue=false"])):
+            proc = launch(*archive, *extra, run_dir=other, command=command, env=env, check=False)
+            assert_refused(proc.returncode, proc.stdout, proc.stderr, [f"{ckpts} is in use by the launch",
+                                                                       f"pid {live.pid}"])
+            assert not other.exists() and not (ckpts / "archive").exists(), command
+        assert launch(str(run), command="export", check=False).returncode == 0
+        corpus = write_jsonl(tmp_path / "c.jsonl", documents(40))
+        monkeypatch.setenv("HOME", str(tmp_path))  # the shared cache under this home
+        here("data", f"data.files={corpus}", "data.tokenizer=byte", *archive[:3])
+        assert read_latest(ckpts)[1] == owner and not (ckpts / "archive").exists()
+    finally:
+        live.send_signal(signal.SIGINT)
+        live.communicate(timeout=120)
+    assert live.returncode == 130 and not (ckpts / "archive").exists()
+    assert all(run_of(f) == owner for f in ckpts.glob("step_*"))
