@@ -10,6 +10,7 @@ import pytest
 
 from corpus import documents, write_jsonl
 from runs import assert_refused, here, launch, start, wait_for_step
+from launcher.config import load_frozen
 from launcher.manifest import read_latest, run_of, verify
 
 pytestmark = pytest.mark.slow
@@ -88,3 +89,17 @@ def test_no_command_moves_a_live_runs_checkpoints(tmp_path, monkeypatch):
         live.communicate(timeout=120)
     assert live.returncode == 130 and not (ckpts / "archive").exists()
     assert all(run_of(f) == owner for f in ckpts.glob("step_*"))
+
+
+def test_a_config_value_reaches_the_ranks_as_typed(tmp_path):
+    """`checkpoint.dir='/x/ck_\\${oc.env:SUB}'` (the user's escaped `${`): the launcher locked,
+    checked and settled the literal path while the ranks, resolving config.yaml again, wrote
+    to /x/ck_<value of SUB>, which nothing locked; `run_name='\\${oc.env:SECRET}'` read back
+    as the secret. Now config.yaml holds the characters typed and the ranks write where the
+    launcher checked."""
+    run = tmp_path / "run"
+    launch("train.steps=2", *SHORT, rf"checkpoint.dir={tmp_path}/ck_\${{oc.env:SUB}}",
+           r"run_name='\${oc.env:SECRET}'", run_dir=run, env={"SUB": "sub", "SECRET": "planted-secret-81f2"})
+    assert (tmp_path / "ck_${oc.env:SUB}" / "step_00000002").is_dir() and not (tmp_path / "ck_sub").exists()
+    frozen = load_frozen(run)  # what every rank reads
+    assert frozen.run_name == "${oc.env:SECRET}" and frozen.checkpoint.dir == f"{tmp_path}/ck_${{oc.env:SUB}}"
