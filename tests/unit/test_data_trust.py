@@ -1,0 +1,92 @@
+"""The shared data cache is content-checked (issue 47, 4; launcher/data/shards.py): `make data`
+(`launcher data`, run here as the user runs it) reuses an entry only when every file its
+shard entries list is a plain name of its own whose digest matches; a token file whose size
+is not a whole number of tokens is refused (issue 47, 5)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from corpus import documents, write_jsonl
+from runs import assert_refused
+from launcher.data.cache import read_tokens
+from launcher.data.shards import memo_path
+from launcher.launch import cli
+
+
+@pytest.fixture
+def made(tmp_path, monkeypatch, capsys):
+    """`make data` of a small corpus into a cache of its own (this user's home: the memo)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("LAUNCHER_DATA_CACHE", str(tmp_path / "cache"))
+    corpus = write_jsonl(tmp_path / "c.jsonl", documents(300, seed=5))
+    args = ["data", f"data.files={corpus}", "data.tokenizer=byte", "data.shard_mb=1"]
+    assert cli.main(args) == 0
+    entry = next(p for p in (tmp_path / "cache").iterdir() if (p / "index.json").is_file())
+    capsys.readouterr()
+    return args, entry, read_tokens(entry)[0]
+
+
+def again(args, capsys) -> tuple[int, str, str]:
+    code = cli.main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_each_shard_file_has_a_digest_and_a_rewritten_shard_is_not_reused(made, capsys):
+    """Another user rewrites a shard with other tokens of the same size: `make data` said
+    "reused" and the run trained on them; now the entry is prepared again, to the same tokens."""
+    args, entry, tokens = made
+    index = json.loads((entry / "index.json").read_text())
+    assert all(set(s["sha256"]) == {s["file"]} for s in index["shards"])
+    assert again(args, capsys)[1].count("reused") == 1  # verified once, from the memo since
+    shard = entry / index["shards"][0]["file"]
+    shard.write_bytes(bytes(reversed(shard.read_bytes())))  # same size, other tokens
+    code, out, _ = again(args, capsys)
+    assert code == 0 and "reused" not in out and f"{shard.name} fails its sha256" in out, out
+    assert np.array_equal(read_tokens(entry)[0], tokens)
+
+
+def test_an_index_whose_digests_were_rewritten_with_its_shard_is_not_believed(made, capsys):
+    """The same, with index.json's digest rewritten to match the forged shard: this user's
+    memo of what it prepared does not agree."""
+    args, entry, tokens = made
+    index = json.loads((entry / "index.json").read_text())
+    first = index["shards"][0]
+    forged = bytes(reversed((entry / first["file"]).read_bytes()))
+    (entry / first["file"]).write_bytes(forged)
+    import hashlib
+
+    first["sha256"][first["file"]] = hashlib.sha256(forged).hexdigest()
+    (entry / "index.json").write_text(json.dumps(index))
+    code, out, _ = again(args, capsys)
+    assert code == 0 and "reused" not in out, out
+    assert np.array_equal(read_tokens(entry)[0], tokens)
+    assert memo_path().is_file()
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../../other/shard_000000.bin", "link.bin"])
+def test_a_shard_name_that_is_not_the_entrys_own_file_is_refused(name, made, capsys, tmp_path):
+    args, entry, _ = made
+    index = json.loads((entry / "index.json").read_text())
+    if name == "link.bin":
+        (entry / name).symlink_to(entry / index["shards"][0]["file"])
+    index["shards"][0]["file"] = name
+    (entry / "index.json").write_text(json.dumps(index))
+    code, out, err = again(args, capsys)
+    assert_refused(code, out, err, ["index.json names", name.split("/")[-1] if name == "link.bin" else repr(name)])
+
+
+def test_an_entry_without_digests_is_prepared_again(made, capsys):
+    """An entry an earlier version wrote (no digests): not believed, prepared again."""
+    args, entry, tokens = made
+    index = json.loads((entry / "index.json").read_text())
+    for s in index["shards"]:
+        del s["sha256"]
+    (entry / "index.json").write_text(json.dumps(index))
+    code, out, _ = again(args, capsys)
+    assert code == 0 and "records no digest" in out and "reused" not in out, out
+    assert np.array_equal(read_tokens(entry)[0], tokens)
