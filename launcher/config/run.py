@@ -298,7 +298,8 @@ class ExportConfig:
     """Which checkpoint (null = the latest complete one)."""
     out: Optional[str] = None
     """Output folder (null = RUN_DIR/export/step_XXXXXXXX, with -hf for format=hf and -bf16
-    for dtype=bf16: each export has its own folder)."""
+    for dtype=bf16: each export has its own folder). Read from `launcher export`'s command
+    line only: a run directory's config.yaml (a copied one) never chooses where it writes."""
 
 
 @dataclass

@@ -82,7 +82,12 @@ def stream(key: str, path: str, dtype: TokenDtype) -> Stream:
     if not found:
         raise ConfigError(key, path, "no such file; allowed: a token file, a folder of *.bin shards or one "
                           "`make data` prepared (index.json), or a glob")
-    return Stream(tuple(found), tuple(os.path.getsize(f) // dtype.width for f in found), dtype)
+    sizes = [os.path.getsize(f) for f in found]
+    cut = next((f"{f} has {size:,} bytes" for f, size in zip(found, sizes) if size % dtype.width), None)
+    if cut:  # a copy that stopped half-way: its last token is half a token
+        raise ConfigError(key, path, f"{cut}, not a whole number of {dtype.value} tokens ({dtype.width} bytes "
+                          "each): a copy cut short, or another data.dtype? Copy it again whole")
+    return Stream(tuple(found), tuple(size // dtype.width for size in sizes), dtype)
 
 
 def indexed(key: str, path: str, index: Path) -> Stream:
@@ -105,7 +110,7 @@ def indexed(key: str, path: str, index: Path) -> Stream:
         raise NotItsOwn(key, path, f"{index} {wrong}")
     for f, tokens in shards:
         size = f.stat().st_size if f.is_file() else None
-        if size is None or size // dtype.width < tokens:
+        if size is None or size // dtype.width < tokens or size % dtype.width:
             raise ConfigError(key, path, f"{index} names {f.name} with {tokens} tokens; "
                               + ("it is missing" if size is None else f"it holds {size // dtype.width}"))
     return Stream(tuple(str(f) for f, _ in shards), tuple(t for _, t in shards), dtype)

@@ -4,6 +4,7 @@ launches; docs/reliability.md section 12 names these tests."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 import pytest
@@ -91,15 +92,38 @@ def test_no_command_moves_a_live_runs_checkpoints(tmp_path, monkeypatch):
     assert all(run_of(f) == owner for f in ckpts.glob("step_*"))
 
 
-def test_a_config_value_reaches_the_ranks_as_typed(tmp_path):
+@pytest.fixture(scope="module")
+def typed(tmp_path_factory):
+    """A 2-step run whose checkpoint.dir and run_name hold an escaped `${...}`."""
+    tmp = tmp_path_factory.mktemp("typed")
+    launch("train.steps=2", *SHORT, rf"checkpoint.dir={tmp}/ck_\${{oc.env:SUB}}", r"run_name='\${oc.env:SECRET}'",
+           run_dir=tmp / "run", env={"SUB": "sub", "SECRET": "planted-secret-81f2"})
+    return tmp
+
+
+def test_a_config_value_reaches_the_ranks_as_typed(typed):
     """`checkpoint.dir='/x/ck_\\${oc.env:SUB}'` (the user's escaped `${`): the launcher locked,
     checked and settled the literal path while the ranks, resolving config.yaml again, wrote
     to /x/ck_<value of SUB>, which nothing locked; `run_name='\\${oc.env:SECRET}'` read back
     as the secret. Now config.yaml holds the characters typed and the ranks write where the
     launcher checked."""
-    run = tmp_path / "run"
-    launch("train.steps=2", *SHORT, rf"checkpoint.dir={tmp_path}/ck_\${{oc.env:SUB}}",
-           r"run_name='\${oc.env:SECRET}'", run_dir=run, env={"SUB": "sub", "SECRET": "planted-secret-81f2"})
-    assert (tmp_path / "ck_${oc.env:SUB}" / "step_00000002").is_dir() and not (tmp_path / "ck_sub").exists()
-    frozen = load_frozen(run)  # what every rank reads
-    assert frozen.run_name == "${oc.env:SECRET}" and frozen.checkpoint.dir == f"{tmp_path}/ck_${{oc.env:SUB}}"
+    assert (typed / "ck_${oc.env:SUB}" / "step_00000002").is_dir() and not (typed / "ck_sub").exists()
+    frozen = load_frozen(typed / "run")  # what every rank reads
+    assert frozen.run_name == "${oc.env:SECRET}" and frozen.checkpoint.dir == f"{typed}/ck_${{oc.env:SUB}}"
+
+
+def test_export_writes_where_its_command_line_says_only(typed, tmp_path):
+    """A copied run directory whose config.yaml says export.out=<another folder>: `launcher
+    export RUN` overwrote the model there; now it writes into the run's own export folder,
+    and where the command line says."""
+    run, victim = shutil.copytree(typed / "run", tmp_path / "run"), tmp_path / "theirs"
+    victim.mkdir()
+    (victim / "model.safetensors").write_bytes(b"their model")
+    frozen = (run / "config.yaml").read_text()
+    assert "  out: null" in frozen
+    (run / "config.yaml").write_text(frozen.replace("  out: null", f"  out: {victim}"))
+    assert here("export", str(run)).stdout.startswith(f"exported {run / 'export' / 'step_00000002'}")
+    assert (victim / "model.safetensors").read_bytes() == b"their model"
+    mine = tmp_path / "mine"
+    here("export", str(run), f"export.out={mine}")
+    assert (mine / "model.safetensors").is_file()

@@ -90,3 +90,20 @@ def test_an_entry_without_digests_is_prepared_again(made, capsys):
     code, out, _ = again(args, capsys)
     assert code == 0 and "records no digest" in out and "reused" not in out, out
     assert np.array_equal(read_tokens(entry)[0], tokens)
+
+
+@pytest.mark.parametrize("given", ["file", "folder", "glob", "mixture"])
+def test_a_token_file_cut_mid_token_is_refused(given, tmp_path, capsys):
+    """A uint16 token file of 1,000,001 bytes (a copy that stopped half-way) trained without
+    a word; now refused in one line naming the file, its size and the dtype, however it is
+    named: the file, a folder of shards, a glob, a mixture's source."""
+    (tmp_path / "d").mkdir()
+    good, cut = tmp_path / "d" / "a.bin", tmp_path / "d" / "b.bin"
+    good.write_bytes(bytes(1_000_000))
+    cut.write_bytes(bytes(1_000_001))
+    path = {"file": str(cut), "folder": str(tmp_path / "d"), "glob": str(tmp_path / "d" / "*.bin"),
+            "mixture": None}[given]
+    data = [f"data.path={path}"] if path else [f"data.sources='50 {good} 50 {cut}'"]
+    code = cli.main(["train", "--dry-run", "data=memmap", *data])
+    out, err = capsys.readouterr()
+    assert_refused(code, out, err, [f"{cut} has 1,000,001 bytes, not a whole number of uint16 tokens"])
