@@ -127,3 +127,30 @@ def test_export_writes_where_its_command_line_says_only(typed, tmp_path):
     mine = tmp_path / "mine"
     here("export", str(run), f"export.out={mine}")
     assert (mine / "model.safetensors").is_file()
+
+
+def test_a_symlink_inside_a_checkpoint_is_refused_in_one_line(typed, tmp_path):
+    """The checkpoint's engine/ folder replaced by a link to a folder whose model.pt holds a
+    payload (digests rewritten): the launch-side walk skipped it and the ranks refused with
+    a traceback, exit 1; now one line, exit 2, the payload never run, no rank started."""
+    import torch
+
+    from crafted import Payload
+    from launcher.manifest import write_manifest
+
+    run = shutil.copytree(typed / "run", tmp_path / "run")
+    ckpts = shutil.copytree(typed / "ck_${oc.env:SUB}", tmp_path / "ck")
+    frozen = (run / "config.yaml").read_text().replace(str(typed / "ck_\\${oc.env:SUB}"), str(ckpts))
+    (run / "config.yaml").write_text(frozen)
+    step = ckpts / "step_00000002"
+    elsewhere, marker = tmp_path / "elsewhere", tmp_path / "ran"
+    shutil.move(step / "engine", elsewhere)
+    state = torch.load(elsewhere / "model.pt", weights_only=True)
+    state["payload"] = Payload(marker)
+    torch.save(state, elsewhere / "model.pt")
+    (step / "engine").symlink_to(elsewhere, target_is_directory=True)
+    write_manifest(step, 2, run_of(step))
+    proc = launch("train.steps=4", *SHORT, f"checkpoint.dir={ckpts}", run_dir=run, check=False)
+    assert_refused(proc.returncode, proc.stdout, proc.stderr, [f"{step / 'engine'} is a symbolic link",
+                                                               "must never run code"])
+    assert not marker.exists() and "rank(s) on" not in proc.stdout
