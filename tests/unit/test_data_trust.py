@@ -107,3 +107,32 @@ def test_a_token_file_cut_mid_token_is_refused(given, tmp_path, capsys):
     code = cli.main(["train", "--dry-run", "data=memmap", *data])
     out, err = capsys.readouterr()
     assert_refused(code, out, err, [f"{cut} has 1,000,001 bytes, not a whole number of uint16 tokens"])
+
+
+@pytest.mark.parametrize("folder", ["tokenizer", "model"])
+def test_a_folder_that_asks_to_run_its_own_code_is_refused(folder, tmp_path, monkeypatch, capsys):
+    """issue 47, 8: `auto_map` in a tokenizer folder made transformers ask "run the custom
+    code? [y/N]" in the middle of a launch (a piped `y` ran it); in a model=hf config, the
+    same. Refused in one line; nothing is read from stdin."""
+    from corpus import make_tokenizer
+    from hf_models import tiny_llama_config
+
+    monkeypatch.setattr("sys.stdin", None)  # a prompt would fail on it
+    monkeypatch.setenv("LAUNCHER_DATA_CACHE", str(tmp_path / "cache"))
+    if folder == "tokenizer":
+        path = make_tokenizer(tmp_path / "tok", ["a", "b"])
+        config = path / "tokenizer_config.json"
+        args = ["data", f"data.files={write_jsonl(tmp_path / 'c.jsonl', ['a b'])}", f"data.tokenizer={path}"]
+    else:
+        config = tiny_llama_config(tmp_path / "model")
+        path = config.parent
+        args = ["train", "--dry-run", "model=hf", f"model.config={path}"]
+    raw = json.loads(config.read_text())
+    raw["auto_map"] = {"AutoTokenizer": ["evil.Tok", None]} if folder == "tokenizer" else {
+        "AutoModelForCausalLM": "evil.Model"}
+    config.write_text(json.dumps(raw))
+    (path / "evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    code = cli.main(args)
+    out, err = capsys.readouterr()
+    assert_refused(code, out, err, [f"{config} names custom code (auto_map", "trust_remote_code stays off"])
+    assert not (tmp_path / "ran").exists()
