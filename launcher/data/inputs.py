@@ -16,7 +16,7 @@ import numpy as np
 
 from launcher import offline
 from launcher.config import ConfigError, DataConfig, TextFormat, TokenDtype
-from launcher.untrusted import remote_code
+from launcher.remote_code import remote_code
 
 BYTE_VOCAB = 256
 BYTE_EOS = 255

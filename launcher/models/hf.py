@@ -38,7 +38,7 @@ from launcher import offline
 from launcher.config import ACMode, Config, ConfigError, HFAttention, ModelConfig, ModelKind
 from launcher.models.layout import Layout
 from launcher.models.gpt import lm_loss
-from launcher.untrusted import remote_code
+from launcher.remote_code import remote_code
 
 PP_PARTS = ("embed_tokens", "layers", "norm")  # base_model_pp_plan keys a pipeline can cut
 TP_STYLES = ("colwise", "rowwise")  # base_model_tp_plan styles applied here (the Llama family's)
