@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from corpus import documents, write_jsonl
-from runs import assert_refused, here, launch, start, wait_for_step
+from runs import assert_refused, here, launch, rank_process, start, wait_for_step
 from launcher.config import load_frozen
 from launcher.manifest import read_latest, run_of, verify
 
@@ -154,3 +154,22 @@ def test_a_symlink_inside_a_checkpoint_is_refused_in_one_line(typed, tmp_path):
     assert_refused(proc.returncode, proc.stdout, proc.stderr, [f"{step / 'engine'} is a symbolic link",
                                                                "must never run code"])
     assert not marker.exists() and "rank(s) on" not in proc.stdout
+
+
+def test_a_rank_killed_by_a_signal_is_named_in_one_line(tmp_path):
+    """A rank SIGKILLed mid-run (what the kernel's out-of-memory killer does): the user got
+    torchrun's traceback and failure table, the surviving rank's gloo errors and exit 1.
+    Now one line names the rank, the signal and the likely cause (the host's memory beside
+    the rank's own peak), and what resumes the run; the rest is in RUN_DIR/torchrun.log."""
+    run = tmp_path / "run"
+    proc = start(run, "train.steps=100000", "checkpoint.every=3", *SHORT, split_stderr=True)
+    wait_for_step(run, 4, proc)
+    victim = rank_process(run, 1)
+    victim.kill()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGKILL, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: rank 1 (pid {victim.pid}) was killed by SIGKILL: "), err
+    assert "GiB available in the seconds before; its peak resident memory" in lines[0], lines[0]
+    assert lines[0].endswith(f"step_00000003, is untouched. Launch the same run directory again to resume from it.")
+    assert "Traceback" not in out and "ChildFailedError" in (run / "torchrun.log").read_text()
