@@ -216,6 +216,22 @@ def hold(run_dir: Path):
                 run_dir.rmdir()  # only if empty
 
 
+@contextlib.contextmanager
+def hold_all(folders: list[Path]):
+    """Each folder's lock (launcher/manifest.py::lock_folders: the run directory and the
+    checkpoint folder) for the life of the block: what every command that may move, archive
+    or delete checkpoints holds (train, submit)."""
+    with contextlib.ExitStack() as stack:
+        for folder in folders:
+            stack.enter_context(hold(folder))
+        yield
+
+
+def held_here(folder: Path) -> bool:
+    """This process holds `folder`'s lock (identity.archive moves nothing without it)."""
+    return _mine(_read(folder / LOCK))
+
+
 def for_ranks() -> dict[str, str]:
     """The environment that tells a launcher's ranks their launch holds the lock, and which
     process the launcher is (host, pid, pid namespace: preempt.watch_launcher)."""

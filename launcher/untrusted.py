@@ -58,7 +58,13 @@ _PICKLED = {".pt", ".pth", ".bin", ".ckpt"}
 
 
 def check_checkpoint(folder: Path) -> str | None:
-    """The first file in a checkpoint folder that reading could make run code, as one line."""
+    """The first file in a checkpoint folder that reading could make run code, as one line.
+    A symbolic link inside it is refused: a checkpoint holds its own files (the save never
+    makes a link), and a linked folder would hide its files from this walk."""
+    for root, dirs, files in os.walk(folder):  # links are listed, never followed
+        link = next((Path(root) / n for n in sorted(dirs + files) if (Path(root) / n).is_symlink()), None)
+        if link is not None:
+            return f"{link} is a symbolic link (to {os.readlink(link)}), which a checkpoint never holds: {REFUSE}"
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         if path.suffix in _PICKLED or path.name == ".metadata":
             problem = check_file(path)

@@ -186,6 +186,10 @@ class FaultPoint(str, enum.Enum):
     """SIGKILL after the rename, before `latest` is updated."""
     save_latest_written = "save_latest_written"
     """SIGKILL after `latest` is updated, before old checkpoints are deleted."""
+    resume_latest_moved = "resume_latest_moved"
+    """SIGKILL of rank 0 at a resume that skipped a checkpoint failing its digests, after
+    `latest` was moved to the one it resumes, before the failing one is set aside
+    (`fault_step`: the step it resumes)."""
     hang = "hang"
     """The rank sleeps forever instead of fetching the batch of step `fault_step`."""
     hang_in_step = "hang_in_step"

@@ -5,6 +5,7 @@ ConfigStore, and its conversions (an OmegaConf node, config.yaml, a dict).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -99,7 +100,27 @@ def write_frozen(run_dir: Path, cfg: Config) -> None:
 
 
 def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """config.yaml's text. Every string is written as its characters: a `${` in a value
+    (a user's escaped `\\${...}`, a path that holds one) is escaped, so no reader of the file
+    (the ranks, export, a relaunch) resolves it against its own environment. The project's
+    own interpolations (hydra.run.dir's ${now:}) were resolved on the launch side before."""
+    return OmegaConf.to_yaml(OmegaConf.create(_escaped(OmegaConf.to_container(OmegaConf.structured(cfg),
+                                                                              enum_to_str=True))))
+
+
+_INTERPOLATION = re.compile(r"(\\*)\$\{")
+
+
+def _escaped(value):
+    """OmegaConf's escapes for every string in `value`: `${` -> `\\${` (backslashes before it
+    doubled), which reads back as the characters written."""
+    if isinstance(value, str):
+        return _INTERPOLATION.sub(lambda m: m.group(1) * 2 + "\\${", value)
+    if isinstance(value, dict):
+        return {k: _escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    return value
 
 
 def to_dict(cfg: Config) -> dict:

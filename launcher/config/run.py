@@ -301,7 +301,8 @@ class ExportConfig:
     """Which checkpoint (null = the latest complete one)."""
     out: Optional[str] = None
     """Output folder (null = RUN_DIR/export/step_XXXXXXXX, with -hf for format=hf and -bf16
-    for dtype=bf16: each export has its own folder)."""
+    for dtype=bf16: each export has its own folder). Read from `launcher export`'s command
+    line only: a run directory's config.yaml (a copied one) never chooses where it writes."""
     merge_lora: bool = False
     """A LoRA run (model.lora.rank > 0): false exports the adapters alone as a PEFT folder
     (adapter_config.json, adapter_model.safetensors: megabytes, loaded over the base with

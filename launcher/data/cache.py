@@ -6,7 +6,8 @@
     <cache_dir>/digests.json                             sha256 per (path, size, mtime_ns): a relaunch rehashes nothing
 
 index.json = {"format": "launcher-tokens", "version": 1, "dtype": "uint16"|"uint32",
-"tokens", "documents", "shards": [{"file", "tokens", "documents"}, ...] (in order),
+"tokens", "documents", "shards": [{"file", "tokens", "documents", "sha256": {file: digest}}, ...]
+(in order; every file a shard entry names is checked at each reuse: launcher/data/shards.py),
 "tokenizer" (its identity), "tokenizer_spec" (data.tokenizer as given), "vocab_size",
 "eos_id", "text_field", "source_format", "sources": [{"path", "bytes", "sha256"}, ...]}.
 data=chat adds a mask and a lengths file beside each shard (launcher/data/chat_units.py),
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.config import Config, ConfigError, DataConfig, DataKind
-from launcher.data import chat_units, units
+from launcher.data import chat_units, shards, units
 from launcher.data.chat import settings as chat_settings
 from launcher.data.inputs import file_format, load_tokenizer, resolve_files, token_dtype
 from launcher.data.progress import Meter, count
@@ -184,14 +185,14 @@ def prepare(cfg: Config, unit_bytes: int | None = None, out=None) -> Prepared:
         stats = [f.stat() for f in files]
         sums, _ = digests(root, files, nproc, out)
         folder = root / cache_key(sums, fmt.value, d.text_field, tok, chat["key"])
-        if whole(folder, out):
+        if whole(folder, out, nproc):
             return Prepared(folder, json.loads((folder / INDEX).read_text()), reused=True)
 
         def waiting() -> None:
             print(f"data: another launch is preparing the same data into {folder}; waiting for it", file=out, flush=True)
 
         with locked(folder.with_name(folder.name + ".lock"), waiting) as fd:
-            if whole(folder, out):  # made while this launch waited
+            if whole(folder, out, nproc):  # made while this launch waited
                 return Prepared(folder, json.loads((folder / INDEX).read_text()), reused=True)
             folder.mkdir(exist_ok=True)
             for tmp in folder.glob(".*.tmp"):  # what a killed launch was writing: never renamed, never read
@@ -220,6 +221,7 @@ def prepare(cfg: Config, unit_bytes: int | None = None, out=None) -> Prepared:
                 raise ConfigError("data.files", changed[0], "changed while it was prepared; launch again once the "
                                   "files stay as they are")
             index = _index(cfg, tok, dtype, fmt, files, sizes, sums, [done[k] for k in range(len(plan))], chat["key"])
+            index["shards"] = shards.with_digests(folder, index["shards"], nproc)  # checked at every reuse
             _fsync_dir(folder)  # every shard's and record's rename is on disk before the index says they are whole
             units.write_json_atomic(folder / INDEX, index)
             _fsync_dir(folder)
@@ -232,10 +234,12 @@ def prepare(cfg: Config, unit_bytes: int | None = None, out=None) -> Prepared:
                     units=len(plan), resumed=resumed, built_bytes=meter.bytes, built_tokens=meter.tokens)
 
 
-def whole(folder: Path, out) -> bool:
-    """A prepared directory whose index.json names shards that are all there, whole. A
-    damaged one (a shard purged from scratch, cut short) loses its index and is prepared
-    again, in one line."""
+def whole(folder: Path, out, threads: int = 1) -> bool:
+    """A prepared directory whose index.json names shards that are all there, whole, with
+    the digests it records (launcher/data/shards.py: hashed the first time this user reuses
+    it, and after any change). A damaged one (a shard purged from scratch, cut short,
+    rewritten) loses its index and is prepared again, in one line; a name that is not its
+    own file (/etc/passwd, ../other/shard_000000.bin) is refused."""
     from launcher.data.sources import indexed
 
     index = folder / INDEX
@@ -243,11 +247,16 @@ def whole(folder: Path, out) -> bool:
         return False
     try:
         indexed("data.files", str(folder), index)
-        return True
+        problem = shards.unverified(folder, json.loads(index.read_text())["shards"], threads)
+    except shards.NotItsOwn:
+        raise
     except ConfigError as err:
-        print(f"data: {folder} is damaged ({err.allowed}); preparing it again", file=out, flush=True)
-        index.unlink(missing_ok=True)
-        return False
+        problem = err.allowed
+    if problem is None:
+        return True
+    print(f"data: {folder} is damaged ({problem}); preparing it again", file=out, flush=True)
+    index.unlink(missing_ok=True)
+    return False
 
 
 def room(folder: Path, todo_bytes: int, width: int, byte_level: bool, out) -> None:

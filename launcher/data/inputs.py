@@ -16,6 +16,7 @@ import numpy as np
 
 from launcher import offline
 from launcher.config import ConfigError, DataConfig, TextFormat, TokenDtype
+from launcher.remote_code import remote_code
 
 BYTE_VOCAB = 256
 BYTE_EOS = 255
@@ -113,8 +114,11 @@ class LocalTokenizer:
     def __init__(self, path: Path):
         from transformers import AutoTokenizer
 
+        code = remote_code(path)
+        if code:
+            raise ConfigError("data.tokenizer", str(path), code)
         try:
-            self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         except Exception as err:  # transformers raises OSError, ValueError, KeyError... for a bad folder
             reason = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
             raise ConfigError("data.tokenizer", str(path), f"not a tokenizer AutoTokenizer loads offline ({reason[:200]})")

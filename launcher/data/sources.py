@@ -82,7 +82,12 @@ def stream(key: str, path: str, dtype: TokenDtype) -> Stream:
     if not found:
         raise ConfigError(key, path, "no such file; allowed: a token file, a folder of *.bin shards or one "
                           "`make data` prepared (index.json), or a glob")
-    return Stream(tuple(found), tuple(os.path.getsize(f) // dtype.width for f in found), dtype)
+    sizes = [os.path.getsize(f) for f in found]
+    cut = next((f"{f} has {size:,} bytes" for f, size in zip(found, sizes) if size % dtype.width), None)
+    if cut:  # a copy that stopped half-way: its last token is half a token
+        raise ConfigError(key, path, f"{cut}, not a whole number of {dtype.value} tokens ({dtype.width} bytes "
+                          "each): a copy cut short, or another data.dtype? Copy it again whole")
+    return Stream(tuple(found), tuple(size // dtype.width for size in sizes), dtype)
 
 
 def indexed(key: str, path: str, index: Path) -> Stream:
@@ -101,9 +106,14 @@ def indexed(key: str, path: str, index: Path) -> Stream:
         raise ConfigError(key, path, f"{index} has no {err} (not an index make data wrote)")
     except (ValueError, TypeError, AttributeError) as err:  # not JSON, a wrong type, an unknown dtype
         raise ConfigError(key, path, f"{index}: {err}")
+    from launcher.data.shards import bad_name, NotItsOwn
+
+    wrong = next((w for w in (bad_name(index.parent, s) for s in meta["shards"]) if w), None)
+    if wrong:  # /etc/passwd, ../other/shard_000000.bin: never read
+        raise NotItsOwn(key, path, f"{index} {wrong}")
     for f, tokens, width in [(f, t, dtype.width) for f, t in shards] + sides:
         size = f.stat().st_size if f.is_file() else None
-        if size is None or size // width < tokens:
+        if size is None or size // width < tokens or size % width:
             raise ConfigError(key, path, f"{index} names {f.name} with {tokens} {'tokens' if width > 1 else 'bytes'}; "
                               + ("it is missing" if size is None else f"it holds {size // width}"))
     return Stream(tuple(str(f) for f, _ in shards), tuple(t for _, t in shards), dtype)

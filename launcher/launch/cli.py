@@ -202,8 +202,7 @@ def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> in
             owner = cfg.cluster.node_rank == 0  # the other nodes of a launch by hand share node 0's directory
             try:
                 if owner:  # the run directory and the checkpoint folder: one writer in each
-                    for folder in lock_folders(cfg, run_dir):
-                        held.enter_context(runlock.hold(folder))
+                    held.enter_context(runlock.hold_all(lock_folders(cfg, run_dir)))
                     runlock.check_free(run_dir)  # a Slurm job queued for it would start into this run
                 rc = max(rc, launch_job(cfg, run_dir, plan, files, choice, overrides))
             except (C.ConfigError, runlock.Held):  # refused before any rank started: leave no trace
@@ -332,8 +331,9 @@ def cmd_submit(overrides: list[str], multirun: bool, dry_run: bool = False) -> i
         created = not run_dir.exists()
         # Nobody trains there while the job's files are written and the job id recorded (the
         # job's rank 0 takes the lock when it starts, seconds later). A job queued for it: refused.
+        # The checkpoint folder's lock too, as train takes it: an archive never moves a live run's.
         try:
-            with runlock.hold(run_dir):
+            with runlock.hold_all(lock_folders(cfg, run_dir)):
                 runlock.check_free(run_dir)
                 cfg = identity.settle(cfg, run_dir)  # the job's frozen config names its run
                 files = {**run_files(cfg, slurm_plan(cfg, host), ds), **({name: script} if kube else {})}

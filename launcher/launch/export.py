@@ -32,6 +32,7 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
         import recipes
 
     base = OmegaConf.merge(OmegaConf.structured(C.Config), C.read_frozen(run_dir / "config.yaml"))
+    base.export.out = None  # where to write comes from this command line only, never from a run directory's file
     cfg: C.Config = C.to_typed(OmegaConf.merge(base, OmegaConf.from_dotlist(overrides)))
     if cfg.model.kind == C.ModelKind.hf and cfg.export.format != C.ExportFormat.hf:
         raise C.ConfigError("export.format", cfg.export.format.value,

@@ -26,7 +26,7 @@ import secrets
 import time
 from pathlib import Path
 
-from launcher import config as C
+from launcher import config as C, runlock
 from launcher.manifest import UNREADABLE, complete_checkpoints, root_of, run_of
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -99,6 +99,9 @@ def archive(root: Path, run_dir: Path, folders: list[Path], old_id: str | None) 
     checkpoints and `latest` to RUN_DIR/archive/<name>/checkpoints/ (or, for a checkpoint.dir
     elsewhere, CKPT_DIR/archive/<name>/). Renames on one filesystem: nothing is copied or
     deleted. Returns where the checkpoints went."""
+    if not all(runlock.held_here(f) for f in {root, run_dir} if f.exists()):  # a command that forgot its locks
+        raise runlock.Held(f"{root}: checkpoints are moved only under the locks of {run_dir} and {root} "
+                           "(runlock.hold_all(lock_folders(...)))")
     name = old_id or "run-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime(folders[-1].stat().st_mtime))
     own = root == run_dir / "checkpoints"
     home = _fresh(run_dir / ARCHIVE / name, root / ARCHIVE / name)

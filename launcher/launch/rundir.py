@@ -228,11 +228,16 @@ def check_run_dir_name(run_dir: Path) -> None:
 def nothing_to_train(cfg: C.Config, run_dir: Path) -> bool:
     """A launch that would resume a checkpoint already at train.steps says so in one line
     and leaves the run directory as it is (its summary.json is the run's own)."""
-    from launcher.manifest import manifest_step, resumable
+    from launcher.manifest import manifest_step, resumable, verify
 
     folders = resumable(cfg, run_dir)
     step = manifest_step(folders[-1]) if folders else None
     if step is None or step < cfg.train.steps:
+        return False
+    problem = verify(folders[-1], threads=min(8, os.cpu_count() or 1))  # what it believes, by its digests
+    if problem is not None:
+        print(f"checkpoint {folders[-1]} fails its check ({problem}): the ranks set it aside and resume from the "
+              f"newest one that passes", flush=True)
         return False
     print(f"nothing to train: {run_dir} has a checkpoint at step {step} of train.steps={cfg.train.steps}; "
           f"raise train.steps to train on", flush=True)

@@ -18,7 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from launcher.exits import EXIT_CHECKPOINT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED, MARKERS
+from launcher.exits import EXIT_BAD_INPUT, EXIT_CHECKPOINT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED, MARKERS
+from launcher.launch.console import LOG, Console, killed
 
 
 @contextlib.contextmanager
@@ -93,17 +94,21 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
     forward = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
     previous = {sig: signal.signal(sig, send) for sig in forward}
     try:
-        proc = subprocess.Popen(argv, env=env, start_new_session=True,
-                                preexec_fn=functools.partial(stop_with_parent, os.getpid()))
+        # torchrun's stderr (its ranks' too) through the console: the ranks' lines live, torchrun's
+        # report and the tracebacks into RUN_DIR/torchrun.log (launch/console.py)
+        proc = subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True,
+                                errors="replace", preexec_fn=functools.partial(stop_with_parent, os.getpid()))
+        console = Console(proc.stderr, run_dir, lambda: children(proc.pid))
         for sig in early:
             send(sig, None)
         rc = proc.wait()
         if own_group:
             _wait_for_group(proc.pid, drain_s)
+        console.join(timeout=drain_s)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return explain(rc, run_dir, ckpt_root or run_dir / "checkpoints", interrupted=bool(interrupts))
+    return explain(rc, run_dir, ckpt_root or run_dir / "checkpoints", interrupted=bool(interrupts), console=console)
 
 
 def stop_now(proc: subprocess.Popen, own_group: bool) -> None:
@@ -156,10 +161,12 @@ LOW_DISK = 16 * 2**20
 """Less free space than this on the checkpoints' filesystem: a failed run is a full disk."""
 
 
-def explain(rc: int, run_dir: Path, ckpt_root: Path, interrupted: bool = False) -> int:
+def explain(rc: int, run_dir: Path, ckpt_root: Path, interrupted: bool = False, console: Console | None = None) -> int:
     """The exit code that says why the ranks stopped, after one line saying it: from the
     marker a rank left (read whatever state it is in: on a full disk it may be empty), or,
-    with no marker but a full disk under the checkpoints, EXIT_CHECKPOINT_FAILED."""
+    with no marker but a full disk under the checkpoints, EXIT_CHECKPOINT_FAILED; else from
+    torchrun's report (`console`): a rank's own refusal (2), a rank killed by a signal (128 +
+    the signal), or what is left, with the first traceback a rank printed."""
     for name, code in MARKERS.items():
         marker = run_dir / name
         if not marker.exists():
@@ -189,6 +196,18 @@ def explain(rc: int, run_dir: Path, ckpt_root: Path, interrupted: bool = False) 
     if free_bytes(ckpt_root) < LOW_DISK or free_bytes(run_dir) < LOW_DISK:
         print(disk_report(ckpt_root, None), file=sys.stderr, flush=True)
         return EXIT_CHECKPOINT_FAILED
+    failure = console.failure if console is not None else None
+    if failure is not None and failure.exitcode == EXIT_BAD_INPUT:  # the rank said why, in its one line
+        return EXIT_BAD_INPUT
+    if failure is not None and failure.exitcode is not None and failure.exitcode < 0:
+        print(f"{killed(failure, console.memory)}; {last_checkpoint(ckpt_root)}. Launch the same run directory "
+              f"again to resume from it.", file=sys.stderr, flush=True)
+        return 128 - failure.exitcode
+    if console is not None and console.held:
+        more = len(console.held) - 1
+        print("".join(console.held[0]) + f"error: the ranks failed (torchrun exited {rc}); the first traceback a rank "
+              f"printed is above{f' ({more} more)' if more else ''}, torchrun's report in {run_dir / LOG}",
+              file=sys.stderr, end="\n", flush=True)
     return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
 
 
@@ -249,3 +268,21 @@ def _wait_for_group(pgid: int, timeout_s: float) -> None:
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m launcher.launch.supervise RUN_DIR COMMAND...`: RUN_DIR/command.sh's last
+    line. The run's command supervised as `launcher train` supervises it (a Ctrl-C: the
+    ranks save, one line, exit 130; the other endings explained alike). Reads config.yaml
+    for the checkpoint folder and the runner; imports no torch."""
+    from launcher import config as C
+    from launcher.manifest import root_of
+
+    run_dir = Path(argv[0]).resolve()
+    cfg = C.load_frozen(run_dir)
+    return supervise(argv[1:], dict(os.environ), run_dir, own_group=cfg.cluster.runner == C.Runner.deepspeed,
+                     drain_s=cfg.cluster.shutdown_timeout_s, ckpt_root=root_of(cfg, run_dir))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -38,6 +38,7 @@ from launcher import offline
 from launcher.config import ACMode, Config, ConfigError, HFAttention, ModelConfig, ModelKind
 from launcher.models.layout import Layout
 from launcher.models.gpt import lm_loss
+from launcher.remote_code import remote_code
 
 PP_PARTS = ("embed_tokens", "layers", "norm")  # base_model_pp_plan keys a pipeline can cut
 TP_STYLES = ("colwise", "rowwise")  # base_model_tp_plan styles applied here (the Llama family's)
@@ -82,6 +83,9 @@ def _config(key: str, path: str):
         raw = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ConfigError(key, path, f"not a JSON model config ({e})") from None
+    code = remote_code(file) or (remote_code(p) if p.is_dir() else None)
+    if code:
+        raise ConfigError(key, path, code)
     tf = _transformers()
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -124,7 +128,7 @@ def build(m: ModelConfig, device: torch.device) -> "HFCausalLM":
 
     from launcher.models.init import init_skipped
 
-    kwargs = dict(dtype=torch.float32, attn_implementation=m.attn_implementation.value)
+    kwargs = dict(dtype=torch.float32, attn_implementation=m.attn_implementation.value, trust_remote_code=False)
     skip = no_init_weights() if init_skipped() else contextlib.nullcontext()
     with torch.device(device), skip:
         model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config(m)), **kwargs)

@@ -39,7 +39,7 @@ def save_pretrained(cfg: Config, state: dict[str, torch.Tensor], out: Path, dtyp
     if tokenizer and Path(tokenizer).is_dir():
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).save_pretrained(out)
+        AutoTokenizer.from_pretrained(tokenizer, local_files_only=True, trust_remote_code=False).save_pretrained(out)
     return out
 
 

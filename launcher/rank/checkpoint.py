@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -33,8 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher.manifest import (TrainerState, _fsync_dir, belongs, complete_checkpoints, digests, first_whole, step_name,
-                               verify, write_manifest)
+from launcher.manifest import (TrainerState, _fsync_dir, belongs, complete_checkpoints, digests, read_latest, set_aside,
+                               step_name, step_of, verify, write_latest, write_manifest)
 
 
 def verify_together(folder: Path, rank: int, world: int) -> str | None:
@@ -144,15 +145,20 @@ class Checkpointer:
             os.replace(tmp, final)
             _fsync_dir(self.root)
             self._fault("save_renamed", step)
-            pointer = self.root / "latest.tmp"
-            pointer.write_text(final.name + "\n" + (f"run {self.run_id}\n" if self.run_id else ""))
-            os.replace(pointer, self.root / "latest")
-            _fsync_dir(self.root)
+            write_latest(self.root, final.name, self.run_id)
             self._fault("save_latest_written", step)
-            for old in complete_checkpoints(self.root, self.run_id or "")[:-self.keep]:
+            for old in self.expired(step):
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier(group=group)
         return {"digests_s": t2 - t1, "publish_s": time.perf_counter() - t2}
+
+    def expired(self, step: int) -> list[Path]:
+        """Keep-K after the save of `step` (verified: its digests were just taken): this run's
+        checkpoints before it, all but the newest keep - 1. A checkpoint of a later step is not
+        this launch's lineage (a resume sets aside the ones failing their digests): never
+        counted, never deleted here."""
+        older = [f for f in complete_checkpoints(self.root, self.run_id or "") if step_of(f) < step]
+        return older[:max(0, len(older) - (self.keep - 1))]
 
     def discard_partial(self, step: int) -> None:
         """After a failed save: remove its temporary folder (best effort, rank 0)."""
@@ -177,11 +183,39 @@ class Checkpointer:
 
     def newest_whole(self, run_id: str | None) -> Path | None:
         """find_latest with every rank checking its share of the digests (the same folders
-        on every rank: rank 0 lists them)."""
+        on every rank: rank 0 lists them). Newer ones that fail are set aside by rank 0
+        (`set_aside`: renamed, never deleted) after `latest` names the one found, so keep-K
+        never counts them and `latest` never names a folder that is gone."""
         folders: list[list[str]] = [[str(f) for f in complete_checkpoints(self.root, run_id)] if self.rank == 0 else []]
         dist.broadcast_object_list(folders, src=0)
-        return first_whole([Path(f) for f in folders[0]], lambda f: verify_together(f, self.rank, self.world_size),
-                           say=self.rank == 0)
+        failed: list[Path] = []
+        found = None
+        for folder in map(Path, folders[0][::-1]):
+            problem = verify_together(folder, self.rank, self.world_size)
+            if problem is None:
+                found = folder
+                break
+            failed.append(folder)
+            if self.rank == 0:
+                print(f"warning: checkpoint {folder} skipped: {problem}", file=sys.stderr, flush=True)
+        if failed and self.rank == 0:
+            self.put_aside(failed, found)
+        dist.barrier()
+        return found
+
+    def put_aside(self, failed: list[Path], found: Path | None) -> None:
+        """Rank 0: `latest` to the checkpoint a resume found (or away, when none is left),
+        then the failing ones out of the step names, each said in a line."""
+        pointer = read_latest(self.root)
+        if found is not None:
+            write_latest(self.root, found.name, self.run_id)
+            self._fault("resume_latest_moved", step_of(found))
+        elif pointer is not None and any(pointer[0] == f.name for f in failed):
+            (self.root / "latest").unlink()
+            _fsync_dir(self.root)
+        for folder in failed:
+            print(f"checkpoint {folder} fails its check: set aside as {set_aside(folder).name} (never resumed or "
+                  f"deleted by checkpoint.keep)", flush=True)
 
     def load(self, folder: Path, engine) -> TrainerState:
         engine.load(folder / "engine")

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from launcher.manifest import root_of
 from launcher.parallel import ds_config
 from launcher import models
 from launcher.rank.engine import BuildContext, MemoryBreakdown, StepResult, build_scheduler, evaluate, param_groups
@@ -63,6 +64,7 @@ class ZeroEngine:
         cfg = ctx.cfg
         self.cfg, self.device, self.rank, self.world_size = cfg, ctx.device, ctx.rank, ctx.world_size
         self.config = ds_config.read(ctx.run_dir, ctx.world_size)
+        self.scratch = root_of(cfg, ctx.run_dir)  # resharding's scratch: this run's own checkpoint folder
         self.stage = self.config["zero_optimization"]["stage"]
         # deepspeed.comm joins the process group rank/entry.py made (zero.Init reads the world from
         # it). On a CPU it builds a shared-memory op and prints so on stdout, once per rank.
@@ -195,11 +197,14 @@ class ZeroEngine:
 
     def _load_resharded(self, path: Path, saved_world: int):
         """A checkpoint of another world size: rank 0 converts it to DeepSpeed's universal
-        format (one file per parameter and state, unsharded) next to the checkpoint, in a
-        `.tmp` folder the next save cleans up; every rank loads its new shard from there."""
-        scratch = path.parent.parent / f"{path.parent.name}.universal.tmp"
+        format (one file per parameter and state, unsharded) in this run's own checkpoint
+        folder (locked by this run, its room checked at launch), in a `.tmp` folder the next
+        save cleans up; every rank loads its new shard from there. The source is only read:
+        another run's checkpoint, a read-only one, one that other runs resume from too."""
+        scratch = self.scratch / f"{path.parent.name}.universal.tmp"
         if self.rank == 0:
             shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir(parents=True)
             to_universal(path / TAG, scratch / TAG)
             print(f"resharding a checkpoint of {saved_world} rank(s) onto {self.world_size} "
                   f"(DeepSpeed universal checkpoint in {scratch})", flush=True)

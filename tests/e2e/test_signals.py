@@ -83,6 +83,20 @@ def test_ctrl_c_saves_the_step_writes_the_summary_and_exits_130(tmp_path):
                                             f"directory again to resume.")
     for noise in ("Traceback", "KeyboardInterrupt", "SignalException", "ChildFailedError"):
         assert noise not in out, out[-3000:]
+    # The documented resume, RUN_DIR/command.sh, and its Ctrl-C: the same (issue 48, 6: torchrun's
+    # warnings, a ~30-line traceback and exit 1)
+    again = subprocess.Popen(["bash", str(run / "command.sh")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    _wait_for_step(run, step + 3, again)
+    os.killpg(again.pid, signal.SIGINT)
+    out, _ = again.communicate(timeout=120)
+    later = json.loads((run / "preempted.json").read_text())["step"]
+    assert again.returncode == 130 and later > step, out[-3000:]
+    assert out.strip().splitlines()[-1] == (f"interrupted (Ctrl-C) after step {later}; checkpoint "
+                                            f"{run / 'checkpoints' / f'step_{later:08d}'}. Launch the same "
+                                            f"run directory again to resume.")
+    for noise in ("Traceback", "KeyboardInterrupt", "SignalException", "ChildFailedError", "torch.distributed"):
+        assert noise not in out, out[-3000:]
 
 
 def rank_started(run: Path) -> bool:
@@ -200,7 +214,8 @@ def test_a_stop_signal_reaches_a_rank_blocked_in_cpp(tmp_path):
         r1.kill()
     out = proc.communicate(timeout=120)[0]
     assert took < 5, took
-    assert "exitcode  : 75" in out, out[-3000:]  # torchrun's report of rank 0 (rank 1 was killed)
+    report = (run / "torchrun.log").read_text()  # torchrun's report of rank 0 (rank 1 was killed): its log, not the console
+    assert "exitcode  : 75" in report and "exitcode" not in out, out[-3000:]
     marker = json.loads((run / "preempted.json").read_text())
     assert marker["step"] is None and marker["signal"] == "SIGTERM", marker
 

@@ -10,6 +10,7 @@ processes, the tiny and small models.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -127,6 +128,25 @@ def test_zero_stages_evaluate_ddps_held_out_loss(fp32_runs):
         assert all(rel(got[s], want[s]) < FP32_REL for s in want), (recipe, got, want)
 
 
+@contextlib.contextmanager
+def read_only_copy(folder: Path, where: Path):
+    """A copy of `folder` in `where`, neither of them writable: a read-only bind mount of
+    `where` where this process may mount (root), else its modes. Issue 47, 7: resharding
+    wrote its scratch beside the source, failing late on a read-only one."""
+    import shutil
+
+    copy = shutil.copytree(folder, where / folder.name)
+    mounted = subprocess.run(["mount", "--bind", "-o", "ro", str(where), str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        for p in [where, *where.rglob("*")]:
+            p.chmod(p.stat().st_mode & ~0o222)
+    try:
+        yield copy
+    finally:
+        if mounted.returncode == 0:
+            subprocess.run(["umount", str(where)], capture_output=True)
+
+
 def test_checkpoint_resumes_at_other_world_sizes_on_the_same_curve(fp32_runs, tmp_path):
     """zero2's step-5 checkpoint (2 ranks) -> 1 rank to step 12 -> 4 ranks to 14 -> 2 ranks
     to 20 (4 ranks on 2 cores step slowest: 2 steps there): every change of world size
@@ -134,14 +154,17 @@ def test_checkpoint_resumes_at_other_world_sizes_on_the_same_curve(fp32_runs, tm
     and the losses stay on the uninterrupted 2-rank run's curve."""
     straight = {r["step"]: r for r in read_metrics(fp32_runs["zero2"])}
     run = tmp_path / "chain"
-    start = fp32_runs["zero2"] / "checkpoints" / "step_00000005"
-    legs = [(1, 12, f"checkpoint.resume={start}"), (4, 14, None), (2, 20, None)]
+    source = read_only_copy(fp32_runs["zero2"] / "checkpoints" / "step_00000005", tmp_path / "source")
+    legs = [(1, 12, f"checkpoint.resume={tmp_path / 'source' / 'step_00000005'}"), (4, 14, None), (2, 20, None)]
     previous = 2
     for nproc, stop, resume in legs:
         extra = [resume] if resume else []
-        proc = launch("recipe=zero2", *FP32, "checkpoint.every=0", f"cluster.nproc_per_node={nproc}",
-                      f"train.stop_at={stop}", *extra, run_dir=run)
+        with source if resume else contextlib.nullcontext():  # the first leg reads a read-only checkpoint
+            proc = launch("recipe=zero2", *FP32, "checkpoint.every=0", f"cluster.nproc_per_node={nproc}",
+                          f"train.stop_at={stop}", *extra, run_dir=run)
         assert f"resharding a checkpoint of {previous} rank(s) onto {nproc}" in proc.stdout, proc.stdout[-2000:]
+        # the scratch in this run's own checkpoint folder, never beside another run's source (issue 47, 7)
+        assert f"(DeepSpeed universal checkpoint in {run / 'checkpoints'}/" in proc.stdout, proc.stdout[-2000:]
         assert not list((run / "checkpoints").glob("*.universal.tmp")), "conversion scratch left behind"
         saved = run / "checkpoints" / f"step_{stop:08d}"
         assert json.loads((saved / "engine" / "zero.json").read_text())["world_size"] == nproc

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +18,11 @@ from launcher.launch import cli
 
 HF = bad_hf_files()  # small config folders for the model=hf rows
 W = bad_hf_weights()  # save_pretrained folders, one good and four broken
-README = REPO / "README.md"  # a file of tokens as far as data=memmap can tell
+# 31,307 uint16 tokens for data=memmap, at one path for every xdist worker (the rows' ids name it), replaced whole
+TOKENS = Path(tempfile.gettempdir()) / f"launcher-test-tokens-{os.getuid()}.bin"
+_fresh = Path(tempfile.mkstemp(dir=TOKENS.parent)[1])
+_fresh.write_bytes(bytes(62614))
+os.replace(_fresh, TOKENS)
 CORPUS = REPO / "tests" / "data" / "hf" / "corpus.jsonl"  # fields: id, text
 CHAT = bad_chat_files()  # JSON lines with a bad row, templates, a tokenizer without a template
 TOK = chat_tokenizer()  # a tokenizer folder whose template marks generation
@@ -100,19 +106,19 @@ CASES = [
     (["data.val_fraction=0.9"], ["data.val_fraction=0.9", "[0, 0.5]"]),
     (["data.val_fraction=0.1"], ["data.val_fraction=0.1", "synthetic data holds out samples of its own"]),
     (["data.val_path=/no/val.bin"], ["data.val_path=/no/val.bin", "is for data=memmap"]),
-    (["data=memmap", f"data.path={REPO / 'README.md'}", "train.eval_every=5"],
+    (["data=memmap", f"data.path={TOKENS}", "train.eval_every=5"],
      ["train.eval_every=5", "data=memmap needs held-out data", "data.val_path=<token file> or data.val_fraction=0.01"]),
-    (["data=memmap", f"data.path={REPO / 'README.md'}", "data.val_path=/no/val.bin"], ["data.val_path=/no/val.bin", "no such file"]),
-    (["data=memmap", f"data.path={REPO / 'README.md'}", "data.val_path=/no/val.bin", "data.val_fraction=0.1"],
+    (["data=memmap", f"data.path={TOKENS}", "data.val_path=/no/val.bin"], ["data.val_path=/no/val.bin", "no such file"]),
+    (["data=memmap", f"data.path={TOKENS}", "data.val_path=/no/val.bin", "data.val_fraction=0.1"],
      ["data.val_fraction=0.1", "use one of them"]),
-    (["data=memmap", f"data.sources='30 {README} 70 /no/code/'"], ["data.sources.code.path=/no/code/", "no such file"]),
-    (["data=memmap", f"data.path={README}", f"data.sources='30 {README} 70 {README}'"],
+    (["data=memmap", f"data.sources='30 {TOKENS} 70 /no/code/'"], ["data.sources.code.path=/no/code/", "no such file"]),
+    (["data=memmap", f"data.path={TOKENS}", f"data.sources='30 {TOKENS} 70 {TOKENS}'"],
      ["data.path=", "data.sources names the data already"]),
-    (["data=memmap", f"data.sources='30 {README} 70'"], ["data.sources=", "pairs of weight and path"]),
-    (["data=memmap", f"data.sources=[{{path: {README}, weight: 0}}]"], ["data.sources=0", "weight must be a number > 0"]),
-    (["data=memmap", f"data.sources=[{{name: web, path: {README}, weight: 1}}]", "train.eval_every=5"],
+    (["data=memmap", f"data.sources='30 {TOKENS} 70'"], ["data.sources=", "pairs of weight and path"]),
+    (["data=memmap", f"data.sources=[{{path: {TOKENS}, weight: 0}}]"], ["data.sources=0", "weight must be a number > 0"]),
+    (["data=memmap", f"data.sources=[{{name: web, path: {TOKENS}, weight: 1}}]", "train.eval_every=5"],
      ["train.eval_every=5", "source web has no held-out data", "data.val_fraction=0.01"]),
-    ([f"data.sources='30 {README} 70 {README}'"], ["data.sources=", "is for data=memmap"]),
+    ([f"data.sources='30 {TOKENS} 70 {TOKENS}'"], ["data.sources=", "is for data=memmap"]),
     (["train.loss_chunks=0"], ["train.loss_chunks=0", "1..train.seq_len=128"]),
     (["recipe=tp", "train.loss_chunks=4"], ["train.loss_chunks=4", "splits the head", "use 1 or null"]),
     (["recipe=pp", "train.loss_chunks=4"], ["train.loss_chunks=4", "pipeline", "use 1 or null"]),

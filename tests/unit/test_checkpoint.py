@@ -80,6 +80,28 @@ def test_a_corrupt_checkpoint_is_skipped_for_the_one_before(tmp_path):
         assert find_latest(tmp_path).name == "step_00000010"
 
 
+def test_keep_k_keeps_the_newest_verified_and_sets_a_failing_one_aside(tmp_path):
+    """Issue 47, 2: steps 2 and 4 kept (keep=2), a byte of step 4 flipped; the relaunch
+    (keep=1) resumes from 2 and saves 3. Step 4 is set aside (renamed, not deleted, never
+    counted), keep-K deletes step 2 and keeps the verified step 3, which `latest` names.
+    Before: keep-K by step number deleted 2 and 3 and left `latest` naming step 3."""
+    first = Checkpointer(tmp_path, keep=2, rank=0, world_size=1, run_id="r")
+    for step in (2, 4):
+        first.save(step, step, TinyEngine(step))
+    model = tmp_path / "step_00000004" / "engine" / "model.pt"
+    data = bytearray(model.read_bytes())
+    data[-20] ^= 0xFF
+    model.write_bytes(bytes(data))
+    again = Checkpointer(tmp_path, keep=1, rank=0, world_size=1, run_id="r")
+    assert again.resolve("auto").name == "step_00000002"
+    assert read_latest(tmp_path) == ("step_00000002", "r")  # never a folder that is gone
+    again.save(3, 3, TinyEngine(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000003", "step_00000004.failed"]
+    assert read_latest(tmp_path) == ("step_00000003", "r") and verify(tmp_path / "step_00000003") is None
+    assert "sha256" in verify(tmp_path / "step_00000004.failed")  # kept as it was, for a look
+    assert Checkpointer(tmp_path, keep=1, rank=0, world_size=1, run_id="r").resolve("auto").name == "step_00000003"
+
+
 def test_resume_never_and_explicit_path(tmp_path):
     ck = Checkpointer(tmp_path, keep=3, rank=0, world_size=1)
     ck.save(10, 80, TinyEngine(10))

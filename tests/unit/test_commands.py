@@ -43,9 +43,10 @@ def test_command_script_quotes_everything():
     run_dir = "/runs/x; touch pwned $(touch pwned2) 'q'"
     script = command_script(torchrun_argv(cfg, run_dir, PLAN), rank_env(cfg, PLAN, run_dir), "/home/me/my repo", run_dir)
     check_golden("command_quoted.sh", script)
-    # The exec line parses back to exactly the argv: no word of it is shell syntax.
+    # The exec line parses back to exactly the argv, under the supervisor: no word of it is shell syntax.
     exec_line = [line for line in script.splitlines() if line.startswith("exec ")][0]
-    assert shlex.split(exec_line)[1:] == torchrun_argv(cfg, run_dir, PLAN)
+    assert shlex.split(exec_line)[1:] == [PLAN.python, "-m", "launcher.launch.supervise", run_dir,
+                                          *torchrun_argv(cfg, run_dir, PLAN)]
 
 
 def test_rendezvous_id_is_stable_per_run_dir():

@@ -230,3 +230,19 @@ def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
     bad = run("train", "recipe=mine", "recipe.strategy=nope", f"hydra.run.dir={tmp_path / 'bad'}", "--dry-run")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: recipe.strategy=nope: no engine recipes/nope.py; allowed: ddp, fsdp, mine, pp, pp_fsdp, tp, tp_fsdp, zero"], bad.stderr
+
+
+def test_config_yaml_holds_every_string_as_typed(tmp_path):
+    """Issue 47, 3: a `${` in any string (escaped ones, backslashes before it, nested) is
+    written escaped and read back by the ranks' reader as the same characters."""
+    import dataclasses
+
+    from launcher.launch.compose import compose_config
+
+    cfg, _, _ = compose_config([r"run_name='\${oc.env:HOME}'"])
+    odd = ["${oc.env:HOME}", "a\\${b}", "a\\\\${b}", "${${x}}", "$${x}", "plain\\x"]
+    cfg = dataclasses.replace(cfg, run_name=odd[0], checkpoint=dataclasses.replace(cfg.checkpoint, dir=odd[1]),
+                              logger=dataclasses.replace(cfg.logger, tags=odd))
+    (tmp_path / "config.yaml").write_text(C.to_yaml(cfg))
+    back = C.load_frozen(tmp_path)
+    assert (back.run_name, back.checkpoint.dir, back.logger.tags) == (odd[0], odd[1], odd)
