@@ -231,8 +231,9 @@ def test_dry_run_of_accelerate_prints_its_config_and_command(tmp_path, capsys, m
     config = out.split(f"# {ACCELERATE_CONFIG}\n", 1)[1].split("# command\n")[0]
     assert "distributed_type: MULTI_GPU" in config and "num_processes: 2" in config
     exec_line = [line for line in out.splitlines() if line.startswith("exec ")][0]
-    assert shlex.split(exec_line)[3:6] == ["accelerate.commands.launch", f"--config_file={run}/{ACCELERATE_CONFIG}",
-                                           "--rdzv_backend=c10d"]
+    words = shlex.split(exec_line)  # exec PYTHON -m launcher.launch.supervise RUN PYTHON -m accelerate...
+    assert words[3:5] == ["launcher.launch.supervise", str(run)]
+    assert words[7:10] == ["accelerate.commands.launch", f"--config_file={run}/{ACCELERATE_CONFIG}", "--rdzv_backend=c10d"]
     assert "export PET_RDZV_ENDPOINT=127.0.0.1:" in out and not run.exists()
 
 
