@@ -80,7 +80,8 @@ class ShardedEngine:
     def state_bytes(self) -> MemoryBreakdown:
         """This rank's shards: parameters, the gradients as they stood at the last
         optimizer step (freed after it), and the optimizer states."""
-        return MemoryBreakdown(params=tensor_bytes(self.params), grads=self.grad_bytes,
+        held = dict.fromkeys(self.model.parameters())  # frozen ones too (model.lora's base)
+        return MemoryBreakdown(params=tensor_bytes(held), grads=self.grad_bytes,
                                optim=optimizer_state_bytes(self.optimizer), where=dict(self.where))
 
     # -------------------------------------------------------------------------- state
