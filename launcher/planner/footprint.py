@@ -133,7 +133,8 @@ def model_states(cfg: Config, layout: Layout,
     host = {"params": 0, "grads": 0, "optim": 0}
     if lora.enabled(cfg.model):  # adapters train, the base is frozen (launcher/planner/lora.py)
         return (*lora.states(cfg.model, cfg.precision.name, layout.shard, n, layout.fsdp, ds_weight_bytes(cfg),
-                             lambda t: zero_terms(cfg, layout, t), lambda t, k: optimizer_states(cfg, t, k)),
+                             lambda t: zero_terms(cfg, layout, t), lambda t, k: optimizer_states(cfg, t, k),
+                             ds_config.persistence_threshold(cfg)),
                 where, host)
     if layout.shard == "none":
         params, grads, optim = 4 * P, 4 * P, optimizer_states(cfg, P, 1)
@@ -154,7 +155,8 @@ def zero_terms(cfg: Config, layout: Layout, P: int) -> dict[str, tuple[float, fl
     return M.zero_states(int(layout.shard[-1]), P, n, cfg.train.grad_accum, layout.offload_optim,
                          layout.offload_params, largest_param=M.largest_param(cfg.model),
                          weight_bytes=ds_weight_bytes(cfg), straddle=M.straddling(cfg.model, n),
-                         kept_whole=M.persistent(cfg.model, ds_config.persistence_threshold(cfg)),
+                         kept_whole=M.persistent(cfg.model, ds_config.persistence_threshold(cfg))
+                         + lora.persistent(cfg.model, ds_config.persistence_threshold(cfg)),
                          bucket=ds_config.reduce_bucket(cfg))
 
 

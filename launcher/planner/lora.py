@@ -19,6 +19,7 @@ with dropout, its dropped input and mask.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from launcher.config import LoraBase, ModelConfig, Precision, ffn_dim, shape_key
@@ -79,6 +80,14 @@ def adapter_tensors(m: ModelConfig) -> tuple[tuple[tuple[int, ...], bool], ...]:
     return tuple(((shape, False) for shape in one)) * m.n_layers
 
 
+def persistent(m: ModelConfig, threshold: int) -> int:
+    """Adapter elements ZeRO-3 keeps whole on every rank (numel <= its persistence
+    threshold, 10 x dim by default: rank 8 on a 4096-wide model's attention, for one)."""
+    if not enabled(m):
+        return 0
+    return sum(math.prod(shape) for shape, _ in adapter_tensors(m) if math.prod(shape) <= threshold)
+
+
 def enabled(m: ModelConfig) -> bool:
     return m.lora.rank > 0
 
@@ -102,10 +111,11 @@ def base_bytes(m: ModelConfig, precision: Precision) -> int:
 
 
 def states(m: ModelConfig, precision: Precision, shard: str, n: int, fsdp: bool, w: int,
-           zero_terms, optimizer) -> tuple[int, int, int]:
+           zero_terms, optimizer, threshold: int = 0) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes on one rank (module docstring). `zero_terms(T)`:
     DeepSpeed's {"params"|"grads"|"optim": (device, host)} for T trainable parameters;
-    `optimizer(T, n)`: optim.name's state bytes for T adapters over n ranks (8T/n: adamw)."""
+    `optimizer(T, n)`: optim.name's state bytes for T adapters over n ranks (8T/n: adamw);
+    `threshold`: ZeRO-3's persistence threshold."""
     c = counts(m)
     t = c.trainable
     if shard == "none":
@@ -115,6 +125,8 @@ def states(m: ModelConfig, precision: Precision, shard: str, n: int, fsdp: bool,
     parts = zero_terms(t)
     frozen = w * c.frozen // (n if shard == "zero3" else 1)
     params, grads, optim = (int(d + h) for d, h in parts.values())
+    if shard == "zero3":  # an adapter kept whole (zero_terms counts it) holds no partition beside it (measured)
+        params -= w * persistent(m, threshold) // n
     return params + frozen, grads, optim
 
 
