@@ -200,11 +200,28 @@ def generation_mask(tok, template: Template, messages: list[dict], turns: list[i
 
 def prefix_mask(tok, template: Template, messages: list[dict], turns: list[int]) -> tuple[list[int], np.ndarray]:
     """The assistant turns' tokens by rendering prefix by prefix: for turn i, from the end of
-    messages[:i] with the generation prompt to the end of messages[:i + 1]."""
+    messages[:i] with the generation prompt to the end of messages[:i + 1]. The renderings
+    must extend each other as text; a fast tokenizer then maps those character spans onto
+    the whole conversation's tokens (a token counts where it starts inside a span), so a
+    tokenizer that merges a prompt's last character with the reply's first (ChatML's
+    newlines under Qwen's pre-tokenizer) is no reason to refuse; a slow one compares the
+    renderings' tokens, which must extend each other too."""
     wanted = [(messages[:i], True) for i in turns] + [(messages[:i + 1], False) for i in turns] + [(messages, False)]
-    encoded = encode(tok, texts(tok, template, wanted))
-    ids, n = encoded[-1], len(turns)
-    counts = np.zeros(len(ids), dtype=bool)
+    rendered = texts(tok, template, wanted)
+    n = len(turns)
+    chain = [x for pair in zip(rendered[:n], rendered[n:2 * n]) for x in pair] + [rendered[-1]]
+    for k in range(len(chain) - 1):
+        if not chain[k + 1].startswith(chain[k]):
+            raise not_prefix(template, turns[k // 2] + (k % 2))
+    if tok.is_fast:
+        out = tok(rendered[-1], add_special_tokens=False, return_offsets_mapping=True)
+        ids, starts = out["input_ids"], np.asarray([a for a, _ in out["offset_mapping"]])
+        counts = np.zeros(len(ids), dtype=bool)
+        for start, end in zip(rendered[:n], rendered[n:2 * n]):
+            counts |= (starts >= len(start)) & (starts < len(end))
+        return ids, counts
+    encoded = encode(tok, rendered)
+    ids, counts = encoded[-1], np.zeros(len(encoded[-1]), dtype=bool)
     chain = [x for pair in zip(encoded[:n], encoded[n:2 * n]) for x in pair] + [ids]
     for k in range(len(chain) - 1):
         if chain[k + 1][:len(chain[k])] != chain[k]:

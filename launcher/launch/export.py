@@ -62,6 +62,7 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
             return readable(lora.write_peft(cfg, state, out, dtype))
         from launcher import models
 
+        same_base(cfg, folder)
         base = models.build(lora.plain(cfg), torch.device("cpu")).state_dict()  # model.pretrained, read again
         state = lora.merged(cfg, state, base)
         suffix = f"-merged{suffix}"
@@ -79,6 +80,21 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
             "model": json.dumps(OmegaConf.to_container(OmegaConf.structured(cfg.model), enum_to_str=True))}
     save_file(tensors, str(path), metadata=meta)
     return readable(path)
+
+
+def same_base(cfg: C.Config, folder: Path) -> None:
+    """export.merge_lora: model.pretrained is still the base the adapters were trained over
+    (its sha256 against the checkpoint's manifest), or a merge would write another model."""
+    from launcher.data.cache import cache_root
+    from launcher.launch.levers import base_digest
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    recorded = ((manifest.get("model") or {}).get("lora") or {}).get("base_digest")
+    here = base_digest(cfg.model.pretrained, cache_root(cfg.data))
+    if recorded and recorded != here:
+        raise C.ConfigError("model.pretrained", cfg.model.pretrained, f"{folder} holds adapters trained over another "
+                            f"base (sha256 {recorded[:12]}... there, {here[:12]}... here): merged into this one they "
+                            "would make another model; give the base they were trained on")
 
 
 def readable(path: Path) -> Path:

@@ -110,11 +110,21 @@ def validate_lora(cfg: Config) -> None:
                           f"or replicas), not recipe={cfg.recipe.name}; use base_dtype auto or bf16 there")
     if cfg.precision.fp8:
         raise ConfigError("precision", "fp8", "not with model.lora (float8 layers would replace the adapted linears)")
+    if lora.base_dtype.value == "nf4" and importlib.util.find_spec("torchao") is None:
+        raise ConfigError("model.lora.base_dtype", "nf4", "needs torchao's NF4 tensor, the fp8 extra (.venv/bin/pip "
+                          "install -e '.[fp8]')")
+    if lora.base_dtype.value == "bf16" and cfg.precision.name.value != "bf16":
+        raise ConfigError("model.lora.base_dtype", "bf16", f"under precision={cfg.precision.name.value} nothing casts "
+                          "the activations for the fp32 adapters; use base_dtype=auto (the compute dtype) or "
+                          "precision=bf16")
     from launcher import models  # imports torch: only for a LoRA run
     from launcher.models.lora import plain, targets
 
     base = models.on_meta(plain(cfg))
     linears = sorted({n.rsplit(".", 1)[-1] for n in targets(base, models.model_layout(base).layers, None)})
+    if not linears:  # GPT-2's Conv1D, say: nothing would train
+        raise ConfigError("model.lora.rank", lora.rank, "this model has no nn.Linear inside its decoder layers to adapt "
+                          "(GPT-2's Conv1D, for one); LoRA here takes Llama-family models")
     missing = [t for t in (lora.targets or []) if str(t) not in linears]
     if missing:
         raise ConfigError("model.lora.targets", missing[0], f"names no linear inside the decoder layers; this model's "

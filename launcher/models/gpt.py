@@ -9,6 +9,7 @@ checkpointing mode, so checkpoints move between modes and recipes.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import math
 import sys
@@ -256,7 +257,34 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over the counted targets (-100: not counted), in fp32;
     0 with zero gradients when none counts (a chat window of prompt alone), never NaN."""
     total = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
-    return total / (targets != -100).sum().clamp(min=1)
+    return total / counted(targets)
+
+
+COUNTED: contextvars.ContextVar[float | None] = contextvars.ContextVar("counted", default=None)
+"""Masked data (data=chat): the step's counted targets over all data-parallel ranks, per
+loss call (launcher/rank/loop.py sets it for each step): every loss divides its sum by it
+instead of by its own count, so the step's gradient is the mean over every counted token
+of the step (as transformers' num_items_in_batch), whatever the micro-batch, accumulation
+and world size. None: each call's own count (plain text: the same number)."""
+
+
+@contextlib.contextmanager
+def counting(per_call: float | None):
+    """COUNTED set to `per_call` inside the block (None: each loss counts its own)."""
+    token = COUNTED.set(per_call)
+    try:
+        yield
+    finally:
+        COUNTED.reset(token)
+
+
+def counted(targets: torch.Tensor) -> torch.Tensor:
+    """The divisor of a loss over `targets`: COUNTED, or its own counted targets (at least 1:
+    none counted gives 0, never NaN)."""
+    per_call = COUNTED.get()
+    if per_call is not None:
+        return torch.tensor(per_call, dtype=torch.float32, device=targets.device)
+    return (targets != -100).sum().clamp(min=1)
 
 
 class Head(nn.Linear):
@@ -268,7 +296,7 @@ class Head(nn.Linear):
         if targets is None:
             return super().forward(h)
         if not torch.is_grad_enabled():  # an evaluation: the loss alone, slice by slice
-            count = (targets != -100).sum().clamp(min=1)  # none counted: 0
+            count = counted(targets)  # none counted: 0
             return sum(F.cross_entropy(F.linear(a, self.weight).float().flatten(0, 1), b.flatten(), reduction="sum")
                        for a, b in zip(h.chunk(chunks, 1), targets.chunk(chunks, 1))) / count
         return SlicedLoss.apply(h, self.weight, targets, chunks)
@@ -293,7 +321,7 @@ class SlicedLoss(torch.autograd.Function):
             grad_h = torch.empty_like(h) if grads else None
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
             total = torch.zeros((), dtype=torch.float32, device=h.device)
-            count = (targets != -100).sum().clamp(min=1)  # none counted: loss 0, gradients 0
+            count = counted(targets)  # none counted: loss 0, gradients 0
             for sl in _slices(h.size(1), chunks):
                 hc, tc = hd[:, sl].reshape(-1, h.size(-1)), targets[:, sl].reshape(-1)
                 logits = (hc @ wd.t()).float()

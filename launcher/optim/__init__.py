@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import importlib.util
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -76,6 +77,9 @@ def validate(cfg: OptimConfig, recipe: str, deepspeed: bool, fsdp_cpu_offload: b
         raise ConfigError("optim.lr", cfg.lr, "must be > 0")
     if cfg.name not in FAMILIES:
         raise ConfigError("optim.name", cfg.name, f"allowed: {', '.join(NAMES)}")
+    if cfg.name.startswith("adamw") and cfg.name != "adamw" and importlib.util.find_spec("torchao") is None:
+        raise ConfigError("optim.name", cfg.name, "needs torchao's low-bit states, the fp8 extra (.venv/bin/pip install "
+                          "-e '.[fp8]'); adamw, adafactor and muon need none")
     if deepspeed and cfg.name not in ZERO_TAKES:
         raise ConfigError("optim.name", cfg.name, f"recipe={recipe} runs DeepSpeed's own AdamW on flat partitions; "
                                                   f"{cfg.name} runs under recipe=ddp, fsdp, tp, tp_fsdp, pp or pp_fsdp")

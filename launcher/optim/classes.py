@@ -6,7 +6,7 @@ engines step it, LambdaLR drives its lr, checkpoints take its state dict):
     WholeAdafactor   torch's Adafactor, a sharded parameter stepped whole
     MuonAdamW        Muon's update for hidden matrices, AdamW's for the rest
 
-Ranks import this module (torch, torchao); the launch side never does.
+Ranks import this module (torch, and torchao when installed); the launch side never does.
 """
 
 from __future__ import annotations
@@ -15,8 +15,11 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._adafactor import _single_tensor_adafactor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
-from torchao.optim import AdamW4bit, AdamW8bit
-from torchao.optim.adam import single_param_adam
+try:  # the fp8 extra; without it the launch side refuses optim=adamw8bit/4bit (launcher/optim/__init__.py)
+    from torchao.optim import AdamW4bit, AdamW8bit
+    from torchao.optim.adam import single_param_adam
+except ImportError:  # adafactor and muon need none of it
+    AdamW4bit = AdamW8bit = torch.optim.AdamW
 
 from launcher.models import model_layout
 

@@ -23,6 +23,7 @@ The launch side sees to it that a folder holds one run's checkpoints (launcher/l
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -230,3 +231,33 @@ class Checkpointer:
                   "one the run trained with (samples may repeat or be skipped)", flush=True)
         return TrainerState(step=int(state["step"]), samples_seen=int(state["samples_seen"]), data=state.get("data"))
 
+
+# ----------------------------------------------------------------------------- a save that failed
+def write_failure_cause(err: BaseException, root: Path) -> str:
+    """Why a write failed, in words: a full disk says so (torch's zip writer reports it as
+    "unexpected pos 64 vs 0"), anything else is the error's first line."""
+    from launcher.launch.supervise import LOW_DISK, free_bytes
+
+    free = free_bytes(root)
+    if getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err) or free < LOW_DISK:
+        return f"no space left on device ({free / 2**20:,.1f} MiB free on the filesystem of {root})"
+    return str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
+
+
+def write_error(err: BaseException) -> BaseException | None:
+    """The failed write behind `err`, None if it is something else: `err` itself, or, from
+    DCP's CheckpointException (a BaseException that holds each rank's exception), the first
+    rank's failed write."""
+    failures = getattr(err, "failures", None) if type(err).__name__ == "CheckpointException" else None
+    for e in [pair[0] for pair in failures.values()] if isinstance(failures, dict) else [err]:
+        if isinstance(e, (OSError, RuntimeError)) and is_write_failure(e):
+            return e
+    return None
+
+
+def is_write_failure(err: BaseException) -> bool:
+    """A failed file write: an OSError, or torch's zip writer reporting one (it turns a
+    full disk into a RuntimeError such as "unexpected pos 64 vs 0")."""
+    text = str(err)
+    return isinstance(err, OSError) or any(s in text for s in (
+        "PytorchStreamWriter", "inline_container", "file write failed", "No space left", "unexpected pos"))

@@ -4,7 +4,6 @@ how micro-batches become an optimizer step, the loop decides when to log and sav
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import sys
@@ -18,10 +17,11 @@ import torch.distributed as dist
 import recipes
 from launcher import models
 from launcher.manifest import step_name, whole
+from launcher.models.gpt import counting
 from launcher.parallel.context import local_positions
 from launcher.parallel.degrees import degrees
 from launcher.rank import backoff
-from launcher.rank.checkpoint import Checkpointer
+from launcher.rank.checkpoint import Checkpointer, write_error, write_failure_cause
 from launcher.config import Config, FaultPoint
 from launcher.data.read import SourceMeter, build_loader, loss_floor, micro_batch
 from launcher.device import host_values, memory_stats, peak_flops, reset_peak_memory, synchronize
@@ -126,6 +126,8 @@ def run(job: Job) -> int:
             packing.count(batch)  # data=chat: the targets it counts, on the host
             mb = micro_batch(batch.to(device, non_blocking=True), cfg.data.document_masking)
             micro_batches.append(tuple(local_positions(t, cp_rank, cp) for t in mb) if cp > 1 else mb)
+        # data=chat: each loss divides by the step's counted targets (all ranks), not its own
+        counted = packing.step_counted() if cp == 1 else None
         meter.data_wait += (fetched := time.perf_counter() - t0)
         logged = ((step + 1) % cfg.logger.log_every == 0 or step + 1 == last
                   or bool(cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0))
@@ -137,7 +139,7 @@ def run(job: Job) -> int:
                 guard.step = step + 1
                 output = getattr(engine, "output_module", engine.model)  # what debug.fault=nan_loss|spike|slow hooks
                 with (backoff.injected(job, step + 1, engine.model), poisoned(cfg.debug, step + 1, job.rank, output),
-                      stragglers.timed(logged, fetched)):
+                      stragglers.timed(logged, fetched), counting(per_call(counted, job, len(micro_batches)))):
                     # The second step of a launch: the first also holds one-time work (a
                     # pipeline's shape inference); the planner predicts the steady state.
                     if cfg.train.measure_activations and step == min(first_step + 1, last - 1):
@@ -247,6 +249,17 @@ def run(job: Job) -> int:
     return EXIT_PREEMPTED if preempted and not job.preemption.interrupted else 0
 
 
+def per_call(counted: int | None, job: Job, calls: int) -> float | None:
+    """What each of a step's loss calls divides by (launcher/models/gpt.py::COUNTED): the
+    step's counted targets over the data-parallel ranks and this rank's loss calls (its
+    micro-batches, or a pipeline's own), so the step's gradient is the mean over every
+    counted token. None where the data counts every target."""
+    if counted is None:
+        return None
+    p = job.cfg.parallel
+    return counted / (job.dp_size * (p.pp_microbatches if p.pp > 1 else calls))
+
+
 def reduced_loss(result: StepResult, device: torch.device) -> torch.Tensor:
     """A step's or an evaluation's loss summed over its owners (engine.owners_sum)."""
     return owners_sum(result.loss, result.loss_owner, device)
@@ -312,36 +325,6 @@ def failed(err: BaseException, step: int, ckpt: Checkpointer, watchdog: Watchdog
         pass  # the run directory may be on the same full disk: the message above stands
     watchdog.stop()
     return None
-
-
-def write_failure_cause(err: BaseException, root: Path) -> str:
-    """Why a write failed, in words: a full disk says so (torch's zip writer reports it as
-    "unexpected pos 64 vs 0"), anything else is the error's first line."""
-    from launcher.launch.supervise import LOW_DISK, free_bytes
-
-    free = free_bytes(root)
-    if getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err) or free < LOW_DISK:
-        return f"no space left on device ({free / 2**20:,.1f} MiB free on the filesystem of {root})"
-    return str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
-
-
-def write_error(err: BaseException) -> BaseException | None:
-    """The failed write behind `err`, None if it is something else: `err` itself, or, from
-    DCP's CheckpointException (a BaseException that holds each rank's exception), the first
-    rank's failed write."""
-    failures = getattr(err, "failures", None) if type(err).__name__ == "CheckpointException" else None
-    for e in [pair[0] for pair in failures.values()] if isinstance(failures, dict) else [err]:
-        if isinstance(e, (OSError, RuntimeError)) and is_write_failure(e):
-            return e
-    return None
-
-
-def is_write_failure(err: BaseException) -> bool:
-    """A failed file write: an OSError, or torch's zip writer reporting one (it turns a
-    full disk into a RuntimeError such as "unexpected pos 64 vs 0")."""
-    text = str(err)
-    return isinstance(err, OSError) or any(s in text for s in (
-        "PytorchStreamWriter", "inline_container", "file write failed", "No space left", "unexpected pos"))
 
 
 def summarize(job: Job, history: list[dict], steps_run: int, digest: bool = False,

@@ -78,10 +78,27 @@ class PackMeter:
     def __init__(self, dataset, samples_seen: int, replicas: int, group):
         self.on = hasattr(dataset, "packed")  # launcher/data/read.py's ChatFile
         self.dataset, self.seen, self.replicas, self.group, self.counted = dataset, samples_seen, replicas, group, 0
+        self.this_step = 0
 
     def count(self, batch) -> None:
         if self.on:
-            self.counted += int(batch[:, 1, 1:].count_nonzero())
+            n = int(batch[:, 1, 1:].count_nonzero())
+            self.counted += n
+            self.this_step += n
+
+    def step_counted(self) -> int | None:
+        """The counted targets of this step's batches over every data-parallel rank (one
+        all-reduce of a number on the CPU group a step; data=chat only, else None): what
+        the step's losses divide by (launcher/models/gpt.py::COUNTED)."""
+        if not self.on:
+            return None
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor([self.this_step], dtype=torch.int64)
+        dist.all_reduce(total, group=self.group)
+        self.this_step = 0
+        return max(1, int(total) // self.replicas)
 
     def metrics(self, samples_seen: int) -> dict:
         if not self.on or samples_seen == self.seen:

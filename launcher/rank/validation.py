@@ -10,7 +10,8 @@ import math
 
 import torch
 
-from launcher.data.read import micro_batch, val_sets
+from launcher.data.read import IGNORE, micro_batch, val_sets
+from launcher.models.gpt import counting
 from launcher.parallel.context import local_positions
 from launcher.rank.engine import StepResult, owners_sum
 
@@ -29,8 +30,24 @@ def held_out_batches(job, cp: int, cp_rank: int) -> list[tuple[str, float, list]
             batch = data.__getitems__(list(range(first + k * mb, first + (k + 1) * mb))).to(job.device)
             parts = micro_batch(batch, cfg.data.document_masking)  # data=chat: the loss on the counted targets
             batches.append(tuple(local_positions(t, cp_rank, cp) for t in parts) if cp > 1 else parts)
-        out.append((name, weight, batches))
+        out.append((name, weight, batches, counted(job, batches) if cp == 1 else None))
     return out
+
+
+def counted(job, batches: list) -> float | None:
+    """data=chat: what each held-out loss call divides by (launcher/models/gpt.py::COUNTED):
+    the set's counted targets over the data-parallel ranks (counted once: the same samples
+    every evaluation) over this rank's calls, so val/loss is the mean over every counted
+    token. None where every target counts."""
+    if not hasattr(job.dataset, "packed"):
+        return None
+    import torch.distributed as dist
+
+    total = torch.tensor([sum(int((b[1] != IGNORE).sum()) for b in batches)], dtype=torch.int64)
+    dist.all_reduce(total, group=job.preemption.group)
+    p = job.cfg.parallel  # a pipeline's schedule cuts each step's worth into its own micro-batches
+    calls = len(batches) * (p.pp_microbatches / job.grad_accum if p.pp > 1 else 1)
+    return max(1, int(total) // (job.world_size // job.dp_size)) / (job.dp_size * max(1, calls))
 
 
 def held_out_loss(job, batches: list) -> StepResult:
@@ -46,8 +63,11 @@ def evaluate(job, held_out: list, device: torch.device) -> dict[str, torch.Tenso
     """Every set's loss summed over its owners (a collective each, on every rank), by
     metric name: val/loss, and for a mixture val/<name>/loss per source with val/loss
     their weighted mean (the loss the blend expects)."""
-    losses = {name: (weight, owners_sum(r.loss, r.loss_owner, device))
-              for name, weight, batches in held_out for r in [held_out_loss(job, batches)]}
+    losses = {}
+    for name, weight, batches, per_call in held_out:
+        with counting(per_call):
+            r = held_out_loss(job, batches)
+        losses[name] = (weight, owners_sum(r.loss, r.loss_owner, device))
     if "" in losses:
         return {"val/loss": losses[""][1]}
     return {"val/loss": sum(w * t for w, t in losses.values()), **{f"val/{n}/loss": t for n, (_, t) in losses.items()}}

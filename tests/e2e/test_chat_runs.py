@@ -38,19 +38,21 @@ def run(tmp_path_factory):
     return run_dir, model, proc.stdout
 
 
-def masked_loss(model, batch: torch.Tensor) -> tuple[float, float]:
-    """transformers' model on a batch of windows: the loss on the counted targets, and on all."""
+def masked_loss(model, batch: torch.Tensor) -> tuple[float, int, float]:
+    """transformers' model on a batch of windows: the summed loss on the counted targets,
+    their count, and the mean loss on every target."""
     inputs, targets = micro_batch(batch, document_masking=False)
     with torch.no_grad():
         logits = model(input_ids=inputs).logits.float().flatten(0, 1)
-    return (torch.nn.functional.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE).item(),
-            torch.nn.functional.cross_entropy(logits, batch[:, 0, 1:].flatten()).item())
+    return (torch.nn.functional.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction="sum").item(),
+            int((targets != IGNORE).sum()), torch.nn.functional.cross_entropy(logits, batch[:, 0, 1:].flatten()).item())
 
 
 def per_rank(model, batches: list[torch.Tensor]) -> tuple[float, float]:
-    """The loss the run logs: each rank's mean over its counted targets, averaged over ranks."""
+    """The loss the run logs: the mean over every counted target of the step, all ranks'
+    (not a mean of each micro-batch's mean), and the mean over every target."""
     losses = [masked_loss(model, b) for b in batches]
-    return sum(m for m, _ in losses) / len(losses), sum(a for _, a in losses) / len(losses)
+    return sum(s for s, _, _ in losses) / sum(n for _, n, _ in losses), sum(a for _, _, a in losses) / len(losses)
 
 
 def test_chat_trains_on_the_assistant_tokens_of_packed_windows(run):
@@ -86,3 +88,20 @@ def test_chat_trains_on_the_assistant_tokens_of_packed_windows(run):
     held = Held(data, data.windows, data.held_out)
     val = [held.__getitems__(list(range(r * MB, (r + 1) * MB))) for r in range(2)]
     assert rows[-1]["val/loss"] == pytest.approx(per_rank(model, val)[0], rel=1e-5)
+
+
+def test_the_step_is_the_mean_over_its_counted_tokens_whatever_the_micro_batch(run, tmp_path):
+    """The same 3 steps with half the micro-batch and twice the accumulation: the same losses
+    and gradient norms, since every loss divides by the step's counted targets (all ranks),
+    not by its own micro-batch's (which weights a micro-batch of few counted tokens up)."""
+    run_dir, model, _ = run
+    other = tmp_path / "half"
+    launch("recipe=ddp", "model=hf", f"model.pretrained={model}", "data=chat", f"data.files={EXAMPLE}",
+           f"data.tokenizer={model}", "data.document_masking=false", "data.val_fraction=0.05", f"train.seq_len={SEQ}",
+           f"train.micro_batch={MB // 2}", f"train.global_batch={G}", "train.steps=3", "optim.warmup_steps=1",
+           "train.eval_every=3", "train.eval_samples=8", "logger=none", "logger.log_every=1", "checkpoint.every=0",
+           run_dir=other)
+    a, b = read_metrics(run_dir), read_metrics(other)
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5)
+    assert [r["grad_norm"] for r in b] == pytest.approx([r["grad_norm"] for r in a], rel=1e-4)
+    assert b[-1]["val/loss"] == pytest.approx(a[-1]["val/loss"], rel=1e-5)

@@ -83,7 +83,7 @@ def test_a_checkpoint_holds_the_adapters_and_the_base_digest(runs, base):
         assert manifest["model"]["lora"]["base_digest"] == base_digest(str(base), base.parent)
 
 
-def test_a_resume_onto_another_base_is_refused(runs, base, tmp_path):
+def test_a_resume_or_a_merge_onto_another_base_is_refused(runs, base, tmp_path):
     """The same shapes, one weight changed: the adapters would be applied to another model."""
     from safetensors.torch import load_file, save_file
 
@@ -96,6 +96,9 @@ def test_a_resume_onto_another_base_is_refused(runs, base, tmp_path):
     shutil.copytree(runs["ddp"], run)
     proc = launch("recipe=ddp", f"model.pretrained={other}", *COMMON, "train.steps=6", run_dir=run, check=False)
     assert_refused(proc.returncode, proc.stdout, proc.stderr, ["model.pretrained", "another base"])
+    assert cli.main(["export", str(run), "export.format=hf", "export.merge_lora=true", f"model.pretrained={other}",
+                     f"export.out={tmp_path / 'merged'}"]) == 2  # merged into another base: refused too
+    assert not (tmp_path / "merged").exists()
 
 
 def test_the_peft_export_loads_with_the_runs_own_logits(runs, base, tmp_path):

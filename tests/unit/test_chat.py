@@ -261,3 +261,26 @@ def test_parquet_rows_prepare_as_json_lines_do_and_a_bad_row_is_named(tmp_path):
                                 f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=1"])
     with pytest.raises(ConfigError, match=r"bad.parquet: row 34: has no assistant turn"):
         prepare(cfg)
+
+
+def test_a_reply_whose_first_character_merges_with_the_prompt_is_masked_not_refused():
+    """ChatML without generation marks under a pre-tokenizer that merges newlines (Qwen's
+    `\\s*[\\r\\n]+`): the prompt ends "assistant\\n", a reply starting "\\n" makes one "\\n\\n"
+    token across the boundary, so the prompt's tokens are no prefix of the whole's. The
+    renderings are prefixes as text: the reply's tokens are those starting inside it."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from launcher.data.chat import prefix_mask
+
+    words = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "\n", "\n\n", "hi", "there", "ask", " "]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s*[\r\n]+|<\|im_start\|>|<\|im_end\|>|\w+| "), "isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    chatml = Template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", ("data.chat_template", "x"))
+    messages = [{"role": "user", "content": "ask"}, {"role": "assistant", "content": "\nhi there"}]
+    ids, counts = prefix_mask(tok, chatml, messages, [1])
+    counted = [words[i] for i, c in zip(ids, counts) if c]
+    assert "\n\n" in [words[i] for i in ids]  # the merged token straddles the prompt and the reply
+    assert counted == ["hi", " ", "there", "<|im_end|>", "\n"], counted

@@ -77,6 +77,7 @@ def test_an_8b_qlora_fits_one_24_gb_gpu_where_a_full_fine_tune_must_offload(caps
     (["model.lora.rank=8", "recipe=fsdp", "model.lora.base_dtype=nf4"], ["base_dtype=nf4", "ddp engine"]),
     (["model.lora.rank=8", "model.lora.alpha=0"], ["model.lora.alpha=0", "> 0"]),
     (["model.lora.rank=8", "model.lora.dropout=1.0"], ["model.lora.dropout=1.0", "[0, 1)"]),
+    (["model.lora.rank=8", "model.lora.base_dtype=bf16", "precision=fp32"], ["base_dtype=bf16", "precision=fp32"]),
 ])
 def test_bad_lora_input_is_one_line(overrides, words, base, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -91,3 +92,29 @@ def test_adapters_over_a_random_start_are_refused(tmp_path, capsys, monkeypatch)
     code = cli.main(["model.lora.rank=8", f"hydra.run.dir={tmp_path / 'run'}"])
     out, err = capsys.readouterr()
     assert_refused(code, out, err, ["model.lora.rank=8", "pretrained base", "make plan takes any shape"])
+
+
+def test_lora_and_low_bit_states_without_torchao_are_one_line(base, tmp_path, capsys, monkeypatch):
+    """torchao is the fp8 extra, not the first run's install: asked for its NF4 base or its
+    low-bit optimizers without it, the launcher says so (the ranks would fail to import it)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    monkeypatch.chdir(tmp_path)
+    for extra, words in ((["model.lora.base_dtype=nf4"], ["base_dtype=nf4", "fp8 extra"]),
+                         (["optim=adamw8bit"], ["optim.name=adamw8bit", "fp8 extra"])):
+        code = cli.main(["model=hf", f"model.pretrained={base}", "model.lora.rank=8", *extra,
+                         f"hydra.run.dir={tmp_path / 'run'}"])
+        out, err = capsys.readouterr()
+        assert_refused(code, out, err, words)
+
+
+def test_a_model_without_linears_in_its_layers_is_refused():
+    """GPT-2's projections are Conv1D: adapters on nothing would freeze every weight."""
+    from launcher.launch.levers import validate_lora
+    from bad_inputs import HF
+
+    cfg, _, _ = compose_config(["model=hf", f"model.config={HF['gpt2']}", "model.lora.rank=8"])
+    with pytest.raises(Exception, match="no nn.Linear inside its decoder layers"):
+        validate_lora(cfg)
