@@ -91,3 +91,52 @@ def test_the_deepspeed_ops_a_run_compiles_first(recipe, cuda, want):
 
     cfg, _, _ = compose_config([f"recipe={recipe}"])
     assert ops.needed(cfg, cuda) == want
+
+
+# ----------------------------------------------------------------------------- small untruths (issue 48, 9)
+def png_size(path) -> tuple[int, int]:
+    import struct
+
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_make_plan_tells_the_reserve_and_its_headroom_agrees_with_the_marks(tmp_path):
+    """`make plan` for Llama-3-8B on 8 x 24 GiB at seq 4096 (the issue's plan): rows marked ✗
+    showed positive headroom, since a row fits only within GPU memory less plan.reserve_gb
+    (2 GiB, said nowhere); `--json` had no recommended command; the chart was 4200 x 600."""
+    import json
+
+    from runs import here
+
+    args = ["model=llama3_8b", "cluster.gpus_per_node=8", "cluster.gpu_memory_gb=24", "train.seq_len=4096"]
+    chart = tmp_path / "plan.png"
+    data = json.loads(here("plan", *args, "--json", f"plan.chart={chart}").stdout)
+    assert data["reserve_bytes"] == 2 * 2**30 and data["per"] == "GPU"
+    inside = [r for r in data["rows"] if 0 < data["gpu_bytes"] - r["peak"] < data["reserve_bytes"]]
+    assert inside and not any(r["fits"] for r in inside)  # the rows the reserve alone refuses
+    for r in data["rows"]:  # no host memory given: only the GPU decides
+        assert r["headroom"] == data["gpu_bytes"] - data["reserve_bytes"] - r["peak"] and r["fits"] == (r["headroom"] >= 0)
+    table = here("plan", *args).stdout
+    marked = [line.split("│") for line in table.splitlines() if line.startswith("│ ✗")]
+    assert marked and all(float(cells[13]) < 0 for cells in marked), marked[:3]
+    caption = " ".join(table.split())
+    assert "headroom = GPU memory less plan.reserve_gb (2 GiB held back" in caption, table[-1500:]
+    line = next(x for x in table.splitlines() if x.startswith("recommended: "))
+    assert data["recommended_command"] == line.removeprefix("recommended: ").strip()
+    assert data["recommended_command"].startswith('make train RECIPE=')
+    width, height = png_size(chart)  # one bar per layout (21 here), its labels horizontal
+    assert 800 <= width <= 1600 and 600 <= height <= 1600, (width, height)
+
+
+def test_a_plan_on_this_cpu_says_per_process():
+    """Item 8's leftover: the plan for this machine's CPU processes said "GiB per GPU"."""
+    from runs import here
+
+    if HostInfo.detect().cuda:
+        pytest.skip("a GPU machine plans for its GPUs")
+    out = " ".join(here("plan", "model=gpt_tiny").stdout.split())
+    assert "GiB per process." in out and "a process's share of this machine's memory less plan.reserve_gb" in out
+    caption = out.split("GiB per process.", 1)[1].split("recommended:")[0]
+    assert "GPU" not in caption, caption
