@@ -140,3 +140,42 @@ def test_a_plan_on_this_cpu_says_per_process():
     assert "GiB per process." in out and "a process's share of this machine's memory less plan.reserve_gb" in out
     caption = out.split("GiB per process.", 1)[1].split("recommended:")[0]
     assert "GPU" not in caption, caption
+
+
+def test_a_stop_says_what_a_relaunch_does(tmp_path, capsys):
+    """No checkpoint: it said "no complete checkpoint yet. Launch the same run directory
+    again to resume from it.", with nothing to resume (the launches: tests/e2e/test_signals.py)."""
+    from launcher.launch.supervise import disk_report, explain
+
+    (tmp_path / "preempted.json").write_text('{"step": null, "signal": "SIGINT"}')
+    assert explain(1, tmp_path, tmp_path / "checkpoints") == 130
+    assert capsys.readouterr().out.strip() == (
+        "interrupted (Ctrl-C) before the first step; no complete checkpoint was written, so there is nothing to "
+        "resume. Launch the same run directory again to start the run over.")
+    assert disk_report(tmp_path / "checkpoints", "no space left on device").endswith(
+        "nothing to resume. Free space (or choose another checkpoint.dir), then launch the same run directory again "
+        "to start the run over.")
+
+
+def test_ctrl_c_says_how_long_the_step_takes(tmp_path, capfd):
+    """The first Ctrl-C said "finish this step (within about a second)" when a step takes
+    minutes: now from the last step time rank 0 logged. The supervisor runs as `make train`
+    runs it, over a child that stands in for torchrun (a 150 s step does not run here; the
+    tiny model's 'about a second': tests/e2e/test_signals.py)."""
+    import json
+    import os
+    import signal
+    import sys
+    import threading
+
+    from launcher.launch.supervise import AGREE_S, stop_line, supervise
+    from launcher.rank.preempt import CHECK_S
+
+    assert AGREE_S == CHECK_S
+    assert stop_line(tmp_path) == "Ctrl-C: the ranks finish this step, save and stop (Ctrl-C again to stop at once)"
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "step_time_s": t}) + "\n"
+                                                    for s, t in ((1, 0.02), (2, 150.0))))
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    assert supervise([sys.executable, "-c", "import time; time.sleep(2)"], dict(os.environ), tmp_path) == 0
+    assert capfd.readouterr().err.strip() == ("Ctrl-C: the ranks finish this step (within about 2m31s: the last step "
+                                              "took 2m30s), save and stop (Ctrl-C again to stop at once)")
