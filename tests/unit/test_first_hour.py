@@ -179,3 +179,23 @@ def test_ctrl_c_says_how_long_the_step_takes(tmp_path, capfd):
     assert supervise([sys.executable, "-c", "import time; time.sleep(2)"], dict(os.environ), tmp_path) == 0
     assert capfd.readouterr().err.strip() == ("Ctrl-C: the ranks finish this step (within about 2m31s: the last step "
                                               "took 2m30s), save and stop (Ctrl-C again to stop at once)")
+
+
+def test_a_sweep_names_its_points_by_their_values(tmp_path, capsys, monkeypatch):
+    """`make train ARGS="-m ..."` named its points `run 0`, `run 1` (the launch and its
+    comparison table: tests/e2e/test_sweep_runs.py)."""
+    from launcher.launch.sweep import point_names
+
+    points = [["optim.lr=0.001", "model=gpt_tiny", "train.steps=2"], ["optim.lr=0.001", "model=gpt_small", "train.steps=2"],
+              ["optim.lr=0.003", "model=gpt_tiny", "train.steps=2"]]
+    assert point_names(points) == ["optim.lr=0.001 model=gpt_tiny", "optim.lr=0.001 model=gpt_small",
+                                   "optim.lr=0.003 model=gpt_tiny"]
+    assert point_names([["optim.lr=0.001"]]) == [""]
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", "-m", "optim.lr=1e-3,2e-3", "--dry-run", f"hydra.sweep.dir={tmp_path / 's'}"]) == 0
+    out = capsys.readouterr().out
+    assert "# sweep point 1/2: optim.lr=0.001\n" in out and "# sweep point 2/2: optim.lr=0.002\n" in out
+    assert "\nrun_name: optim.lr=0.001\n" in out and "\nrun_name: optim.lr=0.002\n" in out
+    assert cli.main(["train", "-m", "optim.lr=1e-3,2e-3", "run_name=mine", "--dry-run",
+                     f"hydra.sweep.dir={tmp_path / 's'}"]) == 0
+    assert capsys.readouterr().out.count("\nrun_name: mine\n") == 2  # the user's own name is kept
