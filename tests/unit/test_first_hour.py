@@ -1,5 +1,7 @@
 """The first hour of a new user (issue 48): the default precision fits the CPU, MFU only
-against a peak the launcher knows, `make plan` on a machine without GPUs plans for it.
+against a peak the launcher knows, `make plan` on a machine without GPUs plans for it;
+item 9's small untruths: the plan's reserve and headroom, its chart and --json, what a
+stop says of a relaunch and how soon, a sweep's point names.
 (Data keys without their source and a CPU run that cannot fit: tests/unit/test_bad_input.py;
 a relaunch that keeps the run's values: tests/e2e/test_run_dir_runs.py.)"""
 
