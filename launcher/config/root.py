@@ -37,7 +37,8 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     run_name: Optional[str] = None
-    """Name shown in W&B and the console (null: the run directory's name)."""
+    """Name shown in W&B and the console (null: the run directory's name; a sweep's point:
+    its swept values, e.g. `optim.lr=0.001`)."""
 
 
 GROUPS = {

@@ -8,17 +8,19 @@ with one line on stderr and exit code 2, before any rank starts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from launcher import config as C, offline, provenance, runlock
-from launcher.launch import asked, fit, identity, k8s, plaintext, slurm
+from launcher.launch import asked, fit, identity, k8s, plaintext, slurm, sweep
 from launcher.manifest import lock_folders, root_of
 from launcher.launch.commands import command_script, launch_argv, launch_env, LaunchPlan, sbatch_script, SLURM_STEPS
 from launcher.launch.args import parse_args, USAGE
@@ -177,9 +179,15 @@ def check_accelerate(cfg: C.Config) -> None:
 
 
 def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> int:
-    """Compose and validate every point first (bad input starts nothing), then run each."""
-    rc = 0
-    for cfg, run_dir, host, choice, ds in compose_jobs("train", overrides, multirun, dry_run):
+    """Compose and validate every point first (bad input starts nothing), then run each; a
+    sweep's points are named by their swept values and compared in one table at the end."""
+    rc, jobs, points = 0, compose_jobs("train", overrides, multirun, dry_run), []
+    names = sweep.point_names(expand_sweep(overrides)) if multirun else [""]
+    for k, ((cfg, run_dir, host, choice, ds), name) in enumerate(zip(jobs, names), 1):
+        if name and cfg.run_name is None:  # W&B's name and the summary's title: the swept values
+            cfg = dataclasses.replace(cfg, run_name=name)
+        if multirun:
+            print(f"{'# ' if dry_run else ''}sweep point {k}/{len(jobs)}: {name or '(nothing swept)'}", flush=True)
         plan = make_plan(cfg, host)
         files = run_files(cfg, plan, ds)
         if dry_run:
@@ -192,6 +200,7 @@ def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> in
                                  plan.workdir, str(run_dir)), end="")
             continue
         if nothing_to_train(cfg, run_dir):
+            points.append(sweep.Point(name, run_dir))
             continue
         if ds is not None:  # a DeepSpeed recipe: its ops compiled here, once per environment, not in the ranks
             from launcher import ops
@@ -204,12 +213,16 @@ def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> in
                 if owner:  # the run directory and the checkpoint folder: one writer in each
                     held.enter_context(runlock.hold_all(lock_folders(cfg, run_dir)))
                     runlock.check_free(run_dir)  # a Slurm job queued for it would start into this run
-                rc = max(rc, launch_job(cfg, run_dir, plan, files, choice, overrides))
+                points.append(sweep.Point(name, run_dir, started=time.time()))
+                points[-1].rc = launch_job(cfg, run_dir, plan, files, choice, overrides)
+                rc = max(rc, points[-1].rc)
             except (C.ConfigError, runlock.Held):  # refused before any rank started: leave no trace
                 if created and owner:
                     held.close()
                     shutil.rmtree(run_dir, ignore_errors=True)
                 raise
+    if len(points) > 1:
+        sweep.print_comparison(points)
     return rc
 
 
@@ -244,8 +257,6 @@ def wandb_reachable_or_offline(cfg: C.Config, run_dir: Path) -> C.Config:
     answers. logger.mode=auto: if not, the run logs offline (one line; config.yaml says
     offline); logger.mode=online: refused. The ranks fall back to offline on their own too
     (a key the server rejects, a network that drops; launcher/rank/metrics.py)."""
-    import dataclasses
-
     from launcher.rank.metrics import sinks, wandb_mode, wandb_unreachable
 
     if C.LoggerKind.wandb not in sinks(cfg) or wandb_mode(cfg) != "online":

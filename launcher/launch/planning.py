@@ -47,7 +47,8 @@ def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "Hardwar
                                                                "without GPUs (e.g. 8); without both, the plan is for this machine's CPU")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's memory
     mem = int(c.gpu_memory_gb * 2**30) if c.gpu_memory_gb else gpu_memory_bytes()
-    if mem is None and world_from_launch and not host.cuda:  # ranks on this CPU: each gets its share of memory
+    shared = mem is None and world_from_launch and not host.cuda
+    if shared:  # ranks on this CPU: each gets its share of memory
         mem = ram // gpn
     if mem is None:
         raise C.ConfigError("cluster.gpu_memory_gb", None, "needed to plan on a machine without GPUs (e.g. 80)")
@@ -55,7 +56,8 @@ def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "Hardwar
     host_bytes = int(cfg.plan.host_memory_gb * 2**30) if cfg.plan.host_memory_gb else None
     if host_bytes is None and world_from_launch:  # planning for this machine: its memory
         host_bytes = ram
-    return planner.Hardware(gpu_bytes=mem, gpus_per_node=gpn, nnodes=c.nnodes, tflops=tflops, host_bytes=host_bytes)
+    return planner.Hardware(gpu_bytes=mem, gpus_per_node=gpn, nnodes=c.nnodes, tflops=tflops, host_bytes=host_bytes,
+                            cpu=shared)
 
 
 def on_this_cpu(cfg: C.Config, host: HostInfo) -> bool:
@@ -196,24 +198,23 @@ def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
     else:
         validate_for_cluster(cfg, hw.world, host)
     rows = planner.plan(cfg, hw, available_recipes(not cpu))
+    best, reserve = planner.recommended(rows), cfg.plan.reserve_gb
+    command = recommended_command(overrides, best) if best is not None else None
+    where = (f"this machine: {hw.gpus_per_node} CPU process(es) sharing {hw.host_bytes / 2**30:.0f} GiB (no GPU; "
+             f"cluster.gpus_per_node and cluster.gpu_memory_gb plan for GPUs)" if cpu else
+             f"{hw.nnodes} node(s) x {hw.gpus_per_node} GPU(s) of {hw.gpu_bytes / 2**30:.0f} GiB")
+    title = f"{cfg.model.name}: seq {cfg.train.seq_len}, {cfg.precision.name.value}, {where}"
     if as_json:
-        print(planner.to_json(rows, hw))
+        print(planner.to_json(rows, hw, reserve, command))
     else:
         from rich.console import Console
 
         console = Console(width=200)
-        where = (f"this machine: {hw.gpus_per_node} CPU process(es) sharing {hw.host_bytes / 2**30:.0f} GiB (no GPU; "
-                 f"cluster.gpus_per_node and cluster.gpu_memory_gb plan for GPUs)" if cpu else
-                 f"{hw.nnodes} node(s) x {hw.gpus_per_node} GPU(s) of {hw.gpu_bytes / 2**30:.0f} GiB")
-        title = f"{cfg.model.name}: seq {cfg.train.seq_len}, {cfg.precision.name.value}, {where}"
-        console.print(planner.table(rows, hw, title))
-        best = planner.recommended(rows)
-        if best is None:
-            console.print(planner.no_fit_message(rows, hw, cfg.plan.reserve_gb), markup=False)
-        else:
-            console.print(f"recommended: {recommended_command(overrides, best)}", markup=False)
+        console.print(planner.table(rows, hw, title, reserve))
+        console.print(f"recommended: {command}" if command else planner.no_fit_message(rows, hw, reserve), markup=False,
+                      soft_wrap=True)  # one line, to paste
     if cfg.plan.chart:
-        planner.chart(rows, hw, Path(cfg.plan.chart))
+        planner.chart(rows, hw, Path(cfg.plan.chart), reserve, title)
         if not as_json:
             print(f"chart: {cfg.plan.chart}")
     return 0
@@ -249,5 +250,5 @@ def resolve_auto(overrides: list[str], host: HostInfo) -> tuple[list[str], str |
     per = "per GPU" if host.cuda or cfg.cluster.gpu_memory_gb else "per rank: this machine's memory, shared"
     print(f"planner chose: {best.layout.label}, activation checkpointing {best.ac.value}, micro-batch "
           f"{best.micro_batch} ({best.peak / 2**30:.2f} of {hw.gpu_bytes / 2**30:.2f} GiB {per})", flush=True)
-    record = {"chosen": chosen[len(rest):], "plan": json.loads(planner.to_json(rows, hw))}
+    record = {"chosen": chosen[len(rest):], "plan": json.loads(planner.to_json(rows, hw, cfg.plan.reserve_gb))}
     return chosen, json.dumps(record, indent=1)

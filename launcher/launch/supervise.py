@@ -79,8 +79,7 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
             return
         if sig == signal.SIGINT:
             interrupts.append(time.monotonic())
-            print("Ctrl-C: the ranks finish this step (within about a second), save and stop (Ctrl-C again to stop at once)"
-                  if len(interrupts) == 1 else "Ctrl-C again: stopping now", file=sys.stderr, flush=True)
+            print(stop_line(run_dir) if len(interrupts) == 1 else "Ctrl-C again: stopping now", file=sys.stderr, flush=True)
         if sig == signal.SIGINT and len(interrupts) > 1:
             stop_now(proc, own_group)
         elif own_group:
@@ -178,9 +177,10 @@ def explain(rc: int, run_dir: Path, ckpt_root: Path, interrupted: bool = False, 
         if code == EXIT_PREEMPTED:
             by = info.get("signal", "a signal")
             what = "interrupted (Ctrl-C)" if by == "SIGINT" else f"preempted by {by}"
-            where = (f"after step {info.get('step', '?')}; checkpoint {info.get('checkpoint', '(see the log)')}"
-                     if info.get("step", "?") is not None else f"before the first step; {last_checkpoint(ckpt_root)}")
-            print(f"{what} {where}. Launch the same run directory again to resume.", flush=True)
+            where = (f"after step {info.get('step', '?')}; checkpoint {info.get('checkpoint', '(see the log)')}. "
+                     f"Launch the same run directory again to resume." if info.get("step", "?") is not None
+                     else f"before the first step; {relaunch(ckpt_root)}")
+            print(f"{what} {where}", flush=True)
             return EXIT_INTERRUPTED if by == "SIGINT" else code
         if code == EXIT_CHECKPOINT_FAILED:
             print(disk_report(ckpt_root, info.get("cause")), file=sys.stderr, flush=True)
@@ -190,8 +190,7 @@ def explain(rc: int, run_dir: Path, ckpt_root: Path, interrupted: bool = False, 
     if rc == 0:
         return 0
     if interrupted:
-        print(f"stopped by a second Ctrl-C before saving; {last_checkpoint(ckpt_root)}. Launch the same run "
-              f"directory again to resume from it.", flush=True)
+        print(f"stopped by a second Ctrl-C before saving; {relaunch(ckpt_root)}", flush=True)
         return EXIT_INTERRUPTED
     if free_bytes(ckpt_root) < LOW_DISK or free_bytes(run_dir) < LOW_DISK:
         print(disk_report(ckpt_root, None), file=sys.stderr, flush=True)
@@ -200,8 +199,7 @@ def explain(rc: int, run_dir: Path, ckpt_root: Path, interrupted: bool = False, 
     if failure is not None and failure.exitcode == EXIT_BAD_INPUT:  # the rank said why, in its one line
         return EXIT_BAD_INPUT
     if failure is not None and failure.exitcode is not None and failure.exitcode < 0:
-        print(f"{killed(failure, console.memory)}; {last_checkpoint(ckpt_root)}. Launch the same run directory "
-              f"again to resume from it.", file=sys.stderr, flush=True)
+        print(f"{killed(failure, console.memory)}; {relaunch(ckpt_root)}", file=sys.stderr, flush=True)
         return 128 - failure.exitcode
     if console is not None and console.held:
         more = len(console.held) - 1
@@ -221,13 +219,49 @@ def free_bytes(path: Path) -> int:
         return 0
 
 
-def last_checkpoint(ckpt_root: Path) -> str:
-    """'the last complete checkpoint, PATH, is untouched' (or that there is none): from
-    directory entries and manifests only, nothing that needs free space or reads weights."""
+def relaunch(ckpt_root: Path, first: str | None = None) -> str:
+    """What launching the run directory again does: 'the last complete checkpoint, PATH, is
+    untouched. Launch ... to resume from it.', or, with none, that it starts the run over
+    (nothing to resume); `first`: what to do before. From directory entries and manifests
+    only, nothing that needs free space or reads weights."""
     from launcher.manifest import whole
 
     done = whole(ckpt_root)
-    return f"the last complete checkpoint, {done[-1]}, is untouched" if done else "no complete checkpoint yet"
+    then = f"{first}, then launch" if first else "Launch"
+    if done:
+        return f"the last complete checkpoint, {done[-1]}, is untouched. {then} the same run directory again to resume from it."
+    return (f"no complete checkpoint was written, so there is nothing to resume. {then} the same run directory "
+            f"again to start the run over.")
+
+
+AGREE_S = 1.0
+"""About how often the ranks agree on a stop (launcher/rank/preempt.py's CHECK_S; not imported:
+it imports torch)."""
+
+
+def stop_line(run_dir: Path) -> str:
+    """The first Ctrl-C's line: how soon the ranks finish their step, from the last step
+    time rank 0 logged (a step of minutes is not 'about a second'); none before any."""
+    from launcher.data.progress import duration
+
+    step = last_step_s(run_dir)
+    when = "" if step is None else " (within about a second)" if step + AGREE_S < 1.5 else \
+        f" (within about {duration(step + AGREE_S)}: the last step took {duration(step)})"
+    return f"Ctrl-C: the ranks finish this step{when}, save and stop (Ctrl-C again to stop at once)"
+
+
+def last_step_s(run_dir: Path) -> float | None:
+    """step_time_s of RUN_DIR/metrics.jsonl's last row (its tail only), None without one."""
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return float(json.loads(line)["step_time_s"])
+    return None
 
 
 def disk_report(ckpt_root: Path, cause: str | None) -> str:
@@ -235,8 +269,7 @@ def disk_report(ckpt_root: Path, cause: str | None) -> str:
     free = free_bytes(ckpt_root)
     cause = cause or ("no space left on device" if free < LOW_DISK else "the ranks stopped")
     return (f"error: a checkpoint could not be written in {ckpt_root} ({cause}; "
-            f"{free / 2**20:,.1f} MiB free there); {last_checkpoint(ckpt_root)}. Free space (or "
-            f"choose another checkpoint.dir), then launch the same run directory again to resume.")
+            f"{free / 2**20:,.1f} MiB free there); {relaunch(ckpt_root, 'Free space (or choose another checkpoint.dir)')}")
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # looked up before any fork

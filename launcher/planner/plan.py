@@ -87,6 +87,13 @@ class Hardware:
     tflops: float
     host_bytes: int | None = None
     """Host memory of one node (plan.host_memory_gb); None: start-up's host bytes are shown, not checked."""
+    cpu: bool = False
+    """The ranks are processes on this machine's CPU: gpu_bytes is each one's share of its memory."""
+
+    @property
+    def unit(self) -> str:
+        """What one rank's memory is: a GPU's, or a CPU process's share."""
+        return "process" if self.cpu else "GPU"
 
     @property
     def world(self) -> int:
@@ -183,8 +190,13 @@ def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | N
 def fits(cfg: Config, hw: Hardware, row: Row) -> bool:
     """The step and the start-up both fit the GPU (less plan.reserve_gb), and start-up fits
     the node's host memory when it is known: a layout that cannot start never fits."""
-    budget = hw.gpu_bytes - int(cfg.plan.reserve_gb * GiB)
-    return row.peak <= budget and (hw.host_bytes is None or host_per_node(row, hw) <= hw.host_bytes)
+    return headroom(row, hw, cfg.plan.reserve_gb) >= 0 and (hw.host_bytes is None or host_per_node(row, hw) <= hw.host_bytes)
+
+
+def headroom(row: Row, hw: Hardware, reserve_gb: float) -> int:
+    """One GPU's memory (a CPU process's share) less plan.reserve_gb and the row's peak:
+    negative where the row does not fit."""
+    return hw.gpu_bytes - int(reserve_gb * GiB) - row.peak
 
 
 def host_per_node(row: Row, hw: Hardware) -> int:
@@ -257,32 +269,38 @@ def recommended(rows: list[Row]) -> Row | None:
 
 
 def no_fit_message(rows: list[Row], hw: Hardware, reserve_gb: float) -> str:
+    where = f"{hw.world} CPU process(es)" if hw.cpu else f"{hw.world} GPU(s)"
     if not rows:
-        return f"no layout of the planned recipes divides {hw.world} GPU(s) for this model"
+        return f"no layout of the planned recipes divides {where} for this model"
     smallest = min(rows, key=lambda r: r.peak)
     need = smallest.peak / GiB + reserve_gb
     what = "at start-up" if smallest.startup > smallest.total else "at micro-batch 1"
-    return (f"nothing fits in {hw.gpu_bytes / GiB:.0f} GiB per GPU on {hw.world} GPU(s): the smallest is "
+    more = (f"{math.ceil(need)} GiB per process: a machine with more memory, fewer processes "
+            "(cluster.nproc_per_node)" if hw.cpu else f"GPUs with at least {math.ceil(need)} GiB, or more GPUs")
+    return (f"nothing fits in {hw.gpu_bytes / GiB:.0f} GiB per {hw.unit} on {where}: the smallest is "
             f"{smallest.layout.label} with activation checkpointing {smallest.ac.value} {what}, "
-            f"{smallest.peak / GiB:.1f} GiB + {reserve_gb:g} GiB reserve; it needs GPUs with at least "
-            f"{math.ceil(need)} GiB, or more GPUs, or a shorter train.seq_len")
+            f"{smallest.peak / GiB:.1f} GiB + {reserve_gb:g} GiB reserve (plan.reserve_gb); it needs {more}, "
+            "or a shorter train.seq_len")
 
 
 # ----------------------------------------------------------------------------- output
-def to_json(rows: list[Row], hw: Hardware) -> str:
+def to_json(rows: list[Row], hw: Hardware, reserve_gb: float, command: str | None = None) -> str:
+    """The rows (headroom as the table's: less plan.reserve_gb) and `command`, the
+    recommended `make train ...` line (None when nothing fits)."""
     def row(r: Row) -> dict:
         d = asdict(r)
         d["layout"] = asdict(r.layout) | {"label": r.layout.label, "overrides": r.layout.overrides()}
         d["ac"] = r.ac.value
         d["total"] = r.total
         d["peak"] = r.peak
-        d["headroom"] = hw.gpu_bytes - r.peak
+        d["headroom"] = headroom(r, hw, reserve_gb)
         return d
 
-    return jsonout.dumps({"gpu_bytes": hw.gpu_bytes, "world": hw.world, "rows": [row(r) for r in rows]}, indent=1)
+    return jsonout.dumps({"gpu_bytes": hw.gpu_bytes, "reserve_bytes": int(reserve_gb * GiB), "per": hw.unit,
+                          "world": hw.world, "recommended_command": command, "rows": [row(r) for r in rows]}, indent=1)
 
 
-def table(rows: list[Row], hw: Hardware, title: str):
+def table(rows: list[Row], hw: Hardware, title: str, reserve_gb: float):
     from rich.table import Table
 
     t = Table(title=title, show_lines=False)
@@ -295,24 +313,44 @@ def table(rows: list[Row], hw: Hardware, title: str):
         place = lambda k, v: gb(v) + ("*" if r.host.get(k) else "")  # noqa: E731
         t.add_row(mark, r.layout.label, r.ac.value, str(r.micro_batch) if r.fits else "-",
                   place("params", r.params), place("grads", r.grads), place("optim", r.optim), place("activations", r.activations),
-                  gb(r.temp), gb(r.total), gb(r.startup), gb(host_per_node(r, hw)), gb(hw.gpu_bytes - r.peak),
+                  gb(r.temp), gb(r.total), gb(r.startup), gb(host_per_node(r, hw)), gb(headroom(r, hw, reserve_gb)),
                   f"{r.cost:.2f}" if r.fits else "-",
                   style="bold green" if r.recommended else (None if r.fits else "dim"))
-    t.caption = ("GiB per GPU. * = (partly) in host memory (offload); the host part is not counted in total. start-up = "
-                 "held when the engine is ready, before step 1; host/node = host memory of one node's ranks, at start-up or in "
-                 "the step (offloaded states and activations), the larger; "
-                 "headroom = GPU memory less the larger of total and start-up. cost = time per token relative "
-                 "to ★, the recommended row (the cheapest that fits). ✗ = does not fit even at micro-batch 1, or cannot start.")
+    memory = "a process's share of this machine's memory" if hw.cpu else "GPU memory"
+    why = "" if hw.cpu else ": the CUDA context, kernels' workspace, fragmentation"
+    t.caption = (f"GiB per {hw.unit}. * = (partly) in host memory (offload); the host part is not counted in total. "
+                 "start-up = held when the engine is ready, before step 1; host/node = host memory of one node's ranks, "
+                 "at start-up or in the step (offloaded states and activations), the larger; "
+                 f"headroom = {memory} less plan.reserve_gb ({reserve_gb:g} GiB held back{why}) less the larger of "
+                 "total and start-up. cost = time per token relative to ★, the recommended row (the cheapest that "
+                 "fits). ✗ = does not fit even at micro-batch 1 (headroom below 0), or cannot start (host/node over "
+                 "the node's host memory).")
     return t
 
 
-def chart(rows: list[Row], hw: Hardware, path: Path) -> None:
+def chart_rows(rows: list[Row]) -> list[Row]:
+    """One row per layout, at its best checkpointing mode: ★, else the cheapest that fits,
+    else the smallest peak (the table has every mode)."""
+    best: dict[str, Row] = {}
+    for r in rows:
+        b = best.get(r.layout.label)
+        key = lambda x: (not x.recommended, not x.fits, x.cost if x.fits else x.peak)  # noqa: E731
+        if b is None or key(r) < key(b):
+            best[r.layout.label] = r
+    return list(best.values())
+
+
+def chart(rows: list[Row], hw: Hardware, path: Path, reserve_gb: float, title: str = "") -> None:
+    """Stacked horizontal bars, one per layout (chart_rows), against the memory lines; about
+    1200 pixels wide and 1 + 0.3 inch per layout high at any cluster size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r.layout.label}\n{r.ac.value} mb={r.micro_batch}" for r in rows]
+    rows = chart_rows(rows)
+    labels = [f"{'★ ' if r.recommended else '' if r.fits else '✗ '}{r.layout.label}, AC {r.ac.value}, "
+              f"{f'micro-batch {r.micro_batch}' if r.fits else 'does not fit'}" for r in rows]
     # stacked as Row.total adds them: the gradients kept beside the activations, and what
     # their own peak (the end of backward, the update) needs beyond the activations
     parts = [("params", lambda r: r.params - r.host.get("params", 0)),
@@ -320,16 +358,27 @@ def chart(rows: list[Row], hw: Hardware, path: Path) -> None:
              ("grads beside the activations", lambda r: r.grads_split[0]),
              ("activations", lambda r: r.activations),
              ("grads at their peak, beyond", lambda r: r.grads_split[1]), ("temp", lambda r: r.temp)]
-    fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(rows)), 6))
-    bottom = [0.0] * len(rows)
+    fig, ax = plt.subplots(figsize=(10, 2.2 + 0.3 * len(rows)), layout="constrained")
+    left = [0.0] * len(rows)
     for name, get in parts:
         values = [get(r) / GiB for r in rows]
-        ax.bar(range(len(rows)), values, bottom=bottom, label=name)
-        bottom = [a + b for a, b in zip(bottom, values)]
-    ax.axhline(hw.gpu_bytes / GiB, color="red", linestyle="--", label="GPU memory")
-    ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
-    ax.set_ylabel("GiB per GPU")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+        ax.barh(range(len(rows)), values, left=left, label=name, height=0.7)
+        left = [a + b for a, b in zip(left, values)]
+    ax.scatter([r.startup / GiB for r in rows], range(len(rows)), marker="|", s=300, color="black", zorder=3,
+               label="start-up (before step 1)")
+    ax.axvline(hw.gpu_bytes / GiB, color="red", linestyle="--", label=f"{hw.unit} memory")
+    ax.axvline(hw.gpu_bytes / GiB - reserve_gb, color="red", linestyle=":", label=f"less plan.reserve_gb ({reserve_gb:g} GiB)")
+    end = max(hw.gpu_bytes, min(max(r.peak for r in rows), 2 * hw.gpu_bytes)) / GiB * 1.05
+    for i, r in enumerate(rows):  # the memory lines stay in sight: a bar far beyond them is cut, its size written
+        if max(r.total, r.startup) / GiB > end:
+            ax.text(end, i, f"{r.peak / GiB:,.0f} GiB ▸", ha="right", va="center", fontsize=8,
+                    bbox=dict(facecolor="white", edgecolor="none", pad=1))
+    ax.set_xlim(0, end)
+    ax.set_yticks(range(len(rows)), labels, fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"GiB per {hw.unit}")
+    ax.set_title(f"{title}\neach layout at its best activation checkpointing (`make plan` lists every mode)",
+                 fontsize=10, loc="left")
+    fig.legend(loc="outside lower center", ncols=4, fontsize=8)
+    fig.savefig(path, dpi=120)
     plt.close(fig)

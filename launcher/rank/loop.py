@@ -315,7 +315,8 @@ def failed(err: BaseException, step: int, ckpt: Checkpointer, watchdog: Watchdog
     cause = write_failure_cause(write, ckpt.root)
     last = (whole(ckpt.root, ckpt.run_id) or [None])[-1]
     message = (f"checkpoint at step {step} could not be written on rank {job.rank}: {cause}; stopping. "
-               f"The last complete checkpoint, {last or 'none'}, is untouched.")
+               + (f"The last complete checkpoint, {last}, is untouched." if last else
+                  "No complete checkpoint was written before it, so there is nothing to resume."))
     print(message, file=sys.stderr, flush=True)
     ckpt.discard_partial(step)
     try:  # the launcher reads it; on a full disk it may stay empty, and the launcher copes

@@ -215,9 +215,10 @@ class RankZeroLogger:
             return
         if self.progress is not None:
             self.progress.stop()
-        table = Table(title=f"run {self.run_dir.name}", show_header=False)
+        table = Table(title=f"run {self.cfg.run_name or self.run_dir.name}", show_header=False)
         for k, v in flat_summary(summary).items():
-            if v is not None:  # a figure not taken (mfu without a known peak, digests not asked for)
+            taken = v is not None and not (isinstance(v, list) and v and all(x is None for x in v))
+            if taken:  # not: mfu without a known peak, digests not asked for, a CPU rank's device peak
                 table.add_row(k, _fmt(v))
         self.console.print(table)
         try:

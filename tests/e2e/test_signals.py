@@ -19,6 +19,11 @@ from launcher.manifest import verify
 
 pytestmark = pytest.mark.slow
 
+NOTHING_TO_RESUME = ("no complete checkpoint was written, so there is nothing to resume. Launch the same run "
+                     "directory again to start the run over.")
+"""What a stop before any checkpoint says of a relaunch (issue 48, 9: "no complete checkpoint yet.
+Launch the same run directory again to resume from it.", with nothing to resume)."""
+
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
 def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
@@ -145,8 +150,7 @@ def test_ctrl_c_before_the_ranks_start(tmp_path):
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     assert json.loads((run / "preempted.json").read_text())["step"] is None
     assert not (run / "checkpoints").exists() and not processes_of(run)
-    assert out.strip().splitlines()[-1] == ("interrupted (Ctrl-C) before the first step; no complete checkpoint yet. "
-                                            "Launch the same run directory again to resume."), out
+    assert out.strip().splitlines()[-1] == ("interrupted (Ctrl-C) before the first step; " + NOTHING_TO_RESUME), out
 
 
 def test_a_ctrl_c_while_torchrun_starts_is_held_and_handed_on(tmp_path, monkeypatch, capfd):
@@ -175,8 +179,7 @@ def test_a_ctrl_c_while_torchrun_starts_is_held_and_handed_on(tmp_path, monkeypa
     assert json.loads((run / "preempted.json").read_text())["step"] is None
     assert not (run / "checkpoints").exists() and not processes_of(run)
     assert err.count("Ctrl-C: the ranks finish this step") == 1, err[-3000:]
-    assert out.strip().splitlines()[-1] == ("interrupted (Ctrl-C) before the first step; no complete checkpoint "
-                                            "yet. Launch the same run directory again to resume."), out[-3000:]
+    assert out.strip().splitlines()[-1] == ("interrupted (Ctrl-C) before the first step; " + NOTHING_TO_RESUME), out[-3000:]
 
 
 def test_a_stop_signal_reaches_a_rank_blocked_in_cpp(tmp_path):
@@ -241,8 +244,7 @@ def test_a_stop_signal_before_the_first_step_stops_at_once(tmp_path):
     marker = json.loads((run / "preempted.json").read_text())
     assert marker["step"] is None and marker["signal"] == "SIGTERM", marker
     assert not (run / "checkpoints").exists() and not processes_of(run)
-    assert out.strip().splitlines()[-1] == ("preempted by SIGTERM before the first step; no complete checkpoint "
-                                            "yet. Launch the same run directory again to resume."), out[-3000:]
+    assert out.strip().splitlines()[-1] == ("preempted by SIGTERM before the first step; " + NOTHING_TO_RESUME), out[-3000:]
 
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path):

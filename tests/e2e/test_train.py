@@ -227,6 +227,27 @@ def test_a_sweep_keeps_its_points_in_one_folder(tmp_path, capsys, monkeypatch):
     assert len(dirs) == 3 and len(parents) == 1, dirs
 
 
+def test_a_sweep_names_its_points_and_compares_them_at_the_end(tmp_path):
+    """`make train ARGS="-m optim.lr=1e-3,2e-3"`, 2 points of 2 steps (the one launch this
+    needs): its points were `run 0` and `run 1`, with no value shown and nothing to compare
+    them by at the end; the CPU summary also showed `startup/device_peak_bytes` as None."""
+    sweep = tmp_path / "sweep"
+    out = launch("-m", "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={sweep}", "train.steps=2", "optim.warmup_steps=0",
+                 "logger=none", "train.eval_every=2").stdout
+    for i, name in enumerate(("optim.lr=0.001", "optim.lr=0.002")):
+        assert f"sweep point {i + 1}/2: {name}\nrun directory: {sweep / str(i)}\n" in out, out[-3000:]
+        assert f" run {name} " in out and f" run {i} " not in out
+    assert "None" not in out, out[-3000:]
+    table = out[out.index(f"sweep: 2 points in {sweep}"):].splitlines()
+    assert [c.strip() for c in table[2].split("┃")[1:-1]] == ["point", "run", "exit", "final loss", "val loss",
+                                                              "tokens/s", "peak memory"], table
+    for i, name in enumerate(("optim.lr=0.001", "optim.lr=0.002")):
+        s = json.loads((sweep / str(i) / "summary.json").read_text())
+        row = [c.strip() for c in table[4 + i].split("│")[1:-1]]
+        assert row == [name, str(i), "ok", f"{s['final_loss']:.4f}", f"{s['val_loss']:.4f}", f"{s['tokens_per_s']:,.0f}",
+                       f"{s['peak_mem_bytes'] / 2**20:,.0f} MiB"], table
+
+
 def _umask() -> int:
     import os
 
