@@ -227,7 +227,7 @@ def plan(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig], micro_ba
     cfg = planned_model(cfg)
     rows = []
     for layout in candidates(cfg, hw, available):
-        if not lora.runs_under(cfg.model, available[layout.recipe].strategy, layout.tp, layout.pp):
+        if not runs_under(cfg, available[layout.recipe].strategy, layout):
             continue
         for ac in (ACMode.none, ACMode.op, ACMode.selective, ACMode.full):
             if micro_batch is None:
@@ -262,6 +262,17 @@ def planned_model(cfg: Config) -> Config:
         raise ConfigError("model", f"hf ({shape.name})", f"not a Llama-layout decoder ({params:,} parameters): the "
                           "planner's memory formulas (docs/memory.md) do not apply; choose the recipe and micro-batch by hand")
     return dataclasses.replace(cfg, model=dataclasses.replace(shape, lora=cfg.model.lora))
+
+
+def runs_under(cfg: Config, strategy: str, layout: Layout) -> bool:
+    """The launch would take this layout: model.lora's engines and degrees, and DeepSpeed's
+    own AdamW only (launcher/optim: the other optimizers are refused under zero*)."""
+    import recipes
+    from launcher import optim
+
+    if recipes.spec(strategy).deepspeed and cfg.optim.name not in optim.ZERO_TAKES:
+        return False
+    return lora.runs_under(cfg.model, strategy, layout.tp, layout.pp)
 
 
 def recommended(rows: list[Row]) -> Row | None:
