@@ -136,7 +136,7 @@ def planned_nodes(cfg: C.Config, here: HostInfo) -> tuple[HostInfo, str | None]:
 def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool) -> None:
     """The config fits the command: Slurm configs are submitted, others trained here."""
     if cfg.model.lora.rank > 0:
-        from launcher.models.lora import check_trainable
+        from launcher.launch.levers import check_trainable
 
         check_trainable(cfg)
     c = cfg.cluster

@@ -87,6 +87,14 @@ def validate_context_parallel(cfg: Config, m, name: str, allowed: bool) -> None:
                           f"model.n_heads={m.n_heads} / parallel.tp={p.tp} = {heads} (all-to-all splits them)")
 
 
+def check_trainable(cfg: Config) -> None:
+    """train and submit (make plan takes any decoder's shape): the base is a pretrained folder."""
+    if cfg.model.lora.rank > 0 and (cfg.model.kind != ModelKind.hf or cfg.model.pretrained is None):
+        raise ConfigError("model.lora.rank", cfg.model.lora.rank, "adapters train over a pretrained base: model=hf "
+                          "model.pretrained=<folder> (not a random start: model.config or the project's decoder; "
+                          "make plan takes any shape)")
+
+
 def validate_lora(cfg: Config) -> None:
     """model.lora: adapters over the whole layers (ddp, fsdp, ZeRO): tensor parallel would
     have to split each adapter with its layer, a pipeline stage's optimizer is its own."""

@@ -24,14 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launcher.config import Config, ConfigError, LoraBase, LoraConfig, ModelKind
+from launcher.config import Config, LoraBase, LoraConfig
 
 ADAPTERS = ("lora_A", "lora_B")
 PEFT_PREFIX = "base_model.model."
-
-
-def enabled(cfg: Config) -> bool:
-    return cfg.model.lora.rank > 0
 
 
 def is_adapter(name: str) -> bool:
@@ -116,15 +112,13 @@ def base_dtype(cfg: Config) -> torch.dtype:
 
 
 @torch.no_grad()
-def quantize_base(model: nn.Module) -> int:
+def quantize_base(model: nn.Module) -> None:
     """model.lora.base_dtype=nf4: each adapted linear's frozen weight, materialized, replaced
     by its NF4 tensor (torchao; blocks of 64, their scales quantized in blocks of 256).
     The model is first materialized whole in the base dtype: start-up holds 2 bytes a
-    base parameter (launcher/planner counts it). Returns
-    the bytes it holds now."""
+    base parameter (launcher/planner counts it)."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
-    held = 0
     for module in model.modules():
         if isinstance(module, LoRALinear) and not is_nf4(module.weight):
             blocks = module.weight.numel() // NF4_BLOCK
@@ -133,20 +127,10 @@ def quantize_base(model: nn.Module) -> int:
             scaler_block = 256  # QLoRA's; a smaller power of two where the blocks do not divide by it (tiny models)
             while blocks % scaler_block:
                 scaler_block //= 2
-            q = to_nf4(module.weight.detach(), NF4_BLOCK, scaler_block)
-            module.weight = nn.Parameter(q, requires_grad=False)
-            held += nf4_bytes(q)
-    return held
+            module.weight = nn.Parameter(to_nf4(module.weight.detach(), NF4_BLOCK, scaler_block), requires_grad=False)
 
 
 NF4_BLOCK = 64
-
-
-def nf4_bytes(q) -> int:
-    """The bytes an NF4 tensor holds: 4-bit codes, per-block scales quantized to int8, their
-    per-group fp32 scales and means."""
-    return sum(t.numel() * t.element_size() for t in (q.quantized_data, q.quantized_scalers, q.quantization_factor)
-               if torch.is_tensor(t))
 
 
 def init_specs(model: nn.Module, rank: int) -> dict:
@@ -158,7 +142,7 @@ def init_specs(model: nn.Module, rank: int) -> dict:
             for name, _ in model.named_parameters() if is_adapter(name)}
 
 
-def trainable_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if is_adapter(k)}
 
 
@@ -169,19 +153,11 @@ def plain(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoraConfig()))
 
 
-def check_trainable(cfg: Config) -> None:
-    """train and submit (make plan takes any decoder's shape): the base is a pretrained folder."""
-    if cfg.model.lora.rank > 0 and (cfg.model.kind != ModelKind.hf or cfg.model.pretrained is None):
-        raise ConfigError("model.lora.rank", cfg.model.lora.rank, "adapters train over a pretrained base: model=hf "
-                          "model.pretrained=<folder> (not a random start: model.config or the project's decoder; "
-                          "make plan takes any shape)")
-
-
 # ----------------------------------------------------------------------------- PEFT
 def peft_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The adapters under PEFT's names (adapter_model.safetensors: the adapter name 'default'
     is not in the file)."""
-    return {PEFT_PREFIX + k: v.contiguous() for k, v in trainable_state(state).items()}
+    return {PEFT_PREFIX + k: v.contiguous() for k, v in adapters(state).items()}
 
 
 def peft_config(cfg: Config, adapted: list[str]) -> dict:
@@ -197,7 +173,7 @@ def peft_config(cfg: Config, adapted: list[str]) -> dict:
 def write_peft(cfg: Config, state: dict[str, torch.Tensor], out: Path, dtype: torch.dtype) -> Path:
     from safetensors.torch import save_file
 
-    adapted = sorted({k.rsplit(".lora_", 1)[0] for k in trainable_state(state)})
+    adapted = sorted({k.rsplit(".lora_", 1)[0] for k in adapters(state)})
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(dtype) for k, v in peft_state(state).items()}, str(out / "adapter_model.safetensors"),
               metadata={"format": "pt"})
@@ -210,7 +186,7 @@ def merged(cfg: Config, state: dict[str, torch.Tensor], base: dict[str, torch.Te
     `state` merged in (W + alpha/r B A, in fp32): the plain model's names, nothing of LoRA."""
     scale = cfg.model.lora.alpha / cfg.model.lora.rank
     out = {k: v.float() for k, v in base.items()}
-    for key in trainable_state(state):
+    for key in adapters(state):
         if ".lora_A." not in f".{key}":
             continue
         module = key.rsplit(".lora_A.", 1)[0]
