@@ -19,6 +19,7 @@ ends. Without a CUDA GPU (and without --dry-run) it says so in one line and exit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -134,8 +135,9 @@ def dry_run(cases: list[Case], times: dict, budget_s: float, install_s: float, a
           f"({times['install']['source']}); the cases in priority order:")
     for r in rows:
         mark = "run " if r["kept"] else "DROP"
+        peak = f", planned peak per GPU up to {r['max_peak'] / 2**30:.2f} GiB" if memory and r["runs"] else ""
         print(f"{mark} {r['priority']:2}. {r['name']:22} about {r['seconds']:4.0f} s ({r['source']}); "
-              f"{len(r['runs'])} run(s), planned peak per GPU up to {r['max_peak'] / 2**30:.2f} GiB")
+              f"{len(r['runs'])} launcher run(s){peak}")
         for name, p in r["runs"].items():
             figure = (f"peak {p['peak'] / 2**30:6.2f} GiB, start-up {p['startup'] / 2**30:6.2f} GiB" if "peak" in p
                       else f"refused: {p['error']}" if "error" in p else "")
@@ -160,10 +162,28 @@ def run_case(case: Case, left: float, folder: Path) -> tuple[str, str]:
             code = proc.wait(timeout=max(left, 0))
             status = "passed" if code == 0 else f"failed (exit {code})"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             proc.wait()
             status = "stopped at the budget"
     return status, (folder / "output.log").read_text()[-3000:]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to the case's process group and to every process under it: the launcher starts
+    torchrun in a session of its own, and its ranks would otherwise finish their step and save
+    (a preemption) on the GPU the next case needs."""
+    import psutil
+
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        below = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in below:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(below, timeout=30)
 
 
 def check(cases: list[Case], times_path: Path, budget_s: float, install_s: float, report: Report, work: Path,

@@ -10,6 +10,7 @@ import json
 import sys
 import time
 
+import psutil
 import pytest
 
 from runs import REPO
@@ -64,11 +65,17 @@ def test_a_wrong_case_name_is_one_line_and_exit_2(capsys):
     assert exc.value.code == 2 and "--cases nope: not a case" in capsys.readouterr().err
 
 
+# Outlives the budget, with a child in a session of its own (as the launcher starts torchrun).
+SLOW = ("import pathlib, subprocess, time; p = subprocess.Popen(['sleep', '60'], start_new_session=True); "
+        "pathlib.Path('{}').write_text(str(p.pid)); time.sleep(60)")
+
+
 def test_results_are_appended_as_each_case_ends(tmp_path):
-    """Four stand-ins through the real runner, 3 s of budget: one passes (and finds nothing of
-    its own in the file yet, but the header), one fails, one outlives the budget and is
-    stopped, one is never started. The file keeps what it held, each case's section lands
-    in order, the times file gets their seconds, the state names every case."""
+    """Four stand-ins through the real runner, 4 s of budget: one passes, one fails (and
+    finds the first one's section on disk already), one outlives the budget and is stopped
+    with the process it started in another session, one is never started. The file keeps
+    what it held, each case's section lands in order, the times file gets their seconds,
+    the state names every case."""
     out, times = tmp_path / "gpu.md", tmp_path / "gpu_times.json"
     out.write_text("# GPU check\n\nearlier results\n")
     times.write_text(json.dumps({"install": {"seconds": 0, "source": "test"}, "cases": {
@@ -87,12 +94,14 @@ def test_results_are_appended_as_each_case_ends(tmp_path):
         return gpu_check.run_case(gpu_cases.Case("fails", "x", "", ["sh", "-c", "echo boom; exit 3"]), left, folder)
 
     cases = [gpu_cases.Case("ok", "a", "passes", passes), gpu_cases.Case("fails", "b", "fails", fails),
-             gpu_cases.Case("slow", "c", "sleeps past the budget", ["sleep", "30"]),
+             gpu_cases.Case("slow", "c", "sleeps past the budget", [sys.executable, "-c", SLOW.format(tmp_path / "pid")]),
              gpu_cases.Case("late", "d", "never fits", ["true"])]
     report = Report(out, mirror=tmp_path / "mirror", extra=(times,))
     t0 = time.monotonic()
-    done = gpu_check.check(cases, times, budget_s=3, install_s=0, report=report, work=tmp_path / "work", where="test")
-    assert time.monotonic() - t0 < 10
+    done = gpu_check.check(cases, times, budget_s=4, install_s=0, report=report, work=tmp_path / "work", where="test")
+    assert time.monotonic() - t0 < 12
+    child = int((tmp_path / "pid").read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
     assert done["ok"] == "passed" and done["fails"] == "failed (exit 3)"
     assert done["slow"] == "stopped at the budget" and done["late"] == "skipped"
     text = out.read_text()
@@ -103,7 +112,7 @@ def test_results_are_appended_as_each_case_ends(tmp_path):
     assert order == sorted(order)
     assert (tmp_path / "mirror" / "gpu.md").read_text() == text
     recorded = json.loads(times.read_text())["cases"]
-    assert recorded["ok"]["source"].startswith("measured") and 2 <= recorded["slow"]["seconds"] <= 5
+    assert recorded["ok"]["source"].startswith("measured") and 2 <= recorded["slow"]["seconds"] <= 6
     assert "at least" in recorded["slow"]["source"] and recorded["late"]["source"] == "estimate: test"
     state = json.loads((tmp_path / "work" / "state.json").read_text())
     assert state["done"] == done and "".join(state["section"]) in text
