@@ -131,3 +131,18 @@ def test_a_resumed_check_puts_back_what_the_file_lost(tmp_path):
     second.restore(first.written)  # only once
     second.append(["", "### `b-fsdp-gpt_350m`: passed"])
     assert out.read_text() == "# GPU check\n\n### `a-bf16`: passed\n\n### `b-fsdp-gpt_350m`: passed\n"
+
+
+def test_a_pytest_case_reports_its_tests(tmp_path):
+    """A real case of the list, as the check starts it (pytest -m gpu on a tests/gpu file, its
+    junit into the case's folder): here, without CUDA, its test is skipped and says why."""
+    (case,) = [c for c in gpu_cases.cases() if c.name == "g-standing-set"]
+    case.argv = [a for a in case.argv if a != "tests/gpu/test_gpu.py"]  # the shorter file of the two
+    out, times = tmp_path / "gpu.md", tmp_path / "gpu_times.json"
+    times.write_text(json.dumps({"install": {"seconds": 0, "source": "test"}, "cases": {}}))
+    done = gpu_check.check([case], times, budget_s=600, install_s=0, report=Report(out), work=tmp_path / "work",
+                           where="test")
+    assert done == {"g-standing-set": "passed"}
+    text = out.read_text()
+    assert "### `g-standing-set`: passed" in text and "1 skipped." in text
+    assert "| test_flex_attention_trains_as_the_dense_mask_and_as_the_samples_alone | skipped: no CUDA GPU |" in text
