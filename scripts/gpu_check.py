@@ -218,14 +218,17 @@ def check(cases: list[Case], times_path: Path, budget_s: float, install_s: float
         record_time(times_path, case.name, seconds, "passed" if status == "passed" else status, where)
         report.case(case.name, case.what, status, seconds, folder, tail)
         done[case.name] = status
-        save_state(work, spent_before + clock() - t0, done, report)
+        save_state(work, spent_before + clock() - t0, done, report, times_path)
     report.end(skipped, spent_before + install_s + clock() - t0, budget_s)
-    save_state(work, spent_before + clock() - t0, done, report)
+    save_state(work, spent_before + clock() - t0, done, report, times_path)
     return done
 
 
-def save_state(work: Path, spent: float, done: dict, report: Report) -> None:
-    (work / "state.json").write_text(json.dumps({"spent_s": spent, "done": done, "section": report.written}, indent=1))
+def save_state(work: Path, spent: float, done: dict, report: Report, times_path: Path) -> None:
+    """What --resume needs: the seconds spent, each case's status, the section appended so far
+    and the times measured (the next call's working tree has neither file as this one left it)."""
+    (work / "state.json").write_text(json.dumps({"spent_s": spent, "done": done, "section": report.written,
+                                                 "times": load_times(times_path)["cases"]}, indent=1))
 
 
 def facts() -> dict:
@@ -295,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     spent_before, done = state.get("spent_s", 0.0), state.get("done", {})
     todo = [c for c in cases if done.get(c.name, "skipped") == "skipped"]
     args.work.mkdir(parents=True, exist_ok=True)
+    if state.get("times"):  # the earlier calls' measured times, back into the fresh copy of the file
+        times["cases"].update(state["times"])
+        args.times.write_text(json.dumps(times, indent=1) + "\n")
     report = Report(args.out, args.mirror, extra=(args.times,))
     report.restore(state.get("section", []))
     f = facts()

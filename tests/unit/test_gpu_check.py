@@ -115,7 +115,7 @@ def test_results_are_appended_as_each_case_ends(tmp_path):
     assert recorded["ok"]["source"].startswith("measured") and 2 <= recorded["slow"]["seconds"] <= 6
     assert "at least" in recorded["slow"]["source"] and recorded["late"]["source"] == "estimate: test"
     state = json.loads((tmp_path / "work" / "state.json").read_text())
-    assert state["done"] == done and "".join(state["section"]) in text
+    assert state["done"] == done and "".join(state["section"]) in text and state["times"] == recorded
 
 
 def test_a_resumed_check_puts_back_what_the_file_lost(tmp_path):
