@@ -5,6 +5,8 @@ recipes need two GPUs and are skipped with that reason), in bf16 with activation
 checkpointing and checkpoints; fp16 with its loss scaler; torch.compile; a resume; the
 allocator's memory snapshot; and the planner's per-rank peak against CUDA's
 max_memory_allocated for gpt_125m, gpt_350m and gpt_1b. Skipped without a CUDA GPU.
+fp8 against bf16 is tests/gpu/test_fp8_seeds.py (two seeds each: the bound from bf16's own
+spread; the single pair this file had failed a 2% bound that bf16 itself does not keep).
 
 The runs are independent processes, so they start together (one GPU holds them all;
 what they check is memory per process and correctness, not speed) and the tests read
@@ -68,16 +70,7 @@ def cases() -> dict[str, list[str]]:
         for recipe in PLANNED_RECIPES:
             out[f"plan-{model}-{recipe}"] = [f"recipe={recipe}", f"model={model}", *PLANNED]
     out["plan-gpt_350m-fsdp-offload"] = ["recipe=fsdp", "model=gpt_350m", *PLANNED, *OFFLOAD]
-    if FP8_GPU:
-        for precision in ("bf16", "fp8"):
-            out[f"fsdp-{precision}-compiled-long"] = ["recipe=fsdp", "model=gpt_350m", *LONG, f"precision={precision}"]
     return out
-
-
-# precision=fp8 against bf16, both compiled, over enough steps to see the curves apart.
-FP8_GPU = GPUS > 0 and torch.cuda.get_device_capability(0) >= (8, 9)
-LONG = ["train.seq_len=1024", "train.micro_batch=8", "train.steps=200", "optim.warmup_steps=20", "logger.log_every=10",
-        "logger=none", "train.compile=true", "checkpoint.every=0", "checkpoint.save_final=false"]
 
 
 OFFLOAD = ["train.activation_offload=true", "train.measure_activations=true"]
@@ -86,19 +79,15 @@ OFFLOAD = ["train.activation_offload=true", "train.measure_activations=true"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[Path, int]]:
     """The cases started together as far as the GPUs' memory holds them (an out-of-memory
-    run because the GPU is shared would say nothing about the recipe); then, each alone on
-    the GPUs, the second half of the split run (it resumes) and the timed cases (fp8 against
-    bf16), whose speed is what they measure. {name: (run dir, exit code)}."""
+    run because the GPU is shared would say nothing about the recipe); then the second half
+    of the split run (it resumes). {name: (run dir, exit code)}."""
     root = tmp_path_factory.mktemp("gpu")
     todo = chosen(cases(), os.environ.get("GPU_CASES", ""))
-    alone = {name: todo.pop(name) for name in list(todo) if name.endswith("-long")}
     budget = int(0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in range(GPUS)))
     codes = schedule(todo, lambda name, over: _start(root / name, over), budget, time.time() + 900)
     if "ddp-first-half" in todo:
         todo["ddp-resumed"] = [o for o in todo["ddp-first-half"] if o != "train.stop_at=4"]  # resumes from step 4
         codes["ddp-resumed"] = ended(_start(root / "ddp-first-half", todo["ddp-resumed"], log=root / "ddp-resumed.log"))
-    for name, over in alone.items():
-        codes[name] = ended(_start(root / name, over))
     return {name: (root / ("ddp-first-half" if name == "ddp-resumed" else name), code) for name, code in codes.items()}
 
 
@@ -220,15 +209,3 @@ def test_activation_offload_moves_the_planned_bytes_and_lowers_the_peak(runs):
     assert abs(peaks[1] / row.peak - 1) <= 0.10
     for a, b in zip(offloaded, plain):  # exact copies; GPU kernels with atomics are not bit-for-bit between runs
         assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
-
-
-@pytest.mark.skipif(not FP8_GPU, reason="precision=fp8 needs float8 tensor cores (compute capability 8.9+)")
-def test_fp8_follows_bf16_and_is_faster(runs):
-    """precision=fp8 (torchao Float8Linear, rowwise) against bf16, fsdp, compiled, 200 steps:
-    the loss within 2% of bf16's at every logged step after warm-up, and the speed-up recorded."""
-    fp8, bf16 = read_metrics(finished(runs, "fsdp-fp8-compiled-long")), read_metrics(finished(runs, "fsdp-bf16-compiled-long"))
-    speed = [sum(r["tokens_per_s"] for r in m[2:]) / len(m[2:]) for m in (bf16, fp8)]
-    record("fp8", {"steps": fp8[-1]["step"], "loss_bf16": bf16[-1]["loss"], "loss_fp8": fp8[-1]["loss"],
-                   "tokens_per_s_bf16": speed[0], "tokens_per_s_fp8": speed[1], "speedup": speed[1] / speed[0]})
-    for a, b in zip(fp8[2:], bf16[2:]):
-        assert abs(a["loss"] / b["loss"] - 1) <= 0.02, (a["step"], a["loss"], b["loss"])
