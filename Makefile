@@ -102,7 +102,8 @@ test: $(TESTED) ## the full test suite: tests/unit and tests/e2e (real processes
 test-quick: $(TESTED) ## tests/unit only: in-process checks and quick commands, no multi-process runs (about 4 minutes)
 	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit
 
-gpu-check: $(TESTED) ## on a GPU machine: the GPU test set (pytest -m gpu) and the GPU bench, into bench/gpu.md; without a GPU it says so and exits 0
+# The dry-run plans on CPU and needs the first run's install only; the cases need the tests' set-up.
+gpu-check: $(if $(findstring --dry-run,$(ARGS)),$(STAMP),$(TESTED)) ## on a GPU machine: the GPU cases in priority order within ARGS=--budget-s (720), appended to bench/gpu.md; ARGS=--dry-run lists them here
 	@$(PY) scripts/gpu_check.py $(ARGS)
 
 bench: setup ## recipes against hand-written loops, interleaved, and start-up; writes bench/results.md (ARGS="--models llama_5m --only ddp zero2")

@@ -5,6 +5,8 @@ recipes need two GPUs and are skipped with that reason), in bf16 with activation
 checkpointing and checkpoints; fp16 with its loss scaler; torch.compile; a resume; the
 allocator's memory snapshot; and the planner's per-rank peak against CUDA's
 max_memory_allocated for gpt_125m, gpt_350m and gpt_1b. Skipped without a CUDA GPU.
+fp8 against bf16 is tests/gpu/test_fp8_seeds.py (two seeds each: the bound from bf16's own
+spread; the single pair this file had failed a 2% bound that bf16 itself does not keep).
 
 The runs are independent processes, so they start together (one GPU holds them all;
 what they check is memory per process and correctness, not speed) and the tests read
@@ -17,17 +19,16 @@ import json
 import math
 import os
 import pickle
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from runs import REPO, read_metrics
+from gpu_runs import GPUS, chosen, ended, finished, ran, record, schedule
+from gpu_runs import start as _start
+from runs import read_metrics
 
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU")]
 
 STEPS = 8
@@ -69,119 +70,25 @@ def cases() -> dict[str, list[str]]:
         for recipe in PLANNED_RECIPES:
             out[f"plan-{model}-{recipe}"] = [f"recipe={recipe}", f"model={model}", *PLANNED]
     out["plan-gpt_350m-fsdp-offload"] = ["recipe=fsdp", "model=gpt_350m", *PLANNED, *OFFLOAD]
-    if FP8_GPU:
-        for precision in ("bf16", "fp8"):
-            out[f"fsdp-{precision}-compiled-long"] = ["recipe=fsdp", "model=gpt_350m", *LONG, f"precision={precision}"]
     return out
-
-
-# precision=fp8 against bf16, both compiled, over enough steps to see the curves apart.
-FP8_GPU = GPUS > 0 and torch.cuda.get_device_capability(0) >= (8, 9)
-LONG = ["train.seq_len=1024", "train.micro_batch=8", "train.steps=200", "optim.warmup_steps=20", "logger.log_every=10",
-        "logger=none", "train.compile=true", "checkpoint.every=0", "checkpoint.save_final=false"]
 
 
 OFFLOAD = ["train.activation_offload=true", "train.measure_activations=true"]
 
 
-def _start(run: Path, overrides: list[str], log: Path | None = None) -> subprocess.Popen:
-    log = open(log or run.with_suffix(".log"), "w")
-    return subprocess.Popen([sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}", *overrides],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def footprint(overrides: list[str]) -> int:
-    """Bytes a case may take on each GPU: the planner's peak per rank with room for what the
-    plan does not count (the allocator's cache and fragmentation, compile's workspace), plus
-    each process's CUDA context and NCCL buffers. 0 for a case the launcher refuses."""
-    from launcher.config import ConfigError
-    from launcher.launch import cli
-    from launcher.planner import plan as planner
-
-    try:
-        cfg, _, _ = cli.compose_config(overrides)
-        row = planner.memory_row(cfg, planner.layout_for(cfg, GPUS), cfg.train.activation_checkpointing,
-                                 cfg.train.micro_batch)
-    except (ConfigError, SystemExit):
-        return 0
-    return int(1.3 * row.peak) + 2 * 2**30
-
-
-def schedule(todo: dict[str, list[str]], start, budget: int, deadline: float) -> dict[str, int]:
-    """Start the cases in order while their footprints fit in `budget` bytes per GPU beside
-    those running; wait for one to end when the next does not fit. {name: exit code}."""
-    need = {name: min(footprint(over), budget) for name, over in todo.items()}
-    waiting, running, codes = list(todo), {}, {}
-    while waiting or running:
-        while waiting and sum(need[n] for n in running) + need[waiting[0]] <= budget:
-            name = waiting.pop(0)
-            running[name] = start(name, todo[name])
-        for name, proc in list(running.items()):
-            if proc.poll() is not None:
-                codes[name] = running.pop(name).returncode
-            elif time.time() > deadline:
-                proc.kill()
-                codes[name] = running.pop(name).wait()
-        time.sleep(0.5)
-    return codes
-
-
-def _ended(proc: subprocess.Popen, timeout: float = 600) -> int:
-    """Its exit code; killed (and said so by the code) when it outlasts `timeout`."""
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[Path, int]]:
     """The cases started together as far as the GPUs' memory holds them (an out-of-memory
-    run because the GPU is shared would say nothing about the recipe); then, each alone on
-    the GPUs, the second half of the split run (it resumes) and the timed cases (fp8 against
-    bf16), whose speed is what they measure. {name: (run dir, exit code)}."""
+    run because the GPU is shared would say nothing about the recipe); then the second half
+    of the split run (it resumes). {name: (run dir, exit code)}."""
     root = tmp_path_factory.mktemp("gpu")
     todo = chosen(cases(), os.environ.get("GPU_CASES", ""))
-    alone = {name: todo.pop(name) for name in list(todo) if name.endswith("-long")}
     budget = int(0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in range(GPUS)))
     codes = schedule(todo, lambda name, over: _start(root / name, over), budget, time.time() + 900)
     if "ddp-first-half" in todo:
         todo["ddp-resumed"] = [o for o in todo["ddp-first-half"] if o != "train.stop_at=4"]  # resumes from step 4
-        codes["ddp-resumed"] = _ended(_start(root / "ddp-first-half", todo["ddp-resumed"], log=root / "ddp-resumed.log"))
-    for name, over in alone.items():
-        codes[name] = _ended(_start(root / name, over))
+        codes["ddp-resumed"] = ended(_start(root / "ddp-first-half", todo["ddp-resumed"], log=root / "ddp-resumed.log"))
     return {name: (root / ("ddp-first-half" if name == "ddp-resumed" else name), code) for name, code in codes.items()}
-
-
-def chosen(todo: dict[str, list[str]], prefixes: str) -> dict[str, list[str]]:
-    """The cases whose names start with one of the comma-separated `prefixes` (GPU_CASES,
-    to spend a short GPU loan on part of the set, e.g. "plan-"); all of them when empty."""
-    wanted = tuple(p.strip() for p in prefixes.split(",") if p.strip())
-    return {name: over for name, over in todo.items() if not wanted or name.startswith(wanted)}
-
-
-def ran(runs, name: str) -> tuple[Path, int]:
-    """(run dir, exit code) of a case; the test is skipped when GPU_CASES left the case out."""
-    if name not in runs:
-        pytest.skip(f"{name} was not run (GPU_CASES={os.environ.get('GPU_CASES', '')})")
-    return runs[name]
-
-
-def finished(runs, name: str) -> Path:
-    run, code = ran(runs, name)
-    log = (run.parent / f"{name}.log").read_text() if (run.parent / f"{name}.log").exists() else ""
-    assert code == 0, f"{name} exited {code}\n{log[-6000:]}"
-    return run
-
-
-def record(name: str, data: dict) -> None:
-    """A measurement for make gpu-check's bench/gpu.md (GPU_CHECK_OUT/<name>.json)."""
-    folder = os.environ.get("GPU_CHECK_OUT")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        (Path(folder) / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -302,15 +209,3 @@ def test_activation_offload_moves_the_planned_bytes_and_lowers_the_peak(runs):
     assert abs(peaks[1] / row.peak - 1) <= 0.10
     for a, b in zip(offloaded, plain):  # exact copies; GPU kernels with atomics are not bit-for-bit between runs
         assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
-
-
-@pytest.mark.skipif(not FP8_GPU, reason="precision=fp8 needs float8 tensor cores (compute capability 8.9+)")
-def test_fp8_follows_bf16_and_is_faster(runs):
-    """precision=fp8 (torchao Float8Linear, rowwise) against bf16, fsdp, compiled, 200 steps:
-    the loss within 2% of bf16's at every logged step after warm-up, and the speed-up recorded."""
-    fp8, bf16 = read_metrics(finished(runs, "fsdp-fp8-compiled-long")), read_metrics(finished(runs, "fsdp-bf16-compiled-long"))
-    speed = [sum(r["tokens_per_s"] for r in m[2:]) / len(m[2:]) for m in (bf16, fp8)]
-    record("fp8", {"steps": fp8[-1]["step"], "loss_bf16": bf16[-1]["loss"], "loss_fp8": fp8[-1]["loss"],
-                   "tokens_per_s_bf16": speed[0], "tokens_per_s_fp8": speed[1], "speedup": speed[1] / speed[0]})
-    for a, b in zip(fp8[2:], bf16[2:]):
-        assert abs(a["loss"] / b["loss"] - 1) <= 0.02, (a["step"], a["loss"], b["loss"])
