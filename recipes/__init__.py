@@ -34,6 +34,8 @@ class Parallelism:
     tp: bool = False
     pp: bool = False
     cp: bool = False
+    ep: bool = False
+    """parallel.ep > 1: an MoE's experts split over ep of the data-parallel ranks."""
     required: tuple[str, ...] = ()
     """The degrees that must be at least 2 ("tp", "pp"): what the recipe is for (tp=1 under
     recipe=tp is plain data parallel); the others it may use at 1."""

@@ -8,6 +8,7 @@ gives every name of the package (C.Config, C.Precision, C.ffn_dim ...).
     enums.py    the allowed values of every choice, ConfigError
     recipe.py   recipe.*, parallel.*
     model.py    model.*, data.*
+    moe.py      model.moe.* (mixture of experts)
     train.py    train.*, optim.*, precision.*, dist.*
     run.py      checkpoint.*, logger.*, cluster.*, debug.*, profile.*, export.*, plan.*
     root.py     Config, its registration and conversions (config.yaml)
@@ -26,12 +27,14 @@ from launcher.config.enums import (ACMode, Backend, ConfigError, DataKind, Expor
                                    Precision, Runner, Scheduler, TextFormat, TokenDtype, TrainOn, WandbMode)
 from launcher.config.recipe import DDPOptions, FSDPOptions, ParallelConfig, RecipeConfig, ZeroOptions
 from launcher.config.model import DataConfig, LoraConfig, ModelConfig, SOURCE_KEYS
+from launcher.config.moe import MoEBalance, MoEConfig, MoEScore
 from launcher.config.train import DistConfig, OptimConfig, PrecisionConfig, TrainConfig
 from launcher.config.run import (CheckpointConfig, ClusterConfig, DebugConfig, ExportConfig, K8sConfig, LoggerConfig,
                                  PlanConfig, ProfileConfig)
 from launcher.config.root import (Config, GROUPS, RETIRED, load_frozen, read_frozen, register_configs, to_dict,
                                   to_typed, to_yaml, write_frozen)
-from launcher.config.derived import (block_matmul_params, ffn_dim, held_out_windows, loss_chunks, lr_factor, matmul_params,
+from launcher.config.derived import (attention_params, block_matmul_params, expert_dim, ffn_dim, ffn_params, from_shape_key,
+                                     is_moe_block, held_out_windows, loss_chunks, lr_factor, matmul_params,
                                      nproc_per_node, num_params, pipeline_stages, shape_key, sliceable_loss)
 
 __all__ = [
@@ -42,5 +45,6 @@ __all__ = [
     "TrainConfig", "CheckpointConfig", "ClusterConfig", "K8sConfig", "DebugConfig", "ExportConfig", "LoggerConfig", "PlanConfig",
     "ProfileConfig", "Config", "GROUPS", "RETIRED", "read_frozen", "load_frozen", "register_configs", "to_dict",
     "to_typed", "to_yaml", "write_frozen", "ffn_dim", "block_matmul_params", "matmul_params", "num_params", "lr_factor", "nproc_per_node",
-    "pipeline_stages", "shape_key", "loss_chunks", "sliceable_loss", "held_out_windows",
+    "pipeline_stages", "shape_key", "MoEBalance", "MoEConfig", "MoEScore", "attention_params", "expert_dim", "ffn_params",
+    "from_shape_key", "is_moe_block", "loss_chunks", "sliceable_loss", "held_out_windows",
 ]

@@ -11,6 +11,7 @@ import math
 from launcher.config.enums import PPSchedule
 from launcher.config.recipe import ParallelConfig
 from launcher.config.model import ModelConfig
+from launcher.config.moe import moe_key
 from launcher.config.root import Config
 from launcher.config.train import OptimConfig
 
@@ -24,25 +25,50 @@ def ffn_dim(m: ModelConfig) -> int:
     return m.multiple_of * ((hidden + m.multiple_of - 1) // m.multiple_of)
 
 
-def block_matmul_params(cfg: ModelConfig) -> int:
-    """Matmul weights of one block: q, k, v, o and the three SwiGLU projections."""
+def expert_dim(m: ModelConfig) -> int:
+    """An expert's SwiGLU hidden size (model.moe.expert_dim, else the dense ffn_dim)."""
+    return m.moe.expert_dim or ffn_dim(m)
+
+
+def is_moe_block(m: ModelConfig, i: int) -> bool:
+    """Whether block i's feed-forward is a mixture of experts (model.moe)."""
+    return m.moe.experts > 0 and i >= m.moe.first_dense
+
+
+def attention_params(cfg: ModelConfig) -> int:
     head_dim = cfg.dim // cfg.n_heads
     kv = (cfg.n_kv_heads or cfg.n_heads) * head_dim
-    attn = cfg.dim * cfg.dim * 2 + cfg.dim * kv * 2
-    mlp = 3 * cfg.dim * ffn_dim(cfg)
-    return attn + mlp
+    return cfg.dim * cfg.dim * 2 + cfg.dim * kv * 2
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    return cfg.n_layers * block_matmul_params(cfg) + cfg.dim * cfg.vocab_size
+def ffn_params(m: ModelConfig, i: int, active: bool = False) -> int:
+    """Block i's feed-forward matmul weights: dense SwiGLU, or the router, the routed experts
+    (all E, or the top k a token runs when `active`) and the shared ones."""
+    if not is_moe_block(m, i):
+        return 3 * m.dim * ffn_dim(m)
+    e = m.moe
+    routed = (e.top_k if active else e.experts) * 3 * m.dim * expert_dim(m)
+    return m.dim * e.experts + routed + e.shared_experts * 3 * m.dim * expert_dim(m)
 
 
-def num_params(cfg: ModelConfig) -> int:
-    """Parameter count from the config alone (matches GPT(cfg).num_params())."""
+def block_matmul_params(cfg: ModelConfig, i: int = 0, active: bool = False) -> int:
+    """Matmul weights of block i: q, k, v, o and the feed-forward's (ffn_params)."""
+    return attention_params(cfg) + ffn_params(cfg, i, active)
+
+
+def matmul_params(cfg: ModelConfig, active: bool = True) -> int:
+    """Every block's matmul weights and the head's; an MoE counts the experts a token runs
+    (its FLOPs), or all of them with active=False."""
+    return sum(block_matmul_params(cfg, i, active) for i in range(cfg.n_layers)) + cfg.dim * cfg.vocab_size
+
+
+def num_params(cfg: ModelConfig, active: bool = False) -> int:
+    """Parameter count from the config alone (matches GPT(cfg).num_params()); `active`: the
+    parameters one token runs through (an MoE's top k experts of E)."""
     embed = cfg.vocab_size * cfg.dim
     norms = cfg.dim * (2 * cfg.n_layers + 1)
     untied_head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
-    return matmul_params(cfg) - cfg.dim * cfg.vocab_size + embed + untied_head + norms
+    return matmul_params(cfg, active) - cfg.dim * cfg.vocab_size + embed + untied_head + norms
 
 
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
@@ -98,4 +124,14 @@ def sliceable_loss(cfg: Config, pp: int, tp: int) -> bool:
 def shape_key(m: ModelConfig) -> tuple:
     """A decoder's shape fields as a hashable key (caches of counts by shape); the adapters
     (model.lora) are not part of the shape."""
-    return tuple(sorted((k, v) for k, v in vars(m).items() if k != "lora"))
+    return tuple(sorted((k, moe_key(v) if k == "moe" else v) for k, v in vars(m).items() if k != "lora"))
+
+
+def from_shape_key(key: tuple) -> ModelConfig:
+    """The ModelConfig a shape_key was made from (adapters off)."""
+    from launcher.config.model import MoEConfig
+
+    fields = dict(key)
+    if "moe" in fields:
+        fields["moe"] = MoEConfig(**dict(fields["moe"]))
+    return ModelConfig(**fields)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from launcher.config.enums import DataKind, HFAttention, LoraBase, ModelKind, TextFormat, TokenDtype, TrainOn
+from launcher.config.moe import MoEConfig
 
 
 @dataclass
@@ -70,6 +71,8 @@ class ModelConfig:
     """Share the input embedding with the output head: saves vocab*dim parameters, which
     matters for small models; large models usually untie."""
     init_std: float = 0.02
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """A mixture of experts in place of the feed-forward (model.moe.experts > 0): see MoEConfig."""
 
     # ---- model=hf (conf/model/hf.yaml): a transformers causal LM from local files only.
     # The fields above shape the project's decoder; with kind=hf the shape comes from the

@@ -153,6 +153,13 @@ class ParallelConfig:
     context.py). For sequences whose activations do not fit even with checkpointing; it
     costs data parallelism (world = dp x cp x tp x pp), so keep it to what memory needs.
     Must divide train.seq_len and the attention heads (per tensor-parallel rank)."""
+    ep: int = 1
+    """Expert parallel (an MoE, model.moe.experts > 0): each MoE block's experts split over ep
+    ranks, E/ep each; every token goes to the ranks holding its top-k experts and back by two
+    all-to-alls per block in forward and two in backward (launcher/models/experts.py). Not a
+    degree of its own: the ep ranks are data-parallel ranks (ep divides dp_shard x cp, as in
+    torchtitan), so the dense weights keep their data-parallel layout and the experts' states
+    shrink by ep. Must divide model.moe.experts."""
     pp: int = 1
     """Pipeline stages: the layers are cut into pp contiguous stages on different ranks,
     activations are sent between them. Only point-to-point traffic, but idle time (the

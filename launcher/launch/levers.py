@@ -31,6 +31,46 @@ def validate_levers(cfg: Config, host) -> None:
         validate_fp8(cfg, host)
     if cfg.model.lora.rank != 0:
         validate_lora(cfg)
+    if cfg.model.moe.experts or p.ep != 1:
+        validate_moe(cfg)
+
+
+def validate_moe(cfg: Config) -> None:
+    """model.moe (launcher/models/moe.py) and parallel.ep: the router's numbers, the recipes
+    that take an MoE (no tensor or pipeline parallel: the experts are not split by tp, and a
+    pipeline's auxiliary losses would be on other stages), and ep against the experts."""
+    import recipes
+
+    e, m, p, name = cfg.model.moe, cfg.model, cfg.parallel, cfg.recipe.strategy
+    if p.ep < 1:
+        raise ConfigError("parallel.ep", p.ep, "must be >= 1 (1: every rank holds every expert)")
+    if not e.experts:
+        raise ConfigError("parallel.ep", p.ep, "expert parallel needs an MoE model (model.moe.experts > 0, e.g. model=moe_tiny)")
+    if m.kind == ModelKind.hf:
+        raise ConfigError("model.moe.experts", e.experts, "model.moe shapes the project's decoder; model=hf takes its shape "
+                          "from the Hugging Face config")
+    if e.experts < 2 or not 1 <= e.top_k <= e.experts:
+        raise ConfigError("model.moe.top_k" if e.experts >= 2 else "model.moe.experts",
+                          e.top_k if e.experts >= 2 else e.experts, f"needs experts >= 2 and 1 <= top_k <= experts={e.experts}")
+    for key in ("expert_dim", "capacity_factor"):
+        value = getattr(e, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"model.moe.{key}", value, "must be > 0, or null")
+    if e.shared_experts < 0 or not 0 <= e.first_dense <= m.n_layers:
+        key, value = ("shared_experts", e.shared_experts) if e.shared_experts < 0 else ("first_dense", e.first_dense)
+        raise ConfigError(f"model.moe.{key}", value, f"allowed: shared_experts >= 0, first_dense in 0..model.n_layers={m.n_layers}")
+    if p.tp > 1 or p.pp > 1:
+        key, value = ("parallel.tp", p.tp) if p.tp > 1 else ("parallel.pp", p.pp)
+        engines = ", ".join(n for n in recipes.names() if not recipes.spec(n).parallelism.required)
+        raise ConfigError(key, value, f"an MoE model (model.moe.experts={e.experts}) runs under the engines {engines} "
+                          "(recipe=ddp, fsdp, zero1..zero3_offload), with parallel.ep for its experts")
+    if p.ep > 1:
+        able = [n for n in recipes.names() if recipes.spec(n).parallelism.ep]
+        if not recipes.spec(name).parallelism.ep:
+            raise ConfigError("parallel.ep", p.ep, f"recipe {name} has no expert parallel; "
+                              f"{'use recipe=' + ' or recipe='.join(able) if able else 'no recipe has one yet'}")
+        if e.experts % p.ep:
+            raise ConfigError("parallel.ep", p.ep, f"must divide model.moe.experts={e.experts}")
 
 
 def validate_fp8(cfg: Config, host) -> None:

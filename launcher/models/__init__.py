@@ -148,6 +148,16 @@ def offloaded(model: nn.Module) -> dict:
     return {}
 
 
+def after_step(model: nn.Module, cfg: Config) -> dict:
+    """After each optimizer step: an MoE's routers' load summed over the ranks, balance=bias's
+    biases moved, the step's expert-load metrics (launcher/models/moe.py); {} for a dense model."""
+    if not cfg.model.moe.experts:
+        return {}
+    from launcher.models import moe
+
+    return moe.after_step(model)
+
+
 def init_specs(cfg: Config) -> dict:
     """Parameter name -> InitSpec: what each parameter is drawn from."""
     if cfg.model.kind == ModelKind.hf:

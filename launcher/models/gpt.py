@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from launcher.config import ACMode, ModelConfig, ffn_dim, matmul_params
+from launcher.config import ACMode, ModelConfig, ffn_dim, is_moe_block, matmul_params
 from launcher.models.attention import Attention, DocumentMask, rotary_at, rotary_table
 from launcher.models.init import InitSpec, init_skipped
 
@@ -52,12 +52,17 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        if is_moe_block(cfg, index):  # model.moe: routed experts (launcher/models/moe.py)
+            from launcher.models.moe import MoE
+
+            self.feed_forward = MoE(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         # mask by keyword: tensor parallel's input layouts name the positional inputs only
@@ -70,7 +75,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if cfg.tie_embeddings:
             self.output = tied_head(self.tok_embeddings.weight)
@@ -105,9 +110,14 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """The rotary table (computed, never loaded), fp32 on its device (zero.Init made it bf16)."""
+        """The rotary table (computed, never loaded), fp32 on its device (zero.Init made it bf16);
+        an MoE's routers' balancing biases and step counts zero (a checkpoint loads the biases after)."""
         table = rotary_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
         self.register_buffer("rope", table.to(self.rope.device), persistent=False)
+        from launcher.models.moe import routers
+
+        for buffer in (b for _, router in routers(self) for b in router.buffers()):
+            buffer.data = torch.zeros(buffer.shape, dtype=torch.float32, device=buffer.device)
 
     # -------------------------------------------------------------------------- forward
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
@@ -119,9 +129,15 @@ class GPT(nn.Module):
         h = self.norm(h)
         if targets is None:
             return self.output(h)
-        if self.loss_chunks > 1:
-            return self.output(h, targets, self.loss_chunks)
-        return lm_loss(self.output(h), targets)
+        loss = self.output(h, targets, self.loss_chunks) if self.loss_chunks > 1 else lm_loss(self.output(h), targets)
+        return self.with_aux(loss)
+
+    def with_aux(self, loss: torch.Tensor) -> torch.Tensor:
+        """Training an MoE with balance=aux_loss: plus the blocks' auxiliary losses (moe.py)."""
+        from launcher.models.moe import take_aux
+
+        aux = take_aux() if self.cfg.moe.experts and torch.is_grad_enabled() else None
+        return loss if aux is None else loss + aux.to(loss.device)
 
     def run_blocks(self, layers, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """(index, block) pairs in order: a pipeline stage's middle (launcher/parallel/plan.py's Stage)."""
@@ -180,7 +196,14 @@ def init_specs(cfg: ModelConfig) -> dict[str, InitSpec]:
             specs[f"layers.{i}.{name}.weight"] = resid
         for name in ("attention_norm", "ffn_norm"):
             specs[f"layers.{i}.{name}.weight"] = InitSpec("ones")
+        if is_moe_block(cfg, i):  # the dense names above replaced by the router's and experts'
+            for name in ("w1", "w2", "w3"):
+                del specs[f"layers.{i}.feed_forward.{name}.weight"]
+            from launcher.models.moe import init_specs as moe_specs
+
+            specs |= moe_specs(cfg, f"layers.{i}.feed_forward", std, resid)
     return specs
+
 
 
 def run_layers(layers, h: torch.Tensor, rope: torch.Tensor, checkpointed: set[int], op_level: bool = False,

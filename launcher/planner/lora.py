@@ -22,7 +22,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from launcher.config import LoraBase, ModelConfig, Precision, ffn_dim, shape_key
+from launcher.config import LoraBase, ModelConfig, Precision, ffn_dim, from_shape_key, shape_key
 from launcher.planner import memory as M
 
 HF_NAMES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w1", "up_proj": "w3",
@@ -60,7 +60,7 @@ def counts(m: ModelConfig) -> Counts:
 
 @functools.lru_cache(maxsize=32)
 def _counts(key: tuple, rank: int, targets: tuple | None) -> Counts:
-    m = ModelConfig(**dict(key))
+    m = from_shape_key(key)
     wanted = None if targets is None else {HF_NAMES.get(t, t) for t in targets}
     chosen = [io for name, io in projections(m).items() if wanted is None or name in wanted]
     return Counts(trainable=m.n_layers * sum(rank * (i + o) for i, o in chosen), frozen=M.ParamCounts.of(m).total,

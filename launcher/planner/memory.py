@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from launcher.config import ACMode, ModelConfig, block_matmul_params, ffn_dim, shape_key
+from launcher.config import ACMode, ModelConfig, block_matmul_params, ffn_dim, from_shape_key, shape_key
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def _meta_gpt(m: ModelConfig) -> nn.Module:
 
 @functools.lru_cache(maxsize=32)
 def _param_counts(key: tuple) -> ParamCounts:
-    m = ModelConfig(**dict(key))
+    m = from_shape_key(key)
     model = _meta_gpt(m)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
     return ParamCounts(embed=count(model.tok_embeddings), head=0 if m.tie_embeddings else count(model.output),
@@ -91,7 +91,7 @@ def _param_counts(key: tuple) -> ParamCounts:
 
 @functools.lru_cache(maxsize=32)
 def _group_sizes(key: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    model = _meta_gpt(ModelConfig(**dict(key)))
+    model = _meta_gpt(from_shape_key(key))
     params = list(model.parameters())  # unique: a tied head is the embedding
     return tuple(p.numel() for p in params if p.ndim >= 2), tuple(p.numel() for p in params if p.ndim < 2)
 

@@ -7,7 +7,7 @@ import functools
 import math
 
 from launcher import optim as O
-from launcher.config import Config, ModelConfig, shape_key
+from launcher.config import Config, ModelConfig, from_shape_key, shape_key
 from launcher.planner import lora, memory as M
 
 
@@ -36,5 +36,5 @@ def trainable_tensors(m: ModelConfig) -> tuple[tuple[tuple[int, ...], bool], ...
 
 @functools.lru_cache(maxsize=32)
 def _trainable(key: tuple) -> tuple[tuple[tuple[int, ...], bool], ...]:
-    model = M._meta_gpt(ModelConfig(**dict(key)))
+    model = M._meta_gpt(from_shape_key(key))
     return tuple((tuple(p.shape), name.startswith(("tok_embeddings.", "output."))) for name, p in model.named_parameters())

@@ -162,6 +162,7 @@ def run(job: Job) -> int:
                                   job.dp_size, device)  # this step's samples are in hand: from the next one
             batches = iter(loader)
         step += 1
+        routed = models.after_step(engine.model, cfg)  # an MoE's expert load: every step (balance=bias moves)
         skipped_steps = skipped_steps + result.skipped  # a device tensor stays one: read when logged
         profiler.end(step)
         if step == first_step + 1 and ckpt.saver is not None:
@@ -192,7 +193,7 @@ def run(job: Job) -> int:
             metrics = {"step": step, "loss": read[0] / (job.dp_size * cp), "lr": engine.lr(),
                        "grad_norm": read[1], **meter.rates(), **memory_stats(device),
                        **engine.state_bytes().as_metrics(), **measured, **guard.metrics(),
-                       **stragglers.report(step), **drawn.metrics(step, samples_seen), **packing.metrics(samples_seen)}
+                       **stragglers.report(step), **drawn.metrics(step, samples_seen), **packing.metrics(samples_seen), **routed}
             if scaled:
                 metrics["loss_scale"] = read[2]
                 metrics["skipped_steps"] = int(read[3])

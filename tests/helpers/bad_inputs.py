@@ -301,4 +301,14 @@ CASES = [
      ["recipe=zero2", "not rehearsed", "rehearsed: fsdp, pp, pp_fsdp, tp, tp_fsdp, and zero3, zero3_offload"]),
     (["rehearse", "model=llama3_8b", "recipe=fsdp"], ["cluster.gpus_per_node", "e.g. 8"]),
     (["rehearse", "recipe=fsdp", "cluster.gpus_per_node=8", "--ranks", "3,8"], ["--ranks 3,8", "[0, 7]", "1 x 8"]),
+    # a mixture of experts (issue 52): the router's numbers and what may split an MoE
+    (["model=moe_tiny", "model.moe.top_k=9"], ["model.moe.top_k=9", "1 <= top_k <= experts=8"]),
+    (["model=moe_tiny", "model.moe.experts=1"], ["model.moe.experts=1", "experts >= 2"]),
+    (["model=moe_tiny", "model.moe.capacity_factor=0"], ["model.moe.capacity_factor=0", "> 0, or null"]),
+    (["model=moe_tiny", "model.moe.first_dense=9"], ["model.moe.first_dense=9", "0..model.n_layers=4"]),
+    (["model=moe_tiny", "recipe=tp"], ["parallel.tp=2", "an MoE model", "ddp, fsdp, zero"]),
+    (["model=moe_tiny", "recipe=pp"], ["parallel.pp=2", "an MoE model"]),
+    (["parallel.ep=2"], ["parallel.ep=2", "needs an MoE model", "model=moe_tiny"]),
+    (["model=moe_tiny", "parallel.ep=0"], ["parallel.ep=0", ">= 1"]),
+    (["model=moe_tiny", "recipe=zero2", "parallel.ep=2"], ["parallel.ep=2", "recipe zero has no expert parallel"]),
 ]

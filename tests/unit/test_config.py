@@ -88,6 +88,9 @@ def test_combination_composes_and_validates(recipe, model, data, precision, tmp_
     elif precision == "fp16" and not recipes.spec(cfg.recipe.strategy).fp16:
         with pytest.raises(C.ConfigError, match="no fp16 loss scaler"):
             validate(cfg, HOST)
+    elif cfg.model.moe.experts and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        with pytest.raises(C.ConfigError, match="an MoE model"):
+            validate(cfg, HOST)
     else:
         validate(cfg, HOST)
 
