@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The rehearsal matrix: Llama-3 8B, 70B and 405B layouts on 64, 256 and 512 ranks, each
+"""The rehearsal matrix: Llama-3 8B, 70B and 405B layouts on 64, 256 and 512 ranks, and the
+mixtures of experts Mixtral-8x22B on 64 and a DeepSeek-V3-like shape on 256, each
 rank chosen by launcher.planner.rehearse built here (meta device, fake process group) and
 set beside the planner's model states and start-up.
 
@@ -12,7 +13,10 @@ launcher.planner.rehearse.TOLERANCE; docs/memory.md shows its table.
 Layouts are the ones the recipes build: fsdp, tp_fsdp (tp=8 inside a node), pp x tp
 (the ranks beyond the stages are data-parallel replicas), pp_fsdp (pp x fsdp, pp x tp x
 fsdp with sequence parallel) and zero3 (DeepSpeed builds it on the host: its parameter
-partition against the plan). Each runs at sequence 8192 with full
+partition against the plan); the MoEs under fsdp, at ep=1 (FSDP cuts the stacked experts in
+whole rows: Mixtral's 8 over 64 ranks leave a whole expert on each of the first 8 ranks and
+none on the last, both planned) and, where the fsdp recipe has expert parallel, at ep=8 and
+ep=64 (launcher/planner/moe.py). Each runs at sequence 8192 with full
 activation checkpointing and micro-batch 1 (pp: 2 x pp micro-batches a step) on 80 GiB
 devices, so the planner's verdict on the step is that of a real job's settings.
 """
@@ -48,7 +52,20 @@ MATRIX: list[tuple[str, int, list[str]]] = [  # (model, nodes of 8, overrides)
     ("llama3_70b", 32, pipeline(4, "pp_fsdp")),
     ("llama3_405b", 64, ["recipe=tp_fsdp", "parallel.tp=8"]),
     ("llama3_405b", 64, pipeline(16, "pp_fsdp", tp=8)),
+    ("mixtral_8x22b", 8, ["recipe=fsdp"]),
+    ("deepseek_v3", 32, ["recipe=fsdp"]),
 ]
+EXPERT_PARALLEL: list[tuple[str, int, list[str]]] = [
+    ("mixtral_8x22b", 8, ["recipe=fsdp", "parallel.ep=8"]),
+    ("deepseek_v3", 32, ["recipe=fsdp", "parallel.ep=64"]),
+]
+"""Rehearsed once the fsdp recipe has expert parallel (recipes' Parallelism.ep)."""
+
+
+def layouts() -> list[tuple[str, int, list[str]]]:
+    import recipes
+
+    return MATRIX + (EXPERT_PARALLEL if recipes.spec("fsdp").parallelism.ep else [])
 
 
 def rehearse_one(model: str, nodes: int, overrides: list[str]) -> dict:
@@ -82,10 +99,10 @@ def share_cores(threads: int) -> None:
 
 
 def run(only: set[str] | None = None, jobs: int = 1) -> list[dict]:
-    """Every layout of MATRIX (of the `only` models), `jobs` at a time in processes of their
+    """Every layout of layouts() (of the `only` models), `jobs` at a time in processes of their
     own, each with its share of the cores; ZeRO-3's, built for real on the host and the
-    slowest, start first. Rows in MATRIX's order."""
-    todo = [m for m in MATRIX if not only or m[0] in only]
+    slowest, start first. Rows in that order."""
+    todo = [m for m in layouts() if not only or m[0] in only]
     if jobs <= 1:
         return [rehearse_one(*m) for m in todo]
     first = sorted(range(len(todo)), key=lambda i: "recipe=zero3" not in todo[i][2])

@@ -204,13 +204,19 @@ def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
              f"cluster.gpus_per_node and cluster.gpu_memory_gb plan for GPUs)" if cpu else
              f"{hw.nnodes} node(s) x {hw.gpus_per_node} GPU(s) of {hw.gpu_bytes / 2**30:.0f} GiB")
     title = f"{cfg.model.name}: seq {cfg.train.seq_len}, {cfg.precision.name.value}, {where}"
+    from launcher.planner import memory, moe
+
+    shaped = planner.planned_model(cfg).model
     if as_json:
-        print(planner.to_json(rows, hw, reserve, command))
+        print(planner.to_json(rows, hw, reserve, command, memory.param_summary(shaped)))
     else:
         from rich.console import Console
 
         console = Console(width=200)
+        console.print(memory.param_line(shaped), markup=False, soft_wrap=True)
         console.print(planner.table(rows, hw, title, reserve))
+        if moe.enabled(shaped):
+            console.print(moe.dispatch_line(shaped, cfg.train.seq_len, rows, best), markup=False, soft_wrap=True)
         console.print(f"recommended: {command}" if command else planner.no_fit_message(rows, hw, reserve), markup=False,
                       soft_wrap=True)  # one line, to paste
     if cfg.plan.chart:

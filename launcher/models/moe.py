@@ -62,13 +62,16 @@ class Router(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * cfg.route_scale
         counts = torch.bincount(indices.flatten(), minlength=cfg.experts).float()
-        if torch.is_grad_enabled() and not _in_backward():  # a training forward, not a recomputation
-            with torch.no_grad():
-                self.tokens += counts
-            if cfg.balance == MoEBalance.aux_loss:
-                aux = aux_loss(scores, counts, cfg)
-                self.aux = aux.detach()
-                _AUX.append(aux * cfg.aux_loss_coef)
+        if torch.is_grad_enabled():
+            # The loss is made again when activation checkpointing recomputes the block (it must
+            # save what the first forward saved), but recorded once: by the training forward.
+            aux = aux_loss(scores, counts, cfg) if cfg.balance == MoEBalance.aux_loss else None
+            if not _in_backward():
+                with torch.no_grad():
+                    self.tokens += counts
+                if aux is not None:
+                    self.aux = aux.detach()
+                    _AUX.append(aux * cfg.aux_loss_coef)
         return indices, weights
 
 

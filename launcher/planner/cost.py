@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from launcher.config import ACMode, Config, block_matmul_params, ffn_dim, matmul_params
 from launcher.models.gpt import flops_per_token
-from launcher.planner import lora, memory as M
+from launcher.planner import lora, memory as M, moe
 from launcher.planner.footprint import Layout, activations, numerics, param_share
 
 OP_RECOMPUTE = 0.1
@@ -42,13 +42,18 @@ def step_time(cfg: Config, hw, layout: Layout, ac: ACMode, b: int) -> tuple[floa
     T = lora.counts(m).trainable if lora.enabled(m) else P  # what has gradients to reduce and states to update
     dp_spans = layout.dp * layout.cp * layout.tp * layout.pp > hw.gpus_per_node
     grad_ranks = layout.dp * layout.cp  # context-parallel ranks average gradients too
-    ring = 2 * (grad_ranks - 1) / grad_ranks if grad_ranks > 1 else 0.0
+    ring = lambda g: 2 * (g - 1) / g if g > 1 else 0.0  # noqa: E731
+    # Each group's parameters over its own ranks: model.moe's experts (E/ep of them) over the dp x cp / ep
+    # ranks that hold the same ones, the rest over all dp x cp.
+    experts = moe.expert_params(m) // layout.ep if moe.enabled(m) else 0
+    reduced = ring(grad_ranks) * (P - experts) + ring(max(1, grad_ranks // layout.ep)) * experts
+    reduced_T = reduced * T / P
     if layout.shard in ("zero3",):
-        volume = ring * 2 * P + 0.5 * ring * 2 * T  # all-gather forward and backward, reduce-scatter grads
+        volume = 2 * reduced + 0.5 * 2 * reduced_T  # all-gather forward and backward, reduce-scatter grads
     elif layout.shard in ("zero1", "zero2"):
-        volume = ring * 2 * T  # reduce-scatter bf16 grads, all-gather bf16 params
+        volume = 2 * reduced_T  # reduce-scatter bf16 grads, all-gather bf16 params
     else:
-        volume = ring * 4 * T  # all-reduce fp32 grads
+        volume = 4 * reduced_T  # all-reduce fp32 grads
     comm = volume / bandwidth(layout.dp, dp_spans)
     if layout.cp > 1:  # 4 all-to-alls (q, k, v, out) per layer forward and 4 backward, (cp-1)/cp of each moves
         act = b * layout.seq(s) * m.dim * numerics(cfg.precision.name, layout).compute
@@ -56,6 +61,10 @@ def step_time(cfg: Config, hw, layout: Layout, ac: ACMode, b: int) -> tuple[floa
     if layout.tp > 1:  # 4 all-reduces of b*s*h activations per layer per micro-batch
         act = b * layout.seq(s) * m.dim * numerics(cfg.precision.name, layout).compute
         comm += accum * m.n_layers / layout.pp * 4 * (2 * (layout.tp - 1) / layout.tp) * act / bandwidth(layout.tp, False)
+    if layout.ep > 1:  # model.moe: dispatch and combine, forward, backward and recomputation
+        comm += accum * moe.all_to_all_seconds(m, b * layout.seq(s), numerics(cfg.precision.name, layout).compute, layout.ep,
+                                               M.recomputed(m.n_layers, ac, cfg.train.ac_every),
+                                               bandwidth(layout.ep, layout.ep > hw.gpus_per_node))
     if layout.pp > 1:  # activations forward and gradients back across each boundary
         comm += accum * 2 * b * s * m.dim * numerics(cfg.precision.name, layout).compute / bandwidth(2, dp_spans)
     offload = 0.0

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from launcher.parallel import ds_config
-from launcher.planner import lora, memory as M
+from launcher.planner import lora, memory as M, moe
 from launcher.planner.optimizer import optimizer_states
 from launcher.config import ACMode, Config, ModelConfig, ModelKind, Precision, loss_chunks, sliceable_loss
 
@@ -28,6 +28,8 @@ class Layout:
     cp: int = 1
     """Context parallel: the sequence split over cp ranks (activations / cp); FSDP shards
     over dp x cp (launcher/parallel/mesh.py::data_parallel_mesh)."""
+    ep: int = 1
+    """model.moe: the routed experts split over ep of the dp x cp ranks (launcher/planner/moe.py)."""
     shard: str = "none"
     offload_optim: bool = False
     offload_params: bool = False
@@ -39,19 +41,13 @@ class Layout:
 
     @property
     def label(self) -> str:
-        degrees = ([f"dp{self.dp}"] + ([f"cp{self.cp}"] if self.cp > 1 else []) + ([f"tp{self.tp}"] if self.tp > 1 else [])
-                   + ([f"pp{self.pp}"] if self.pp > 1 else []))
+        degrees = ([f"dp{self.dp}"] + [f"{k}{v}" for k, v in (("cp", self.cp), ("tp", self.tp), ("pp", self.pp),
+                                                                 ("ep", self.ep)) if v > 1])
         return f"{self.recipe} ({' '.join(degrees)})"
 
     def overrides(self) -> list[str]:
-        out = [f"recipe={self.recipe}"]
-        if self.tp > 1:
-            out.append(f"parallel.tp={self.tp}")
-        if self.pp > 1:
-            out.append(f"parallel.pp={self.pp}")
-        if self.cp > 1:
-            out.append(f"parallel.cp={self.cp}")
-        return out
+        return [f"recipe={self.recipe}"] + [f"parallel.{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp),
+                                                                            ("cp", self.cp), ("ep", self.ep)) if v > 1]
 
     @property
     def shard_ranks(self) -> int:
@@ -101,22 +97,22 @@ def param_share(cfg: Config, layout: Layout, pp_rank: int | None = None) -> int:
     # Tensor parallel splits the matrices and leaves the norms whole; a tied embedding is
     # whole too (one parameter shared with the head), an untied embedding and head split
     # by vocabulary.
-    block = (c.block - 2 * m.dim) // t + 2 * m.dim
+    blocks = [(b - 2 * m.dim) // t + 2 * m.dim for b in c.blocks]
     embed = c.embed if m.tie_embeddings else c.embed // t
     head = c.embed if m.tie_embeddings else c.head // t
     if layout.pp > 1:
         # The first stage holds the embedding, the last the final norm and the head (a
         # tied head is a copy there).
-        shares = [sum((end - first) * block + (embed if emb else 0) + (head + c.final_norm if last else 0)
+        shares = [sum(sum(blocks[first:end]) + (embed if emb else 0) + (head + c.final_norm if last else 0)
                       for first, end, emb, last in stages) for stages in stage_ranks(cfg, layout)]
         return max(shares) if pp_rank is None else shares[pp_rank]
     if t > 1:
-        return c.n_blocks * block + c.final_norm + (embed if m.tie_embeddings else embed + head)
-    return c.total
+        return sum(blocks) + c.final_norm + (embed if m.tie_embeddings else embed + head)
+    return moe.rank_params(m, layout.ep)  # model.moe: E/ep of each block's experts
 
 
-def model_states(cfg: Config, layout: Layout,
-                 pp_rank: int | None = None) -> tuple[int, int, int, dict[str, str], dict[str, int]]:
+def model_states(cfg: Config, layout: Layout, pp_rank: int | None = None,
+                 shard_rank: int = 0) -> tuple[int, int, int, dict[str, str], dict[str, int]]:
     """(params, grads, optimizer) bytes on one rank, where each lives (device, cpu or
     device+cpu) and how many of them are in host memory (offload).
 
@@ -125,7 +121,8 @@ def model_states(cfg: Config, layout: Layout,
     fp32 gradients and the moments (16 per parameter, all sharded). DeepSpeed holds what
     launcher.planner.memory.zero_states says, measured in every precision: the ZeRO paper's terms
     with w-byte weights (w = 2, or 4 in fp32), plus an fp32 copy of the gradient shard and
-    an fp32 master shard even in fp32, with offload splitting parts to the host.
+    an fp32 master shard even in fp32, with offload splitting parts to the host. `shard_rank`:
+    the rank's place among the n it shards over (FSDP's MoE experts differ by rank: moe.fsdp_elements).
     """
     P = param_share(cfg, layout, pp_rank)
     n = layout.shard_ranks
@@ -138,8 +135,9 @@ def model_states(cfg: Config, layout: Layout,
                 where, host)
     if layout.shard == "none":
         params, grads, optim = 4 * P, 4 * P, optimizer_states(cfg, P, 1)
-    elif layout.fsdp:
-        params, grads, optim = 4 * P // n, 4 * P // n, optimizer_states(cfg, P, n)
+    elif layout.fsdp:  # model.moe: the experts over their own ranks, in whole rows (moe.fsdp_elements)
+        S = moe.fsdp_elements(cfg.model, n, layout.ep, shard_rank) * n if moe.enabled(cfg.model) else P  # n x the rank's
+        params, grads, optim = 4 * S // n, 4 * S // n, optimizer_states(cfg, S, n)
     else:
         parts = zero_terms(cfg, layout, P)
         params, grads, optim = (int(d + h) for d, h in parts.values())
@@ -239,10 +237,10 @@ def start_up(cfg: Config, layout: Layout) -> tuple[int, int]:
     w = ds_weight_bytes(cfg)
     if lora.enabled(cfg.model):  # the base in its dtype, the adapters as a full run's parameters
         return lora.start_up(cfg.model, cfg.precision.name, layout.shard, n, layout.fsdp, layout.grad_buckets, w), 0
-    if layout.shard == "none":
-        return (8 if layout.grad_buckets else 4) * P, 0
+    if layout.shard == "none":  # under parallel.ep the experts stay out of DDP's buckets (moe.outside_ddp)
+        return 4 * P + (4 * (P - moe.outside_ddp(cfg.model, layout.ep)) if layout.grad_buckets else 0), 0
     if layout.fsdp:
-        shard = 4 * P // n
+        shard = 4 * (moe.fsdp_elements(cfg.model, n, layout.ep) * n if moe.enabled(cfg.model) else P) // n
         return (0, shard) if layout.offload_params else (shard, 0)  # recipe.fsdp.cpu_offload
     if layout.shard in ("zero1", "zero2"):
         if layout.offload_optim:
@@ -302,7 +300,9 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
             per_rank.append(total)
         return max(per_rank) if pp_rank is None else per_rank[pp_rank]
     return _split(where, cfg, M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp, loss_chunks=loss_slices(cfg, layout, b),
-                                                 cp=layout.cp) + lora_activations(cfg, layout, ac, b, n),
+                                                 cp=layout.cp) + lora_activations(cfg, layout, ac, b, n)
+                  + moe.activation_delta(m, M.Shape.of(m, b, s), n, ac, every, layout.ep,
+                                         zero3=layout.shard == "zero3" and not layout.fsdp),
                   _offloaded(m, b, s, n, ac, every, m.n_layers, layout.tp, 1, 0, layout.cp)) + (
         document_mask(cfg, b, s, n) if where == "device" else 0)
 
@@ -368,9 +368,11 @@ def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode
     # Tensor parallel gathers the head's output (launcher/parallel/plan.py: ColwiseParallel to
     # Replicate): every rank holds the whole vocabulary's logits, not a 1/tp slice.
     logits = M.loss_temporaries(x, n, loss_chunks)
-    recompute = M.block_activations(x, n, layout.tp, layout.cp) if M.recomputed(x.L, ac, ac_every) else 0
-    # (a pipeline's FSDP stages hold all their layers gathered: pipeline_unsharded)
-    gathered = 2 * 2 * x.block_params // layout.tp if layout.shard == "zero3" and not pipelined_fsdp(layout) else 0
+    recompute = (M.block_activations(x, n, layout.tp, layout.cp) + moe.recompute_delta(m, x, n, layout.ep)
+                 if M.recomputed(x.L, ac, ac_every) else 0)
+    # (a pipeline's FSDP stages hold all their layers gathered: pipeline_unsharded; model.moe: the largest block)
+    gathered = (2 * 2 * (x.block_params + moe.largest_block_delta(m, layout.ep)) // layout.tp
+                if layout.shard == "zero3" and not pipelined_fsdp(layout) else 0)
     embedding = n.compute * x.V * x.h // layout.tp if layout.fsdp and not m.tie_embeddings else 0
     return logits + recompute + gathered + embedding
 

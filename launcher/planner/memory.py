@@ -5,7 +5,7 @@ the sections there. Everything is bytes, per rank, for the project's decoder
 (launcher/models/gpt.py): Ψ parameters, micro-batch b, sequence s, hidden h, heads a,
 key/value width h_kv, SwiGLU width f, vocabulary V, L layers.
 
-`ActivationCounter` measures the same quantity on a real step with
+`ActivationCounter` (launcher/planner/counter.py) measures the same quantity on a real step with
 torch.autograd.graph.saved_tensors_hooks, so predictions are checked against what
 autograd really keeps.
 """
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from launcher.config import ACMode, ModelConfig, block_matmul_params, ffn_dim, from_shape_key, shape_key
+from launcher.config import (ACMode, ModelConfig, block_matmul_params, ffn_dim, from_shape_key, is_moe_block, num_params,
+                             shape_key)
 
 
 @dataclass(frozen=True)
@@ -56,14 +56,28 @@ class ParamCounts:
     embed: int
     head: int
     """0 when the head is tied to the embedding."""
-    block: int
-    """One transformer block: its matrices and its two norms."""
+    blocks: tuple[int, ...]
+    """Each transformer block: its matrices and its two norms (model.moe: dense and MoE blocks differ)."""
     final_norm: int
-    n_blocks: int
+    experts: tuple[int, ...] = ()
+    """Each block's routed experts (model.moe; 0 in a dense block): what parallel.ep splits."""
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def block(self) -> int:
+        """The largest block."""
+        return max(self.blocks)
+
+    @property
+    def expert_total(self) -> int:
+        return sum(self.experts)
 
     @property
     def total(self) -> int:
-        return self.embed + self.head + self.n_blocks * self.block + self.final_norm
+        return self.embed + self.head + sum(self.blocks) + self.final_norm
 
     @staticmethod
     def of(m: ModelConfig) -> "ParamCounts":
@@ -85,8 +99,33 @@ def _param_counts(key: tuple) -> ParamCounts:
     m = from_shape_key(key)
     model = _meta_gpt(m)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    experts = [getattr(layer.feed_forward, "experts", None) for layer in model.layers]
     return ParamCounts(embed=count(model.tok_embeddings), head=0 if m.tie_embeddings else count(model.output),
-                       block=count(model.layers[0]), final_norm=count(model.norm), n_blocks=len(model.layers))
+                       blocks=tuple(count(layer) for layer in model.layers), final_norm=count(model.norm),
+                       experts=tuple(count(e) if e is not None else 0 for e in experts))
+
+
+def param_summary(m: ModelConfig) -> dict:
+    """What `make plan` shows of the model: its total parameters, the active ones (a token's:
+    an MoE's top k experts of E, launcher.config.num_params), and each run of like blocks
+    (kind dense or moe, how many, parameters each, of them routed experts)."""
+    c, runs = ParamCounts.of(m), []
+    for i, (block, experts) in enumerate(zip(c.blocks, c.experts)):
+        kind = "moe" if is_moe_block(m, i) else "dense"
+        if runs and (runs[-1]["kind"], runs[-1]["params"]) == (kind, block):
+            runs[-1]["count"] += 1
+        else:
+            runs.append({"kind": kind, "count": 1, "params": block, "experts": experts})
+    return {"total": c.total, "active": num_params(m, active=True), "embed": c.embed, "head": c.head,
+            "final_norm": c.final_norm, "experts": c.expert_total, "blocks": runs}
+
+
+def param_line(m: ModelConfig) -> str:
+    """param_summary in one line."""
+    p, g = param_summary(m), lambda n: f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"  # noqa: E731
+    blocks = ", ".join(f"{r['count']} {r['kind']} x {g(r['params'])}" + (f" (routed experts {g(r['experts'])})"
+                                                                        if r["experts"] else "") for r in p["blocks"])
+    return f"{m.name}: {g(p['total'])} parameters, {g(p['active'])} active per token; blocks: {blocks}"
 
 
 @functools.lru_cache(maxsize=32)
@@ -125,8 +164,8 @@ def persistent(m: ModelConfig, threshold: int) -> int:
 
 
 def largest_param(m: ModelConfig) -> int:
-    """Elements of the model's largest parameter (the embedding, or a SwiGLU matrix)."""
-    return max(m.vocab_size * m.dim, ffn_dim(m) * m.dim)
+    """Elements of the model's largest parameter (the embedding, a SwiGLU matrix, an MoE's stacked experts)."""
+    return max(max(sizes, default=0) for sizes in _group_sizes(shape_key(m)))
 
 
 # ----------------------------------------------------------------------------- activations
@@ -342,59 +381,4 @@ def zero_states(stage: int, psi: float, world: int, grad_accum: int = 1, offload
             "optim": (0.0, optim)}
 
 
-# ----------------------------------------------------------------------------- measuring
-class ActivationCounter:
-    """Counts the bytes autograd saves for backward, from the first save until the first
-    backward use (the end of the first micro-batch's forward, or for a pipeline the
-    micro-batches in flight when its first backward starts).
-
-    Each storage counts once (views share it); parameters do not count (they are model
-    state), but autocast's weight copies do (they are made per step). It does not see
-    op-level recomputation's cache (tests/unit/test_op_recompute.py uses MemTracker).
-    Usage: `with ActivationCounter(model) as c: engine.train_step(mbs)`, then c.bytes."""
-
-    def __init__(self, model: nn.Module):
-        self.param_ptrs = {_storage(p).data_ptr() for p in model.parameters()}
-        self.saved: list[weakref.ref] = []
-        self.counting = True
-        self.bytes = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _pack(self, t: torch.Tensor):
-        if self.counting and not isinstance(t, nn.Parameter):
-            self.saved.append(weakref.ref(t))  # autograd holds `t` itself until backward uses it
-        return t
-
-    def _close(self) -> None:
-        """Bytes autograd still holds when the window closes, each storage once: a tensor
-        autograd already let go (a pipeline's shape-inference pass) does not count, nor a
-        layer FSDP freed (resized to nothing) after its forward although autograd saved a
-        view of it."""
-        if self.counting:
-            self.counting = False
-            live = {}
-            for ref in self.saved:
-                t = ref()
-                if t is not None:
-                    st = _storage(t)
-                    if st.data_ptr() not in self.param_ptrs:
-                        live[st.data_ptr()] = st.nbytes()
-            self.bytes = sum(live.values())
-            self.saved.clear()
-
-    def _unpack(self, t):
-        self._close()
-        return t
-
-    def __enter__(self) -> "ActivationCounter":
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._close()
-        self._hooks.__exit__(*exc)
-
-
-def _storage(t: torch.Tensor) -> torch.UntypedStorage:
-    local = getattr(t, "_local_tensor", t)  # DTensor: the shard this rank holds
-    return local.untyped_storage()
+from launcher.planner.counter import ActivationCounter  # noqa: E402,F401  (its home before; measured against these terms)

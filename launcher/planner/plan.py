@@ -14,17 +14,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from launcher import jsonout
-from launcher.planner import lora, memory as M
+from launcher.planner import lora, memory as M, moe
 from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig
 from launcher.planner.cost import step_time
 from launcher.planner.footprint import (Layout, activations, grads_at_peak, grads_kept, loss_slices, model_states,
-                                       pipeline, pipeline_unsharded, start_up, temporaries)
+                                       numerics, pipeline, pipeline_unsharded, start_up, temporaries)
 
 
 GiB = 2**30
-
-
 DEFAULT_TFLOPS = 989.0  # H100 SXM dense bf16
+
+
 @dataclass
 class Row:
     layout: Layout
@@ -58,6 +58,7 @@ class Row:
     grads_peak: int = 0
     """Device bytes of gradients at their own peak, the activations gone (the end of backward,
     the update; footprint.grads_at_peak): the device gradients, or more for transient copies."""
+    dispatch_worst: int = 0  # model.moe under ep, no capacity factor: what the worst routing adds (moe.worst_extra)
 
     @property
     def grads_split(self) -> tuple[int, int]:
@@ -100,7 +101,6 @@ class Hardware:
         return self.gpus_per_node * self.nnodes
 
 
-# ----------------------------------------------------------------------------- cost
 # ----------------------------------------------------------------------------- candidates
 TP_DEGREES = (2, 4, 8)
 PP_DEGREES = (2, 4)
@@ -111,7 +111,8 @@ def candidates(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig]) ->
     that divides this world: each engine's RecipeSpec says which degrees it may use and how
     it holds model states (its `holds`: the formula this planner applies). Data-parallel
     layouts first, then tensor parallel by degree, then pipeline by degree (and tensor
-    parallel inside the stages where the recipe may: pp x tp, pp x tp x fsdp)."""
+    parallel inside the stages where the recipe may: pp x tp, pp x tp x fsdp). An MoE runs under
+    neither tensor nor pipeline parallel; its ep degrees: launcher/planner/moe.py::ep_degrees."""
     import recipes
 
     m, world = cfg.model, hw.world
@@ -128,20 +129,20 @@ def candidates(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig]) ->
         cp = cfg.parallel.cp if can.cp else 1
         if cfg.train.seq_len % cp or world % cp:
             continue
-        if not (can.tp or can.pp):
-            if m.n_heads % cp == 0:
-                out.append(((0, 0, 0, *order), Layout(name, dp=world // cp, cp=cp, **held)))
+        if not (can.tp or can.pp) and m.n_heads % cp == 0:
+            out += [((0, 0, 0, *order, ep), Layout(name, dp=world // cp, cp=cp, ep=ep, **held))
+                    for ep in moe.ep_degrees(cfg, hw.world, hw.gpus_per_node, can.ep)]
         tps = ((1,) if "tp" not in can.required else ()) + (TP_DEGREES if can.tp else ())
         pps = ((1,) if "pp" not in can.required else ()) + (PP_DEGREES if can.pp else ())
         for pp in pps:
             for t in tps:
-                if t == pp == 1 or world % (t * pp * cp) or t > hw.gpus_per_node or m.n_heads % t or kv % t:
+                if t == pp == 1 or world % (t * pp * cp) or t > hw.gpus_per_node or m.n_heads % t or kv % t or moe.enabled(m):
                     continue
                 if (m.n_heads // t) % cp:
                     continue
                 if pp > m.n_layers or (pp > 1 and h.fsdp and world // (t * pp) == 1):
                     continue  # a pipeline whose stages have no ranks to shard over is recipe=pp
-                out.append(((1 if pp == 1 else 2, pp, t, *order),
+                out.append(((1 if pp == 1 else 2, pp, t, *order, 1),
                             Layout(name, dp=world // (t * pp * cp), tp=t, pp=pp, cp=cp, **held)))
     return [layout for _, layout in sorted(out, key=lambda kv_: kv_[0])]
 
@@ -158,7 +159,8 @@ def holding(rc: RecipeConfig) -> dict:
 def layout_of(cfg: Config, deg) -> Layout:
     """The layout of a composed config at resolved degrees (launcher.parallel.degrees):
     any degree the recipe allows, not only those `make plan` compares (make rehearse)."""
-    return Layout(cfg.recipe.name, dp=deg.dp, tp=deg.tp, pp=deg.pp, cp=deg.cp, **holding(cfg.recipe))
+    return Layout(cfg.recipe.name, dp=deg.dp, tp=deg.tp, pp=deg.pp, cp=deg.cp, ep=getattr(deg, "ep", 1),
+                  **holding(cfg.recipe))  # (Degrees.ep: with expert parallel in the recipes)
 
 
 def layout_for(cfg: Config, world: int) -> Layout:
@@ -184,7 +186,9 @@ def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | N
                activations=act, temp=tmp, where=where, host=host, startup=device,
                startup_host_node=host_rank * per_node,
                grads_kept=grads_kept(cfg, layout, grads - host["grads"]),
-               grads_peak=grads_at_peak(cfg, layout, grads - host["grads"]))
+               grads_peak=grads_at_peak(cfg, layout, grads - host["grads"]), dispatch_worst=moe.worst_extra(
+                   cfg.model, M.Shape.of(cfg.model, b, layout.seq(cfg.train.seq_len)),
+                   numerics(cfg.precision.name, layout), ac, cfg.train.ac_every, layout.ep))
 
 
 def fits(cfg: Config, hw: Hardware, row: Row) -> bool:
@@ -295,9 +299,9 @@ def no_fit_message(rows: list[Row], hw: Hardware, reserve_gb: float) -> str:
 
 
 # ----------------------------------------------------------------------------- output
-def to_json(rows: list[Row], hw: Hardware, reserve_gb: float, command: str | None = None) -> str:
-    """The rows (headroom as the table's: less plan.reserve_gb) and `command`, the
-    recommended `make train ...` line (None when nothing fits)."""
+def to_json(rows: list[Row], hw: Hardware, reserve_gb: float, command: str | None = None, params: dict | None = None) -> str:
+    """The rows (headroom as the table's: less plan.reserve_gb), `command`, the recommended
+    `make train ...` line (None when nothing fits), and `params` (memory.param_summary)."""
     def row(r: Row) -> dict:
         d = asdict(r)
         d["layout"] = asdict(r.layout) | {"label": r.layout.label, "overrides": r.layout.overrides()}
@@ -308,7 +312,8 @@ def to_json(rows: list[Row], hw: Hardware, reserve_gb: float, command: str | Non
         return d
 
     return jsonout.dumps({"gpu_bytes": hw.gpu_bytes, "reserve_bytes": int(reserve_gb * GiB), "per": hw.unit,
-                          "world": hw.world, "recommended_command": command, "rows": [row(r) for r in rows]}, indent=1)
+                          "world": hw.world, "recommended_command": command, "params": params,
+                          "rows": [row(r) for r in rows]}, indent=1)
 
 
 def table(rows: list[Row], hw: Hardware, title: str, reserve_gb: float):

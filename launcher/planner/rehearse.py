@@ -172,7 +172,7 @@ def rehearse_rank(cfg: C.Config, world: int, rank: int, local_rank: int) -> Rank
             if zero3:
                 gc.collect()  # a ZeRO-3 rank's partitions (GBs, in reference cycles) before the next rank's
             leave_group(zero3)
-    p_, g_, o_, _, _ = footprint.model_states(planned_model(cfg), layout, pp_rank)
+    p_, g_, o_, _, _ = footprint.model_states(planned_model(cfg), layout, pp_rank, dp_shard * deg.cp + cp_rank)
     planned = {"params": p_, "grads": g_, "optim": o_, "model_states": p_ + g_ + o_}
     return RankReport(rank=rank, coords={"pp": pp_rank, "dp_replicate": dp_replicate, "dp_shard": dp_shard,
                                          "cp": cp_rank, "tp": tp_rank},

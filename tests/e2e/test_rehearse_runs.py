@@ -27,7 +27,11 @@ def test_the_planner_holds_at_64_256_and_512_ranks(tmp_path, capsys):
                           capture_output=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     rows = json.loads(out.read_text())
-    assert {(r["model"], r["world"]) for r in rows} == {("llama3_8b", 64), ("llama3_70b", 256), ("llama3_405b", 512)}
+    assert {(r["model"], r["world"]) for r in rows} == {("llama3_8b", 64), ("llama3_70b", 256), ("llama3_405b", 512),
+                                                         ("mixtral_8x22b", 64), ("deepseek_v3", 256)}
+    # the MoEs: fsdp at ep=1 (and at ep 8 / 64 where the recipe has expert parallel)
+    moe = {(r["model"], r["layout"]["ep"]) for r in rows if r["model"] in ("mixtral_8x22b", "deepseek_v3")}
+    assert {("mixtral_8x22b", 1), ("deepseek_v3", 1)} <= moe
     assert {r["layout"]["recipe"] for r in rows} == {"fsdp", "tp_fsdp", "pp", "pp_fsdp", "zero3"}
     # the pipeline layouts: pp=4 x fsdp (8B), pp=8 x tp=8 (70B), pp=16 x tp=8 x fsdp (405B)
     shapes = {(r["model"], r["layout"]["recipe"], r["layout"]["pp"], r["layout"]["tp"]) for r in rows}
