@@ -157,7 +157,8 @@ def zero_terms(cfg: Config, layout: Layout, P: int) -> dict[str, tuple[float, fl
                          weight_bytes=ds_weight_bytes(cfg), straddle=Z.straddling(cfg.model, n),
                          kept_whole=Z.persistent(cfg.model, ds_config.persistence_threshold(cfg))
                          + lora.persistent(cfg.model, ds_config.persistence_threshold(cfg)),
-                         bucket=ds_config.reduce_bucket(cfg), sub_group=Z.sub_group(cfg, layout.shard_ranks, P))
+                         bucket=ds_config.reduce_bucket(cfg), sub_group=Z.sub_group(cfg, layout.shard_ranks, P),
+                         overlap=ds_config.overlap_comm(cfg))
 
 
 
@@ -351,7 +352,7 @@ def loss_slices(cfg: Config, layout: Layout, b: int) -> int:
 
 
 def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode, ac_every: int, b: int, s: int,
-                loss_chunks: int = 1, sp: bool = False) -> int:
+                loss_chunks: int = 1, sp: bool = False, gathered: int | None = None) -> int:
     """Transient buffers at the step's peak: the logits while the loss runs (whole, or one
     slice of `loss_chunks`: M.loss_temporaries; whole on every tensor-parallel rank), one block's activations while it is recomputed,
     ZeRO-3/FSDP's gathered layers (the current and the prefetched one, bf16), and under
@@ -365,7 +366,9 @@ def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode
     logits = M.loss_temporaries(x, n, loss_chunks)
     recompute = M.block_activations(x, n, layout.tp, layout.cp, sp) if M.recomputed(x.L, ac, ac_every) else 0
     # (a pipeline's FSDP stages hold all their layers gathered: pipeline_unsharded)
-    gathered = 2 * 2 * x.block_params // layout.tp if layout.shard == "zero3" and not pipelined_fsdp(layout) else 0
+    # (DeepSpeed: `gathered` elements, zero.gathered: its prefetch and max-live settings)
+    held = 2 * (2 * x.block_params // layout.tp if gathered is None else gathered)
+    gathered = held if layout.shard == "zero3" and not pipelined_fsdp(layout) else 0
     embedding = n.compute * x.V * x.h // layout.tp if layout.fsdp and not m.tie_embeddings else 0
     return logits + recompute + gathered + embedding
 

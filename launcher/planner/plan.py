@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from launcher import jsonout
-from launcher.planner import lora, memory as M
+from launcher.planner import lora, memory as M, zero as Z
 from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig
 from launcher.planner.cost import step_time
 from launcher.planner.footprint import (Layout, activations, grads_at_peak, grads_kept, loss_slices, model_states,
@@ -176,7 +176,8 @@ def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | N
     # (b x grad_accum sequences cut into parallel.pp_microbatches), the others on b.
     at_once = b if layout.pp == 1 else max(1, b * cfg.train.grad_accum // pipeline(cfg)[0])
     tmp = (temporaries(cfg.model, cfg.precision.name, layout, ac, cfg.train.ac_every, at_once, layout.seq(cfg.train.seq_len),
-                       loss_slices(cfg, layout, b), sequence_parallel(cfg, layout)) + pipeline_unsharded(cfg, layout, ac))
+                       loss_slices(cfg, layout, b), sequence_parallel(cfg, layout), deepspeed_gathered(cfg, layout))
+           + pipeline_unsharded(cfg, layout, ac))
     device, host_rank = start_up(cfg, layout)
     per_node = min(hw.gpus_per_node, hw.world) if hw is not None else 1
     return Row(layout=layout, ac=ac, micro_batch=b, fits=False, params=params, grads=grads, optim=optim,
@@ -184,6 +185,13 @@ def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | N
                startup_host_node=host_rank * per_node,
                grads_kept=grads_kept(cfg, layout, grads - host["grads"]),
                grads_peak=grads_at_peak(cfg, layout, grads - host["grads"]))
+
+
+def deepspeed_gathered(cfg: Config, layout: Layout) -> int | None:
+    """DeepSpeed ZeRO-3's gathered elements at once (zero.gathered); None for FSDP's two blocks."""
+    if layout.shard != "zero3" or layout.fsdp:
+        return None
+    return Z.gathered(cfg, M.Shape.of(cfg.model, 1, 1).block_params)
 
 
 def fits(cfg: Config, hw: Hardware, row: Row) -> bool:
