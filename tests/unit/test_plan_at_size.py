@@ -158,3 +158,17 @@ def test_auto_micro_batch_with_a_global_batch_launches(capsys):
     cfg = cli.compose_config(chosen)[0]
     validate(cfg, host)
     assert cfg.train.micro_batch == 8 and "planner chose" in capsys.readouterr().out  # gpt_small x 8 fits here
+
+
+def test_the_reference_table_in_the_docs_is_current():
+    """docs/memory.md's table against the ZeRO paper, DeepSpeed's estimators and Korthikanti
+    et al.: regenerated (scripts/zero_table.py) and compared, so it cannot drift from the planner."""
+    import importlib.util
+
+    from runs import REPO
+
+    spec = importlib.util.spec_from_file_location("zero_table", REPO / "scripts" / "zero_table.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    doc = (REPO / "docs" / "memory.md").read_text()
+    assert doc[doc.index(script.BEGIN):doc.index(script.END) + len(script.END)] == script.table()
