@@ -37,11 +37,10 @@ def why(cfg, stage: int, n: int, psi: int) -> str:
     from launcher.planner import zero as Z
 
     S = Z.sub_group(cfg, n, psi)
-    buffers = 2 if ds_config.overlap_comm(cfg) and stage in (1, 2) else 1
     terms = {"fp32 gradient copy of the update (4Ψ/N)" if stage < 3 else f"fp32 gradient of one sub-group (4S, S = {S:.2e})":
              4 * (psi / n if stage < 3 else S),
              "whole gradients across the partition's edges (2E)": 2 * Z.straddling(cfg.model, n) if stage < 3 else 0,
-             f"reduce buckets ({buffers} x 2B)": 2 * buffers * ds_config.reduce_bucket(cfg),
+             "the reduce bucket (2B)": 2 * ds_config.reduce_bucket(cfg) if stage == 3 else 0,
              "persistent norms (2K)": 2 * Z.persistent(cfg.model, ds_config.persistence_threshold(cfg)) if stage == 3 and n > 1 else 0}
     paper = Z.zero_paper_bytes(stage, psi, n)
     if stage == 1:  # DeepSpeed 0.19's stage 1 reduces and frees the whole gradients in backward
@@ -55,7 +54,7 @@ def why_estimate(stage: int, plan: float, est: float) -> str:
     if abs(plan / est - 1) <= 0.03:
         return "-"
     if stage == 2:
-        return "the estimate leaves out the edge gradients (2E) and the reduce buckets"
+        return "the estimate leaves out the gradients across the partition's edges (2E)"
     return ("the estimate's 18Ψ/N against DeepSpeed's 2 + 2 + 12 bytes per Ψ/N and 4S (the fp32 gradient of one "
             "sub-group), plus its 4 bytes of the largest layer, which the plan counts among temporaries (section 3)")
 

@@ -157,8 +157,7 @@ def zero_terms(cfg: Config, layout: Layout, P: int) -> dict[str, tuple[float, fl
                          weight_bytes=ds_weight_bytes(cfg), straddle=Z.straddling(cfg.model, n),
                          kept_whole=Z.persistent(cfg.model, ds_config.persistence_threshold(cfg))
                          + lora.persistent(cfg.model, ds_config.persistence_threshold(cfg)),
-                         bucket=ds_config.reduce_bucket(cfg), sub_group=Z.sub_group(cfg, layout.shard_ranks, P),
-                         overlap=ds_config.overlap_comm(cfg))
+                         bucket=ds_config.reduce_bucket(cfg), sub_group=Z.sub_group(cfg, layout.shard_ranks, P))
 
 
 

@@ -75,8 +75,7 @@ def zero_paper_bytes(stage: int, psi: float, world: int) -> float:
 def zero_states(stage: int, psi: float, world: int, grad_accum: int = 1, offload_optimizer: bool = False,
                 offload_param: bool = False, largest_param: int = 0,
                 weight_bytes: int = 2, straddle: int = 0, kept_whole: int = 0,
-                bucket: int = 0, sub_group: float | None = None,
-                overlap: bool = False) -> dict[str, tuple[float, float]]:
+                bucket: int = 0, sub_group: float | None = None) -> dict[str, tuple[float, float]]:
     """What DeepSpeed 0.19 really holds per rank at the peak of a step with Adam:
     {"params" | "grads" | "optim": (device bytes, host bytes)}. w = weight_bytes: 2 for
     bf16/fp16 weights, 4 in fp32. Measured in every cell by tests/e2e/test_plan_runs.py (the
@@ -92,10 +91,10 @@ def zero_states(stage: int, psi: float, world: int, grad_accum: int = 1, offload
         stage 2: wΨ + 12Ψ/N + (w+4)Ψ/N
         stage 3: wΨ/N + 12Ψ/N + wΨ/N + 4S
         stage 0 (bf16, not a recipe): 2Ψ weights + 2Ψ + 4Ψ grads + 4Ψ master + 8Ψ moments
-    Stage 1/2 reduce through `bucket` elements (reduce_bucket_size), two buffers with
-    `overlap` (overlap_comm), made at backward's start and kept to the next one
-    (stage_1_and_2.py:3256-3277 `setup_buckets`). Left out, each under 2% here: padding of
-    the shards to the world size, Adam's step counters.
+    Left out: stage 1/2's reduce buckets (reduce_bucket_size elements, two with
+    `overlap_comm`): made at backward's start and freed at its end (stage_1_and_2.py:3256-3277
+    `setup_buckets`, 924-932 `_release_ipg_buffers`), never at the step (measured); and,
+    each under 2% here, padding of the shards to the world size, Adam's step counters.
     Offload moves the fp32 master, the moments and the fp32 gradient shard to host memory.
     Stage 1/2 keep a copy of the own weight shard for the upload (wΨ/N, counted with the
     weights) in host memory: `temp_buffer_bit16` is made on the fp32 master shard's device,
@@ -121,18 +120,18 @@ def zero_states(stage: int, psi: float, world: int, grad_accum: int = 1, offload
     if stage == 0:
         return {"params": (2 * p, 0.0), "grads": (6 * p, 0.0), "optim": (12 * p, 0.0)}
     kept = w * kept_whole if stage == 3 and n > 1 else 0.0
-    buckets = w * bucket * (2 if overlap and stage in (1, 2) else 1)
+    buckets = w * bucket if stage == 3 else 0.0
     whole = w * p if stage == 1 and grad_accum > 1 else 0.0  # stage 1 accumulates into whole gradients
     params = w * p / n if stage == 3 else w * p
     if not offload_optimizer:
         if stage == 3:
             grad_shards = w * p / n + 4 * (p / n if sub_group is None else sub_group)
-        grads = max(whole, grad_shards + edges) + buckets if stage == 1 else grad_shards + edges + buckets
+        grads = max(whole, grad_shards + edges) if stage == 1 else grad_shards + edges + buckets
         return {"params": (params + kept, 0.0), "grads": (grads, 0.0), "optim": (optim, 0.0)}
     if stage in (1, 2):
         copy = w * largest_param
         accumulated = w * p / n + edges if grad_accum > 1 else 0.0
-        return {"params": (params, w * p / n), "grads": (whole + copy + buckets, 4 * p / n + accumulated + copy),
+        return {"params": (params, w * p / n), "grads": (whole + copy, 4 * p / n + accumulated + copy),
                 "optim": (0.0, optim)}
     return {"params": (kept, params) if offload_param else (params + kept, 0.0), "grads": (buckets, grad_shards),
             "optim": (0.0, optim)}
