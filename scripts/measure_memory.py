@@ -57,7 +57,8 @@ def offered(model: str, world: int, recipes: list[str]) -> list[planner.Layout]:
     return planner.candidates(cfg, hw, recipe_configs(set(recipes)))
 
 
-def compose(layout: planner.Layout, model: str, mb: int, seq: int, world: int, optim: str = "adamw"):
+def compose(layout: planner.Layout, model: str, mb: int, seq: int, world: int, optim: str = "adamw",
+            more: tuple[str, ...] = ()):
     """A layout's config as `make train` composes it. A pipeline cuts each step's batch into
     parallel.pp_microbatches, at least one per stage under 1F1B: pp of them, and a
     micro-batch of at least pp sequences. Composed once per layout: each precision is its
@@ -65,7 +66,7 @@ def compose(layout: planner.Layout, model: str, mb: int, seq: int, world: int, o
     extra = [f"parallel.pp_microbatches={layout.pp}"] if layout.pp > 1 else []
     cfg, _, _ = compose_config([*layout.overrides(), f"model={model}", f"train.micro_batch={max(mb, layout.pp)}",
                                 f"train.seq_len={seq}", "logger=none", f"cluster.nproc_per_node={world}", f"optim={optim}",
-                                *extra])
+                                *extra, *more])
     return cfg
 
 
@@ -147,7 +148,7 @@ def _run(args, rank: int, world: int, device, scratch: Path) -> list[dict]:
     for model, optim in itertools.product(args.models.split(","), args.optims.split(",")):
         for layout in offered(model, world, recipes):
             for mb in [int(b) for b in args.micro_batches.split(",")]:
-                composed = compose(layout, model, mb, args.seq_len, world, optim)
+                composed = compose(layout, model, mb, args.seq_len, world, optim, tuple(args.overrides))
                 for precision in precisions:
                     rows += measure_precision(dataclasses.replace(composed, precision=typed[precision]), args,
                                               layout, rank, world, device, scratch,
@@ -210,6 +211,7 @@ def main() -> None:
     ap.add_argument("--ac", default="none,full,selective")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--overrides", nargs="*", default=[], help="more overrides for every cell, e.g. recipe.zero.extra=...")
     ap.add_argument("--table", action="store_true", help="print plan against measured (rank 0)")
     args = ap.parse_args()
 

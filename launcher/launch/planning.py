@@ -220,7 +220,9 @@ def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
         console.print(f"recommended: {command}" if command else planner.no_fit_message(rows, hw, reserve), markup=False,
                       soft_wrap=True)  # one line, to paste
     if cfg.plan.chart:
-        planner.chart(rows, hw, Path(cfg.plan.chart), reserve, title)
+        from launcher.planner.chart import chart
+
+        chart(rows, hw, Path(cfg.plan.chart), reserve, title)
         if not as_json:
             print(f"chart: {cfg.plan.chart}")
     return 0

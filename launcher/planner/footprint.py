@@ -7,13 +7,12 @@ them up per layout and finds what fits; docs/memory.md derives them.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from launcher.parallel import ds_config
-from launcher.planner import lora, memory as M, moe
+from launcher.planner import lora, memory as M, moe, zero as Z
 from launcher.planner.optimizer import optimizer_states
-from launcher.config import ACMode, Config, ModelConfig, ModelKind, Precision, loss_chunks, sliceable_loss
+from launcher.config import ACMode, Config, ModelConfig, Precision, loss_chunks, sliceable_loss
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ def model_states(cfg: Config, layout: Layout, pp_rank: int | None = None,
     DDP, TP and PP under autocast keep fp32 parameters and gradients (4 + 4 + 8 bytes per
     parameter with Adam). FSDP2 with a bf16 MixedPrecisionPolicy shards fp32 parameters,
     fp32 gradients and the moments (16 per parameter, all sharded). DeepSpeed holds what
-    launcher.planner.memory.zero_states says, measured in every precision: the ZeRO paper's terms
+    launcher.planner.zero.zero_states says, measured in every precision: the ZeRO paper's terms
     with w-byte weights (w = 2, or 4 in fp32), plus an fp32 copy of the gradient shard and
     an fp32 master shard even in fp32, with offload splitting parts to the host. `shard_rank`:
     the rank's place among the n it shards over (FSDP's MoE experts differ by rank: moe.fsdp_elements).
@@ -148,14 +147,15 @@ def model_states(cfg: Config, layout: Layout, pp_rank: int | None = None,
 
 
 def zero_terms(cfg: Config, layout: Layout, P: int) -> dict[str, tuple[float, float]]:
-    """DeepSpeed's model states for P trained parameters on one rank (memory.zero_states)."""
+    """DeepSpeed's model states for P trained parameters on one rank (zero.zero_states)."""
     n = layout.shard_ranks
-    return M.zero_states(int(layout.shard[-1]), P, n, cfg.train.grad_accum, layout.offload_optim,
-                         layout.offload_params, largest_param=M.largest_param(cfg.model),
-                         weight_bytes=ds_weight_bytes(cfg), straddle=M.straddling(cfg.model, n),
-                         kept_whole=M.persistent(cfg.model, ds_config.persistence_threshold(cfg))
+    return Z.zero_states(int(layout.shard[-1]), P, n, cfg.train.grad_accum, layout.offload_optim,
+                         layout.offload_params, largest_param=Z.largest_param(cfg.model),
+                         weight_bytes=ds_weight_bytes(cfg), straddle=Z.straddling(cfg.model, n),
+                         kept_whole=Z.persistent(cfg.model, ds_config.persistence_threshold(cfg))
                          + lora.persistent(cfg.model, ds_config.persistence_threshold(cfg)),
-                         bucket=ds_config.reduce_bucket(cfg))
+                         bucket=ds_config.reduce_bucket(cfg), sub_group=Z.sub_group(cfg, layout.shard_ranks, P))
+
 
 
 def trained_share(cfg: Config, layout: Layout) -> int:
@@ -186,7 +186,7 @@ def grads_kept(cfg: Config, layout: Layout, grads: int) -> int:
     n = layout.shard_ranks
     shard = w * trained_share(cfg, layout) // n
     if layout.shard == "zero2":
-        return shard + w * M.straddling(cfg.model, n)
+        return shard + w * Z.straddling(cfg.model, n)
     return shard + w * ds_config.reduce_bucket(cfg)
 
 
@@ -195,8 +195,9 @@ def grads_at_peak(cfg: Config, layout: Layout, grads: int) -> int:
     of backward, the update): the `grads` of the update, and for DeepSpeed's ZeRO without
     offload, more for a moment:
       zero1-3   + wP/n: the update flattens the reduced shard into a copy before casting it to
-                fp32 (stage_1_and_2.py, stage3.py: `flatten(averaged_gradients)`), so shard,
-                flat copy and fp32 copy are alive together
+                fp32 (stage_1_and_2.py:3106-3111, stage3.py:2686-2687: `flatten(averaged_gradients)`),
+                so shard, flat copy and fp32 copy are alive together; zero3 one sub-group's at a
+                time (wS: sub_group)
       zero1     at least wP + w x bucket without overlap_comm (the recipe's default): the
                 whole gradients build up through backward and are reduced after it
                 (reduce_gradients), through one bucket"""
@@ -204,7 +205,8 @@ def grads_at_peak(cfg: Config, layout: Layout, grads: int) -> int:
         return grads
     w = ds_weight_bytes(cfg)
     P = trained_share(cfg, layout)
-    peak = grads + w * P // layout.shard_ranks
+    flat = Z.sub_group(cfg, layout.shard_ranks, P) if layout.shard == "zero3" else P // layout.shard_ranks
+    peak = grads + w * flat
     if layout.shard == "zero1" and not ds_config.overlap_comm(cfg):
         peak = max(peak, w * P + w * ds_config.reduce_bucket(cfg))
     return peak
@@ -224,10 +226,10 @@ def start_up(cfg: Config, layout: Layout) -> tuple[int, int]:
       fsdp, tp_fsdp      4P/n weight shards (cpu_offload: in host memory)
       zero1, zero2       wΨ weights + 4Ψ/n fp32 master shard + 4Ψ/n fp32 gradient shard
                          (DeepSpeed's optimizer set-up)
-      zero2_offload      device: wΨ weights + wΨ/n upload copy of the shard + wL copy buffer;
-                         host: 4Ψ/n master + 4Ψ/n fp32 gradient shard + wL copy buffer
+      zero2_offload      device: wΨ weights + wL copy buffer; host: 4Ψ/n master + 4Ψ/n fp32
+                         gradient shard + wΨ/n upload copy of the shard (pinned) + wL copy buffer
       zero3              wΨ/n weight partition + wΨ/n gradient partitions + 4Ψ/n master
-                         + 4Ψ/n the set-up's gradient buffer
+                         + 4S the set-up's gradient buffer (S: the largest sub-group, zero.sub_group)
       zero3_offload      host: all of zero3's + 4Ψ/n the fp32 gradients of the CPU update
     (L: the largest parameter's elements.) Reading model.pretrained adds at most one 16 MiB
     chunk per rank (launcher/models/weights.py)."""
@@ -244,10 +246,10 @@ def start_up(cfg: Config, layout: Layout) -> tuple[int, int]:
         return (0, shard) if layout.offload_params else (shard, 0)  # recipe.fsdp.cpu_offload
     if layout.shard in ("zero1", "zero2"):
         if layout.offload_optim:
-            largest = w * M.largest_param(cfg.model)
-            return w * psi + w * psi // n + largest, 8 * psi // n + largest
+            largest = w * Z.largest_param(cfg.model)
+            return w * psi + largest, 8 * psi // n + w * psi // n + largest
         return w * psi + 8 * psi // n, 0
-    weights, grads, optimizer = w * psi // n, w * psi // n, 8 * psi // n
+    weights, grads, optimizer = w * psi // n, w * psi // n, 4 * psi // n + 4 * Z.sub_group(cfg, n, psi)
     if layout.offload_optim:
         optimizer += 4 * psi // n  # the CPU update's fp32 gradients
     device = (0 if layout.offload_params else weights) + (0 if layout.offload_optim else grads + optimizer)
@@ -280,7 +282,7 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
     train.activation_offload moves what the blocks that do not recompute save (their
     activations and autocast's weight copies) to the host: `where` = "device" (the rest)
     or "host" (those)."""
-    m, s, every = cfg.model, layout.seq(cfg.train.seq_len), cfg.train.ac_every
+    m, s, every, sp = cfg.model, layout.seq(cfg.train.seq_len), cfg.train.ac_every, sequence_parallel(cfg, layout)
     n = numerics(cfg.precision.name, layout)
     if layout.pp > 1:
         n_mb, virtual, schedule, _ = pipeline(cfg)
@@ -294,31 +296,17 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
                 in_flight = n_mb if schedule == "gpipe" else min(n_mb, n_stages - stage)
                 total += _split(where, cfg, M.activation_bytes(m, mb, s, n, ac, every, layers=end - first, tp=layout.tp,
                                                                with_head=last, with_embedding=emb, in_flight=in_flight,
-                                                               first_layer=first),
-                                _offloaded(m, mb, s, n, ac, every, end - first, layout.tp, in_flight, first))
-                total += in_flight * document_mask(cfg, mb, s, n) if where == "device" else 0
+                                                               first_layer=first, sp=sp),
+                                _offloaded(m, mb, s, n, ac, every, end - first, layout.tp, in_flight, first, sp=sp))
+                total += in_flight * M.document_mask(cfg, mb, s, n) if where == "device" else 0
             per_rank.append(total)
         return max(per_rank) if pp_rank is None else per_rank[pp_rank]
     return _split(where, cfg, M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp, loss_chunks=loss_slices(cfg, layout, b),
-                                                 cp=layout.cp) + lora_activations(cfg, layout, ac, b, n)
+                                                 cp=layout.cp, sp=sp) + lora_activations(cfg, layout, ac, b, n)
                   + moe.activation_delta(m, M.Shape.of(m, b, s), n, ac, every, layout.ep,
                                          zero3=layout.shard == "zero3" and not layout.fsdp),
-                  _offloaded(m, b, s, n, ac, every, m.n_layers, layout.tp, 1, 0, layout.cp)) + (
-        document_mask(cfg, b, s, n) if where == "device" else 0)
-
-
-def document_mask(cfg: Config, b: int, s: int, n: M.Numerics) -> int:
-    """data.document_masking: the block-causal mask of a packed micro-batch, made once per
-    forward and held by every layer until backward (launcher/models/attention.py). model=hf:
-    SDPA's additive mask, b x s x s in the attention's dtype (bf16: 128 MiB a sequence at
-    s=8192, 2% of a Llama 3 8B's activations under full recomputation, 0.2% without). The project's
-    decoder on GPUs: FlexAttention's block mask, four int32 tables of (s/128)^2 blocks a
-    sequence (64 KiB at 8192); its dense CPU mask (4 b s^2) is not planned."""
-    if not cfg.data.document_masking:
-        return 0
-    if cfg.model.kind == ModelKind.hf:
-        return n.compute * b * s * s
-    return 16 * b * math.ceil(s / 128) ** 2
+                  _offloaded(m, b, s, n, ac, every, m.n_layers, layout.tp, 1, 0, layout.cp, sp)) + (
+        M.document_mask(cfg, b, s, n) if where == "device" else 0)
 
 
 def lora_activations(cfg: Config, layout: Layout, ac: ACMode, b: int, n: M.Numerics) -> int:
@@ -337,8 +325,13 @@ def _split(where: str, cfg: Config, total: int, offloaded: int) -> int:
     return total - offloaded if where == "device" else offloaded
 
 
+def sequence_parallel(cfg: Config, layout: Layout) -> bool:
+    """parallel.sequence_parallel, where it acts: under tensor parallel."""
+    return layout.tp > 1 and cfg.parallel.sequence_parallel
+
+
 def _offloaded(m: ModelConfig, b: int, s: int, n, ac: ACMode, every: int, layers: int, tp: int, in_flight: int,
-               first: int, cp: int = 1) -> int:
+               first: int, cp: int = 1, sp: bool = False) -> int:
     """What train.activation_offload moves: the kept blocks' activations and the recomputed
     blocks' inputs (checkpoint saves them through autograd too), for each micro-batch in
     flight, and the kept blocks' weight copies (made once a step). Not op-level
@@ -346,7 +339,8 @@ def _offloaded(m: ModelConfig, b: int, s: int, n, ac: ACMode, every: int, layers
     x = M.Shape.of(m, b, s)
     r = M.recomputed(layers, ac, every, first)
     copies = n.compute * (layers - r) * x.block_params // tp if n.autocast else 0  # not FSDP's gathered weights
-    return in_flight * ((layers - r) * M.block_activations(x, n, tp, cp) + r * n.residual * x.b * x.s * x.h) + copies
+    kept_input = n.residual * x.b * x.s * x.h // (tp if sp else 1)
+    return in_flight * ((layers - r) * M.block_activations(x, n, tp, cp, sp) + r * kept_input) + copies
 
 
 def loss_slices(cfg: Config, layout: Layout, b: int) -> int:
@@ -356,7 +350,7 @@ def loss_slices(cfg: Config, layout: Layout, b: int) -> int:
 
 
 def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode, ac_every: int, b: int, s: int,
-                loss_chunks: int = 1) -> int:
+                loss_chunks: int = 1, sp: bool = False, gathered: int | None = None) -> int:
     """Transient buffers at the step's peak: the logits while the loss runs (whole, or one
     slice of `loss_chunks`: M.loss_temporaries; whole on every tensor-parallel rank), one block's activations while it is recomputed,
     ZeRO-3/FSDP's gathered layers (the current and the prefetched one, bf16), and under
@@ -368,11 +362,13 @@ def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode
     # Tensor parallel gathers the head's output (launcher/parallel/plan.py: ColwiseParallel to
     # Replicate): every rank holds the whole vocabulary's logits, not a 1/tp slice.
     logits = M.loss_temporaries(x, n, loss_chunks)
-    recompute = (M.block_activations(x, n, layout.tp, layout.cp) + moe.recompute_delta(m, x, n, layout.ep)
+    recompute = (M.block_activations(x, n, layout.tp, layout.cp, sp) + moe.recompute_delta(m, x, n, layout.ep)
                  if M.recomputed(x.L, ac, ac_every) else 0)
     # (a pipeline's FSDP stages hold all their layers gathered: pipeline_unsharded; model.moe: the largest block)
-    gathered = (2 * 2 * (x.block_params + moe.largest_block_delta(m, layout.ep)) // layout.tp
-                if layout.shard == "zero3" and not pipelined_fsdp(layout) else 0)
+    # (DeepSpeed: `gathered` elements, zero.gathered: its prefetch and max-live settings)
+    block = x.block_params + moe.largest_block_delta(m, layout.ep)
+    held = 2 * (2 * block // layout.tp if gathered is None else gathered)
+    gathered = held if layout.shard == "zero3" and not pipelined_fsdp(layout) else 0
     embedding = n.compute * x.V * x.h // layout.tp if layout.fsdp and not m.tie_embeddings else 0
     return logits + recompute + gathered + embedding
 

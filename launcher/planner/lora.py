@@ -9,7 +9,7 @@ scales). A frozen parameter has no gradient and no optimizer state, so per rank:
 
     ddp    params F_b + 4T, grads 4T, optimizer 8T (adamw)     (b: base bytes; T: adapters)
     fsdp   the same over the n ranks that shard it
-    zero   DeepSpeed's terms (memory.zero_states) for T, plus the frozen base in DeepSpeed's
+    zero   DeepSpeed's terms (zero.zero_states) for T, plus the frozen base in DeepSpeed's
            weight dtype (w bytes): whole on every rank under stage 1/2, w F / n under stage 3
 
 The activations gain each adapter's r-wide output (b s r a bytes per projection) and,

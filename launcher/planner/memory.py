@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from launcher.config import (ACMode, ModelConfig, block_matmul_params, ffn_dim, from_shape_key, is_moe_block, num_params,
-                             shape_key)
+from launcher.config import (ACMode, ModelConfig, ModelKind, block_matmul_params, ffn_dim, from_shape_key, is_moe_block,
+                             num_params, shape_key)
 
 
 @dataclass(frozen=True)
@@ -128,46 +128,6 @@ def param_line(m: ModelConfig) -> str:
     return f"{m.name}: {g(p['total'])} parameters, {g(p['active'])} active per token; blocks: {blocks}"
 
 
-@functools.lru_cache(maxsize=32)
-def _group_sizes(key: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    model = _meta_gpt(from_shape_key(key))
-    params = list(model.parameters())  # unique: a tied head is the embedding
-    return tuple(p.numel() for p in params if p.ndim >= 2), tuple(p.numel() for p in params if p.ndim < 2)
-
-
-def straddling(m: ModelConfig, world: int) -> int:
-    """Elements DeepSpeed stage 1/2 hold beyond the rank's gradient partition, on the rank
-    holding the most: each optimizer group (launcher.rank.engine.param_groups: matrices, then
-    vectors, in model order) is flattened, padded to a multiple of 2N and cut into N equal
-    partitions; a parameter crossing a partition's edge has its whole gradient kept for the
-    reduce (deepspeed/runtime/zero/stage_1_and_2.py, get_all_grad_tensors over
-    params_in_partition), not only its part inside. At most two such parameters per
-    group and rank: for Llama-3-8B on 8 ranks a crossing embedding alone is half a shard."""
-    worst = [0] * world
-    for sizes in _group_sizes(shape_key(m)):
-        step = -(-sum(sizes) // (2 * world)) * 2
-        start = 0
-        for size in sizes:
-            end = start + size
-            for r in range(start // step, min(world, -(-end // step))):
-                inside = min(end, (r + 1) * step) - max(start, r * step)
-                worst[r] += size - inside if inside < size else 0
-            start = end
-    return max(worst)
-
-
-def persistent(m: ModelConfig, threshold: int) -> int:
-    """Elements of the parameters ZeRO-3 keeps whole on every rank (numel <= threshold,
-    stage3_param_persistence_threshold: deepspeed/runtime/zero/parameter_offload.py,
-    mark_persistent_parameters): the norms, under the launcher's default of 10 x dim."""
-    return sum(n for sizes in _group_sizes(shape_key(m)) for n in sizes if n <= threshold)
-
-
-def largest_param(m: ModelConfig) -> int:
-    """Elements of the model's largest parameter (the embedding, a SwiGLU matrix, an MoE's stacked experts)."""
-    return max(max(sizes, default=0) for sizes in _group_sizes(shape_key(m)))
-
-
 # ----------------------------------------------------------------------------- activations
 @dataclass(frozen=True)
 class Numerics:
@@ -220,16 +180,21 @@ def _linear_inputs(x: Shape, n: Numerics, consumers: int) -> int:
     return copies * width * x.b * x.s * x.h
 
 
-def block_activations(x: Shape, n: Numerics, tp: int = 1, cp: int = 1) -> int:
+def block_activations(x: Shape, n: Numerics, tp: int = 1, cp: int = 1, sp: bool = False) -> int:
     """Bytes one block saves for backward (no recomputation). tp splits heads and SwiGLU
-    width (norms, residual replicated); cp: x.s is this rank's positions (context.py)."""
+    width (norms, residual replicated); sp (parallel.sequence_parallel) splits the norms'
+    sequence over tp too (Korthikanti et al. 2022, section 4.2.2; launcher/parallel/plan.py),
+    while the projections save the gathered, whole sequence (PrepareModuleInput to
+    Replicate: Megatron's saving of the sharded input is not made); cp: x.s is this rank's
+    positions (context.py)."""
     b, s, c = x.b, x.s, n.compute
     h_q, h_kv, heads, f = x.h // tp, x.h_kv // tp, x.a // tp, x.f // tp
     # q, k, v, out; fp32 logsumexp. GQA saves the repeated (full-width) k and v.
     sdpa = c * b * s * (2 * h_q + 2 * max(h_kv, h_q)) + 4 * b * heads * s
     mlp = 4 * c * b * s * f  # w1 out, w3 out, silu out, product
     exchanged = c * b * s * h_q if cp > 1 else 0  # context parallel: wo's own input
-    return 2 * _norm(x, n) + _linear_inputs(x, n, 3) + sdpa + exchanged + _linear_inputs(x, n, 2) + mlp
+    norms = 2 * _norm(x, n) // (tp if sp else 1)
+    return norms + _linear_inputs(x, n, 3) + sdpa + exchanged + _linear_inputs(x, n, 2) + mlp
 
 
 def op_kept(x: Shape, n: Numerics, tp: int = 1) -> int:
@@ -240,15 +205,16 @@ def op_kept(x: Shape, n: Numerics, tp: int = 1) -> int:
     return n.compute * x.b * x.s * (h_q + h_kv + f + x.h + h_q) + 4 * x.b * (x.a // tp) * x.s
 
 
-def head_activations(x: Shape, n: Numerics, loss_chunks: int = 1) -> int:
+def head_activations(x: Shape, n: Numerics, loss_chunks: int = 1, split: int = 1) -> int:
     """After the last block: final norm, the output matmul's input, the fp32
     log-softmax of the logits, the flat int64 targets. With the loss in slices
     (train.loss_chunks > 1, launcher/models/gpt.py::SlicedLoss): the final norm, and the
     gradients the slices computed in forward: dL/dh in h's dtype and dL/dweight in fp32
-    (V x dim: 2.1 GB for Llama 3 8B, against the 4.2 GB fp32 log-softmax of one 8k sequence)."""
+    (V x dim: 2.1 GB for Llama 3 8B, against the 4.2 GB fp32 log-softmax of one 8k sequence).
+    split: the tensor-parallel degree the final norm's sequence is split over (sequence parallel)."""
     if loss_chunks > 1:
         return _norm(x, n) + n.residual * x.b * x.s * x.h + 4 * x.V * x.h
-    return _norm(x, n) + _linear_inputs(x, n, 1) + 4 * x.b * x.s * x.V + 8 * x.b * x.s
+    return _norm(x, n) // split + _linear_inputs(x, n, 1) + 4 * x.b * x.s * x.V + 8 * x.b * x.s
 
 
 def loss_temporaries(x: Shape, n: Numerics, loss_chunks: int = 1) -> int:
@@ -298,87 +264,39 @@ def recomputed(L: int, ac: ACMode, every: int, first: int = 0) -> int:
 def activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, n: Numerics, ac: ACMode,
                      ac_every: int = 2, layers: int | None = None, tp: int = 1, with_head: bool = True,
                      with_embedding: bool = True, in_flight: int = 1, first_layer: int = 0,
-                     loss_chunks: int = 1, cp: int = 1) -> int:
+                     loss_chunks: int = 1, cp: int = 1, sp: bool = False) -> int:
     """What autograd holds on one rank at the end of forward: `in_flight` micro-batches'
     activations (a pipeline stage holds several), plus the rotary table and weight copies.
 
     A recomputed block keeps only its input (at op level also op_kept); the others keep
     block_activations. `layers` limits the count to a pipeline stage's blocks;
     `with_embedding` / `with_head` say whether the stage has the token ids / the final
-    norm and logits (both, without a pipeline)."""
+    norm and logits (both, without a pipeline). sp: parallel.sequence_parallel under tp."""
     x = Shape.of(m, micro_batch, seq_len)
     n_layers = x.L if layers is None else layers
     r = recomputed(n_layers, ac, ac_every, first_layer)
     kept = op_kept(x, n, tp) if ac == ACMode.op else 0
-    per_micro_batch = (r * (n.residual * x.b * x.s * x.h + kept) + (n_layers - r) * block_activations(x, n, tp, cp)
-                       + (head_activations(x, n, loss_chunks) if with_head else 0)
+    split = tp if sp else 1  # sequence parallel: the residual stream between blocks is split too
+    per_micro_batch = (r * (n.residual * x.b * x.s * x.h // split + kept)
+                       + (n_layers - r) * block_activations(x, n, tp, cp, sp)
+                       + (head_activations(x, n, loss_chunks, split) if with_head else 0)
                        + (token_ids(x) if with_embedding else 0))
     once = (rope_table(x, n) if n_layers else 0) + weight_copies(x, n, n_layers - r, with_head, tp, loss_chunks)
     return in_flight * per_micro_batch + once
 
 
-# ----------------------------------------------------------------------------- ZeRO model states
-def zero_paper_bytes(stage: int, psi: float, world: int) -> float:
-    """The ZeRO paper's model states per rank for mixed-precision Adam (Rajbhandari et al.,
-    2020, figure 1): Ψ parameters, N ranks."""
-    n = world
-    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
-
-
-def zero_states(stage: int, psi: float, world: int, grad_accum: int = 1, offload_optimizer: bool = False,
-                offload_param: bool = False, largest_param: int = 0,
-                weight_bytes: int = 2, straddle: int = 0, kept_whole: int = 0,
-                bucket: int = 0) -> dict[str, tuple[float, float]]:
-    """What DeepSpeed 0.19 really holds per rank at the peak of a step with Adam:
-    {"params" | "grads" | "optim": (device bytes, host bytes)}. w = weight_bytes: 2 for
-    bf16/fp16 weights, 4 in fp32. Measured in every cell by tests/e2e/test_plan_runs.py (the
-    planner's matrix) and tests/e2e/test_zero.py (recipes/zero/engine.py::model_state_bytes sums it).
-
-    The paper's terms, plus two it leaves out. For the update DeepSpeed makes an fp32 copy
-    of the rank's gradient shard (4Ψ/N) next to the shard it reduced into (wΨ/N); and it
-    keeps an fp32 master shard (4Ψ/N) even when the weights are fp32 themselves (fp32
-    runs hold 4Ψ weights + 4Ψ/N master: deepspeed/runtime/zero/stage_1_and_2.py,
-    `single_partition_of_fp32_groups` is a `.clone().float()` of the weights' shard;
-    stage3.py `_create_fp32_partitions` likewise). So, per rank:
-        stage 1: wΨ + 12Ψ/N + max(wΨ whole gradients while accumulating, (w+4)Ψ/N shards)
-        stage 2: wΨ + 12Ψ/N + (w+4)Ψ/N
-        stage 3: wΨ/N + 12Ψ/N + (w+4)Ψ/N
-        stage 0 (bf16, not a recipe): 2Ψ weights + 2Ψ + 4Ψ grads + 4Ψ master + 8Ψ moments
-    Left out, each under 2% here: stage 1/2's reduce buckets (reduce_bucket_size elements,
-    two with overlap_comm), padding of the shards to the world size, Adam's step counters.
-    Offload moves the fp32 master, the moments and the fp32 gradient shard to host memory.
-    Stage 1/2 keep on the device a copy of the own weight shard for the upload (wΨ/N,
-    counted with the weights) and one copy buffer of the largest parameter on each side
-    (w x largest_param bytes, device and host; counted as gradients); while accumulating
-    (grad_accum > 1) the reduced gradient shard is summed in host memory (wΨ/N). Stage 3
-    keeps its gradient shard (wΨ/N) in host memory; parameter offload moves the weight
-    shard there too. Stage 1/2 also keep the whole gradients of the parameters that cross
-    the edge of the rank's partition (`straddle` elements beyond it: `straddling`) in the
-    shard they reduce into, or accumulate in host memory. Stage 3 keeps its persistent
-    parameters (`kept_whole` elements: `persistent`) whole on the device beside the shard
-    (on more than one rank: on one, the shard is the whole parameter), and reduces
-    gradients through a device bucket of `bucket` elements (reduce_bucket_size), with
-    offload too.
-    """
-    n, p, w = world, psi, weight_bytes
-    optim, grad_shards = 12 * p / n, (w + 4) * p / n
-    edges = w * straddle if stage in (1, 2) else 0
-    if stage == 0:
-        return {"params": (2 * p, 0.0), "grads": (6 * p, 0.0), "optim": (12 * p, 0.0)}
-    kept = w * kept_whole if stage == 3 and n > 1 else 0.0
-    buckets = w * bucket if stage == 3 else 0.0
-    whole = w * p if stage == 1 and grad_accum > 1 else 0.0  # stage 1 accumulates into whole gradients
-    params = w * p / n if stage == 3 else w * p
-    if not offload_optimizer:
-        grads = max(whole, grad_shards + edges) if stage == 1 else grad_shards + edges + buckets
-        return {"params": (params + kept, 0.0), "grads": (grads, 0.0), "optim": (optim, 0.0)}
-    if stage in (1, 2):
-        copy = w * largest_param
-        accumulated = w * p / n + edges if grad_accum > 1 else 0.0
-        return {"params": (params + w * p / n, 0.0), "grads": (whole + copy, 4 * p / n + accumulated + copy),
-                "optim": (0.0, optim)}
-    return {"params": (kept, params) if offload_param else (params + kept, 0.0), "grads": (buckets, grad_shards),
-            "optim": (0.0, optim)}
+def document_mask(cfg, b: int, s: int, n: Numerics) -> int:
+    """data.document_masking: the block-causal mask of a packed micro-batch, made once per
+    forward and held by every layer until backward (launcher/models/attention.py). model=hf:
+    SDPA's additive mask, b x s x s in the attention's dtype (bf16: 128 MiB a sequence at
+    s=8192, 2% of a Llama 3 8B's activations under full recomputation, 0.2% without). The project's
+    decoder on GPUs: FlexAttention's block mask, four int32 tables of (s/128)^2 blocks a
+    sequence (64 KiB at 8192); its dense CPU mask (4 b s^2) is not planned."""
+    if not cfg.data.document_masking:
+        return 0
+    if cfg.model.kind == ModelKind.hf:
+        return n.compute * b * s * s
+    return 16 * b * math.ceil(s / 128) ** 2
 
 
 from launcher.planner.counter import ActivationCounter  # noqa: E402,F401  (its home before; measured against these terms)

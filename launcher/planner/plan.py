@@ -11,14 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from launcher import jsonout
-from launcher.planner import lora, memory as M, moe
+from launcher.planner import lora, memory as M, moe, zero as Z
 from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig
 from launcher.planner.cost import step_time
 from launcher.planner.footprint import (Layout, activations, grads_at_peak, grads_kept, loss_slices, model_states,
-                                       numerics, pipeline, pipeline_unsharded, start_up, temporaries)
+                                       numerics, pipeline, pipeline_unsharded, sequence_parallel, start_up, temporaries)
 
 
 GiB = 2**30
@@ -179,7 +178,8 @@ def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | N
     # (b x grad_accum sequences cut into parallel.pp_microbatches), the others on b.
     at_once = b if layout.pp == 1 else max(1, b * cfg.train.grad_accum // pipeline(cfg)[0])
     tmp = (temporaries(cfg.model, cfg.precision.name, layout, ac, cfg.train.ac_every, at_once, layout.seq(cfg.train.seq_len),
-                       loss_slices(cfg, layout, b)) + pipeline_unsharded(cfg, layout, ac))
+                       loss_slices(cfg, layout, b), sequence_parallel(cfg, layout), deepspeed_gathered(cfg, layout))
+           + pipeline_unsharded(cfg, layout, ac))
     device, host_rank = start_up(cfg, layout)
     per_node = min(hw.gpus_per_node, hw.world) if hw is not None else 1
     return Row(layout=layout, ac=ac, micro_batch=b, fits=False, params=params, grads=grads, optim=optim,
@@ -189,6 +189,13 @@ def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | N
                grads_peak=grads_at_peak(cfg, layout, grads - host["grads"]), dispatch_worst=moe.worst_extra(
                    cfg.model, M.Shape.of(cfg.model, b, layout.seq(cfg.train.seq_len)),
                    numerics(cfg.precision.name, layout), ac, cfg.train.ac_every, layout.ep))
+
+
+def deepspeed_gathered(cfg: Config, layout: Layout) -> int | None:
+    """DeepSpeed ZeRO-3's gathered elements at once (zero.gathered); None for FSDP's two blocks."""
+    if layout.shard != "zero3" or layout.fsdp:
+        return None
+    return Z.gathered(cfg, M.Shape.of(cfg.model, 1, 1).block_params + moe.largest_block_delta(cfg.model))
 
 
 def fits(cfg: Config, hw: Hardware, row: Row) -> bool:
@@ -208,8 +215,35 @@ def host_per_node(row: Row, hw: Hardware) -> int:
     return max(row.startup_host_node, sum(row.host.values()) * min(hw.gpus_per_node, hw.world))
 
 
+def at_batch(cfg: Config, layout: Layout, b: int) -> Config:
+    """cfg at micro-batch b: with train.global_batch set, the accumulation it derives on this
+    layout's data-parallel ranks (launcher/parallel/degrees.py::grad_accum), which the memory
+    (whole gradients while accumulating) and the step time depend on."""
+    g = cfg.train.global_batch
+    if g is None or g % (b * layout.dp):
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=b, grad_accum=g // (b * layout.dp)))
+
+
+def largest_dividing(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode) -> Row:
+    """train.global_batch set: the largest micro-batch that fits and divides each data-parallel
+    rank's share of it, accumulation making up the rest (a micro-batch that does not divide
+    it is refused by the launch); the row at 1, not fitting, when none does."""
+    g, dp = cfg.train.global_batch, layout.dp
+    share = g // dp if g % dp == 0 else 0
+    for b in range(min(share, cfg.plan.max_micro_batch), 0, -1):
+        if share % b == 0:
+            row = memory_row(at_batch(cfg, layout, b), layout, ac, b, hw)
+            if fits(cfg, hw, row):
+                row.fits = True
+                return row
+    return memory_row(at_batch(cfg, layout, 1), layout, ac, 1, hw)
+
+
 def largest_fitting(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode) -> Row:
     """Binary search on the micro-batch: memory grows with it, monotonically."""
+    if cfg.train.global_batch is not None:
+        return largest_dividing(cfg, hw, layout, ac)
     fits_at = lambda b: fits(cfg, hw, memory_row(cfg, layout, ac, b, hw))  # noqa: E731
     if not fits_at(1):
         return memory_row(cfg, layout, ac, 1, hw)
@@ -237,9 +271,10 @@ def plan(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig], micro_ba
             if micro_batch is None:
                 row = largest_fitting(cfg, hw, layout, ac)
             else:
-                row = memory_row(cfg, layout, ac, micro_batch, hw)
+                row = memory_row(at_batch(cfg, layout, micro_batch), layout, ac, micro_batch, hw)
                 row.fits = fits(cfg, hw, row)
-            row.step_time_s, row.tokens_per_step = step_time(cfg, hw, layout, ac, row.micro_batch)
+            row.step_time_s, row.tokens_per_step = step_time(at_batch(cfg, layout, row.micro_batch), hw, layout, ac,
+                                                             row.micro_batch)
             rows.append(row)
     fitting = [r for r in rows if r.fits]
     if fitting:
@@ -342,59 +377,3 @@ def table(rows: list[Row], hw: Hardware, title: str, reserve_gb: float):
                  "fits). ✗ = does not fit even at micro-batch 1 (headroom below 0), or cannot start (host/node over "
                  "the node's host memory).")
     return t
-
-
-def chart_rows(rows: list[Row]) -> list[Row]:
-    """One row per layout, at its best checkpointing mode: ★, else the cheapest that fits,
-    else the smallest peak (the table has every mode)."""
-    best: dict[str, Row] = {}
-    for r in rows:
-        b = best.get(r.layout.label)
-        key = lambda x: (not x.recommended, not x.fits, x.cost if x.fits else x.peak)  # noqa: E731
-        if b is None or key(r) < key(b):
-            best[r.layout.label] = r
-    return list(best.values())
-
-
-def chart(rows: list[Row], hw: Hardware, path: Path, reserve_gb: float, title: str = "") -> None:
-    """Stacked horizontal bars, one per layout (chart_rows), against the memory lines; about
-    1200 pixels wide and 1 + 0.3 inch per layout high at any cluster size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = chart_rows(rows)
-    labels = [f"{'★ ' if r.recommended else '' if r.fits else '✗ '}{r.layout.label}, AC {r.ac.value}, "
-              f"{f'micro-batch {r.micro_batch}' if r.fits else 'does not fit'}" for r in rows]
-    # stacked as Row.total adds them: the gradients kept beside the activations, and what
-    # their own peak (the end of backward, the update) needs beyond the activations
-    parts = [("params", lambda r: r.params - r.host.get("params", 0)),
-             ("optim", lambda r: r.optim - r.host.get("optim", 0)),
-             ("grads beside the activations", lambda r: r.grads_split[0]),
-             ("activations", lambda r: r.activations),
-             ("grads at their peak, beyond", lambda r: r.grads_split[1]), ("temp", lambda r: r.temp)]
-    fig, ax = plt.subplots(figsize=(10, 2.2 + 0.3 * len(rows)), layout="constrained")
-    left = [0.0] * len(rows)
-    for name, get in parts:
-        values = [get(r) / GiB for r in rows]
-        ax.barh(range(len(rows)), values, left=left, label=name, height=0.7)
-        left = [a + b for a, b in zip(left, values)]
-    ax.scatter([r.startup / GiB for r in rows], range(len(rows)), marker="|", s=300, color="black", zorder=3,
-               label="start-up (before step 1)")
-    ax.axvline(hw.gpu_bytes / GiB, color="red", linestyle="--", label=f"{hw.unit} memory")
-    ax.axvline(hw.gpu_bytes / GiB - reserve_gb, color="red", linestyle=":", label=f"less plan.reserve_gb ({reserve_gb:g} GiB)")
-    end = max(hw.gpu_bytes, min(max(r.peak for r in rows), 2 * hw.gpu_bytes)) / GiB * 1.05
-    for i, r in enumerate(rows):  # the memory lines stay in sight: a bar far beyond them is cut, its size written
-        if max(r.total, r.startup) / GiB > end:
-            ax.text(end, i, f"{r.peak / GiB:,.0f} GiB ▸", ha="right", va="center", fontsize=8,
-                    bbox=dict(facecolor="white", edgecolor="none", pad=1))
-    ax.set_xlim(0, end)
-    ax.set_yticks(range(len(rows)), labels, fontsize=9)
-    ax.invert_yaxis()
-    ax.set_xlabel(f"GiB per {hw.unit}")
-    ax.set_title(f"{title}\neach layout at its best activation checkpointing (`make plan` lists every mode)",
-                 fontsize=10, loc="left")
-    fig.legend(loc="outside lower center", ncols=4, fontsize=8)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -21,7 +21,7 @@ from launcher.manifest import root_of
 from launcher.parallel import ds_config
 from launcher import models
 from launcher.rank.engine import BuildContext, MemoryBreakdown, StepResult, build_scheduler, evaluate, param_groups
-from launcher.planner.memory import zero_states
+from launcher.planner.zero import zero_states
 from launcher.untrusted import weights_only_loads
 from recipes.zero import import_deepspeed
 
@@ -264,7 +264,7 @@ def consolidate(cfg, engine_dir: Path) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- memory
 def model_state_bytes(stage: int, psi: float, world: int, grad_accum: int = 1, offload_optimizer: bool = False,
                       offload_param: bool = False, largest_param: int = 0) -> dict[str, float]:
-    """{"device": bytes, "cpu": bytes} per rank: launcher.planner.memory.zero_states, summed."""
+    """{"device": bytes, "cpu": bytes} per rank: launcher.planner.zero.zero_states, summed."""
     parts = zero_states(stage, psi, world, grad_accum, offload_optimizer, offload_param, largest_param)
     return {"device": sum(d for d, _ in parts.values()), "cpu": sum(h for _, h in parts.values())}
 
@@ -343,7 +343,7 @@ def terms_held(opt, model) -> list[tuple[str, str, str, list]]:
         params = [p for group in opt.bit16_groups for p in group]
         return [
             ("params", "device", "weights, whole model (bf16, or fp32 in fp32 runs)", opt.bit16_groups_flat),
-            ("params", "device", "copy of the own weight shard for the upload (offload)",
+            ("params", home, "copy of the own weight shard for the upload (offload: pinned host memory)",
              getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None)),
             ("params", "device", "frozen weights, whole (model.lora's base: no optimizer group holds them)",
              [p.data for p in model.parameters() if not p.requires_grad]),

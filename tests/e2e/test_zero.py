@@ -26,8 +26,8 @@ from runs import REPO, evaluated, here, launch, processes_of, read_metrics, star
 from launcher import config as C
 from launcher.manifest import verify
 from launcher.rank.preempt import EXIT_PREEMPTED
-from launcher.planner.memory import zero_paper_bytes as paper_bytes
-from launcher.planner.memory import zero_states
+from launcher.planner.zero import zero_paper_bytes as paper_bytes
+from launcher.planner.zero import zero_states
 from launcher.host import deepspeed_env
 
 deepspeed_env()  # DeepSpeed reads its accelerator when imported (recipes/zero/__init__.py::import_deepspeed does this for a run)
@@ -99,7 +99,7 @@ def test_zero_stages_give_ddp_losses_in_fp32(fp32_runs):
         assert ds["zero_optimization"]["stage"] == stage
         assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 4, 2)
         assert ds["bf16"]["enabled"] is False and "scheduler" not in ds
-        # fp32 weights, 2 micro-batches, 2 ranks: DeepSpeed's own terms (launcher/planner/memory.py::zero_states)
+        # fp32 weights, 2 micro-batches, 2 ranks: DeepSpeed's own terms (launcher/planner/zero.py::zero_states)
         want = sum(d + h for d, h in zero_states(stage, PSI_TINY, 2, grad_accum=2, weight_bytes=4).values())
         assert rows[-1]["mem/model_state_bytes"] == pytest.approx(want, rel=0.02), (recipe, rows[-1], want)
         assert rows[-1]["mem/host_bytes"] == 0
