@@ -22,5 +22,5 @@ def fsdp_holds(recipe) -> Holding:
                    offload_params=recipe.fsdp.cpu_offload, grads_freed=True)
 
 
-SPEC = RecipeSpec(Parallelism(shards=True, cp=True), engine="recipes.fsdp.engine", builds_on_meta=True, writes="dcp",
+SPEC = RecipeSpec(Parallelism(shards=True, cp=True, ep=True), engine="recipes.fsdp.engine", builds_on_meta=True, writes="dcp",
                   reads=("ddp", "dcp"), fp8=True, holds=fsdp_holds)
