@@ -90,6 +90,9 @@ def validate_ep_ranks(cfg: Config, world: int) -> None:
         ranks, what = world, f"the world size {world}"
     if ranks % p.ep:
         raise ConfigError("parallel.ep", p.ep, f"must divide {what} = {ranks} (ep of them split the experts)")
+    if cfg.precision.name == Precision.fp16:  # each rank's scaler would skip on its own experts' overflow
+        raise ConfigError("parallel.ep", p.ep, "not with precision=fp16: the loss scaler's overflow check is per rank "
+                          "and the experts' gradients differ between ranks; use precision=bf16")
 
 
 def validate_fp8(cfg: Config, host) -> None:
