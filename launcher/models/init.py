@@ -11,7 +11,8 @@ element), never of which rank holds what. The parameter is cut, in flat row-majo
 into blocks of whole rows of dimension 0 (at most BLOCK = 2^18 elements, at least one row); block
 k is drawn from its own generator, seeded with sha256(seed, name, k). A rank that owns a
 box of the tensor (an FSDP or tensor-parallel shard: a DTensor's local part, at the global
-offset DTensor reports) or a flat range (a ZeRO-3 partition) draws only the blocks that
+offset DTensor reports; ddp's plain expert shards under parallel.ep name theirs in their
+module's `held_boxes`) or a flat range (a ZeRO-3 partition) draws only the blocks that
 overlap it and keeps its part, so the same element gets the same value at world size 1,
 2 or 512, under ddp, fsdp, tp, pp, tp_fsdp and zero3 alike; the memory it needs beyond its
 own part is one block. (Generators run on the compute device: CUDA draws other numbers

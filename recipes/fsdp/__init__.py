@@ -1,5 +1,6 @@
 """`fsdp`: FSDP2 (`fully_shard`) on every transformer block and the root, over the
-data-parallel ranks (HSDP when parallel.dp_replicate > 1).
+data-parallel ranks (HSDP when parallel.dp_replicate > 1). parallel.ep > 1 splits an MoE's
+experts over ep of those ranks and shards them over the rest (launcher/parallel/experts.py).
 
 Model states per rank (mixed-precision Adam): fp32 parameter shards 4Ψ/N, fp32 gradient
 shards 4Ψ/N, Adam moments 8Ψ/N: 16Ψ/N. Each block's parameters are all-gathered (in
