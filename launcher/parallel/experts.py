@@ -85,3 +85,25 @@ def expert_fsdp(model: nn.Module, efsdp_mesh, divide: int, kwargs: dict, reshard
         m.set_gradient_divide_factor(float(divide))
         if dist.get_backend() == "gloo" and efsdp_mesh.size() > 1:
             m.set_force_sum_reduction_for_comms(True)
+
+
+def join_expert_files(folder, model: dict, states: dict | None = None) -> None:
+    """A ddp checkpoint under parallel.ep (recipes/ddp/engine.py: one experts file per ep
+    rank): the experts joined in expert order into `model` (name -> whole tensor) and, given
+    ddp's optimizer `states` (parameter index -> its state), their optimizer states too.
+    Nothing without such files."""
+    parts = [torch.load(f, map_location="cpu", weights_only=True) for f in sorted(folder.glob("experts-*-of-*.pt"))]
+    if not parts:
+        return
+    for name in parts[0]["model"]:
+        model[name] = torch.cat([p["model"][name] for p in parts])
+    for pid, first in (parts[0]["optim"].items() if states is not None else ()):
+        states[pid] = {k: torch.cat([p["optim"][pid][k] for p in parts]) if v.dim() else v for k, v in first.items()}
+
+
+def own_rows(t: torch.Tensor, ep: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s E/ep experts of a whole (E, ...) tensor; a scalar (a step count) whole."""
+    if not t.dim():
+        return t
+    n = t.size(0) // ep
+    return t[rank * n:(rank + 1) * n].clone()

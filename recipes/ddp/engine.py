@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from launcher import models
 from launcher.parallel import degrees as D
 from launcher.device import autocast_dtype
-from launcher.parallel.experts import expert_param_names
+from launcher.parallel.experts import expert_param_names, join_expert_files, own_rows
 from launcher.rank.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
                                   evaluate, load_trained, optimizer_state_bytes, tensor_bytes, trained_state)
 
@@ -217,19 +217,24 @@ class DDPEngine:
         if not (path / "model.pt").is_file():  # written by fsdp, tp, tp_fsdp or pp: DCP, any layout
             from launcher.parallel import dcp
 
+            if self.expert_group is not None:
+                raise RuntimeError(f"{path} is a DCP checkpoint: ddp reads it at parallel.ep=1 only (its experts whole); "
+                                   f"resume it with recipe=fsdp at any ep")
+
             dcp.load(path, self.module, self.optimizer, self.scheduler, self.cfg)
             dist.barrier()
             return
         model = torch.load(path / "model.pt", map_location=self.device, weights_only=True)
         state = torch.load(path / "optim.pt", map_location=self.device, weights_only=True)
-        written = sorted(path.glob("experts-*-of-*.pt"))
-        if len(written) != (self.ep if self.ep > 1 else 0):
-            raise RuntimeError(f"{path} was written at parallel.ep={max(1, len(written))}; the ddp engine resumes "
-                               f"it at that ep only, not parallel.ep={self.ep} (fsdp's checkpoints reshard)")
-        if self.expert_group is not None:  # this ep rank's experts and their optimizer states
-            mine = torch.load(path / experts_file(self.ep_rank, self.ep), map_location=self.device, weights_only=True)
-            model |= mine["model"]
-            state["optimizer"]["state"].update(mine["optim"])
+        # Under ep, written at any ep: the experts joined, then this rank's taken (every rank reads them all once).
+        join_expert_files(path, model, state["optimizer"]["state"])
+        if self.expert_group is not None:
+            index = self._param_index()
+            for name in expert_param_names(self.module):
+                model[name] = own_rows(model[name], self.ep, self.ep_rank)
+                if index[name] in state["optimizer"]["state"]:
+                    mine = state["optimizer"]["state"][index[name]]
+                    state["optimizer"]["state"][index[name]] = {k: own_rows(v, self.ep, self.ep_rank) for k, v in mine.items()}
         load_trained(self.module, model)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -262,8 +267,5 @@ def consolidate(cfg, engine_dir: Path) -> dict[str, torch.Tensor]:
     """DDP checkpoints hold the whole model in one file; under parallel.ep the experts in
     one file per ep rank, joined here in expert order."""
     state = torch.load(engine_dir / "model.pt", map_location="cpu", weights_only=True)
-    parts = [torch.load(f, map_location="cpu", weights_only=True)["model"]
-             for f in sorted(engine_dir.glob("experts-*-of-*.pt"))]
-    for name in parts[0] if parts else ():
-        state[name] = torch.cat([p[name] for p in parts])
+    join_expert_files(engine_dir, state)
     return {k: v.float() for k, v in state.items()}

@@ -37,6 +37,9 @@ RUNS = {
                  ["recipe=fsdp", "parallel.ep=2"]),
     "ddp_ep2": (["recipe=ddp", "parallel.ep=2", f"checkpoint.every={HALF}"], None),
     "ddp_ep2_resumed": (["recipe=ddp", "parallel.ep=2"], "ddp_ep2"),
+    # ddp's expert files at another ep: joined and cut again (ddp), read whole into DTensor shards (fsdp)
+    "one_from_ddp_ep2": (["recipe=ddp", "cluster.nproc_per_node=1"], "ddp_ep2"),
+    "fsdp_ep2_from_ddp_ep2": (["recipe=fsdp", "parallel.ep=2"], "ddp_ep2"),
     # experts over 2 ep ranks and FSDP-sharded over the other 2 (efsdp): 2-D expert shards
     "fsdp4_ep2": (["recipe=fsdp", "parallel.ep=2", "cluster.nproc_per_node=4"], None),
     # a capacity: tokens dropped where they are, before dispatch
@@ -94,7 +97,8 @@ def test_initial_weights_do_not_depend_on_ep(runs):
 
 def test_resume_under_ep_continues_the_run(runs):
     """fsdp (DCP, 2-D expert shards) and ddp (one file of experts per ep rank) save under
-    ep=2 and resume where they were: steps HALF+1.. as the uninterrupted runs."""
+    ep=2 and resume where they were: steps HALF+1.. as the uninterrupted runs; ddp's files
+    resume at ep=1 on one process and under fsdp too."""
     fsdp = runs("fsdp_ep2")
     assert f"resumed from {fsdp / STEP_HALF} at step {HALF}" in (fsdp / "stdout2.txt").read_text()
     resumed, source = runs("ddp_ep2_resumed"), runs("ddp_ep2")
@@ -102,6 +106,8 @@ def test_resume_under_ep_continues_the_run(runs):
     engine = source / STEP_HALF / "engine"
     assert sorted(p.name for p in engine.glob("experts-*")) == ["experts-00000-of-00002.pt", "experts-00001-of-00002.pt"]
     assert worst(resumed, source, range(HALF + 1, STEPS + 1), "loss") < 1e-6  # the same layout: the same sums
+    for name in ("one_from_ddp_ep2", "fsdp_ep2_from_ddp_ep2"):  # at another ep, another engine
+        assert worst(runs(name), runs("one"), range(HALF + 1, STEPS + 1), "loss") < REL, name
 
 
 def test_export_of_a_ddp_ep_checkpoint_is_the_whole_model(runs):
