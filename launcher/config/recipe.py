@@ -157,9 +157,10 @@ class ParallelConfig:
     """Expert parallel (an MoE, model.moe.experts > 0): each MoE block's experts split over ep
     ranks, E/ep each; every token goes to the ranks holding its top-k experts and back by two
     all-to-alls per block in forward and two in backward (launcher/models/experts.py). Not a
-    degree of its own: the ep ranks are data-parallel ranks (ep divides dp_shard x cp, as in
-    torchtitan), so the dense weights keep their data-parallel layout and the experts' states
-    shrink by ep. Must divide model.moe.experts."""
+    degree of its own: the ep ranks are data-parallel ranks (ep divides dp_shard x cp under
+    fsdp, as in torchtitan, the world under ddp), so the dense weights keep their
+    data-parallel layout and the experts' states shrink by ep (launcher/parallel/experts.py).
+    Must divide model.moe.experts; engines ddp and fsdp (dp_replicate 1)."""
     pp: int = 1
     """Pipeline stages: the layers are cut into pp contiguous stages on different ranks,
     activations are sent between them. Only point-to-point traffic, but idle time (the

@@ -9,7 +9,7 @@ import importlib.util
 from launcher.config import Config, ConfigError, ModelKind, Precision, sliceable_loss
 
 
-def validate_levers(cfg: Config, host) -> None:
+def validate_levers(cfg: Config, host, world: int = 1) -> None:
     p, t, name = cfg.parallel, cfg.train, cfg.recipe.strategy
     chunks = t.loss_chunks
     if chunks is not None and not 1 <= chunks <= t.seq_len:
@@ -32,10 +32,10 @@ def validate_levers(cfg: Config, host) -> None:
     if cfg.model.lora.rank != 0:
         validate_lora(cfg)
     if cfg.model.moe.experts or p.ep != 1:
-        validate_moe(cfg)
+        validate_moe(cfg, world)
 
 
-def validate_moe(cfg: Config) -> None:
+def validate_moe(cfg: Config, world: int = 1) -> None:
     """model.moe (launcher/models/moe.py) and parallel.ep: the router's numbers, the recipes
     that take an MoE (no tensor or pipeline parallel: the experts are not split by tp, and a
     pipeline's auxiliary losses would be on other stages), and ep against the experts."""
@@ -67,10 +67,32 @@ def validate_moe(cfg: Config) -> None:
     if p.ep > 1:
         able = [n for n in recipes.names() if recipes.spec(n).parallelism.ep]
         if not recipes.spec(name).parallelism.ep:
-            raise ConfigError("parallel.ep", p.ep, f"recipe {name} has no expert parallel; "
+            raise ConfigError("parallel.ep", p.ep, f"recipe {cfg.recipe.name} has no expert parallel; "
                               f"{'use recipe=' + ' or recipe='.join(able) if able else 'no recipe has one yet'}")
         if e.experts % p.ep:
             raise ConfigError("parallel.ep", p.ep, f"must divide model.moe.experts={e.experts}")
+        validate_ep_ranks(cfg, world)
+
+
+def validate_ep_ranks(cfg: Config, world: int) -> None:
+    """ep > 1 splits the experts over ep of the ranks that share the dense weights' data
+    parallel: fsdp's dp_shard x cp (not across HSDP's replicas), ddp's whole world."""
+    import recipes
+    from launcher.parallel.degrees import degrees
+
+    p, deg = cfg.parallel, degrees(cfg, world)
+    if recipes.spec(cfg.recipe.strategy).parallelism.shards:
+        if p.dp_replicate > 1:
+            raise ConfigError("parallel.ep", p.ep, f"not with parallel.dp_replicate={p.dp_replicate} (HSDP) yet: the "
+                              "experts split over the dp_shard x cp ranks; use dp_replicate=1")
+        ranks, what = deg.dp_shard * deg.cp, f"the FSDP ranks dp_shard x cp = {deg.dp_shard} x {deg.cp}"
+    else:
+        ranks, what = world, f"the world size {world}"
+    if ranks % p.ep:
+        raise ConfigError("parallel.ep", p.ep, f"must divide {what} = {ranks} (ep of them split the experts)")
+    if cfg.precision.name == Precision.fp16:  # each rank's scaler would skip on its own experts' overflow
+        raise ConfigError("parallel.ep", p.ep, "not with precision=fp16: the loss scaler's overflow check is per rank "
+                          "and the experts' gradients differ between ranks; use precision=bf16")
 
 
 def validate_fp8(cfg: Config, host) -> None:

@@ -172,7 +172,7 @@ def validate(cfg: Config, host) -> list[str]:
     # batch arithmetic
     world = nproc_per_node(cfg, host) * c.nnodes
     validate_parallel(cfg, world)
-    validate_levers(cfg, host)
+    validate_levers(cfg, host, world)
     dp = data_parallel_size(cfg, world)
     if t.global_batch is not None and t.global_batch % (t.micro_batch * dp):
         raise ConfigError("train.global_batch", t.global_batch,

@@ -10,6 +10,14 @@ matrix multiplication on CUDA where torch has one, `torch._grouped_mm`; a loop o
 experts elsewhere: the same arithmetic), then the rows are weighted and summed back into
 their tokens. With moe.capacity_factor an expert takes at most ceil(factor x N x k / E) rows,
 the first ones in token order; the rest are dropped (their contribution is zero) and counted.
+
+Expert parallel (parallel.ep > 1; the recipe sets `ep_group`, launcher/parallel/experts.py):
+this rank holds experts [r E/ep, (r+1) E/ep) of its ep group. The capacity is applied
+where the tokens are, before dispatch (the same rows drop as at ep=1, counted on their
+rank); one all-to-all of the rows per expert tells each rank what it receives, the rows
+travel to their experts' ranks and back by two all-to-alls (2 x N x k x dim elements a
+block, each way; the same again in backward), and the sum over a token's experts is made
+where the token lives.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -29,6 +38,12 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.ep_group = None
+        """parallel.ep > 1: the process group over which the experts are split (rank r of it
+        holds experts [r E/ep, (r+1) E/ep)); None: every expert is here."""
+        self.held_boxes: dict[str, tuple[tuple[int, ...], tuple[tuple[int, int], ...]]] = {}
+        """Plain local shards (ddp under ep): leaf name -> (full shape, this rank's box), for the
+        layout-independent init (launcher/models/init.py). DTensor shards report their own."""
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -41,9 +56,63 @@ class Experts(nn.Module):
             dropped = (~keep).sum().float()
             order, rows = order[keep], rows[keep]
             counts = torch.bincount(indices.flatten()[order], minlength=self.num_experts)
-        y = expert_mlp(x[rows], self.w1, self.w2, self.w3, counts)
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        if self.ep_group is None:
+            y = expert_mlp(x[rows], w1, w2, w3, counts)
+        else:
+            y = dispatched_mlp(x[rows], counts, w1, w2, w3, self.ep_group)
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(x).index_add_(0, rows, y), dropped
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local experts (FSDP under ep: Shard(0) over the ep ranks), with autograd."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+def dispatched_mlp(x: torch.Tensor, counts: torch.Tensor, w1, w2, w3, group) -> torch.Tensor:
+    """Rows x (sum(counts), dim) grouped by global expert (counts (E,)) through their experts,
+    which lie on the ranks of `group` (E/ep each, these ranks' w1, w2, w3): rows out in the
+    order they came."""
+    ep = dist.get_world_size(group)
+    send = counts.view(ep, -1)  # (to rank, its local expert)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send.contiguous(), group=group)  # (from rank, my local expert)
+    sizes = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # one host synchronisation
+    rows = _AllToAll.apply(x, sizes[1], sizes[0], group)  # by source rank, then by expert
+    perm = _expert_major(recv)
+    y = expert_mlp(rows[perm], w1, w2, w3, recv.sum(0))
+    back = torch.empty_like(y).index_copy(0, perm, y)  # source-rank order again
+    return _AllToAll.apply(back, sizes[0], sizes[1], group)
+
+
+def _expert_major(recv: torch.Tensor) -> torch.Tensor:
+    """For rows received as blocks (source rank, local expert) in row-major order with
+    `recv` rows each: the row indices that put them expert-major (source rank within)."""
+    flat = recv.flatten()
+    starts = (torch.cumsum(flat, 0) - flat).view_as(recv).t().flatten()
+    sizes = recv.t().flatten()
+    offsets = torch.arange(int(sizes.sum()), device=recv.device) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+    return torch.repeat_interleave(starts, sizes) + offsets
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with autograd (gloo and NCCL): rows [sum(inputs)] split by `inputs`
+    to the group's ranks, rows [sum(outputs)] received; backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, outputs: list[int], inputs: list[int], group):
+        ctx.sizes, ctx.group = (outputs, inputs), group
+        out = x.new_empty((sum(outputs), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), outputs, inputs, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        outputs, inputs = ctx.sizes
+        back = grad.new_empty((sum(inputs), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), inputs, outputs, group=ctx.group)
+        return back, None, None, None
 
 
 def sort_by_expert(indices: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,7 +11,8 @@ element), never of which rank holds what. The parameter is cut, in flat row-majo
 into blocks of whole rows of dimension 0 (at most BLOCK = 2^18 elements, at least one row); block
 k is drawn from its own generator, seeded with sha256(seed, name, k). A rank that owns a
 box of the tensor (an FSDP or tensor-parallel shard: a DTensor's local part, at the global
-offset DTensor reports) or a flat range (a ZeRO-3 partition) draws only the blocks that
+offset DTensor reports; ddp's plain expert shards under parallel.ep name theirs in their
+module's `held_boxes`) or a flat range (a ZeRO-3 partition) draws only the blocks that
 overlap it and keeps its part, so the same element gets the same value at world size 1,
 2 or 512, under ddp, fsdp, tp, pp, tp_fsdp and zero3 alike; the memory it needs beyond its
 own part is one block. (Generators run on the compute device: CUDA draws other numbers
@@ -294,6 +295,8 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
         from launcher.models import weights
 
         entries = weights.index(pretrained)
+    # Plain tensors that are a box of a larger one (ddp's experts under parallel.ep) say where.
+    held = held_boxes(model)
     with torch.no_grad():
         done: set[int] = set()
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -301,7 +304,7 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
                 continue
             done.add(id(p))
             key = canonical(name, tied)
-            dst, shape, box, flat = local_part(p)
+            dst, shape, box, flat = local_part(p) if name not in held else (p.data, *held[name], None)
             if entries is not None and key not in fresh:
                 _read(entries, key, dst, shape, box, flat)
             else:
@@ -314,6 +317,20 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
 BUILT_PEAK_RSS: int | None = None
 """The process's peak RSS when materialize() last finished: what building this rank's
 part of the model cost, before the recipe adds its engine (optimizer set-up, buckets)."""
+
+
+def held_boxes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[tuple[int, int], ...]]]:
+    """Parameter name -> (full shape, this rank's box) for the plain tensors that are a box
+    of a larger one (ddp's experts under parallel.ep: `held_boxes` on their module)."""
+    return {f"{m_name}.{leaf}" if m_name else leaf: where for m_name, m in model.named_modules()
+            for leaf, where in getattr(m, "held_boxes", {}).items()}
+
+
+def full_numel(model: nn.Module, trainable: bool = False) -> int:
+    """Elements of the whole model's parameters (a shard counts as its full tensor)."""
+    boxes = held_boxes(model)
+    return sum(math.prod(boxes[n][0]) if n in boxes else p.numel() for n, p in model.named_parameters()
+               if p.requires_grad or not trainable)
 
 
 def _read(entries, key: str, dst: torch.Tensor, shape, box, flat) -> None:

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from launcher.config import Config
 from launcher.rank.engine import param_groups, set_lrs, trained_state
 from launcher import models
+from launcher.parallel.experts import join_expert_files
 
 OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)  # keys "state.<fqn>.<exp_avg|...>"
 
@@ -138,6 +139,7 @@ def _load_ddp_files(path: Path, cfg: Config, wanted: dict[str, dict[str, torch.T
     name_of = {id(p): n for n, p in shape.named_parameters()}
     names = [name_of[id(p)] for g in param_groups(shape, cfg.optim.weight_decay) for p in g["params"]]
     states = torch.load(path / DDP_OPTIM, map_location="cpu", weights_only=True)["optimizer"]["state"]
+    join_expert_files(path, whole, states)  # parallel.ep: the experts' files (at any ep here)
     whole.update({f"state.{names[pid]}.{k}": v for pid, state in states.items() for k, v in state.items()})
     for part in wanted.values():
         for key, t in part.items():

@@ -22,6 +22,9 @@ class Degrees:
     dp_shard: int = 1
     tp: int = 1
     cp: int = 1
+    ep: int = 1
+    """parallel.ep: the experts split over ep of the dp_shard x cp ranks (not a mesh
+    dimension of its own: launcher/parallel/experts.py cuts those ranks in two)."""
 
     @property
     def dp(self) -> int:
@@ -57,10 +60,11 @@ def degrees(cfg: Config, world_size: int) -> Degrees:
     p = cfg.parallel
     can = recipes.spec(cfg.recipe.strategy).parallelism
     tp, pp, cp = (p.tp if can.tp else 1), (p.pp if can.pp else 1), (p.cp if can.cp else 1)
+    ep = p.ep if can.ep else 1
     rest = p.dp_shard if p.dp_shard != -1 else max(1, world_size // max(1, p.dp_replicate * tp * pp * cp))
     if can.shards:
-        return Degrees(pp=pp, dp_replicate=p.dp_replicate, dp_shard=rest, tp=tp, cp=cp)
-    return Degrees(pp=pp, dp_replicate=p.dp_replicate * rest, dp_shard=1, tp=tp, cp=cp)
+        return Degrees(pp=pp, dp_replicate=p.dp_replicate, dp_shard=rest, tp=tp, cp=cp, ep=ep)
+    return Degrees(pp=pp, dp_replicate=p.dp_replicate * rest, dp_shard=1, tp=tp, cp=cp, ep=ep)
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:

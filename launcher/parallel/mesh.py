@@ -42,9 +42,7 @@ def data_parallel_mesh(mesh: DeviceMesh, deg: D.Degrees) -> DeviceMesh:
     Under context parallel the cp ranks hold the same parameters and see the same samples'
     other positions: FSDP shards over dp_shard x cp flattened (as torchtitan), so its
     reduce-scatter averages the gradients over both and model states shrink by cp too."""
-    shard = mesh["dp_shard"]
-    if deg.cp > 1:
-        shard = mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+    shard = dense_shard_mesh(mesh, deg)
     if deg.dp_replicate > 1:
         return mesh["dp_replicate", "dp_shard_cp" if deg.cp > 1 else "dp_shard"]
     return shard
@@ -61,7 +59,8 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, deg: D.Degrees, cfg: C
     3. tensor parallel, before FSDP: FSDP must shard the DTensors TP made (a second,
        data-parallel dimension on the same mesh: 2-D), not the other way round.
     4. FSDP: each block, then the root (embedding, final norm, head), so one block's
-       parameters are gathered at a time.
+       parameters are gathered at a time. Under parallel.ep the experts are first split over
+       the ep ranks, then FSDP-sharded over the rest (launcher/parallel/experts.py).
     """
     if deg.tp > 1:
         apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel)
@@ -69,11 +68,25 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, deg: D.Degrees, cfg: C
         from launcher.parallel.context import attach
 
         attach(model, mesh["cp"].get_group())
+    experts = None
+    if deg.ep > 1:  # FSDP's recipes only (ddp splits its experts itself)
+        from launcher.parallel.experts import shard_as_dtensors, split_mesh
+
+        experts = split_mesh(dense_shard_mesh(mesh, deg), deg.ep)
+        shard_as_dtensors(model, experts["ep"])
     if recipes.spec(cfg.recipe.strategy).parallelism.shards:
-        apply_fsdp(model, data_parallel_mesh(mesh, deg), cfg, mesh.device_type)
+        apply_fsdp(model, data_parallel_mesh(mesh, deg), cfg, mesh.device_type,
+                   experts["efsdp"] if experts is not None else None, deg.dp_shard * deg.cp)
 
 
-def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, cfg: C.Config, device_type: str) -> None:
+def dense_shard_mesh(mesh: DeviceMesh, deg: D.Degrees) -> DeviceMesh:
+    """The 1-D mesh FSDP shards the dense weights over: dp_shard, or dp_shard x cp flattened
+    (made once: a second flatten of the same name returns the first)."""
+    return mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp") if deg.cp > 1 else mesh["dp_shard"]
+
+
+def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, cfg: C.Config, device_type: str,
+               efsdp: DeviceMesh | None = None, shards: int = 1) -> None:
     """FSDP2: bf16 parameters for compute (fp32 kept sharded for the optimizer), gradients
     reduced in fp32 (a sum over many ranks in bf16 loses bits). The blocks reshard after
     forward as recipe.fsdp.reshard_after_forward says; the root (embedding, final norm,
@@ -86,6 +99,10 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, cfg: C.Config, device_t
     mp = MixedPrecisionPolicy(param_dtype=autocast_dtype(cfg.precision.name.value), reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if opts.cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+    if efsdp is not None:  # parallel.ep: the experts over their own ranks, before their blocks
+        from launcher.parallel.experts import expert_fsdp
+
+        expert_fsdp(model, efsdp, shards, dict(mp_policy=mp, offload_policy=offload), opts.reshard_after_forward)
     for layer in held_blocks(model):
         fully_shard(layer, reshard_after_forward=opts.reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)

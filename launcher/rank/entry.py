@@ -87,8 +87,8 @@ def start(cfg: C.Config, device: torch.device, rank: int, world_size: int, local
         engine = build_engine(cfg, model, device, rank, world_size, local_rank, run_dir)
         startup = startup_peaks(device, started, base, built=init.BUILT_PEAK_RSS)  # engine ready, before step 1
     # what trains (model.lora: the adapters) of the whole model, counted on its meta structure
-    startup["params"] = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-    startup["trainable_params"] = sum(p.numel() for p in dict.fromkeys(model.parameters()) if p.requires_grad)
+    startup["params"] = init.full_numel(model)
+    startup["trainable_params"] = init.full_numel(model, trainable=True)
     if cfg.debug.startup_digest:
         startup["weights_digest"] = consolidated_digest(engine)
     return engine, startup

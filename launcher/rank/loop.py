@@ -83,7 +83,8 @@ def run(job: Job) -> int:
     d = degrees(cfg, job.world_size)
     cp, cp_rank = d.cp, d.cp_rank(job.rank)  # parallel.cp: this rank's T/cp positions of each sample
     if job.dp_size != job.world_size or recipes.spec(cfg.recipe.strategy).meshed:
-        log.print(f"mesh: pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp} x tp {d.tp}")
+        log.print(f"mesh: pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp} x tp {d.tp}"
+                  + (f"; experts over ep {d.ep} x efsdp {job.world_size // d.ep}" if d.ep > 1 else ""))
     if cfg.precision.fp8:
         n = sum(type(m).__name__ == "Float8Linear" for m in engine.model.modules())
         log.print(f"precision=fp8: {n} linear layers in float8 (torchao, rowwise scales"

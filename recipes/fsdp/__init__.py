@@ -1,5 +1,6 @@
 """`fsdp`: FSDP2 (`fully_shard`) on every transformer block and the root, over the
-data-parallel ranks (HSDP when parallel.dp_replicate > 1).
+data-parallel ranks (HSDP when parallel.dp_replicate > 1). parallel.ep > 1 splits an MoE's
+experts over ep of those ranks and shards them over the rest (launcher/parallel/experts.py).
 
 Model states per rank (mixed-precision Adam): fp32 parameter shards 4Ψ/N, fp32 gradient
 shards 4Ψ/N, Adam moments 8Ψ/N: 16Ψ/N. Each block's parameters are all-gathered (in
@@ -22,5 +23,5 @@ def fsdp_holds(recipe) -> Holding:
                    offload_params=recipe.fsdp.cpu_offload, grads_freed=True)
 
 
-SPEC = RecipeSpec(Parallelism(shards=True, cp=True), engine="recipes.fsdp.engine", builds_on_meta=True, writes="dcp",
+SPEC = RecipeSpec(Parallelism(shards=True, cp=True, ep=True), engine="recipes.fsdp.engine", builds_on_meta=True, writes="dcp",
                   reads=("ddp", "dcp"), fp8=True, holds=fsdp_holds)

@@ -288,6 +288,16 @@ CASES = [
     (["profile.enabled=true", "profile.steps=[5,500]"], ["profile.steps=[5, 500]", "train.steps=200"]),
     (["profile.enabled=true", "profile.steps=[5]"], ["profile.steps=[5]", "[first, last]"]),
     (["logger.also=[tensorboard,nope]"], ["logger.also", "nope", "tensorboard"]),
+    # parallel.ep (launcher/launch/levers.py::validate_moe): engines without it, ranks it does not divide
+    (["model=moe_tiny", "recipe=zero2", "parallel.ep=2", "cluster.nproc_per_node=2"],
+     ["parallel.ep=2", "recipe zero2 has no expert parallel", "use recipe=ddp or recipe=fsdp"]),
+    (["model=moe_tiny", "recipe=fsdp", "parallel.ep=4", "cluster.nproc_per_node=2"],
+     ["parallel.ep=4", "must divide the FSDP ranks dp_shard x cp = 2 x 1 = 2"]),
+    (["model=moe_tiny", "recipe=ddp", "parallel.ep=4", "cluster.nproc_per_node=2"],
+     ["parallel.ep=4", "must divide the world size 2"]),
+    (["model=moe_tiny", "recipe=fsdp", "parallel.ep=2", "parallel.dp_replicate=2", "cluster.nproc_per_node=4"],
+     ["parallel.ep=2", "parallel.dp_replicate=2 (HSDP)", "dp_replicate=1"]),
+    (["model=moe_tiny", "parallel.ep=3"], ["parallel.ep=3", "must divide model.moe.experts=8"]),
     # make rehearse: a layout that cannot divide, named with its numbers, before anything is built
     (["rehearse", "model=llama3_8b", "recipe=tp_fsdp", "parallel.tp=16", "cluster.nnodes=8", "cluster.gpus_per_node=8"],
      ["parallel.tp=16", "must divide model.n_kv_heads=8"]),
