@@ -62,7 +62,8 @@ class Experts(nn.Module):
         else:
             y = dispatched_mlp(x[rows], counts, w1, w2, w3, self.ep_group)
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, rows, y), dropped
+        # autocast: y in bf16, x (ddp's fp32 residual stream) may not be; summed in x's dtype
+        return torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype)), dropped
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
