@@ -1,7 +1,7 @@
 """train.oom_backoff on the rank: a step that runs out of memory is retried in place with
 the next smaller micro-batch and the accumulation that keeps the global batch, where the
 engine can drop a half-done step (one rank: a peer would be waiting inside a collective of
-the failed step; an engine with `discard_step`: ddp). Elsewhere the rank leaves
+the failed step; an engine that can discard it: ddp). Elsewhere the rank leaves
 RUN_DIR/oom.json and the launcher launches again from the last checkpoint with that
 micro-batch (launcher/launch/cli.py::supervise_with_backoff)."""
 
@@ -58,10 +58,10 @@ def injected(job, step: int, model):
 def can_retry(job, engine) -> bool:
     """Whether this rank backs off in place: train.oom_backoff, no peer (one rank's failure
     leaves the others inside a collective of the step), an engine that can drop a half-done
-    step (`discard_step`) and did not fail in its optimizer step (`stepping`: some
+    step (`Engine.can_discard_step`: not after its optimizer step began, when some
     parameters may have moved), and a smaller micro-batch left."""
-    return (job.cfg.train.oom_backoff and job.world_size == 1 and hasattr(engine, "discard_step")
-            and not getattr(engine, "stepping", True) and backed_off(job.cfg.train.micro_batch, job.grad_accum) is not None)
+    return (job.cfg.train.oom_backoff and job.world_size == 1 and engine.can_discard_step()
+            and backed_off(job.cfg.train.micro_batch, job.grad_accum) is not None)
 
 
 def retry(job, engine, step: int, why: str, log) -> None:

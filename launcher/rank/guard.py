@@ -6,7 +6,8 @@ batches (PaLM's remedy for spikes: back to a checkpoint, past the batches around
 
 Every rank reaches the same verdict from the same numbers: the gradient norm is global
 after clipping (every engine reduces it over the ranks), the loss is all-reduced here.
-The torch engines ask `admit` between clipping and the optimizer step; DeepSpeed's engine
+The loop hands the guard to the engine (`Engine.guard`); the torch engines ask `admit` between
+clipping and the optimizer step; DeepSpeed's engine
 skips a step whose gradients are not finite by itself (ZeRO 1-3, fp32 and bf16), so the
 zero engine asks `judge_loss` before its last backward and poisons that backward with a
 NaN when the loss spiked, then reports what DeepSpeed did with `verdict`.

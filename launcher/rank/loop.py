@@ -25,7 +25,7 @@ from launcher.rank.checkpoint import Checkpointer, write_error, write_failure_ca
 from launcher.config import Config, FaultPoint
 from launcher.data.read import SourceMeter, build_loader, loss_floor, micro_batch
 from launcher.device import host_values, memory_stats, peak_flops, reset_peak_memory, synchronize
-from launcher.rank.engine import StepResult, local_shard, owners_sum
+from launcher.rank.engine import Engine, StepResult, local_shard, owners_sum
 from launcher.planner.memory import ActivationCounter
 from launcher.rank.metrics import PackMeter, RankZeroLogger, Throughput
 from launcher.exits import CHECKPOINT_FAILED_MARKER, EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
@@ -44,7 +44,7 @@ class Job:
 
     cfg: Config
     run_dir: Path
-    engine: object
+    engine: Engine
     dataset: object
     device: torch.device
     rank: int
@@ -111,7 +111,7 @@ def run(job: Job) -> int:
     saved_at, preempted = None, False
     measured: dict[str, int] = {}
     skipped_steps = 0  # fp16: steps the loss scaler skipped on overflow, this launch
-    guard = LossGuard(cfg, device, job.dp_size * cp, log.print)  # train.max_bad_steps
+    engine.guard = guard = LossGuard(cfg, device, job.dp_size * cp, log.print)  # train.max_bad_steps: the engines ask it
     stragglers = Stragglers(cfg, engine, device, job.rank, job.world_size, log.print)  # train.straggler_factor
     drawn = SourceMeter(job.dataset, samples_seen, log.print)  # data/<source>/tokens, epochs run out
     packing = PackMeter(job.dataset, samples_seen, job.world_size // job.dp_size, job.preemption.group)
@@ -137,17 +137,16 @@ def run(job: Job) -> int:
         while True:  # once, or again with smaller micro-batches after an out-of-memory (train.oom_backoff)
             try:
                 guard.step = step + 1
-                output = getattr(engine, "output_module", engine.model)  # what debug.fault=nan_loss|spike|slow hooks
-                with (backoff.injected(job, step + 1, engine.model), poisoned(cfg.debug, step + 1, job.rank, output),
+                with (backoff.injected(job, step + 1, engine.model), poisoned(cfg.debug, step + 1, job.rank, engine.output_module),
                       stragglers.timed(logged, fetched), counting(per_call(counted, job, len(micro_batches)))):
                     # The second step of a launch: the first also holds one-time work (a
                     # pipeline's shape inference); the planner predicts the steady state.
                     if cfg.train.measure_activations and step == min(first_step + 1, last - 1):
                         with ActivationCounter(engine.model) as counter:
-                            result = engine.train_step(micro_batches, guard)
+                            result = engine.train_step(micro_batches)
                         measured = {"mem/activation_bytes": counter.bytes, **models.offloaded(engine.model)}
                     else:
-                        result = engine.train_step(micro_batches, guard)
+                        result = engine.train_step(micro_batches)
                 break
             except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
                 if not backoff.is_out_of_memory(err):
