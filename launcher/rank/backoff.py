@@ -1,27 +1,21 @@
 """train.oom_backoff on the rank: a step that runs out of memory is retried in place with
 the next smaller micro-batch and the accumulation that keeps the global batch, where the
 engine can drop a half-done step (one rank: a peer would be waiting inside a collective of
-the failed step; an engine with `discard_step`: ddp). Elsewhere the rank leaves
+the failed step; an engine that can discard it: ddp). Elsewhere the rank leaves
 RUN_DIR/oom.json and the launcher launches again from the last checkpoint with that
 micro-batch (launcher/launch/cli.py::supervise_with_backoff)."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
-import os
-import sys
+from collections.abc import Callable
 
 import torch
 
 from launcher import config as C
 from launcher.exits import OOM_MARKER
 from launcher.parallel.degrees import back_off, backed_off
-from launcher.rank.faults import due
-
-STRUCK = "fault_oom_struck"
-"""debug.fault=oom strikes once per run directory (this file says it has)."""
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -30,38 +24,33 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or " out of memory" in text or "can't allocate memory" in text
 
 
-@contextlib.contextmanager
-def injected(job, step: int, model):
-    """debug.fault=oom: torch.OutOfMemoryError at the end of this rank's first forward of
-    `step` (where the logits are made, the usual place), once per run directory."""
-    if not due(job.cfg.debug, C.FaultPoint.oom, step, job.rank):
-        yield
-        return
-    try:
-        os.close(os.open(job.run_dir / STRUCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:  # struck before this relaunch: the back-off's micro-batch fits
-        yield
-        return
-
-    def strike(module, args, output):
-        handle.remove()
-        print(f"rank {job.rank}: injected fault oom at step {step}", file=sys.stderr, flush=True)
-        raise torch.OutOfMemoryError(f"injected by debug.fault=oom (micro-batch {job.cfg.train.micro_batch})")
-
-    handle = model.register_forward_hook(strike)
-    try:
-        yield
-    finally:
-        handle.remove()
+def stepped(job, step: int, micro_batches: list, attempt: Callable, restart: Callable, log):
+    """`attempt(micro_batches)`, the step, once; after running out of memory, where this
+    rank backs off in place (`can_retry`), again with the smaller micro-batch (`restart`:
+    the loader from the next step's samples, this step's being in hand). Elsewhere the
+    rank leaves RUN_DIR/oom.json for the launcher and raises."""
+    while True:
+        try:
+            return attempt(micro_batches)
+        except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
+            if not is_out_of_memory(err):
+                raise
+            if not can_retry(job, job.engine):
+                record(job, step, err)  # the launcher backs off, or says why not
+                raise
+            why = first_line(err)
+        retry(job, job.engine, step, why, log)
+        micro_batches = split(micro_batches, job.cfg.train.micro_batch)
+        restart()
 
 
 def can_retry(job, engine) -> bool:
     """Whether this rank backs off in place: train.oom_backoff, no peer (one rank's failure
     leaves the others inside a collective of the step), an engine that can drop a half-done
-    step (`discard_step`) and did not fail in its optimizer step (`stepping`: some
+    step (`Engine.can_discard_step`: not after its optimizer step began, when some
     parameters may have moved), and a smaller micro-batch left."""
-    return (job.cfg.train.oom_backoff and job.world_size == 1 and hasattr(engine, "discard_step")
-            and not getattr(engine, "stepping", True) and backed_off(job.cfg.train.micro_batch, job.grad_accum) is not None)
+    return (job.cfg.train.oom_backoff and job.world_size == 1 and engine.can_discard_step()
+            and backed_off(job.cfg.train.micro_batch, job.grad_accum) is not None)
 
 
 def retry(job, engine, step: int, why: str, log) -> None:

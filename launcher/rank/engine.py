@@ -1,13 +1,17 @@
 """The one interface every recipe implements, and the helpers recipes share.
 
-A recipe module exposes `build(ctx) -> Engine`. The engine owns how micro-batches become
-one optimizer step (DDP with no_sync, DeepSpeed's engine, a pipeline schedule); the
-loop only calls it. Recipes share these helpers, not a base class.
+A recipe module exposes `build(ctx) -> Engine`, a subclass of `Engine`. The engine owns
+how micro-batches become one optimizer step (DDP with no_sync, DeepSpeed's engine, a
+pipeline schedule); the loop only calls it. The base class is the contract and its
+defaults; the rest engines share are the helpers below.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
+import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -88,18 +92,71 @@ class BuildContext:
     run_dir: Path
 
 
-class Engine(Protocol):
+class StepGuard(Protocol):
+    """What an engine asks during its step (train.max_bad_steps, train.spike_factor): the
+    loop's LossGuard (launcher/rank/guard.py), or UNGUARDED."""
+
+    on: bool
+    scaler_owns_nonfinite: bool
+
+    def admit(self, loss: torch.Tensor, owner: bool, grad_norm: torch.Tensor) -> bool: ...
+
+    def judge_loss(self, loss: torch.Tensor, owner: bool) -> tuple[str | None, float | None]: ...
+
+    def verdict(self, why: str | None, loss: float | None = None) -> None: ...
+
+
+class Unguarded:
+    """The guard of an engine no loop guards (a script, a probe): every step applies."""
+
+    on = False
+    scaler_owns_nonfinite = False
+
+    def admit(self, loss: torch.Tensor, owner: bool, grad_norm: torch.Tensor) -> bool:
+        return True
+
+    def judge_loss(self, loss: torch.Tensor, owner: bool) -> tuple[str | None, float | None]:
+        return None, None
+
+    def verdict(self, why: str | None, loss: float | None = None) -> None:
+        pass
+
+
+UNGUARDED = Unguarded()
+
+
+class Engine(abc.ABC):
+    """The contract of an engine (a recipe's `build(ctx) -> Engine`). Each engine implements
+    the abstract methods; the hooks after them have defaults most engines keep. `check`
+    holds every engine of the registry to it (tests/unit/test_engines.py), and a rank
+    refuses a build that is not an Engine (rank/entry.py)."""
+
     model: nn.Module
+    """This rank's model (its shards, or a pipeline's stages under the full model's names)."""
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    """The learning-rate schedule (a loss-guard rollback keeps it where the steps are)."""
+    guard: StepGuard = UNGUARDED
+    """train.max_bad_steps: asked between clipping and the optimizer step (`guard.admit`);
+    the loop sets its LossGuard here once, before the first step."""
+    stages: Sequence = ()
+    """A pipeline's PipelineStages on this rank, which its schedule calls instead of the
+    model (train.straggler_factor times their modules); empty for the others."""
 
-    def train_step(self, micro_batches: list[Batch]) -> StepResult: ...
+    @abc.abstractmethod
+    def train_step(self, micro_batches: list[Batch]) -> StepResult:
+        """One optimizer step over this rank's micro-batches (the guard asked before the update)."""
 
+    @abc.abstractmethod
     def eval_step(self, micro_batches: list[Batch]) -> StepResult:
         """The loss alone, no update (train.eval_every; engine.evaluate for most engines)."""
 
+    @abc.abstractmethod
     def state_bytes(self) -> MemoryBreakdown: ...
 
+    @abc.abstractmethod
     def lr(self) -> float: ...
 
+    @abc.abstractmethod
     def save(self, path: Path, staging=None):
         """Write this rank's part of the model and optimizer state under `path` (a folder
         every rank can see). Called on every rank. With `staging` (the Checkpointer of an
@@ -108,19 +165,57 @@ class Engine(Protocol):
         return a function that writes it; the checkpointer's writer thread calls it while
         training goes on (collectives there only on `staging.group`)."""
 
+    @abc.abstractmethod
     def warm(self, staging):
         """checkpoint.async_save, at start-up: stage what save(path, staging) will stage (or
         its bulk) once, so its host buffers exist before the first save; returns the copy."""
 
+    @abc.abstractmethod
     def load(self, path: Path) -> None: ...
 
+    @abc.abstractmethod
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full model weights (fp32, on CPU) on every rank; used for export and checks."""
 
-    # Optional: `discard_step()`, drop a step that failed part-way, before the optimizer
-    # step (attribute `stepping` False), so that it can run again (train.oom_backoff in
-    # place, launcher/rank/backoff.py); engines without it back off by a relaunch from the
-    # last checkpoint.
+    # -------------------------------------------------------------------------- hooks
+    @property
+    def output_module(self) -> nn.Module:
+        """The module whose output is this rank's loss, or its stage's activations
+        (debug.fault=nan_loss|spike|slow hook it): the model, or a pipeline's last stage."""
+        return self.model
+
+    def can_discard_step(self) -> bool:
+        """After a step that ran out of memory: whether `discard_step` can drop it so that it
+        runs again (train.oom_backoff in place, launcher/rank/backoff.py). False by default:
+        the launcher backs off by a relaunch from the last checkpoint."""
+        return False
+
+    def discard_step(self) -> None:
+        """Drop the failed step (its gradients, a wrapper left waiting) before it runs again."""
+        raise NotImplementedError(f"{type(self).__name__} cannot drop a failed step")
+
+
+def check(cls: type) -> list[str]:
+    """What keeps `cls` from being an Engine: not a subclass, an abstract method left
+    unimplemented, a method whose parameters differ from the contract's, a hook that is
+    no longer a property. Empty when it conforms."""
+    if not (isinstance(cls, type) and issubclass(cls, Engine)):
+        return [f"{cls!r} is not a subclass of launcher.rank.engine.Engine"]
+    problems = [f"{cls.__name__}.{name} is not implemented" for name in sorted(cls.__abstractmethods__)]
+    for name, declared in vars(Engine).items():
+        if name.startswith("_") or not callable(declared) and not isinstance(declared, property):
+            continue
+        actual = inspect.getattr_static(cls, name)
+        if isinstance(declared, property) != isinstance(actual, property):
+            problems.append(f"{cls.__name__}.{name}: a property in the contract, not here, or the reverse")
+        elif not isinstance(declared, property) and _parameters(actual) != _parameters(declared):
+            problems.append(f"{cls.__name__}.{name}{inspect.signature(actual)}: the contract says "
+                            f"{name}{inspect.signature(declared)}")
+    return problems
+
+
+def _parameters(fn) -> list[tuple[str, object, bool]]:
+    return [(p.name, p.kind, p.default is p.empty) for p in inspect.signature(fn).parameters.values()]
 
 
 # ----------------------------------------------------------------------------- helpers

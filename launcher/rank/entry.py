@@ -33,7 +33,7 @@ from launcher.models import init
 from launcher.data.read import build_dataset
 from launcher.host import current_rss, process_start_time
 from launcher.device import autocast_dtype, backend_for, local_device, returned_to_the_os, startup_peaks, use_tf32
-from launcher.rank.engine import BuildContext
+from launcher.rank.engine import BuildContext, Engine
 from launcher.rank.loop import Job, run
 from launcher.rank.preempt import Preemption
 from launcher.rank.store import job_store
@@ -58,14 +58,18 @@ def seed_everything(seed: int) -> None:
 
 
 def build_engine(cfg: C.Config, model: torch.nn.Module, device: torch.device, rank: int, world_size: int,
-                 local_rank: int, run_dir: Path):
+                 local_rank: int, run_dir: Path) -> Engine:
     """The model's structure on the meta device (no storage; models.on_meta, prepared),
     handed to the recipe's engine: the recipe parallelizes it, then materializes only this
     rank's part (launcher/models/init.py: the same initial weights at every layout, no
     broadcast)."""
-    return recipes.build(BuildContext(cfg=cfg, model=model, device=device, rank=rank, world_size=world_size,
-                                      local_rank=local_rank, grad_accum=D.grad_accum(cfg, world_size),
-                                      run_dir=run_dir))
+    engine = recipes.build(BuildContext(cfg=cfg, model=model, device=device, rank=rank, world_size=world_size,
+                                        local_rank=local_rank, grad_accum=D.grad_accum(cfg, world_size),
+                                        run_dir=run_dir))
+    if not isinstance(engine, Engine):  # the loop relies on the contract's hooks and defaults
+        raise TypeError(f"recipe.strategy={cfg.recipe.strategy}: its build() returned a {type(engine).__name__}, "
+                        "not a launcher.rank.engine.Engine")
+    return engine
 
 
 def start(cfg: C.Config, device: torch.device, rank: int, world_size: int, local_rank: int, run_dir: Path,

@@ -6,10 +6,11 @@ batches (PaLM's remedy for spikes: back to a checkpoint, past the batches around
 
 Every rank reaches the same verdict from the same numbers: the gradient norm is global
 after clipping (every engine reduces it over the ranks), the loss is all-reduced here.
-The torch engines ask `admit` between clipping and the optimizer step; DeepSpeed's engine
-skips a step whose gradients are not finite by itself (ZeRO 1-3, fp32 and bf16), so the
-zero engine asks `judge_loss` before its last backward and poisons that backward with a
-NaN when the loss spiked, then reports what DeepSpeed did with `verdict`.
+The loop hands the guard to the engine once (`Engine.guard`); the torch engines ask `admit`
+between clipping and the optimizer step; DeepSpeed's engine skips a step whose gradients
+are not finite by itself (ZeRO 1-3, fp32 and bf16), so the zero engine asks `judge_loss`
+before its last backward and poisons that backward with a NaN when the loss spiked, then
+reports what DeepSpeed did with `verdict`. After the step the loop calls `recover`.
 
 A skipped step still counts: the step number, the learning-rate schedule and the data
 position go on, so metrics.jsonl and W&B stay monotonic and a resume needs nothing new.
@@ -18,11 +19,13 @@ position go on, so metrics.jsonl and W&B stay monotonic and a resume needs nothi
 from __future__ import annotations
 
 import math
+import sys
 from collections import deque
 
 import torch
 
 from launcher.device import host_values
+from launcher.exits import EXIT_CHECKPOINT_FAILED
 from launcher.rank.engine import owners_sum, set_lrs
 
 WINDOW = 32
@@ -112,6 +115,21 @@ class LossGuard:
     # ------------------------------------------------------------------ rollback
     def due(self) -> bool:
         return self.on and self.in_row >= self.limit
+
+    def recover(self, engine, saves) -> int | None:
+        """After each step: with max_bad_steps bad steps in a row, back to the newest
+        checkpoint (the async save in flight published first). The exit code when the run
+        must stop instead (no checkpoint, futile rollbacks: 1), else None."""
+        if not self.due():
+            return None
+        if not saves.settle():
+            return EXIT_CHECKPOINT_FAILED
+        stop = self.roll_back(engine, saves.ckpt, saves.watchdog.paused)
+        if stop is None:
+            return None
+        print(stop, file=sys.stderr, flush=True)
+        saves.watchdog.stop()
+        return 1
 
     def roll_back(self, engine, checkpointer, pause) -> str | None:
         """Weights and optimizer state back to the run's newest whole checkpoint (a

@@ -38,8 +38,8 @@ from launcher.rank.engine import parameter_leaves
 def timed_modules(engine, compiled: bool) -> list[torch.nn.Module]:
     """The modules whose forward is timed: leaves that hold parameters, or (compiled) each
     module the step calls whole: the model unwrapped from DDP, or a pipeline's stages."""
-    stages = getattr(engine, "stages", None)  # a pipeline calls its stages, never the model
-    roots = [s.submod for s in stages] if stages else [getattr(engine.model, "module", engine.model)]
+    # a pipeline calls its stages, never the model; DDP wraps the model (`module` inside)
+    roots = [s.submod for s in engine.stages] or [getattr(engine.model, "module", engine.model)]
     return roots if compiled else [m for root in roots for m in parameter_leaves(root)]
 
 

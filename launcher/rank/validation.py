@@ -7,13 +7,40 @@ and pipeline-parallel models evaluate as they train. The loop reduces and logs t
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
 from launcher.data.read import IGNORE, micro_batch, val_sets
+from launcher.device import synchronize
 from launcher.models.gpt import counting
 from launcher.parallel.context import local_positions
 from launcher.rank.engine import StepResult, owners_sum
+
+
+class HeldOut:
+    """The loop's evaluations: the held-out batches made once, the loss when due, on every
+    rank (its forwards may hold collectives), its time kept out of the step times."""
+
+    def __init__(self, job, cp: int, cp_rank: int):
+        self.job, self.every = job, job.cfg.train.eval_every
+        self.batches = held_out_batches(job, cp, cp_rank) if self.every else []
+
+    def due(self, step: int, last: int) -> bool:
+        return bool(self.every) and (step % self.every == 0 or step == last)
+
+    def evaluate(self, step: int, last: int, watchdog, meter) -> dict[str, torch.Tensor] | None:
+        """`evaluate` after step `step` where due, else None."""
+        if not self.due(step, last):
+            return None
+        device = self.job.device
+        synchronize(device)  # the step's kernels end before the evaluation's clock starts
+        t_eval = time.perf_counter()
+        with watchdog.paused():  # a large train.eval_samples may outlast dist.timeout_s
+            val = evaluate(self.job, self.batches, device)
+            synchronize(device)
+        meter.start += time.perf_counter() - t_eval  # out of the step times
+        return val
 
 
 def held_out_batches(job, cp: int, cp_rank: int) -> list[tuple[str, float, list]]:

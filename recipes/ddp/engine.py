@@ -18,8 +18,9 @@ from launcher import models
 from launcher.parallel import degrees as D
 from launcher.device import autocast_dtype
 from launcher.parallel.experts import expert_param_names, join_expert_files, own_rows
-from launcher.rank.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
-                                  evaluate, load_trained, optimizer_state_bytes, tensor_bytes, trained_state)
+from launcher.rank.engine import (BuildContext, Engine, MemoryBreakdown, StepResult, autocast, build_optimizer,
+                                  build_scheduler, evaluate, load_trained, optimizer_state_bytes, tensor_bytes,
+                                  trained_state)
 
 
 def no_buffer_sync() -> dict:
@@ -32,7 +33,7 @@ def no_buffer_sync() -> dict:
     return {"broadcast_buffers": False}
 
 
-class DDPEngine:
+class DDPEngine(Engine):
     def __init__(self, ctx: BuildContext):
         cfg = ctx.cfg
         self.cfg, self.device, self.rank = cfg, ctx.device, ctx.rank
@@ -49,7 +50,7 @@ class DDPEngine:
             attach(self.module, build_mesh(deg, ctx.device)["cp"].get_group())
         self.local_rank = ctx.local_rank
         self.model = self._wrap()
-        self.stepping = False
+        self.stepping = False  # inside the optimizer step: a failure there cannot be discarded
         self.optimizer = build_optimizer(self.module, cfg.optim, ctx.device)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.dtype = autocast_dtype(cfg.precision.name.value)
@@ -62,7 +63,7 @@ class DDPEngine:
             self.experts = [self.module.get_parameter(n) for n in expert_param_names(self.module)]
         self.clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
 
-    def train_step(self, micro_batches, guard=None) -> StepResult:
+    def train_step(self, micro_batches) -> StepResult:
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):  # (inputs, targets[, positions])
@@ -83,7 +84,7 @@ class DDPEngine:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         grad_norm = self._clip()
-        apply = guard is None or guard.admit(total / n, True, grad_norm)  # train.max_bad_steps
+        apply = self.guard.admit(total / n, True, grad_norm)  # train.max_bad_steps
         if self.scaler:
             # The scale as a device tensor (get_scale() would read it to the host, a sync
             # every step): the scaler lowers it exactly when it skips the step.
@@ -137,11 +138,14 @@ class DDPEngine:
             **no_buffer_sync(),  # the only buffer (the rotary table) is identical everywhere
         )
 
+    def can_discard_step(self) -> bool:
+        """A step that failed before its optimizer step: no parameter has moved."""
+        return not self.stepping
+
     def discard_step(self) -> None:
-        """After a step that failed before its optimizer step (`stepping` False; out of memory
-        under train.oom_backoff, one rank): drop its gradients and wrap the module in DDP
-        again (a forward or backward that stopped part-way leaves DDP's reducer waiting for
-        the rest)."""
+        """After a step that failed before its optimizer step (out of memory under
+        train.oom_backoff, one rank): drop its gradients and wrap the module in DDP again (a
+        forward or backward that stopped part-way leaves DDP's reducer waiting for the rest)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.model = None  # the old reducer's buckets go before the new one's are made
         gc.collect()

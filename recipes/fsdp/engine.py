@@ -17,12 +17,12 @@ from launcher.parallel import dcp
 from launcher import models
 from launcher.device import autocast_dtype
 from launcher.models import model_layout
-from launcher.rank.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
+from launcher.rank.engine import (BuildContext, Engine, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
                                   evaluate, optimizer_state_bytes, tensor_bytes)
 from launcher.parallel.mesh import allreduce_grads, build_mesh, clip_grad_norm, parallelize, match_grad_layouts
 
 
-class ShardedEngine:
+class ShardedEngine(Engine):
     def __init__(self, ctx: BuildContext):
         cfg = ctx.cfg
         self.cfg, self.device, self.rank = cfg, ctx.device, ctx.rank
@@ -51,7 +51,7 @@ class ShardedEngine:
         where = "cpu" if offload else "device"
         self.where = {"params": where, "grads": where, "optim": where}
 
-    def train_step(self, micro_batches, guard=None) -> StepResult:
+    def train_step(self, micro_batches) -> StepResult:
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
         for batch in micro_batches:  # (inputs, targets[, positions])
@@ -68,7 +68,7 @@ class ShardedEngine:
         grad_norm = clip_grad_norm(self.params, self.clip)
         if not self.grad_bytes:  # held from backward to here; the same shards every step: counted once
             self.grad_bytes = tensor_bytes(p.grad for p in self.params)
-        if guard is None or guard.admit(total / n, self.loss_owner, grad_norm):  # train.max_bad_steps
+        if self.guard.admit(total / n, self.loss_owner, grad_norm):  # train.max_bad_steps
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()

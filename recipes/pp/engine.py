@@ -21,7 +21,7 @@ from launcher.parallel import degrees as D
 from launcher.parallel import dcp
 from launcher import models
 from launcher.device import autocast_dtype
-from launcher.rank.engine import (BuildContext, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
+from launcher.rank.engine import (BuildContext, Engine, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
                                   local_shard, optimizer_state_bytes, tensor_bytes)
 from launcher.models import Layout, model_layout, model_shape
 from launcher.models.gpt import lm_loss
@@ -32,7 +32,7 @@ from launcher.parallel.mesh import allreduce_grads, apply_fsdp, build_mesh, clip
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
-class PipelineEngine:
+class PipelineEngine(Engine):
     def __init__(self, ctx: BuildContext):
         cfg, p = ctx.cfg, ctx.cfg.parallel
         self.cfg, self.device, self.rank = cfg, ctx.device, ctx.rank
@@ -118,7 +118,7 @@ class PipelineEngine:
             kwargs["positions"] = positions[0]
         return ((x,) if self.first else ()), kwargs
 
-    def train_step(self, micro_batches, guard=None) -> StepResult:
+    def train_step(self, micro_batches) -> StepResult:
         # One pass of the schedule over this data-parallel rank's whole batch.
         losses: list[torch.Tensor] = []
         args, kwargs = self._inputs(micro_batches, losses)
@@ -136,7 +136,7 @@ class PipelineEngine:
                                    copies=lambda q: 0 if q is self.head_copy else self.deg.dp)
         self.grad_bytes = tensor_bytes(q.grad for q in self.params)
         loss = torch.stack([v.detach() for v in losses]).mean() if self.last else torch.zeros((), device=self.device)
-        if guard is None or guard.admit(loss, self.loss_owner, grad_norm):  # train.max_bad_steps
+        if self.guard.admit(loss, self.loss_owner, grad_norm):  # train.max_bad_steps
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()

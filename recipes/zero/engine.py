@@ -20,7 +20,8 @@ import torch.distributed as dist
 from launcher.manifest import root_of
 from launcher.parallel import ds_config
 from launcher import models
-from launcher.rank.engine import BuildContext, MemoryBreakdown, StepResult, build_scheduler, evaluate, param_groups
+from launcher.rank.engine import (BuildContext, Engine, MemoryBreakdown, StepResult, build_scheduler, evaluate,
+                                  param_groups)
 from launcher.planner.zero import zero_states
 from launcher.untrusted import weights_only_loads
 from recipes.zero import import_deepspeed
@@ -57,7 +58,7 @@ def cpu_info_once() -> None:
         cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
-class ZeroEngine:
+class ZeroEngine(Engine):
     def __init__(self, ctx: BuildContext):
         deepspeed = import_deepspeed()
         cpu_info_once()
@@ -92,7 +93,7 @@ class ZeroEngine:
         self.steps = 0
         self.memory.sample()  # before the first step: what the engine holds at rest
 
-    def train_step(self, micro_batches, guard=None) -> StepResult:
+    def train_step(self, micro_batches) -> StepResult:
         assert len(micro_batches) == self.accum, (len(micro_batches), self.accum)
         self.steps += 1
         # Count the memory on the first two steps (Adam's moments appear in the first) and on
@@ -104,8 +105,8 @@ class ZeroEngine:
         for i, batch in enumerate(micro_batches):  # (inputs, targets[, positions]): DeepSpeed passes them on
             loss = self.engine(*batch)
             total += loss.detach().float()
-            if guard is not None and i == len(micro_batches) - 1:  # train.spike_factor: judged before the last backward
-                why, value = guard.judge_loss(total / len(micro_batches), True)
+            if i == len(micro_batches) - 1:  # train.spike_factor: judged before the last backward
+                why, value = self.guard.judge_loss(total / len(micro_batches), True)
                 if why is not None:  # DeepSpeed skips a step whose gradients are not finite (ZeRO 1-3)
                     loss = loss * float("nan")
             # DeepSpeed divides by the accumulation steps and reduces gradients in buckets;
@@ -115,8 +116,8 @@ class ZeroEngine:
             if self.stage == 0 and self.engine.is_gradient_accumulation_boundary():
                 own_norm = self._reduced_grad_norm()
             self.engine.step()
-        if guard is not None and guard.on:
-            self._guarded(guard, why, value)
+        if self.guard.on:
+            self._guarded(why, value)
         norm = self.engine.get_global_grad_norm()
         norm = own_norm if norm is None else norm  # stage 0 in fp32 does not keep it
         # A tensor stays a tensor (no host read each step: the loop reads it when it logs).
@@ -128,17 +129,17 @@ class ZeroEngine:
         return StepResult(loss=total / len(micro_batches), grad_norm=grad_norm, skipped=bool(skipped),
                           loss_scale=scale)
 
-    def _guarded(self, guard, why: str | None, loss: float | None) -> None:
+    def _guarded(self, why: str | None, loss: float | None) -> None:
         """train.max_bad_steps: what DeepSpeed did with the step, to the guard. A step it
         skipped for non-finite gradients is bad (under fp16 that is the loss scaler's); a
         skip leaves DeepSpeed's schedule behind, so it is stepped here (the schedule follows
         the step number, as in the other engines)."""
         applied = self.engine.was_step_applied()
-        if why is None and not applied and not guard.scaler_owns_nonfinite:
+        if why is None and not applied and not self.guard.scaler_owns_nonfinite:
             why = "gradient norm not finite (DeepSpeed skipped the step)"
         if not applied and why is not None:
             self.scheduler.step()
-        guard.verdict(why, loss if why is None else None)
+        self.guard.verdict(why, loss if why is None else None)
 
     def _reduced_grad_norm(self) -> torch.Tensor:
         """Stage 0: the gradients are whole and already averaged after the last backward."""

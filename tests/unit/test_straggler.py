@@ -42,8 +42,8 @@ def test_the_timed_modules_are_the_leaves_that_hold_parameters():
             super().__init__()
             self.norm, self.proj, self.act = nn.LayerNorm(4), nn.Linear(4, 4), nn.GELU()
 
-    class Engine:  # as DDP wraps the model: `module` inside `model`
-        model = nn.Module()
+    class Engine:  # as DDP wraps the model: `module` inside `model`; no pipeline stages
+        model, stages = nn.Module(), ()
 
     Engine.model.module = model = nn.Sequential(nn.Embedding(8, 4), Block(), Block())
     timed = timed_modules(Engine, compiled=False)
