@@ -236,8 +236,11 @@ def resolve_auto(overrides: list[str], host: HostInfo) -> tuple[list[str], str |
     if not (auto_recipe or auto_mb):
         return overrides, None
     from launcher.planner import plan as planner  # imports torch (meta-device counts): only when asked
+    from launcher.launch import asked
+
     rest = [o for o in overrides if o not in ("recipe=auto", "train.micro_batch=auto")]
     cfg, _, _ = compose_config(rest)
+    cfg, _ = asked.fit_precision(cfg, asked.named(rest), host)  # as the launch will run it (fp32 on a CPU without bf16)
     hw = hardware(cfg, host, world_from_launch=True)
     # The user's recipe as composed (its options overridden too), or every recipe file.
     recipes = available_recipes(host.cuda) if auto_recipe else {cfg.recipe.name: cfg.recipe}

@@ -190,10 +190,14 @@ def test_auto_recipe_on_a_machine_without_gpus_plans_for_its_memory(tmp_path, ca
     assert not (tmp_path / "run").exists()
 
 
-def test_auto_micro_batch_plans_the_recipe_as_overridden(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_micro_batch_plans_the_recipe_as_overridden(tmp_path, capsys, monkeypatch, native):
     """train.micro_batch=auto with the recipe's own options overridden: the planner plans
-    the recipe as composed (here zero2 with its optimizer on the host), not its file."""
+    the recipe as composed (here zero2 with its optimizer on the host), not its file; and in
+    the precision the launch runs (fp32 on a CPU without native bf16: planned in bf16, its
+    choice was refused by the launch's own memory check)."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("launcher.host.native_bf16", lambda *a: native)
     argv = ["train", "recipe=zero2", "recipe.zero.offload_optimizer=cpu", "train.micro_batch=auto", "--dry-run",
             "cluster.gpu_memory_gb=8", f"hydra.run.dir={tmp_path / 'run'}"]
     assert cli.main(argv) == 0, capsys.readouterr().err
