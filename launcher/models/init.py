@@ -28,6 +28,7 @@ zero, biases zero, norms ones).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import resource
@@ -268,7 +269,8 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
     """Storage on `storage` (default `device`) for what this rank holds (`to_empty`:
     untouched memory), its buffers computed (`init_buffers(model, device)`), its
     parameters drawn on `device` from `specs` or read from `pretrained`. No collective:
-    every rank fills its own part. Names in `fresh` (LoRA's adapters) are drawn even when
+    every rank fills its own part (`pretrained`: a save_pretrained folder under the model's own
+    names, or a function read(name, dst, shape, box, flat) for another layout). Names in `fresh` (LoRA's adapters) are drawn even when
     the rest is read from `pretrained`. On the meta device (a rehearsal, launcher/planner/rehearse.py)
     the shapes are all there is: nothing is allocated or drawn."""
     if device.type == "meta":
@@ -289,11 +291,11 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
                     owner, _, leaf = name.rpartition(".")
                     setattr(model.get_submodule(owner), leaf, keep)
     init_buffers(model, device)
-    entries = None
-    if pretrained is not None:
+    read = pretrained if callable(pretrained) else None  # a reader of another layout (models/hf_adapter.py)
+    if pretrained is not None and read is None:
         from launcher.models import weights
 
-        entries = weights.index(pretrained)
+        read = functools.partial(_read, weights.index(pretrained))
     with torch.no_grad():
         done: set[int] = set()
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -302,8 +304,8 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
             done.add(id(p))
             key = canonical(name, tied)
             dst, shape, box, flat = local_part(p)
-            if entries is not None and key not in fresh:
-                _read(entries, key, dst, shape, box, flat)
+            if read is not None and key not in fresh:
+                read(key, dst, shape, box, flat)
             else:
                 fill(dst, shape, box, flat, specs[key], seed, key, device)
     global BUILT_PEAK_RSS
