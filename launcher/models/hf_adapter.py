@@ -67,6 +67,21 @@ def folder_config(path: str) -> dict:
     return raw
 
 
+def converted(model_type: str) -> str | None:
+    """model=hf, whose tensors did not match the folder's: why, when transformers converts
+    this model type's files at load (its conversion mapping: Mixtral's and Qwen's MoE experts
+    are stored one by one and fused in the model), which model=hf does not apply."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    if not get_checkpoint_conversion_mapping(model_type):
+        return None
+    where = ("read it into the project's decoder: a model config of its shape (model=mixtral_8x7b...) with "
+             "model.pretrained=DIR" if model_type in TYPES else f"the project's decoder lacks {LACKS[model_type]}"
+             if model_type in LACKS else "neither model=hf nor the project's decoder reads it")
+    return (f"model_type {model_type!r}: transformers renames and fuses this folder's tensors at load (its "
+            f"conversion mapping, the MoE experts stored one by one), which model=hf does not apply; {where}")
+
+
 def _rope(raw: dict) -> tuple[str, float]:
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     return rope.get("rope_type", rope.get("type", "default")), float(rope.get("rope_theta", raw.get("rope_theta", 1e4)))

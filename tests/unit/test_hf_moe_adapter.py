@@ -36,13 +36,14 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fused(tmp_path_factory, saved):
-    """The same weights under transformers' own fused names (mlp.experts.gate_up_proj), one file."""
+    """The same weights in bf16 (as real checkpoints are) under transformers' own fused names
+    (mlp.experts.gate_up_proj), one file."""
     from safetensors.torch import save_file
 
     folder = tmp_path_factory.mktemp("fused")
     shutil.copy(saved[0] / "config.json", folder)
-    save_file({k: v.contiguous() for k, v in saved[1].state_dict().items()}, folder / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in saved[1].state_dict().items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
     return folder
 
 
@@ -68,9 +69,16 @@ def test_a_mixtral_folder_gives_transformers_logits(saved, fused, layout):
     cfg = compose(*mixtral_args(folder))
     hf_adapter.check(cfg)
     gpt = models.build(cfg, CPU).eval()
+    if layout == "fused":  # transformers reads the bf16 folder into fp32 as the launcher does
+        from transformers import AutoModelForCausalLM
+
+        own = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        assert gpt.layers[0].feed_forward.experts.w1.dtype == torch.float32
+    else:
+        own = saved[1]
     x = tokens()
     with torch.no_grad():
-        got, want = gpt(x), saved[1](input_ids=x).logits
+        got, want = gpt(x), own(input_ids=x).logits
     diff = (got - want).abs().max().item()
     assert diff < 2e-5, diff
     assert len(routed(gpt, x)) >= 6  # the tokens spread over the experts: routing is part of what matched
@@ -179,6 +187,33 @@ def test_missing_or_extra_tensors_are_named(saved, tmp_path):
         with pytest.raises(ConfigError) as e:
             hf_adapter.check(compose(*mixtral_args(folder)))
         assert all(w in str(e.value) for w in words), (name, str(e.value))
+
+
+def test_a_dense_llama_folder_reads_into_the_dense_decoder(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_models import TINY_LLAMA
+
+    torch.manual_seed(0)
+    own = AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}))
+    own.eval().save_pretrained(tmp_path)
+    cfg = compose("model.vocab_size=300", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+                  "model.max_seq_len=256", "model.tie_embeddings=false", f"model.pretrained={tmp_path}")
+    hf_adapter.check(cfg)
+    gpt = models.build(cfg, CPU).eval()
+    x = tokens()
+    with torch.no_grad():
+        diff = (gpt(x) - own(input_ids=x).logits).abs().max().item()
+    assert diff < 2e-5, diff
+
+
+def test_model_hf_says_why_it_does_not_read_an_moe_folder(saved):
+    from launcher.models import hf
+
+    with pytest.raises(ConfigError) as e:
+        hf.check_weights(compose("model=hf", f"model.pretrained={saved[0]}").model)
+    assert "model_type 'mixtral'" in str(e.value) and "conversion mapping" in str(e.value), str(e.value)
+    assert "model=mixtral_8x7b" in str(e.value)
 
 
 def test_an_moe_mixtral_cannot_hold_is_not_exported_as_one(saved, tmp_path):
