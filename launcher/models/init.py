@@ -28,7 +28,6 @@ zero, biases zero, norms ones).
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import math
 import resource
@@ -269,9 +268,9 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
     """Storage on `storage` (default `device`) for what this rank holds (`to_empty`:
     untouched memory), its buffers computed (`init_buffers(model, device)`), its
     parameters drawn on `device` from `specs` or read from `pretrained`. No collective:
-    every rank fills its own part (`pretrained`: a save_pretrained folder under the model's own
-    names, or a function read(name, dst, shape, box, flat) for another layout). Names in `fresh` (LoRA's adapters) are drawn even when
-    the rest is read from `pretrained`. On the meta device (a rehearsal, launcher/planner/rehearse.py)
+    every rank fills its own part (`pretrained`: a save_pretrained folder under the model's
+    own names, or a function read(name, dst, shape, box, flat) for another layout). Names in
+    `fresh` (LoRA's adapters) are drawn even when the rest is read from `pretrained`. On the meta device (a rehearsal, launcher/planner/rehearse.py)
     the shapes are all there is: nothing is allocated or drawn."""
     if device.type == "meta":
         return model
@@ -291,11 +290,11 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
                     owner, _, leaf = name.rpartition(".")
                     setattr(model.get_submodule(owner), leaf, keep)
     init_buffers(model, device)
-    read = pretrained if callable(pretrained) else None  # a reader of another layout (models/hf_adapter.py)
-    if pretrained is not None and read is None:
+    entries = pretrained if callable(pretrained) else None  # a reader of another layout (models/hf_adapter.py)
+    if pretrained is not None and entries is None:
         from launcher.models import weights
 
-        read = functools.partial(_read, weights.index(pretrained))
+        entries = weights.index(pretrained)
     with torch.no_grad():
         done: set[int] = set()
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -304,8 +303,8 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
             done.add(id(p))
             key = canonical(name, tied)
             dst, shape, box, flat = local_part(p)
-            if read is not None and key not in fresh:
-                read(key, dst, shape, box, flat)
+            if entries is not None and key not in fresh:
+                _read(entries, key, dst, shape, box, flat)
             else:
                 fill(dst, shape, box, flat, specs[key], seed, key, device)
     global BUILT_PEAK_RSS
@@ -321,6 +320,8 @@ part of the model cost, before the recipe adds its engine (optimizer set-up, buc
 def _read(entries, key: str, dst: torch.Tensor, shape, box, flat) -> None:
     from launcher.models import weights
 
+    if callable(entries):
+        return entries(key, dst, shape, box, flat)
     entry = entries.get(key)
     if entry is None:
         raise weights.WeightsError(f"{key}: missing from {next(iter(entries.values())).file.parent}", key, None)
