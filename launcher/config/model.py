@@ -91,7 +91,10 @@ class ModelConfig:
     layout): the structure from its config.json, each rank reading only the tensor slices
     it holds, in fp32 (the master copy; precision.name decides the compute dtype); names
     must match the model's own (no key conversion: MoE folders that need transformers'
-    conversion mapping are refused). Exactly one of config/pretrained."""
+    conversion mapping are refused). Exactly one of config/pretrained.
+    gpt (the project's decoder): a Hugging Face Mixtral, Llama or Mistral folder read into
+    the decoder the fields above shape, which must be the folder's (checked against its
+    config.json at launch); each rank reads only its experts and rows (models/hf_adapter.py)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters over a frozen base (model.lora.rank > 0): see LoraConfig."""
     attn_implementation: HFAttention = HFAttention.sdpa

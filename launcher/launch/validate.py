@@ -198,6 +198,10 @@ def validate_gpt_model(cfg: Config) -> None:
         _positive("model.ffn_dim", m.ffn_dim)
     if t.seq_len > m.max_seq_len:
         raise ConfigError("train.seq_len", t.seq_len, f"must be <= model.max_seq_len={m.max_seq_len}")
+    if m.pretrained is not None:  # a Hugging Face folder read into the decoder: its shape and tensors
+        from launcher.models.hf_adapter import check
+
+        check(cfg)
 
 
 def validate_hf_model(cfg: Config) -> None:

@@ -93,8 +93,13 @@ def materialize(model: nn.Module, cfg: Config, device: torch.device, storage: to
 
         fresh = lora.init_specs(model, cfg.model.lora.rank)
         specs |= fresh
-    init.materialize(model, device, specs, cfg.train.seed, layout(cfg).tied_names(), init_buffers,
-                     cfg.model.pretrained if cfg.model.kind == ModelKind.hf else None, storage=storage, fresh=fresh)
+    pretrained = cfg.model.pretrained
+    if pretrained is not None and cfg.model.kind != ModelKind.hf and device.type != "meta":  # an HF folder, our decoder
+        from launcher.models import hf_adapter
+
+        pretrained = hf_adapter.reader(cfg.model)
+    init.materialize(model, device, specs, cfg.train.seed, layout(cfg).tied_names(), init_buffers, pretrained,
+                     storage=storage, fresh=fresh)
     if cfg.model.lora.base_dtype.value == "nf4" and cfg.model.lora.rank > 0 and device.type != "meta":
         from launcher.models import lora
 

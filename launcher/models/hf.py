@@ -394,4 +394,6 @@ def check_weights(m: ModelConfig) -> None:
     try:
         weights.check(weights.index(m.pretrained), expected, ignore=ignore)
     except weights.WeightsError as e:
-        raise ConfigError("model.pretrained", m.pretrained, str(e)) from None
+        from launcher.models.hf_adapter import converted
+
+        raise ConfigError("model.pretrained", m.pretrained, converted(hf_config(m).model_type) or str(e)) from None

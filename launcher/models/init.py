@@ -269,8 +269,9 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
     """Storage on `storage` (default `device`) for what this rank holds (`to_empty`:
     untouched memory), its buffers computed (`init_buffers(model, device)`), its
     parameters drawn on `device` from `specs` or read from `pretrained`. No collective:
-    every rank fills its own part. Names in `fresh` (LoRA's adapters) are drawn even when
-    the rest is read from `pretrained`. On the meta device (a rehearsal, launcher/planner/rehearse.py)
+    every rank fills its own part (`pretrained`: a save_pretrained folder under the model's
+    own names, or a function read(name, dst, shape, box, flat) for another layout). Names in
+    `fresh` (LoRA's adapters) are drawn even when the rest is read from `pretrained`. On the meta device (a rehearsal, launcher/planner/rehearse.py)
     the shapes are all there is: nothing is allocated or drawn."""
     if device.type == "meta":
         return model
@@ -290,8 +291,8 @@ def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpe
                     owner, _, leaf = name.rpartition(".")
                     setattr(model.get_submodule(owner), leaf, keep)
     init_buffers(model, device)
-    entries = None
-    if pretrained is not None:
+    entries = pretrained if callable(pretrained) else None  # a reader of another layout (models/hf_adapter.py)
+    if pretrained is not None and entries is None:
         from launcher.models import weights
 
         entries = weights.index(pretrained)
@@ -336,6 +337,8 @@ def full_numel(model: nn.Module, trainable: bool = False) -> int:
 def _read(entries, key: str, dst: torch.Tensor, shape, box, flat) -> None:
     from launcher.models import weights
 
+    if callable(entries):
+        return entries(key, dst, shape, box, flat)
     entry = entries.get(key)
     if entry is None:
         raise weights.WeightsError(f"{key}: missing from {next(iter(entries.values())).file.parent}", key, None)

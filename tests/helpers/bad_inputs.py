@@ -9,11 +9,12 @@ import tempfile
 from pathlib import Path
 
 from runs import REPO
-from hf_models import bad_hf_files, bad_hf_weights
+from hf_models import bad_hf_files, bad_hf_weights, bad_moe_folders, mixtral_args
 from chat_data import bad_chat_files, chat_tokenizer
 
 HF = bad_hf_files()  # small config folders for the model=hf rows
 W = bad_hf_weights()  # save_pretrained folders, one good and four broken
+MOE = bad_moe_folders()  # config.json of MoE folders the project's decoder does not read as configured
 # 31,307 uint16 tokens for data=memmap, at one path for every xdist worker (the rows' ids name it), replaced whole
 TOKENS = Path(tempfile.gettempdir()) / f"launcher-test-tokens-{os.getuid()}.bin"
 _fresh = Path(tempfile.mkstemp(dir=TOKENS.parent)[1])
@@ -246,6 +247,10 @@ CASES = [
      ["model.norm.weight in", f"{W['shape']}/model.safetensors", "shape (32,)", "(64,)"]),
     (["model=hf", f"model.pretrained={W['truncated']}", "recipe=pp"],
      [f"{W['truncated']}/model.safetensors", "model."]),
+    # a Hugging Face MoE folder into the project's decoder (launcher/models/hf_adapter.py)
+    (mixtral_args(MOE["mixtral_4_experts"]), ["model.moe.experts=8", "num_local_experts=4", "model.moe.experts=4"]),
+    (["model=moe_tiny", f"model.pretrained={MOE['qwen3_moe']}"], ["model_type 'qwen3_moe'", "q/k RMSNorm", "mixtral"]),
+    (["model=moe_tiny", f"model.pretrained={MOE['qwen2_moe']}"], ["model_type 'qwen2_moe'", "shared_expert_gate"]),
     (["model=hf", f"model.config={HF['no_such_model']}"], ["'no_such_model'", "not a model transformers", "offline"]),
     (["model=hf", f"model.config={HF['t5']}"], ["'t5'", "no causal-LM class"]),
     (["model=hf", f"model.config={HF['llama']}", "train.seq_len=512"], ["train.seq_len=512", "max_position_embeddings=256"]),

@@ -72,3 +72,45 @@ def bad_hf_weights() -> dict[str, Path]:
     file = root / "truncated" / "model.safetensors"
     os.truncate(file, file.stat().st_size - 100)
     return {p.name: p for p in root.iterdir()}
+
+
+TINY_MIXTRAL = dict(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
+                    rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+"""moe_tiny's shape with 2 layers, 2 KV heads and an untied head (MIXTRAL_ARGS says so)."""
+
+
+def mixtral_args(folder: Path) -> list[str]:
+    """The launcher's overrides for the project's decoder of TINY_MIXTRAL's shape, read from `folder`."""
+    return ["model=moe_tiny", "model.n_layers=2", "model.n_kv_heads=2", "model.tie_embeddings=false",
+            f"model.pretrained={folder}"]
+
+
+def tiny_mixtral(folder: Path, seed: int = 0, shard: str | None = "200KB", **changes):
+    """A tiny Mixtral made with transformers and saved with save_pretrained (several shards
+    and their index unless shard is None): its routers drawn wider than transformers' init
+    (std 0.5), so that tokens spread over the experts and routing decides. Returns the model."""
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(MixtralConfig(**{**TINY_MIXTRAL, **changes})).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+def bad_moe_folders() -> dict[str, Path]:
+    """config.json-only folders for the bad-input table: a Mixtral of 4 experts (moe_tiny has
+    8), a Qwen3-MoE and a Qwen2-MoE (architectures the project's decoder lacks)."""
+    root = session_folder("launcher-moe-bad-")
+    configs = {"mixtral_4_experts": {"model_type": "mixtral", **TINY_MIXTRAL, "num_local_experts": 4},
+               "qwen3_moe": {"model_type": "qwen3_moe", "hidden_size": 128, "head_dim": 64},
+               "qwen2_moe": {"model_type": "qwen2_moe", "hidden_size": 128}}
+    for name, fields in configs.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(fields))
+    return {p.name: p for p in root.iterdir()}

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bad_inputs import CASES, CHAT, HF, TOK, W
+from bad_inputs import CASES, CHAT, HF, MOE, TOK, W
 from runs import REPO
 from launcher.launch import cli
 
@@ -19,7 +19,8 @@ def case_id(overrides: list[str]) -> str:
     temporary folders by name."""
     text = " ".join(overrides)
     for name, folder in {"<hf>": next(iter(HF.values())).parent, "<weights>": next(iter(W.values())).parent,
-                         "<chat>": next(iter(CHAT.values())).parent, "<tok>": TOK}.items():
+                         "<chat>": next(iter(CHAT.values())).parent, "<tok>": TOK,
+                         "<moe>": next(iter(MOE.values())).parent}.items():
         text = text.replace(str(folder), name)
     return text
 
