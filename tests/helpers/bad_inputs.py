@@ -207,7 +207,8 @@ CASES = [
      ["recipe.zero.extra.train_batch_size=64", "contradicts", "16", "train.global_batch"]),
     (["recipe=zero3", "++recipe.zero.extra.zero_optimization.stage=2"],
      ["recipe.zero.extra.zero_optimization.stage=2", "contradicts", "recipe.zero.stage"]),
-    (["recipe=zero2", "++recipe.zero.extra.bf16.enabled=false"], ["recipe.zero.extra.bf16.enabled=false", "precision"]),
+    (["recipe=zero2", "precision=bf16", "++recipe.zero.extra.bf16.enabled=false"],
+     ["recipe.zero.extra.bf16.enabled=false", "precision"]),
     (["recipe=zero2", "+recipe.zero.extra.scheduler.type=WarmupCosineLR"],
      ["recipe.zero.extra.scheduler", "lr_factor"]),
     (["cluster.runner=deepspeed"], ["cluster.runner=deepspeed", "recipe.strategy=zero", "cluster.runner=torchrun"]),
@@ -325,5 +326,5 @@ CASES = [
     (["model=moe_tiny", "recipe=pp"], ["parallel.pp=2", "an MoE model"]),
     (["parallel.ep=2"], ["parallel.ep=2", "needs an MoE model", "model=moe_tiny"]),
     (["model=moe_tiny", "parallel.ep=0"], ["parallel.ep=0", ">= 1"]),
-    (["model=moe_tiny", "recipe=zero2", "parallel.ep=2"], ["parallel.ep=2", "recipe zero has no expert parallel"]),
+    (["model=moe_tiny", "recipe=zero2", "parallel.ep=2"], ["parallel.ep=2", "recipe zero2 has no expert parallel", "recipe=fsdp"]),
 ]
