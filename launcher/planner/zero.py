@@ -95,7 +95,26 @@ def zero_states(stage: int, psi: float, world: int, grad_accum: int = 1, offload
     `overlap_comm`): made at backward's start and freed at its end (stage_1_and_2.py:3256-3277
     `setup_buckets`, 924-932 `_release_ipg_buffers`), never at the step (measured); and,
     each under 2% here, padding of the shards to the world size, Adam's step counters.
-    Offload moves the fp32 master, the moments and the fp32 gradient shard to host memory.
+    Offload: _offloaded.
+    """
+    n, p, w = world, psi, weight_bytes
+    if stage == 0:
+        return {"params": (2 * p, 0.0), "grads": (6 * p, 0.0), "optim": (12 * p, 0.0)}
+    edges = w * straddle if stage in (1, 2) else 0
+    kept = w * kept_whole if stage == 3 and n > 1 else 0.0
+    buckets = w * bucket if stage == 3 else 0.0
+    whole = w * p if stage == 1 and grad_accum > 1 else 0.0  # stage 1 accumulates into whole gradients
+    params = w * p / n if stage == 3 else w * p
+    if offload_optimizer:
+        return _offloaded(stage, p, n, w, grad_accum, offload_param, largest_param, edges, kept, buckets, whole, params)
+    grad_shards = (w * p / n + 4 * (p / n if sub_group is None else sub_group)) if stage == 3 else (w + 4) * p / n
+    grads = max(whole, grad_shards + edges) if stage == 1 else grad_shards + edges + buckets
+    return {"params": (params + kept, 0.0), "grads": (grads, 0.0), "optim": (12 * p / n, 0.0)}
+
+
+def _offloaded(stage: int, p: float, n: int, w: int, grad_accum: int, offload_param: bool, largest_param: int,
+               edges: float, kept: float, buckets: float, whole: float, params: float) -> dict[str, tuple[float, float]]:
+    """Optimizer offload: moves the fp32 master, the moments and the fp32 gradient shard to host memory.
     Stage 1/2 keep a copy of the own weight shard for the upload (wΨ/N, counted with the
     weights) in host memory: `temp_buffer_bit16` is made on the fp32 master shard's device,
     the CPU under offload, and pinned (stage_1_and_2.py:278, 560-575) and one copy buffer of the largest parameter on each side
@@ -114,26 +133,13 @@ def zero_states(stage: int, psi: float, world: int, grad_accum: int = 1, offload
     host memory, 4Ψ/N in all: stage3.py:1336-1342). Llama 3 70B on 8 ranks: S = 1.0e9 of
     Ψ/N = 8.8e9 elements, 35 GB of fp32 gradient become 4.
     """
-    n, p, w = world, psi, weight_bytes
-    optim, grad_shards = 12 * p / n, (w + 4) * p / n
-    edges = w * straddle if stage in (1, 2) else 0
-    if stage == 0:
-        return {"params": (2 * p, 0.0), "grads": (6 * p, 0.0), "optim": (12 * p, 0.0)}
-    kept = w * kept_whole if stage == 3 and n > 1 else 0.0
-    buckets = w * bucket if stage == 3 else 0.0
-    whole = w * p if stage == 1 and grad_accum > 1 else 0.0  # stage 1 accumulates into whole gradients
-    params = w * p / n if stage == 3 else w * p
-    if not offload_optimizer:
-        if stage == 3:
-            grad_shards = w * p / n + 4 * (p / n if sub_group is None else sub_group)
-        grads = max(whole, grad_shards + edges) if stage == 1 else grad_shards + edges + buckets
-        return {"params": (params + kept, 0.0), "grads": (grads, 0.0), "optim": (optim, 0.0)}
+    optim = 12 * p / n
     if stage in (1, 2):
         copy = w * largest_param
         accumulated = w * p / n + edges if grad_accum > 1 else 0.0
         return {"params": (params, w * p / n), "grads": (whole + copy, 4 * p / n + accumulated + copy),
                 "optim": (0.0, optim)}
-    return {"params": (kept, params) if offload_param else (params + kept, 0.0), "grads": (buckets, grad_shards),
+    return {"params": (kept, params) if offload_param else (params + kept, 0.0), "grads": (buckets, (w + 4) * p / n),
             "optim": (0.0, optim)}
 
 
