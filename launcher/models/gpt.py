@@ -40,9 +40,9 @@ class RMSNorm(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
-        hidden = ffn_dim(cfg)
+        hidden = hidden or ffn_dim(cfg)  # an MoE's shared expert: its own width
         self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
         self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, cfg.dim, bias=False)

@@ -30,6 +30,7 @@ from torch import nn
 
 from launcher.config import MoEBalance, MoEConfig, MoEScore, ModelConfig, expert_dim
 from launcher.models.experts import Experts
+from launcher.models.gpt import FeedForward
 from launcher.models.init import InitSpec
 
 _AUX: list[torch.Tensor] = []
@@ -89,19 +90,6 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x): the shared expert (the dense FeedForward's names)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class MoE(nn.Module):
     """The feed-forward of an MoE block: routed experts plus the optional shared ones."""
 
@@ -110,7 +98,7 @@ class MoE(nn.Module):
         hidden = expert_dim(cfg)
         self.router = Router(cfg.dim, cfg.moe)
         self.experts = Experts(cfg.moe.experts, cfg.dim, hidden, cfg.moe.capacity_factor)
-        self.shared = SwiGLU(cfg.dim, cfg.moe.shared_experts * hidden) if cfg.moe.shared_experts else None
+        self.shared = FeedForward(cfg, cfg.moe.shared_experts * hidden) if cfg.moe.shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.size(-1))
