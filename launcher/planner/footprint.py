@@ -303,8 +303,7 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
         return max(per_rank) if pp_rank is None else per_rank[pp_rank]
     return _split(where, cfg, M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp, loss_chunks=loss_slices(cfg, layout, b),
                                                  cp=layout.cp, sp=sp) + lora_activations(cfg, layout, ac, b, n)
-                  + moe.activation_delta(m, M.Shape.of(m, b, s), n, ac, every, layout.ep,
-                                         zero3=layout.shard == "zero3" and not layout.fsdp),
+                  + moe.activation_delta(m, M.Shape.of(m, b, s), n, ac, every, layout.ep),
                   _offloaded(m, b, s, n, ac, every, m.n_layers, layout.tp, 1, 0, layout.cp, sp)) + (
         M.document_mask(cfg, b, s, n) if where == "device" else 0)
 

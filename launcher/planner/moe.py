@@ -94,8 +94,8 @@ def ffn_bytes(m: ModelConfig, x: M.Shape, n: M.Numerics, R: int, ep: int = 1) ->
                its source); under ep also the received rows' order (8 R) and the outputs put
                back in it (r R h: index_copy keeps its source), the all-to-alls save nothing
       shared   4 c N f_s (f_s = shared_experts x f), as a dense SwiGLU
-      autocast casts the expert weights again every forward (it caches only whole parameters
-               used as they are): 3 c (E/ep) h f, beside the weight copies
+      autocast the experts' SwiGLU casts the stacked weights every forward and keeps the
+               copies for backward (experts.py::_SwiGLU): 3 c (E/ep) h f, beside the weight copies
     Checked to the byte against autograd at ep=1 in fp32 and bf16 parameters
     (tests/unit/test_moe_plan.py); CPU ranks cannot run an MoE under autocast (the experts'
     bf16 rows into fp32 tokens), so that regime follows the GPU's grouped path, unmeasured
@@ -136,15 +136,13 @@ def rank_block_params(m: ModelConfig, i: int, ep: int) -> int:
     return local
 
 
-def activation_delta(m: ModelConfig, x: M.Shape, n: M.Numerics, ac: ACMode, every: int, ep: int = 1,
-                     zero3: bool = False) -> int:
+def activation_delta(m: ModelConfig, x: M.Shape, n: M.Numerics, ac: ACMode, every: int, ep: int = 1) -> int:
     """What the MoE blocks save beyond memory.activation_bytes's dense count: each kept MoE
     block's feed-forward in place of a dense one, and autocast's weight copies of the blocks
-    as they are (memory.weight_copies counts block 0's weights for each). DeepSpeed's ZeRO-3
-    (`zero3`) releases a module's gathered weights after its forward by swapping each
-    parameter's data, but the experts run on slices of them (w1[e]) that autograd keeps: each
-    kept MoE block holds its experts gathered until its backward (c x 3 E h f; measured:
-    tests/e2e/test_plan_runs.py). FSDP2 frees the storage itself: its slices hold nothing."""
+    as they are (memory.weight_copies counts block 0's weights for each). Nothing for ZeRO-3's
+    gathered experts: the experts' SwiGLU saves the stacked weights themselves, not slices of
+    them (launcher/models/experts.py::_SwiGLU), so DeepSpeed releases them after forward as a
+    dense layer's (measured: tests/e2e/test_plan_runs.py::test_the_plan_holds_for_an_moe)."""
     if not enabled(m):
         return 0
     R = rows(m, x.b * x.s, ep)
@@ -152,7 +150,6 @@ def activation_delta(m: ModelConfig, x: M.Shape, n: M.Numerics, ac: ACMode, ever
     for i in kept_blocks(m, ac, every):
         if is_moe_block(m, i):
             delta += ffn_bytes(m, x, n, R, ep) - dense_ffn_bytes(x, n)
-            delta += 3 * n.compute * (m.moe.experts // ep) * m.dim * expert_dim(m) if zero3 else 0
         if n.autocast:
             delta += n.compute * (rank_block_params(m, i, ep) - x.block_params)
     return delta
