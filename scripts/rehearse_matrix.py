@@ -13,9 +13,9 @@ launcher.planner.rehearse.TOLERANCE; docs/memory.md shows its table.
 Layouts are the ones the recipes build: fsdp, tp_fsdp (tp=8 inside a node), pp x tp
 (the ranks beyond the stages are data-parallel replicas), pp_fsdp (pp x fsdp, pp x tp x
 fsdp with sequence parallel) and zero3 (DeepSpeed builds it on the host: its parameter
-partition against the plan); the MoEs under fsdp, at ep=1 (FSDP cuts the stacked experts in
-whole rows: Mixtral's 8 over 64 ranks leave a whole expert on each of the first 8 ranks and
-none on the last, both planned) and at ep=8 and ep=64 (launcher/planner/moe.py). Each runs at sequence 8192 with full
+partition against the plan); the MoEs under fsdp, at ep=1 and at ep=8 and ep=64 (FSDP cuts
+Mixtral's 8 stacked experts on dimension 1, being fewer than the ranks sharding them:
+launcher/parallel/experts.py::expert_placement; launcher/planner/moe.py). Each runs at sequence 8192 with full
 activation checkpointing and micro-batch 1 (pp: 2 x pp micro-batches a step) on 80 GiB
 devices, so the planner's verdict on the step is that of a real job's settings.
 """

@@ -9,9 +9,10 @@ Where the states live under parallel.ep (torchtitan's layout): the dense weights
 the routed experts) over the dp x cp data-parallel ranks as without ep; the routed experts
 E/ep to a rank of each ep group, and those over the n/ep ranks that hold the same experts
 (FSDP shards them there, ddp replicates them). FSDP2 cuts each stacked expert weight on its
-first dimension, E/ep, into ceil(E/ep / (n/ep)) rows a rank: with fewer local experts than
-ranks (Mixtral's 8 on 16 ranks) rank 0 holds a whole expert and the last ranks none, up to
-twice the mean. The ZeRO recipes flatten everything (ep = 1): the dense formulas hold.
+first dimension, E/ep, in whole experts while they are at least as many as those ranks;
+with fewer (Mixtral's 8 on 16 ranks) on its second, so every rank holds its share of each
+expert (launcher/parallel/experts.py::expert_placement; torchtitan's rule). The ZeRO
+recipes flatten everything (ep = 1): the dense formulas hold.
 
 Dispatch. The rows (token, expert pairs) a rank's experts run on a micro-batch of N tokens
 a rank: N k when the router balances; with moe.capacity_factor cf at most E x ceil(cf N k / E)
@@ -55,18 +56,27 @@ def outside_ddp(m: ModelConfig, ep: int) -> int:
 
 def fsdp_elements(m: ModelConfig, n: int, ep: int, index: int = 0) -> int:
     """Elements FSDP leaves on a rank of n = dp x cp (`index`: its place among them; 0, the
-    rank holding the most, by default): the dense parameters' n-th, and of each stacked
-    expert weight (E/ep, a, b) the rank's chunk of ceil(E/ep / (n/ep)) rows x a x b (torch.chunk's,
-    as FSDP2 cuts dimension 0: the last ranks may hold none), at its place index // ep among
-    the n/ep ranks that hold the same experts (launcher/parallel/experts.py::split_mesh)."""
+    rank holding the most, by default): the dense parameters' n-th, and of the routed experts
+    the rank's piece among the n/ep ranks that hold the same E/ep experts, at place index // ep
+    (launcher/parallel/experts.py::split_mesh). Each piece is torch.chunk's, as FSDP2 cuts:
+    on dimension 0 (whole experts) while the experts are at least as many as those ranks,
+    else on dimension 1 (w1, w3: the expert width; w2: dim), as expert_placement picks."""
     c = M.ParamCounts.of(m)
     dense = c.total - c.expert_total
     if not c.expert_total:
         return dense // n
-    local, ranks = m.moe.experts // ep, max(1, n // ep)
-    step, j = -(-local // ranks), index // ep
-    held = max(0, min(local, (j + 1) * step) - j * step)
-    return dense // n + c.expert_total // ep * held // local
+    local, ranks, j = m.moe.experts // ep, max(1, n // ep), index // ep
+    if local >= ranks:
+        return dense // n + c.expert_total // ep * _chunk(local, ranks, j) // local
+    blocks = sum(is_moe_block(m, i) for i in range(m.n_layers))
+    h, f = m.dim, expert_dim(m)
+    return dense // n + blocks * local * (2 * _chunk(f, ranks, j) * h + _chunk(h, ranks, j) * f)
+
+
+def _chunk(size: int, ranks: int, j: int) -> int:
+    """Rows of `size` torch.chunk gives piece j of `ranks` (ceil-sized; the last ones may hold none)."""
+    step = -(-size // ranks)
+    return max(0, min(size, (j + 1) * step) - j * step)
 
 
 def rows(m: ModelConfig, tokens: int, ep: int = 1, worst: bool = False) -> int:
