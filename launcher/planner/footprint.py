@@ -134,7 +134,7 @@ def model_states(cfg: Config, layout: Layout, pp_rank: int | None = None,
                 where, host)
     if layout.shard == "none":
         params, grads, optim = 4 * P, 4 * P, optimizer_states(cfg, P, 1)
-    elif layout.fsdp:  # model.moe: the experts over their own ranks, in whole rows (moe.fsdp_elements)
+    elif layout.fsdp:  # model.moe: the experts over their own ranks, on dim 0 or 1 (moe.fsdp_elements)
         S = moe.fsdp_elements(cfg.model, n, layout.ep, shard_rank) * n if moe.enabled(cfg.model) else P  # n x the rank's
         params, grads, optim = 4 * S // n, 4 * S // n, optimizer_states(cfg, S, n)
     else:
