@@ -50,9 +50,10 @@ from launcher.rank.entry import build_engine
 PARTS = ("params", "grads", "optim")
 
 
-def offered(model: str, world: int, recipes: list[str]) -> list[planner.Layout]:
-    """The layouts `make plan` offers on `world` ranks of one node, for these recipes."""
-    cfg, _, _ = compose_config([f"model={model}"])
+def offered(model: str, world: int, recipes: list[str], overrides: tuple[str, ...] = ()) -> list[planner.Layout]:
+    """The layouts `make plan` offers on `world` ranks of one node, for these recipes, for the
+    model as the model.* overrides shape it (model.moe.experts sets the expert-parallel degrees)."""
+    cfg, _, _ = compose_config([f"model={model}", *(o for o in overrides if o.startswith("model."))])
     hw = planner.Hardware(gpu_bytes=0, gpus_per_node=world, nnodes=1, tflops=planner.DEFAULT_TFLOPS)
     return planner.candidates(cfg, hw, recipe_configs(set(recipes)))
 
@@ -146,7 +147,7 @@ def _run(args, rank: int, world: int, device, scratch: Path) -> list[dict]:
     typed = group_configs("precision", set(precisions))
     rows = []
     for model, optim in itertools.product(args.models.split(","), args.optims.split(",")):
-        for layout in offered(model, world, recipes):
+        for layout in offered(model, world, recipes, tuple(args.overrides)):
             for mb in [int(b) for b in args.micro_batches.split(",")]:
                 composed = compose(layout, model, mb, args.seq_len, world, optim, tuple(args.overrides))
                 for precision in precisions:

@@ -13,10 +13,9 @@ launcher.planner.rehearse.TOLERANCE; docs/memory.md shows its table.
 Layouts are the ones the recipes build: fsdp, tp_fsdp (tp=8 inside a node), pp x tp
 (the ranks beyond the stages are data-parallel replicas), pp_fsdp (pp x fsdp, pp x tp x
 fsdp with sequence parallel) and zero3 (DeepSpeed builds it on the host: its parameter
-partition against the plan); the MoEs under fsdp, at ep=1 (FSDP cuts the stacked experts in
-whole rows: Mixtral's 8 over 64 ranks leave a whole expert on each of the first 8 ranks and
-none on the last, both planned) and, where the fsdp recipe has expert parallel, at ep=8 and
-ep=64 (launcher/planner/moe.py). Each runs at sequence 8192 with full
+partition against the plan); the MoEs under fsdp, at ep=1 and at ep=8 and ep=64 (FSDP cuts
+Mixtral's 8 stacked experts on dimension 1, being fewer than the ranks sharding them:
+launcher/parallel/experts.py::expert_placement; launcher/planner/moe.py). Each runs at sequence 8192 with full
 activation checkpointing and micro-batch 1 (pp: 2 x pp micro-batches a step) on 80 GiB
 devices, so the planner's verdict on the step is that of a real job's settings.
 """
@@ -59,13 +58,11 @@ EXPERT_PARALLEL: list[tuple[str, int, list[str]]] = [
     ("mixtral_8x22b", 8, ["recipe=fsdp", "parallel.ep=8"]),
     ("deepseek_v3", 32, ["recipe=fsdp", "parallel.ep=64"]),
 ]
-"""Rehearsed once the fsdp recipe has expert parallel (recipes' Parallelism.ep)."""
+"""The MoEs under the fsdp recipe's expert parallel (launcher/parallel/experts.py)."""
 
 
 def layouts() -> list[tuple[str, int, list[str]]]:
-    import recipes
-
-    return MATRIX + (EXPERT_PARALLEL if recipes.spec("fsdp").parallelism.ep else [])
+    return MATRIX + EXPERT_PARALLEL
 
 
 def rehearse_one(model: str, nodes: int, overrides: list[str]) -> dict:
@@ -83,7 +80,8 @@ def rehearse_one(model: str, nodes: int, overrides: list[str]) -> dict:
     result = R.rehearse(cfg, world, 8, int(cfg.cluster.gpu_memory_gb * 2**30))
     row = {**result.to_dict(), "seconds": time.perf_counter() - started}
     for r in row["ranks"]:
-        r.pop("shards")
+        experts = [s["local"] for s in r.pop("shards") if s["name"].endswith("experts.w1")]
+        r["experts_w1"] = experts[0] if experts else None  # the local shape of a routed-expert weight
     print(f"{model} {result.layout.label} on {world} ranks: {len(result.ranks)} ranks in {row['seconds']:.1f} s, "
           f"largest difference {100 * result.worst.difference:+.2f}% (rank {result.worst.rank})", flush=True)
     return row

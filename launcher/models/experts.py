@@ -139,23 +139,84 @@ def within_capacity(counts: torch.Tensor, cap: int) -> torch.Tensor:
 def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
                counts: torch.Tensor) -> torch.Tensor:
     """Rows x (sum(counts), dim), grouped by expert (counts[e] rows for expert e), through their
-    expert's SwiGLU: w2 (silu(w1 x) * w3 x). Under autocast, in its dtype."""
+    expert's SwiGLU: w2 (silu(w1 x) * w3 x). Under autocast, in its dtype (the grouped path:
+    bf16 matmuls, out in x's dtype)."""
     if (x.is_cuda and hasattr(torch, "_grouped_mm") and x.size(0) > 0 and torch.is_autocast_enabled("cuda")
             and torch.get_autocast_dtype("cuda") == torch.bfloat16):  # fp32 runs keep fp32 matmuls
-        return _grouped(x, w1, w2, w3, counts)
-    # An expert with no rows still runs (on none): its weights get a zero gradient, as DDP's
-    # reducer and ZeRO's hooks expect of every parameter in every step.
-    outs = [F.linear(F.silu(F.linear(chunk, w1[e])) * F.linear(chunk, w3[e]), w2[e])
-            for e, chunk in enumerate(torch.split(x, counts.tolist()))]
-    return torch.cat(outs)
+        return _SwiGLU.apply(x, w1, w2, w3, counts, True, torch.bfloat16).to(x.dtype)
+    dev = x.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    return _SwiGLU.apply(x, w1, w2, w3, counts, False, dtype)
 
 
-def _grouped(x, w1, w2, w3, counts):
-    """torch._grouped_mm over the groups (offsets: the cumulative rows, int32), in bf16 as it needs."""
-    dtype = torch.bfloat16
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    with torch.autocast("cuda", enabled=False):
-        xb = x.to(dtype)
-        h = F.silu(torch._grouped_mm(xb, w1.to(dtype).transpose(-2, -1), offs=offs)) * \
-            torch._grouped_mm(xb, w3.to(dtype).transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(h, w2.to(dtype).transpose(-2, -1), offs=offs).to(x.dtype)
+class _SwiGLU(torch.autograd.Function):
+    """The experts' SwiGLU over their grouped rows, with its backward written out, so that
+    autograd keeps the rows' activations and the stacked weights themselves, never a slice
+    w[e] of them: a slice holds the storage of the whole gathered tensor, which DeepSpeed's
+    ZeRO-3 (it releases a module's parameters after forward by swapping each one's data)
+    could then not free until the block's backward (3 E h f elements a kept block; Mixtral-8x7B:
+    2.8 GB in bf16). Saved: the rows, h1 = w1 x, silu(h1), h3 = w3 x, their product (as
+    autograd saves them for the same ops), and the weights in the matmuls' dtype (a cast is a
+    copy, kept as autograd keeps it; no cast: the parameters, which ZeRO-3 gathers again for
+    backward as it does for a dense Linear's). An expert with no rows gets a zero gradient,
+    as DDP's reducer and ZeRO's hooks expect of every parameter in every step."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, w3, counts, grouped: bool, dtype: torch.dtype):
+        mm = _GroupedOps(counts) if grouped else _LoopOps(counts)
+        with torch.autocast(x.device.type, enabled=False):
+            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+            h1, h3 = mm.forward(x, w1), mm.forward(x, w3)
+            a = F.silu(h1)
+            p = a * h3
+            y = mm.forward(p, w2)
+        ctx.mm = mm
+        ctx.save_for_backward(x, w1, w2, w3, h1, a, h3, p)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w1, w2, w3, h1, a, h3, p = ctx.saved_tensors
+        mm = ctx.mm
+        with torch.autocast(dy.device.type, enabled=False):
+            dy = dy.to(p.dtype)
+            dp = mm.input_grad(dy, w2)
+            dw2 = mm.weight_grad(dy, p)
+            s = torch.sigmoid(h1)
+            dh1 = dp * h3 * s * (1 + h1 * (1 - s))  # silu'(h) = s (1 + h (1 - s))
+            dh3 = dp * a
+            dx = mm.input_grad(dh1, w1) + mm.input_grad(dh3, w3)
+            dw1, dw3 = mm.weight_grad(dh1, x), mm.weight_grad(dh3, x)
+        return dx, dw1, dw2, dw3, None, None, None
+
+
+class _LoopOps:
+    """The three products of a grouped matmul, one expert at a time (CPU, fp32)."""
+
+    def __init__(self, counts: torch.Tensor):
+        self.sizes = counts.tolist()
+
+    def forward(self, x, w):  # rows of expert e times w[e]^T
+        return torch.cat([F.linear(c, w[e]) for e, c in enumerate(torch.split(x, self.sizes))])
+
+    def input_grad(self, dy, w):  # rows of expert e times w[e]
+        return torch.cat([c @ w[e] for e, c in enumerate(torch.split(dy, self.sizes))])
+
+    def weight_grad(self, dy, x):  # (E, out, in): expert e's rows, dy^T x
+        return torch.stack([g.t() @ c for g, c in zip(torch.split(dy, self.sizes), torch.split(x, self.sizes))])
+
+
+class _GroupedOps:
+    """The same with torch._grouped_mm (offsets: the cumulative rows, int32)."""
+
+    def __init__(self, counts: torch.Tensor):
+        self.offs = torch.cumsum(counts, 0, dtype=torch.int32)
+
+    def forward(self, x, w):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=self.offs)
+
+    def input_grad(self, dy, w):
+        return torch._grouped_mm(dy, w, offs=self.offs)
+
+    def weight_grad(self, dy, x):
+        return torch._grouped_mm(dy.t(), x, offs=self.offs)

@@ -8,7 +8,8 @@ world) are cut into groups of ep neighbours: ep rank r of a group holds experts
 experts (torchtitan's "efsdp": world / ep of them). So
 
     fsdp: experts Shard(0) DTensors over the ep ranks, FSDP-sharded again over the efsdp
-          ranks (a 2-D DTensor as tensor parallel + FSDP makes; DCP reshards it to any ep);
+          ranks (a 2-D DTensor as tensor parallel + FSDP makes; DCP reshards it to any ep),
+          on dimension 1 where those ranks outnumber the E/ep experts (expert_placement);
     ddp:  experts plain local tensors, left out of DDP and averaged over the efsdp ranks
           after backward (reduce_expert_grads).
 
@@ -76,15 +77,33 @@ def shard_locally(model: nn.Module, group: dist.ProcessGroup) -> None:
 def expert_fsdp(model: nn.Module, efsdp_mesh, divide: int, kwargs: dict, reshard: bool) -> None:
     """fully_shard each Experts over the efsdp ranks (before its block's fully_shard, which
     then leaves them to it), its reduce-scatter divided by the whole data-parallel size
-    `divide` (see the module's note). gloo has no pre-multiplied sum: it sums, then divides
-    (not on one efsdp rank, where torch 2.13's FSDP would divide twice)."""
+    `divide` (see the module's note), on the dimension expert_placement picks. gloo has no
+    pre-multiplied sum: it sums, then divides (not on one efsdp rank, where torch 2.13's
+    FSDP would divide twice)."""
     from torch.distributed.fsdp import fully_shard
 
     for _, m in experts_of(model):
-        fully_shard(m, mesh=efsdp_mesh, reshard_after_forward=reshard, **kwargs)
+        place = expert_placement(m, efsdp_mesh.size(), dist.get_world_size(m.ep_group))
+        fully_shard(m, mesh=efsdp_mesh, reshard_after_forward=reshard, shard_placement_fn=place, **kwargs)
         m.set_gradient_divide_factor(float(divide))
         if dist.get_backend() == "gloo" and efsdp_mesh.size() > 1:
             m.set_force_sum_reduction_for_comms(True)
+
+
+def expert_placement(module: nn.Module, ranks: int, ep: int = 1):
+    """FSDP2's shard_placement_fn for the routed experts under `module` sharded over `ranks`:
+    Shard(1) where the ranks outnumber the experts each ep rank holds (E/ep), else None
+    (FSDP's own Shard(0)); None for a module without such experts. Dimension 0 cut in whole
+    experts over more ranks than experts leaves a whole expert on the first ranks and none
+    on the last (Mixtral's 8 over 16: twice the mean on rank 0, and FSDP pads every rank to
+    it); dimension 1 (w1, w3: the expert width; w2: dim) splits every expert evenly, as
+    torchtitan does (torchtitan/distributed/fsdp.py)."""
+    from torch.distributed.tensor import Shard
+
+    stacked = {id(getattr(m, w)) for _, m in experts_of(module) if m.num_experts // ep < ranks for w in WEIGHTS}
+    if not stacked:
+        return None
+    return lambda p: Shard(1) if id(p) in stacked else None
 
 
 def join_expert_files(folder, model: dict, states: dict | None = None) -> None:

@@ -103,8 +103,11 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, cfg: C.Config, device_t
         from launcher.parallel.experts import expert_fsdp
 
         expert_fsdp(model, efsdp, shards, dict(mp_policy=mp, offload_policy=offload), opts.reshard_after_forward)
-    for layer in held_blocks(model):
-        fully_shard(layer, reshard_after_forward=opts.reshard_after_forward, **kwargs)
+    from launcher.parallel.experts import expert_placement
+
+    for layer in held_blocks(model):  # ep = 1: the experts with their block, on dimension 1 where needed
+        place = expert_placement(layer, mesh.size()) if efsdp is None else None
+        fully_shard(layer, reshard_after_forward=opts.reshard_after_forward, shard_placement_fn=place, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
 
 

@@ -134,7 +134,7 @@ def model_states(cfg: Config, layout: Layout, pp_rank: int | None = None,
                 where, host)
     if layout.shard == "none":
         params, grads, optim = 4 * P, 4 * P, optimizer_states(cfg, P, 1)
-    elif layout.fsdp:  # model.moe: the experts over their own ranks, in whole rows (moe.fsdp_elements)
+    elif layout.fsdp:  # model.moe: the experts over their own ranks, on dim 0 or 1 (moe.fsdp_elements)
         S = moe.fsdp_elements(cfg.model, n, layout.ep, shard_rank) * n if moe.enabled(cfg.model) else P  # n x the rank's
         params, grads, optim = 4 * S // n, 4 * S // n, optimizer_states(cfg, S, n)
     else:
@@ -303,8 +303,7 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
         return max(per_rank) if pp_rank is None else per_rank[pp_rank]
     return _split(where, cfg, M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp, loss_chunks=loss_slices(cfg, layout, b),
                                                  cp=layout.cp, sp=sp) + lora_activations(cfg, layout, ac, b, n)
-                  + moe.activation_delta(m, M.Shape.of(m, b, s), n, ac, every, layout.ep,
-                                         zero3=layout.shard == "zero3" and not layout.fsdp),
+                  + moe.activation_delta(m, M.Shape.of(m, b, s), n, ac, every, layout.ep),
                   _offloaded(m, b, s, n, ac, every, m.n_layers, layout.tp, 1, 0, layout.cp, sp)) + (
         M.document_mask(cfg, b, s, n) if where == "device" else 0)
 

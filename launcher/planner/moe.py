@@ -9,9 +9,10 @@ Where the states live under parallel.ep (torchtitan's layout): the dense weights
 the routed experts) over the dp x cp data-parallel ranks as without ep; the routed experts
 E/ep to a rank of each ep group, and those over the n/ep ranks that hold the same experts
 (FSDP shards them there, ddp replicates them). FSDP2 cuts each stacked expert weight on its
-first dimension, E/ep, into ceil(E/ep / (n/ep)) rows a rank: with fewer local experts than
-ranks (Mixtral's 8 on 16 ranks) rank 0 holds a whole expert and the last ranks none, up to
-twice the mean. The ZeRO recipes flatten everything (ep = 1): the dense formulas hold.
+first dimension, E/ep, in whole experts while they are at least as many as those ranks;
+with fewer (Mixtral's 8 on 16 ranks) on its second, so every rank holds its share of each
+expert (launcher/parallel/experts.py::expert_placement; torchtitan's rule). The ZeRO
+recipes flatten everything (ep = 1): the dense formulas hold.
 
 Dispatch. The rows (token, expert pairs) a rank's experts run on a micro-batch of N tokens
 a rank: N k when the router balances; with moe.capacity_factor cf at most E x ceil(cf N k / E)
@@ -55,18 +56,27 @@ def outside_ddp(m: ModelConfig, ep: int) -> int:
 
 def fsdp_elements(m: ModelConfig, n: int, ep: int, index: int = 0) -> int:
     """Elements FSDP leaves on a rank of n = dp x cp (`index`: its place among them; 0, the
-    rank holding the most, by default): the dense parameters' n-th, and of each stacked
-    expert weight (E/ep, a, b) the rank's chunk of ceil(E/ep / (n/ep)) rows x a x b (torch.chunk's,
-    as FSDP2 cuts dimension 0: the last ranks may hold none), at its place index // ep among
-    the n/ep ranks that hold the same experts (launcher/parallel/experts.py::split_mesh)."""
+    rank holding the most, by default): the dense parameters' n-th, and of the routed experts
+    the rank's piece among the n/ep ranks that hold the same E/ep experts, at place index // ep
+    (launcher/parallel/experts.py::split_mesh). Each piece is torch.chunk's, as FSDP2 cuts:
+    on dimension 0 (whole experts) while the experts are at least as many as those ranks,
+    else on dimension 1 (w1, w3: the expert width; w2: dim), as expert_placement picks."""
     c = M.ParamCounts.of(m)
     dense = c.total - c.expert_total
     if not c.expert_total:
         return dense // n
-    local, ranks = m.moe.experts // ep, max(1, n // ep)
-    step, j = -(-local // ranks), index // ep
-    held = max(0, min(local, (j + 1) * step) - j * step)
-    return dense // n + c.expert_total // ep * held // local
+    local, ranks, j = m.moe.experts // ep, max(1, n // ep), index // ep
+    if local >= ranks:
+        return dense // n + c.expert_total // ep * _chunk(local, ranks, j) // local
+    blocks = sum(is_moe_block(m, i) for i in range(m.n_layers))
+    h, f = m.dim, expert_dim(m)
+    return dense // n + blocks * local * (2 * _chunk(f, ranks, j) * h + _chunk(h, ranks, j) * f)
+
+
+def _chunk(size: int, ranks: int, j: int) -> int:
+    """Rows of `size` torch.chunk gives piece j of `ranks` (ceil-sized; the last ones may hold none)."""
+    step = -(-size // ranks)
+    return max(0, min(size, (j + 1) * step) - j * step)
 
 
 def rows(m: ModelConfig, tokens: int, ep: int = 1, worst: bool = False) -> int:
@@ -94,8 +104,8 @@ def ffn_bytes(m: ModelConfig, x: M.Shape, n: M.Numerics, R: int, ep: int = 1) ->
                its source); under ep also the received rows' order (8 R) and the outputs put
                back in it (r R h: index_copy keeps its source), the all-to-alls save nothing
       shared   4 c N f_s (f_s = shared_experts x f), as a dense SwiGLU
-      autocast casts the expert weights again every forward (it caches only whole parameters
-               used as they are): 3 c (E/ep) h f, beside the weight copies
+      autocast the experts' SwiGLU casts the stacked weights every forward and keeps the
+               copies for backward (experts.py::_SwiGLU): 3 c (E/ep) h f, beside the weight copies
     Checked to the byte against autograd at ep=1 in fp32 and bf16 parameters
     (tests/unit/test_moe_plan.py); CPU ranks cannot run an MoE under autocast (the experts'
     bf16 rows into fp32 tokens), so that regime follows the GPU's grouped path, unmeasured
@@ -136,15 +146,13 @@ def rank_block_params(m: ModelConfig, i: int, ep: int) -> int:
     return local
 
 
-def activation_delta(m: ModelConfig, x: M.Shape, n: M.Numerics, ac: ACMode, every: int, ep: int = 1,
-                     zero3: bool = False) -> int:
+def activation_delta(m: ModelConfig, x: M.Shape, n: M.Numerics, ac: ACMode, every: int, ep: int = 1) -> int:
     """What the MoE blocks save beyond memory.activation_bytes's dense count: each kept MoE
     block's feed-forward in place of a dense one, and autocast's weight copies of the blocks
-    as they are (memory.weight_copies counts block 0's weights for each). DeepSpeed's ZeRO-3
-    (`zero3`) releases a module's gathered weights after its forward by swapping each
-    parameter's data, but the experts run on slices of them (w1[e]) that autograd keeps: each
-    kept MoE block holds its experts gathered until its backward (c x 3 E h f; measured:
-    tests/e2e/test_plan_runs.py). FSDP2 frees the storage itself: its slices hold nothing."""
+    as they are (memory.weight_copies counts block 0's weights for each). Nothing for ZeRO-3's
+    gathered experts: the experts' SwiGLU saves the stacked weights themselves, not slices of
+    them (launcher/models/experts.py::_SwiGLU), so DeepSpeed releases them after forward as a
+    dense layer's (measured: tests/e2e/test_plan_runs.py::test_the_plan_holds_for_an_moe)."""
     if not enabled(m):
         return 0
     R = rows(m, x.b * x.s, ep)
@@ -152,7 +160,6 @@ def activation_delta(m: ModelConfig, x: M.Shape, n: M.Numerics, ac: ACMode, ever
     for i in kept_blocks(m, ac, every):
         if is_moe_block(m, i):
             delta += ffn_bytes(m, x, n, R, ep) - dense_ffn_bytes(x, n)
-            delta += 3 * n.compute * (m.moe.experts // ep) * m.dim * expert_dim(m) if zero3 else 0
         if n.autocast:
             delta += n.compute * (rank_block_params(m, i, ep) - x.block_params)
     return delta

@@ -116,10 +116,12 @@ def partitioned(cfg: C.Config) -> bool:
 
 
 def chosen_ranks(deg: D.Degrees) -> list[int]:
-    """The first and the last rank, the first rank of each pipeline stage, and each
-    position in the first tensor-parallel group."""
+    """The first and the last rank, the first rank of each pipeline stage, each position in
+    the first tensor-parallel group, and under parallel.ep the last position of the first
+    expert-parallel group (other experts than rank 0's, at the same place among the ranks
+    FSDP shards them over; ep neighbours of the data-parallel ranks, tp x apart)."""
     per_stage = deg.world // deg.pp
-    return sorted({0, deg.world - 1} | {s * per_stage for s in range(deg.pp)} | set(range(deg.tp)))
+    return sorted({0, deg.world - 1, (deg.ep - 1) * deg.tp} | {s * per_stage for s in range(deg.pp)} | set(range(deg.tp)))
 
 
 def rehearse_rank(cfg: C.Config, world: int, rank: int, local_rank: int) -> RankReport:

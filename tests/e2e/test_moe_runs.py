@@ -42,6 +42,11 @@ RUNS = {
     "fsdp_ep2_from_ddp_ep2": (["recipe=fsdp", "parallel.ep=2"], "ddp_ep2"),
     # experts over 2 ep ranks and FSDP-sharded over the other 2 (efsdp): 2-D expert shards
     "fsdp4_ep2": (["recipe=fsdp", "parallel.ep=2", "cluster.nproc_per_node=4"], None),
+    # 2 experts on 4 ranks: more ranks than experts, so FSDP cuts them on dimension 1 (at ep=1 over 4
+    # ranks, at ep=2 one expert over 2), against one process with the same 2 experts
+    "one_e2": (["recipe=ddp", "cluster.nproc_per_node=1", "model.moe.experts=2"], None),
+    "fsdp4_e2": (["recipe=fsdp", "cluster.nproc_per_node=4", "model.moe.experts=2"], None),
+    "fsdp4_e2_ep2": (["recipe=fsdp", "cluster.nproc_per_node=4", "model.moe.experts=2", "parallel.ep=2"], None),
     # a capacity: tokens dropped where they are, before dispatch
     "fsdp_cap": (["recipe=fsdp", *CAP], None),
     "ddp_ep2_cap": (["recipe=ddp", "parallel.ep=2", *CAP], None),
@@ -85,6 +90,20 @@ def test_expert_parallel_trains_as_one_process(runs, name):
     assert loss < REL and norm < REL, (loss, norm)
     assert all(r["moe/dropped"] == 0 for r in read_metrics(run))  # no capacity: nothing dropped
     assert rows(run)[STEPS]["loss"] < rows(run)[1]["loss"]
+
+
+@pytest.mark.parametrize("name", ["fsdp4_e2", "fsdp4_e2_ep2"])
+def test_experts_cut_on_dimension_1_train_as_one_process(runs, name):
+    """Fewer experts than the ranks FSDP shards them over: each rank holds a slice of every
+    expert's rows (launcher/parallel/experts.py::expert_placement), drawn at its place in the
+    whole tensor (the same initial weights) and trained as one process: the same loss and
+    gradient norm at every step."""
+    run, ref = runs(name), runs("one_e2")
+    loss, norm = worst(run, ref, range(1, STEPS + 1), "loss"), worst(run, ref, range(1, STEPS + 1), "grad_norm")
+    print(f"{name}: max relative difference to one process: loss {loss:.1e}, grad norm {norm:.1e}")
+    assert loss < REL and norm < REL, (loss, norm)
+    digests = {json.loads((r / "summary.json").read_text())["startup"]["weights_digest"][0] for r in (run, ref)}
+    assert len(digests) == 1
 
 
 def test_initial_weights_do_not_depend_on_ep(runs):

@@ -127,12 +127,13 @@ def test_the_plan_holds_for_an_moe(tmp_path, capsys):
     test's, tests/unit/test_moe_plan.py; ddp's bf16 autocast does not run an MoE on CPU).
     Model states within 2% on every rank (the experts' stacked weights sharded in whole
     rows), activations within 15% (the router's scores and indices, the gathered rows, the
-    experts' SwiGLU, the combine; ZeRO-3's experts held gathered by autograd's slices).
-    The planner offers ddp and fsdp also at ep=2 (each rank holding 4 of the 8 experts, tokens
-    dispatched by all-to-all): those cells are measured too.
-    Measured: model states 0.999-1.000 x plan on every rank, activations 1.000 (ep=1) and
-    0.983 (ep=2, no recomputation: the dispatch buffers are planned at the tokens a rank could
-    receive). 12 cells, one process group; 22 s on 2 idle cores."""
+    experts' SwiGLU, the combine; under ZeRO-3 no gathered experts: experts.py::_SwiGLU saves
+    the stacked weights, not slices of them). The planner offers ddp and fsdp also at ep=2
+    (each rank holding 4 of the 8 experts, tokens dispatched by all-to-all): measured too.
+    Measured: model states 0.985-1.000 x plan on every rank, activations 1.000 (ep=1; zero3
+    without recomputation 6.44 MiB, 12.44 before the Function, when slices kept the gathered
+    experts) and 0.983 (ep=2, no recomputation: the dispatch buffers are planned at the tokens a
+    rank could receive). 12 cells, one process group; 22 s on 2 idle cores."""
     out = tmp_path / "moe.json"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "scripts/measure_memory.py",
@@ -154,6 +155,32 @@ def test_the_plan_holds_for_an_moe(tmp_path, capsys):
     with capsys.disabled():
         print(f"\nMoE plan vs measured ({len(rows) // 2} cells, 2 ranks): model states {min(states):.4f}-{max(states):.4f}, "
               f"activations {min(acts):.4f}-{max(acts):.4f} x plan\n{proc.stdout}")
+
+
+@pytest.mark.slow
+def test_fewer_experts_than_ranks_are_cut_on_dimension_1(tmp_path):
+    """moe_tiny with 2 experts on 4 real ranks under fsdp, at ep=1 (2 experts over 4 ranks) and
+    ep=2 (one expert over 2): FSDP cuts the stacked experts on dimension 1
+    (launcher/parallel/experts.py::expert_placement), so every rank holds a quarter of the
+    experts (in whole experts ranks 0-1 would hold one each and ranks 2-3 none: rank 0 3.7 x
+    rank 3's parameters), and each rank's model states are within 2% of the plan. Measured:
+    parameters 691,328 / 689,280 bytes on ranks 0-1 / 2-3 (the dense norms' chunks), plan
+    690,304; model states 1.002 / 0.999 x plan, activations 1.000."""
+    out = tmp_path / "dim1.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "scripts/measure_memory.py",
+         "--out", str(out), "--models", "moe_tiny", "--recipes", "fsdp", "--precisions", "fp32", "--grad-accums", "1",
+         "--ac", "none", "--overrides", "model.moe.experts=2"], cwd=REPO, text=True, capture_output=True, timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    rows = json.loads(out.read_text())
+    assert {(r["layout"], r["rank"]) for r in rows} == {(f"fsdp (dp4{ep})", k) for ep in ("", " ep2") for k in range(4)}
+    for r in rows:
+        m, p = r["measured"], r["predicted"]
+        assert abs(m["model_state"] / p["model_state"] - 1) <= 0.02, (r["layout"], r["rank"], m, p)
+        assert abs(m["activations"] / p["activations"] - 1) <= 0.15, (r["layout"], r["rank"], m, p)
+    params = [r["measured"]["params"] for r in rows]
+    assert max(params) < 1.01 * min(params), params
 
 
 BEYOND = {  # a setting the matrix leaves at its default -> the cell that moves its term

@@ -29,9 +29,18 @@ def test_the_planner_holds_at_64_256_and_512_ranks(tmp_path, capsys):
     rows = json.loads(out.read_text())
     assert {(r["model"], r["world"]) for r in rows} == {("llama3_8b", 64), ("llama3_70b", 256), ("llama3_405b", 512),
                                                          ("mixtral_8x22b", 64), ("deepseek_v3", 256)}
-    # the MoEs: fsdp at ep=1 (and at ep 8 / 64 where the recipe has expert parallel)
+    # the MoEs: fsdp at ep=1 and under expert parallel, ep=8 and ep=64
     moe = {(r["model"], r["layout"]["ep"]) for r in rows if r["model"] in ("mixtral_8x22b", "deepseek_v3")}
-    assert {("mixtral_8x22b", 1), ("deepseek_v3", 1)} <= moe
+    assert moe == {("mixtral_8x22b", 1), ("deepseek_v3", 1), ("mixtral_8x22b", 8), ("deepseek_v3", 64)}
+    for row in rows:
+        if row["model"] == "mixtral_8x22b":  # 8 experts over more ranks: cut on dimension 1, every rank a like share
+            totals = [r["total"] for r in row["ranks"]]
+            assert max(totals) < 1.01 * min(totals), (row["layout"]["label"], totals)
+        ep = row["layout"]["ep"]
+        if ep > 1:  # the last position of the first ep group: other experts, the same share of them as rank 0
+            by_rank = {r["rank"]: r for r in row["ranks"]}
+            assert by_rank[0]["total"] == by_rank[ep - 1]["total"], row["model"]
+            assert all(r["experts_w1"] is not None for r in row["ranks"]), row["model"]
     assert {r["layout"]["recipe"] for r in rows} == {"fsdp", "tp_fsdp", "pp", "pp_fsdp", "zero3"}
     # the pipeline layouts: pp=4 x fsdp (8B), pp=8 x tp=8 (70B), pp=16 x tp=8 x fsdp (405B)
     shapes = {(r["model"], r["layout"]["recipe"], r["layout"]["pp"], r["layout"]["tp"]) for r in rows}

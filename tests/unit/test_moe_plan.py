@@ -57,16 +57,17 @@ def states(cfg, layout):
 
 def test_each_group_over_its_own_ranks():
     """Dense weights over the dp ranks, the experts over ep x the rest: fsdp holds the rank-0
-    shard of each stacked expert weight (whole rows of E/ep over n/ep ranks), ddp E/ep experts."""
+    shard of each stacked expert weight (E/ep over n/ep ranks: whole experts, or on dimension 1
+    where the ranks outnumber them), ddp E/ep experts."""
     cfg = model("model=mixtral_8x7b")
     c = ParamCounts.of(cfg.model)
     dense, experts = c.total - c.expert_total, c.expert_total
     fsdp = dict(shard="zero3", fsdp=True)
-    # 8 experts on 16 ranks (ep=1): rank 0 holds a whole expert of each block, twice the mean
-    S = dense // 16 + experts // 8
+    # 8 experts on 16 ranks (ep=1): cut on dimension 1, every rank its 16th of each expert (the mean)
+    S = dense // 16 + experts // 16
     assert states(cfg, footprint.Layout("fsdp", dp=16, **fsdp)) == (4 * S, 4 * S, 8 * S)
-    # ep=8 on 64: each rank 1 expert, over 8 ranks: still whole rows, rank 0 holds it
-    S = dense // 64 + experts // 8
+    # ep=8 on 64: each ep rank 1 expert, over 8 ranks: its 8th on dimension 1 (the mean again)
+    S = dense // 64 + experts // 64
     assert states(cfg, footprint.Layout("fsdp", dp=64, ep=8, **fsdp))[0] == 4 * S
     # 8 ranks: one expert each whatever ep: the mean
     assert states(cfg, footprint.Layout("fsdp", dp=8, ep=8, **fsdp))[0] == 4 * (dense // 8 + experts // 8)
@@ -177,14 +178,33 @@ def test_make_plan_shows_counts_and_no_tp_or_pp_for_an_moe():
 
 
 def test_a_rehearsal_plans_each_ranks_experts():
-    """moe_tiny under fsdp on 16 ranks (meta device, fake process group): 8 experts cut in
-    whole rows, so ranks 0-7 hold one expert of each stacked weight and ranks 8-15 none; the
-    plan of each rank (its place among the shard ranks) within 2% of what its engine holds."""
+    """moe_tiny under fsdp on 16 ranks (meta device, fake process group): 8 experts over 16
+    ranks are cut on dimension 1 (whole rows would leave one expert on each of ranks 0-7 and
+    none on 8-15), so every rank holds 8 of each expert's 128 rows; the plan of each rank
+    within 2% of what its engine holds."""
     from launcher.planner import rehearse as R
 
     cfg = model("model=moe_tiny", "recipe=fsdp", "cluster.gpus_per_node=8", "cluster.nnodes=2")
     result = R.rehearse(cfg, 16, 8, None, ranks=[0, 7, 8, 15])
     experts = {r.rank: {s.name: s.local for s in r.shards}["layers.*.feed_forward.experts.w1"] for r in result.ranks}
-    assert experts == {0: (1, 128, 128), 7: (1, 128, 128), 8: (0, 128, 128), 15: (0, 128, 128)}
+    assert experts == {r: (8, 8, 128) for r in (0, 7, 8, 15)}
     assert all(abs(r.difference) <= R.TOLERANCE for r in result.ranks), [(r.rank, r.difference) for r in result.ranks]
-    assert result.ranks[0].total > 2 * result.ranks[-1].total
+    assert abs(result.ranks[0].total / result.ranks[-1].total - 1) < 0.01
+
+
+def test_a_rehearsal_at_expert_parallel_plans_each_ranks_experts():
+    """moe_tiny under fsdp ep=2 on 16 ranks: ep neighbours hold experts 0-3 and 4-7 as Shard(0)
+    DTensors over ep, FSDP-sharded again over the 8 efsdp ranks holding the same ones (on
+    dimension 1: 4 experts over 8 ranks); rank 1 (the other experts of rank 0's group) and
+    the last rank rehearsed beside rank 0, each within 2% of its plan."""
+    from launcher.planner import rehearse as R
+
+    cfg = model("model=moe_tiny", "recipe=fsdp", "parallel.ep=2", "cluster.gpus_per_node=8", "cluster.nnodes=2")
+    result = R.rehearse(cfg, 16, 8, None)
+    assert [r.rank for r in result.ranks] == [0, 1, 15]
+    w1 = {r.rank: {s.name: s for s in r.shards}["layers.*.feed_forward.experts.w1"] for r in result.ranks}
+    assert all("@ep" in s.placements and "@efsdp" in s.placements for s in w1.values()), w1
+    assert all(abs(r.difference) <= R.TOLERANCE for r in result.ranks), [(r.rank, r.difference) for r in result.ranks]
+    assert result.ranks[0].total == result.ranks[1].total
+    assert {r: (s.local, s.placements) for r, s in w1.items()} == {r: ((4, 16, 128), "S(1)@efsdp, S(0)@ep")
+                                                                      for r in (0, 1, 15)}

@@ -14,10 +14,11 @@ from launcher.parallel import degrees as D
 from launcher.planner import rehearse as R
 
 
-def test_the_chosen_ranks_cover_ends_stages_and_tensor_parallel_positions():
+def test_the_chosen_ranks_cover_ends_stages_tensor_and_expert_parallel_positions():
     assert R.chosen_ranks(D.Degrees(dp_shard=64)) == [0, 63]
     assert R.chosen_ranks(D.Degrees(dp_shard=32, tp=8)) == [0, 1, 2, 3, 4, 5, 6, 7, 255]
     assert R.chosen_ranks(D.Degrees(pp=4, dp_replicate=16)) == [0, 16, 32, 48, 63]
+    assert R.chosen_ranks(D.Degrees(dp_shard=256, ep=64)) == [0, 63, 255]
 
 
 def test_a_rehearsal_reports_each_ranks_shards_and_the_plan():
