@@ -105,11 +105,13 @@ def tiny_mixtral(folder: Path, seed: int = 0, shard: str | None = "200KB", **cha
 
 def bad_moe_folders() -> dict[str, Path]:
     """config.json-only folders for the bad-input table: a Mixtral of 4 experts (moe_tiny has
-    8), a Qwen3-MoE and a Qwen2-MoE (architectures the project's decoder lacks)."""
+    8), a Qwen3-MoE with a sliding window (which the decoder lacks) and a Qwen2-MoE of
+    TINY_MIXTRAL's shape, whose q/k/v biases the Mixtral shape has not."""
     root = session_folder("launcher-moe-bad-")
     configs = {"mixtral_4_experts": {"model_type": "mixtral", **TINY_MIXTRAL, "num_local_experts": 4},
-               "qwen3_moe": {"model_type": "qwen3_moe", "hidden_size": 128, "head_dim": 64},
-               "qwen2_moe": {"model_type": "qwen2_moe", "hidden_size": 128}}
+               "qwen3_moe": {"model_type": "qwen3_moe", **TINY_MIXTRAL, "use_sliding_window": True, "sliding_window": 64},
+               "qwen2_moe": {"model_type": "qwen2_moe", **TINY_MIXTRAL, "moe_intermediate_size": 128,
+                             "norm_topk_prob": True}}
     for name, fields in configs.items():
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(fields))
