@@ -253,7 +253,7 @@ def validate_parallel(cfg: Config, world: int) -> None:
     # tensor parallel: every split dimension divides
     if p.tp > 1:
         kv = m.n_kv_heads or m.n_heads
-        if m.qk_norm or m.attn_bias:
+        if (m.qk_norm or m.attn_bias) and not m.moe.experts:  # an MoE: refused under tp by levers.validate_moe
             key = "model.qk_norm" if m.qk_norm else "model.attn_bias"
             raise ConfigError(key, "true", f"tensor parallel (parallel.tp={p.tp}) does not split the attention's "
                               "q/k norms or biases; use parallel.tp=1 (fsdp, zero, ddp)")
