@@ -160,8 +160,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.attn_bias)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.attn_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
-        if cfg.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps), RMSNorm(self.head_dim, cfg.norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.cp_group = None  # parallel.cp > 1: this rank's context-parallel group (launcher/parallel/context.py)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
@@ -171,7 +171,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.cp_group is not None:  # this rank's positions, all heads -> all positions, its heads
             from launcher.parallel.context import seq_to_heads

@@ -100,8 +100,8 @@ class MoE(nn.Module):
         self.router = Router(cfg.dim, cfg.moe)
         self.experts = Experts(cfg.moe.experts, cfg.dim, hidden, cfg.moe.capacity_factor)
         self.shared = FeedForward(cfg, shared_dim(cfg)) if cfg.moe.shared_experts else None
-        if self.shared is not None and cfg.moe.shared_gate:  # Qwen2-MoE: sigmoid(w . x) scales it per token
-            self.shared_gate = nn.Linear(cfg.dim, 1, bias=False)
+        # Qwen2-MoE: sigmoid(w . x) scales the shared expert's output per token
+        self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if self.shared is not None and cfg.moe.shared_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.size(-1))
@@ -111,7 +111,7 @@ class MoE(nn.Module):
             self.router.dropped += dropped
         if self.shared is not None:
             shared = self.shared(flat)
-            out = out + (torch.sigmoid(self.shared_gate(flat)) * shared if hasattr(self, "shared_gate") else shared)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(flat)) * shared)
         return out.view_as(x)
 
 
