@@ -34,7 +34,7 @@ from launcher.config.run import (CheckpointConfig, ClusterConfig, DebugConfig, E
 from launcher.config.root import (Config, GROUPS, RETIRED, load_frozen, read_frozen, register_configs, to_dict,
                                   to_typed, to_yaml, write_frozen)
 from launcher.config.derived import (attention_params, block_matmul_params, expert_dim, ffn_dim, ffn_params, from_shape_key,
-                                     is_moe_block, held_out_windows, loss_chunks, lr_factor, matmul_params,
+                                     head_dim, is_moe_block, shared_dim, held_out_windows, loss_chunks, lr_factor, matmul_params,
                                      nproc_per_node, num_params, pipeline_stages, shape_key, sliceable_loss)
 
 __all__ = [
@@ -46,5 +46,5 @@ __all__ = [
     "ProfileConfig", "Config", "GROUPS", "RETIRED", "read_frozen", "load_frozen", "register_configs", "to_dict",
     "to_typed", "to_yaml", "write_frozen", "ffn_dim", "block_matmul_params", "matmul_params", "num_params", "lr_factor", "nproc_per_node",
     "pipeline_stages", "shape_key", "MoEBalance", "MoEConfig", "MoEScore", "attention_params", "expert_dim", "ffn_params",
-    "from_shape_key", "is_moe_block", "loss_chunks", "sliceable_loss", "held_out_windows",
+    "from_shape_key", "head_dim", "is_moe_block", "shared_dim", "loss_chunks", "sliceable_loss", "held_out_windows",
 ]

@@ -35,20 +35,38 @@ def is_moe_block(m: ModelConfig, i: int) -> bool:
     return m.moe.experts > 0 and i >= m.moe.first_dense
 
 
+def head_dim(m: ModelConfig) -> int:
+    """Each attention head's width (model.head_dim, else dim / n_heads)."""
+    return m.head_dim or m.dim // m.n_heads
+
+
+def shared_dim(m: ModelConfig) -> int:
+    """The MoE shared expert's SwiGLU hidden size (0: none)."""
+    e = m.moe
+    return 0 if not e.shared_experts else e.shared_dim or e.shared_experts * expert_dim(m)
+
+
 def attention_params(cfg: ModelConfig) -> int:
-    head_dim = cfg.dim // cfg.n_heads
-    kv = (cfg.n_kv_heads or cfg.n_heads) * head_dim
-    return cfg.dim * cfg.dim * 2 + cfg.dim * kv * 2
+    """q, k, v, o matmul weights (biases and q/k norms: attention_extra_params)."""
+    q, kv = cfg.n_heads * head_dim(cfg), (cfg.n_kv_heads or cfg.n_heads) * head_dim(cfg)
+    return cfg.dim * q * 2 + cfg.dim * kv * 2
+
+
+def attention_extra_params(cfg: ModelConfig) -> int:
+    """A block's attention parameters outside its matmuls: q/k/v biases, the q and k norms."""
+    q, kv = cfg.n_heads * head_dim(cfg), (cfg.n_kv_heads or cfg.n_heads) * head_dim(cfg)
+    return (q + 2 * kv if cfg.attn_bias else 0) + (2 * head_dim(cfg) if cfg.qk_norm else 0)
 
 
 def ffn_params(m: ModelConfig, i: int, active: bool = False) -> int:
     """Block i's feed-forward matmul weights: dense SwiGLU, or the router, the routed experts
-    (all E, or the top k a token runs when `active`) and the shared ones."""
+    (all E, or the top k a token runs when `active`), the shared one and its gate."""
     if not is_moe_block(m, i):
         return 3 * m.dim * ffn_dim(m)
     e = m.moe
     routed = (e.top_k if active else e.experts) * 3 * m.dim * expert_dim(m)
-    return m.dim * e.experts + routed + e.shared_experts * 3 * m.dim * expert_dim(m)
+    gate = m.dim if e.shared_gate and e.shared_experts else 0
+    return m.dim * e.experts + routed + 3 * m.dim * shared_dim(m) + gate
 
 
 def block_matmul_params(cfg: ModelConfig, i: int = 0, active: bool = False) -> int:
@@ -66,7 +84,7 @@ def num_params(cfg: ModelConfig, active: bool = False) -> int:
     """Parameter count from the config alone (matches GPT(cfg).num_params()); `active`: the
     parameters one token runs through (an MoE's top k experts of E)."""
     embed = cfg.vocab_size * cfg.dim
-    norms = cfg.dim * (2 * cfg.n_layers + 1)
+    norms = cfg.dim * (2 * cfg.n_layers + 1) + cfg.n_layers * attention_extra_params(cfg)
     untied_head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
     return matmul_params(cfg, active) - cfg.dim * cfg.vocab_size + embed + untied_head + norms
 

@@ -55,10 +55,18 @@ class ModelConfig:
     """Hidden size. Cost grows with dim^2 per token for parameters and FLOPs."""
     n_layers: int = 4
     n_heads: int = 4
-    """Attention heads; dim must divide by it (head_dim = dim / n_heads)."""
+    """Attention heads; dim must divide by it unless model.head_dim is set."""
     n_kv_heads: Optional[int] = None
     """Key/value heads for grouped-query attention (null = n_heads). Fewer heads shrink the
     KV projections and cache; must divide n_heads."""
+    head_dim: Optional[int] = None
+    """Each head's width (null = dim / n_heads). Set apart from it, q projects dim to n_heads x
+    head_dim (Qwen3-30B-A3B: 2048 to 32 x 128): more attention per parameter of the residual."""
+    qk_norm: bool = False
+    """An RMSNorm over each head's q and k (weights of head_dim) before rotary (Qwen3): steadier
+    attention logits; 2 x head_dim parameters per block. Not under parallel.tp."""
+    attn_bias: bool = False
+    """Biases on the q, k and v projections (not o: Qwen2, Qwen1.5-MoE). Not under parallel.tp."""
     ffn_dim: Optional[int] = None
     """SwiGLU hidden size (null = 8/3 * dim rounded up to multiple_of)."""
     multiple_of: int = 64
@@ -92,7 +100,7 @@ class ModelConfig:
     it holds, in fp32 (the master copy; precision.name decides the compute dtype); names
     must match the model's own (no key conversion: MoE folders that need transformers'
     conversion mapping are refused). Exactly one of config/pretrained.
-    gpt (the project's decoder): a Hugging Face Mixtral, Llama or Mistral folder read into
+    gpt (the project's decoder): a Hugging Face Mixtral, Qwen3-MoE, Qwen2-MoE, Llama or Mistral folder read into
     the decoder the fields above shape, which must be the folder's (checked against its
     config.json at launch); each rank reads only its experts and rows (models/hf_adapter.py)."""
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -48,7 +48,13 @@ class MoEConfig:
     experts (Qwen3-30B-A3B: 768, DeepSeek-V3: 2048) and many of them."""
     shared_experts: int = 0
     """Experts every token goes through besides its routed ones (DeepSeek-V3: 1), as one SwiGLU
-    of shared_experts x expert_dim."""
+    of shared_experts x expert_dim (or moe.shared_dim)."""
+    shared_dim: Optional[int] = None
+    """The shared expert's SwiGLU hidden size (null: shared_experts x expert_dim; Qwen1.5-MoE-A2.7B:
+    5632, four experts' worth)."""
+    shared_gate: bool = False
+    """Scale the shared expert's output per token by sigmoid(w . x), w a (1, dim) weight (Qwen2-MoE's
+    shared_expert_gate): the token decides how much of it to take."""
     first_dense: int = 0
     """The first this-many blocks keep a dense feed-forward of model.ffn_dim (DeepSeek-V3: 3)."""
     score: MoEScore = MoEScore.softmax

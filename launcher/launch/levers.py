@@ -52,13 +52,15 @@ def validate_moe(cfg: Config, world: int = 1) -> None:
     if e.experts < 2 or not 1 <= e.top_k <= e.experts:
         raise ConfigError("model.moe.top_k" if e.experts >= 2 else "model.moe.experts",
                           e.top_k if e.experts >= 2 else e.experts, f"needs experts >= 2 and 1 <= top_k <= experts={e.experts}")
-    for key in ("expert_dim", "capacity_factor"):
+    for key in ("expert_dim", "shared_dim", "capacity_factor"):
         value = getattr(e, key)
         if value is not None and value <= 0:
             raise ConfigError(f"model.moe.{key}", value, "must be > 0, or null")
     if e.shared_experts < 0 or not 0 <= e.first_dense <= m.n_layers:
         key, value = ("shared_experts", e.shared_experts) if e.shared_experts < 0 else ("first_dense", e.first_dense)
         raise ConfigError(f"model.moe.{key}", value, f"allowed: shared_experts >= 0, first_dense in 0..model.n_layers={m.n_layers}")
+    if e.shared_gate and not e.shared_experts:
+        raise ConfigError("model.moe.shared_gate", "true", "gates the shared expert: needs model.moe.shared_experts >= 1")
     if p.tp > 1 or p.pp > 1:
         key, value = ("parallel.tp", p.tp) if p.tp > 1 else ("parallel.pp", p.pp)
         engines = ", ".join(n for n in recipes.names() if not recipes.spec(n).parallelism.required)

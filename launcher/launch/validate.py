@@ -187,9 +187,11 @@ def validate_gpt_model(cfg: Config) -> None:
     t, m = cfg.train, cfg.model
     for key in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
         _positive(f"model.{key}", getattr(m, key))
-    if m.dim % m.n_heads:
-        raise ConfigError("model.n_heads", m.n_heads, f"must divide model.dim={m.dim}")
-    if (m.dim // m.n_heads) % 2:
+    if m.head_dim is not None and (m.head_dim < 2 or m.head_dim % 2):
+        raise ConfigError("model.head_dim", m.head_dim, "must be even and >= 2 for rotary embeddings, or null (dim / n_heads)")
+    if m.head_dim is None and m.dim % m.n_heads:
+        raise ConfigError("model.n_heads", m.n_heads, f"must divide model.dim={m.dim} (or set model.head_dim)")
+    if m.head_dim is None and (m.dim // m.n_heads) % 2:
         raise ConfigError("model.n_heads", m.n_heads,
                           f"head_dim = dim/n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
     if m.n_kv_heads is not None and (m.n_kv_heads < 1 or m.n_heads % m.n_kv_heads):
@@ -251,6 +253,10 @@ def validate_parallel(cfg: Config, world: int) -> None:
     # tensor parallel: every split dimension divides
     if p.tp > 1:
         kv = m.n_kv_heads or m.n_heads
+        if (m.qk_norm or m.attn_bias) and not m.moe.experts:  # an MoE: refused under tp by levers.validate_moe
+            key = "model.qk_norm" if m.qk_norm else "model.attn_bias"
+            raise ConfigError(key, "true", f"tensor parallel (parallel.tp={p.tp}) does not split the attention's "
+                              "q/k norms or biases; use parallel.tp=1 (fsdp, zero, ddp)")
         for key, size in (("model.n_heads", m.n_heads), ("model.n_kv_heads", kv),
                           ("model.ffn_dim (SwiGLU hidden)", ffn_dim(m))):
             if size % p.tp:

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launcher.config import ModelConfig
+from launcher.config import ModelConfig, head_dim
+from launcher.models.layers import RMSNorm
 
 
 def rotary_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -147,15 +148,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask
 
 
 class Attention(nn.Module):
+    """q, k, v projections (biases with model.attn_bias), q and k normed per head
+    (model.qk_norm, before rotary as Qwen3), rotary, attention, the o projection."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.head_dim = head_dim(cfg)
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.attn_bias)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.attn_bias)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.attn_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.cp_group = None  # parallel.cp > 1: this rank's context-parallel group (launcher/parallel/context.py)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
@@ -165,6 +171,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.cp_group is not None:  # this rank's positions, all heads -> all positions, its heads
             from launcher.parallel.context import seq_to_heads
 

@@ -2,7 +2,8 @@
 
 Pre-norm blocks: RMSNorm -> attention with rotary positions -> residual, RMSNorm ->
 SwiGLU MLP -> residual; a final RMSNorm and an output head (optionally tied to the
-embedding). No biases, no dropout. Parameter names are stable whatever the activation
+embedding). No dropout, no biases but model.attn_bias's (q, k, v); model.qk_norm: q and k
+normed per head. Parameter names are stable whatever the activation
 checkpointing mode, so checkpoints move between modes and recipes.
 """
 
@@ -19,23 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from launcher.config import ACMode, ModelConfig, is_moe_block, matmul_params
+from launcher.config import ACMode, ModelConfig, head_dim, is_moe_block, matmul_params
 from launcher.models.attention import Attention, DocumentMask, rotary_at, rotary_table
+from launcher.models.layers import FeedForward, RMSNorm
 from launcher.models.init import InitSpec, init_skipped
-from launcher.models.mlp import FeedForward
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 for stability under autocast, return the input dtype.
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.type_as(x) * self.weight
 
 
 class Block(nn.Module):
@@ -69,7 +57,7 @@ class GPT(nn.Module):
         else:
             self.output = Head(cfg.dim, cfg.vocab_size, bias=False)
         # Not a parameter or persistent buffer: rebuilt on load, never checkpointed.
-        self.register_buffer("rope", rotary_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta),
+        self.register_buffer("rope", rotary_table(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta),
                              persistent=False)
         self.checkpointed: set[int] = set()  # block indices recomputed in backward
         self.op_level = False  # activation_checkpointing=op: they keep their matmuls' outputs
@@ -99,7 +87,7 @@ class GPT(nn.Module):
     def init_buffers(self) -> None:
         """The rotary table (computed, never loaded), fp32 on its device (zero.Init made it bf16);
         an MoE's routers' balancing biases and step counts zero (a checkpoint loads the biases after)."""
-        table = rotary_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
+        table = rotary_table(head_dim(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta)
         self.register_buffer("rope", table.to(self.rope.device), persistent=False)
         from launcher.models.moe import routers
 
@@ -181,8 +169,10 @@ def init_specs(cfg: ModelConfig) -> dict[str, InitSpec]:
             specs[f"layers.{i}.{name}.weight"] = InitSpec(std=std)
         for name in ("attention.wo", "feed_forward.w2"):
             specs[f"layers.{i}.{name}.weight"] = resid
-        for name in ("attention_norm", "ffn_norm"):
+        for name in ("attention_norm", "ffn_norm") + (("attention.q_norm", "attention.k_norm") if cfg.qk_norm else ()):
             specs[f"layers.{i}.{name}.weight"] = InitSpec("ones")
+        for name in ("wq", "wk", "wv") if cfg.attn_bias else ():
+            specs[f"layers.{i}.attention.{name}.bias"] = InitSpec("zeros")
         if is_moe_block(cfg, i):  # the dense names above replaced by the router's and experts'
             for name in ("w1", "w2", "w3"):
                 del specs[f"layers.{i}.feed_forward.{name}.weight"]

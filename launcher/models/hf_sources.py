@@ -4,7 +4,8 @@ read a box or a flat range at a time (launcher/models/weights.py does the readin
     Whole       one tensor as it is (embeddings, norms, the router, a fused down_proj)
     Half        the first or second half of dim 1 of one tensor (a fused gate_up_proj's w1 or w3)
     Stack       tensors stacked on a new dim 0 (one per expert: Mixtral's experts.{e}.w1.weight)
-    RotaryRows  one tensor whose rows are permuted per head, halves -> adjacent pairs (q, k)
+    RotaryRows  one tensor whose rows are permuted per head, halves -> adjacent pairs (q, k: their
+                weights, biases, and per-head norms, whose one "head" is the whole tensor)
 
 A box of the project tensor is read from the boxes it covers in the folder's tensors, straight
 into the rank's storage; RotaryRows goes through one attention head's rows at a time. A flat
@@ -76,11 +77,11 @@ class RotaryRows(Source):
         self.entries, self.shape, self.head_dim = [entry], tuple(entry.shape), head_dim
 
     def read(self, box: Box, out: torch.Tensor) -> None:
-        (a, b), cols = box
+        (a, b), *cols = box  # cols: none for a bias or a per-head norm
         hd = self.head_dim
         for h in range(a // hd, -(-b // hd)):
-            rows = weights.read(self.entries[0], ((h * hd, (h + 1) * hd), cols))  # one head, the file's dtype
-            pairs = rows.view(2, hd // 2, -1).transpose(0, 1).reshape(hd, -1)
+            rows = weights.read(self.entries[0], ((h * hd, (h + 1) * hd), *cols))  # one head, the file's dtype
+            pairs = rows.view(2, hd // 2, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape)
             lo, hi = max(a, h * hd), min(b, (h + 1) * hd)
             with torch.no_grad():
                 out[lo - a:hi - a].copy_(pairs[lo - h * hd:hi - h * hd])

@@ -17,7 +17,8 @@ Parameter names (checkpoints, init specs, Hugging Face conversion):
     layers.{i}.feed_forward.router.bias           (E,)  buffer, balance=bias only
     layers.{i}.feed_forward.experts.w1 / w3       (E, expert_dim, dim)
     layers.{i}.feed_forward.experts.w2            (E, dim, expert_dim)
-    layers.{i}.feed_forward.shared.w1/w2/w3.weight  a SwiGLU of shared_experts x expert_dim
+    layers.{i}.feed_forward.shared.w1/w2/w3.weight  a SwiGLU of moe.shared_dim (shared_experts x expert_dim)
+    layers.{i}.feed_forward.shared_gate.weight    (1, dim), moe.shared_gate only
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launcher.config import MoEBalance, MoEConfig, MoEScore, ModelConfig, expert_dim
+from launcher.config import MoEBalance, MoEConfig, MoEScore, ModelConfig, expert_dim, shared_dim
 from launcher.models.experts import Experts
-from launcher.models.mlp import FeedForward
+from launcher.models.layers import FeedForward
 from launcher.models.init import InitSpec
 
 _AUX: list[torch.Tensor] = []
@@ -98,7 +99,9 @@ class MoE(nn.Module):
         hidden = expert_dim(cfg)
         self.router = Router(cfg.dim, cfg.moe)
         self.experts = Experts(cfg.moe.experts, cfg.dim, hidden, cfg.moe.capacity_factor)
-        self.shared = FeedForward(cfg, cfg.moe.shared_experts * hidden) if cfg.moe.shared_experts else None
+        self.shared = FeedForward(cfg, shared_dim(cfg)) if cfg.moe.shared_experts else None
+        # Qwen2-MoE: sigmoid(w . x) scales the shared expert's output per token
+        self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if self.shared is not None and cfg.moe.shared_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.size(-1))
@@ -107,7 +110,8 @@ class MoE(nn.Module):
         if dropped is not None and torch.is_grad_enabled() and not _in_backward():
             self.router.dropped += dropped
         if self.shared is not None:
-            out = out + self.shared(flat)
+            shared = self.shared(flat)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(flat)) * shared)
         return out.view_as(x)
 
 
@@ -129,6 +133,8 @@ def init_specs(cfg: ModelConfig, prefix: str, std: float, resid: InitSpec) -> di
     if cfg.moe.shared_experts:
         specs |= {f"{prefix}.shared.w1.weight": InitSpec(std=std), f"{prefix}.shared.w3.weight": InitSpec(std=std),
                   f"{prefix}.shared.w2.weight": resid}
+        if cfg.moe.shared_gate:
+            specs[f"{prefix}.shared_gate.weight"] = InitSpec(std=std)
     return specs
 
 def routers(model: nn.Module) -> list[tuple[str, Router]]:

@@ -5,7 +5,7 @@ figure is pessimistic for every layout alike."""
 
 from __future__ import annotations
 
-from launcher.config import ACMode, Config, block_matmul_params, ffn_dim, matmul_params
+from launcher.config import ACMode, Config, block_matmul_params, ffn_dim, head_dim, matmul_params
 from launcher.models.gpt import flops_per_token
 from launcher.planner import lora, memory as M, moe
 from launcher.planner.footprint import Layout, activations, numerics, param_share
@@ -81,5 +81,5 @@ def step_time(cfg: Config, hw, layout: Layout, ac: ACMode, b: int) -> tuple[floa
 def op_recomputed_params(m) -> int:
     """The matmul weights whose products op-level recomputation makes again (wk, wo, w3:
     launcher/models/gpt.py::keep_matmuls)."""
-    kv = (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
-    return m.dim * kv + m.dim * m.dim + m.dim * ffn_dim(m)
+    kv = (m.n_kv_heads or m.n_heads) * head_dim(m)
+    return m.dim * kv + m.dim * m.n_heads * head_dim(m) + m.dim * ffn_dim(m)

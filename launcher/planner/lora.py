@@ -22,7 +22,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from launcher.config import LoraBase, ModelConfig, Precision, ffn_dim, from_shape_key, shape_key
+from launcher.config import LoraBase, ModelConfig, Precision, ffn_dim, from_shape_key, head_dim, shape_key
 from launcher.planner import memory as M
 
 HF_NAMES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w1", "up_proj": "w3",
@@ -46,7 +46,7 @@ class Counts:
 
 def projections(m: ModelConfig) -> dict[str, tuple[int, int]]:
     """Each linear of a block: (in, out)."""
-    head = m.dim // m.n_heads
+    head = head_dim(m)
     q, kv, f = m.n_heads * head, (m.n_kv_heads or m.n_heads) * head, ffn_dim(m)
     return {"wq": (m.dim, q), "wk": (m.dim, kv), "wv": (m.dim, kv), "wo": (q, m.dim),
             "w1": (m.dim, f), "w3": (m.dim, f), "w2": (f, m.dim)}

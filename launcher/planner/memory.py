@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from launcher.config import (ACMode, ModelConfig, ModelKind, block_matmul_params, ffn_dim, from_shape_key, is_moe_block,
+from launcher.config import (ACMode, ModelConfig, ModelKind, block_matmul_params, ffn_dim, from_shape_key, head_dim, is_moe_block,
                              num_params, shape_key)
 
 
@@ -32,6 +32,8 @@ class Shape:
     h: int
     a: int
     h_kv: int
+    h_q: int
+    """n_heads x head_dim: h, unless model.head_dim is set apart from dim / n_heads."""
     f: int
     V: int
     L: int
@@ -41,8 +43,9 @@ class Shape:
 
     @staticmethod
     def of(m: ModelConfig, micro_batch: int, seq_len: int) -> "Shape":
-        head = m.dim // m.n_heads
+        head = head_dim(m)
         return Shape(b=micro_batch, s=seq_len, h=m.dim, a=m.n_heads, h_kv=(m.n_kv_heads or m.n_heads) * head,
+                     h_q=m.n_heads * head,
                      f=ffn_dim(m), V=m.vocab_size, L=m.n_layers, max_seq=m.max_seq_len,
                      block_params=block_matmul_params(m))
 
@@ -188,7 +191,7 @@ def block_activations(x: Shape, n: Numerics, tp: int = 1, cp: int = 1, sp: bool 
     Replicate: Megatron's saving of the sharded input is not made); cp: x.s is this rank's
     positions (context.py)."""
     b, s, c = x.b, x.s, n.compute
-    h_q, h_kv, heads, f = x.h // tp, x.h_kv // tp, x.a // tp, x.f // tp
+    h_q, h_kv, heads, f = x.h_q // tp, x.h_kv // tp, x.a // tp, x.f // tp
     # q, k, v, out; fp32 logsumexp. GQA saves the repeated (full-width) k and v.
     sdpa = c * b * s * (2 * h_q + 2 * max(h_kv, h_q)) + 4 * b * heads * s
     mlp = 4 * c * b * s * f  # w1 out, w3 out, silu out, product
@@ -201,7 +204,7 @@ def op_kept(x: Shape, n: Numerics, tp: int = 1) -> int:
     """activation_checkpointing=op: what a block keeps beside its input, the outputs of
     every other matmul (wq, wv before the GQA repeat, w1, w2; wk, wo, w3 run again) and of
     attention (+ fp32 logsumexp); launcher/models/gpt.py::keep_matmuls."""
-    h_q, h_kv, f = x.h // tp, x.h_kv // tp, x.f // tp
+    h_q, h_kv, f = x.h_q // tp, x.h_kv // tp, x.f // tp
     return n.compute * x.b * x.s * (h_q + h_kv + f + x.h + h_q) + 4 * x.b * (x.a // tp) * x.s
 
 
@@ -237,7 +240,7 @@ def token_ids(x: Shape) -> int:
 
 def rope_table(x: Shape, n: Numerics) -> int:
     """The rotary table the blocks save slices of: max_seq x head_dim/2 x (cos, sin)."""
-    return n.rope * x.max_seq * (x.h // x.a)
+    return n.rope * x.max_seq * (x.h_q // x.a)
 
 
 def weight_copies(x: Shape, n: Numerics, kept_blocks: int, head: bool, tp: int = 1, loss_chunks: int = 1) -> int:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 
-from launcher.config import ACMode, ModelConfig, block_matmul_params, expert_dim, is_moe_block
+from launcher.config import ACMode, ModelConfig, block_matmul_params, expert_dim, is_moe_block, shared_dim
 from launcher.planner import memory as M
 
 
@@ -103,7 +103,8 @@ def ffn_bytes(m: ModelConfig, x: M.Shape, n: M.Numerics, R: int, ep: int = 1) ->
                dtype), the weighted rows index_add_ sums into their tokens (r S h: it keeps
                its source); under ep also the received rows' order (8 R) and the outputs put
                back in it (r R h: index_copy keeps its source), the all-to-alls save nothing
-      shared   4 c N f_s (f_s = shared_experts x f), as a dense SwiGLU
+      shared   4 c N f_s (f_s = moe.shared_dim), as a dense SwiGLU (moe.shared_gate's N-wide
+               logits and sigmoid are not counted)
       autocast the experts' SwiGLU casts the stacked weights every forward and keeps the
                copies for backward (experts.py::_SwiGLU): 3 c (E/ep) h f, beside the weight copies
     Checked to the byte against autograd at ep=1 in fp32 and bf16 parameters
@@ -111,7 +112,7 @@ def ffn_bytes(m: ModelConfig, x: M.Shape, n: M.Numerics, R: int, ep: int = 1) ->
     bf16 rows into fp32 tokens), so that regime follows the GPU's grouped path, unmeasured
     here, as are the ep terms."""
     e, N, h, c, r = m.moe, x.b * x.s, x.h, n.compute, n.residual
-    f, shared = expert_dim(m), m.moe.shared_experts * expert_dim(m)
+    f, shared = expert_dim(m), shared_dim(m)
     if n.autocast:
         inputs = c * N * h + c * R * h + (2 * c * N * h if shared else 0)
     else:

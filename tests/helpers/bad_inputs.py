@@ -250,8 +250,11 @@ CASES = [
      [f"{W['truncated']}/model.safetensors", "model."]),
     # a Hugging Face MoE folder into the project's decoder (launcher/models/hf_adapter.py)
     (mixtral_args(MOE["mixtral_4_experts"]), ["model.moe.experts=8", "num_local_experts=4", "model.moe.experts=4"]),
-    (["model=moe_tiny", f"model.pretrained={MOE['qwen3_moe']}"], ["model_type 'qwen3_moe'", "q/k RMSNorm", "mixtral"]),
-    (["model=moe_tiny", f"model.pretrained={MOE['qwen2_moe']}"], ["model_type 'qwen2_moe'", "shared_expert_gate"]),
+    (mixtral_args(MOE["qwen3_moe"]), [f"model.pretrained={MOE['qwen3_moe']}", "use_sliding_window=true"]),
+    (mixtral_args(MOE["qwen2_moe"]), ["model.attn_bias=False", "qkv_bias=True", "set model.attn_bias=True"]),
+    (["model.qk_norm=true", "recipe=tp"], ["model.qk_norm=true", "tensor parallel", "parallel.tp=2"]),
+    (["model=moe_tiny", "model.moe.shared_gate=true"], ["model.moe.shared_gate=true", "shared_experts >= 1"]),
+    (["model.head_dim=15"], ["model.head_dim=15", "even"]),
     (["model=hf", f"model.config={HF['no_such_model']}"], ["'no_such_model'", "not a model transformers", "offline"]),
     (["model=hf", f"model.config={HF['t5']}"], ["'t5'", "no causal-LM class"]),
     (["model=hf", f"model.config={HF['llama']}", "train.seq_len=512"], ["train.seq_len=512", "max_position_embeddings=256"]),
