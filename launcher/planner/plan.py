@@ -195,8 +195,10 @@ def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | N
 
 
 def deepspeed_gathered(cfg: Config, layout: Layout) -> int | None:
-    """DeepSpeed ZeRO-3's gathered elements at the step's peak with the whole gradient beside
-    them (gathered.of_config; model.moe, model.lora: zero.gathered); None for FSDP's two blocks."""
+    """Gathered elements at the peak: DeepSpeed ZeRO-3's (gathered.of_config; moe, lora: zero.gathered),
+    FSDP's without reshard_after_forward (every block at the turn); None for FSDP's two blocks."""
+    if layout.fsdp and not cfg.recipe.fsdp.reshard_after_forward and layout.pp == 1 and not moe.enabled(cfg.model):
+        return cfg.model.n_layers * M.Shape.of(cfg.model, 1, 1).block_params // layout.tp
     if layout.shard != "zero3" or layout.fsdp:
         return None
     if not moe.enabled(cfg.model) and not lora.enabled(cfg.model):
@@ -216,8 +218,7 @@ def why_not(cfg: Config, hw: Hardware, row: Row) -> str:
     if headroom(row, hw, cfg.plan.reserve_gb) < 0:
         out.append(f"{row.peak / GiB:.1f} GiB per {hw.unit} + {cfg.plan.reserve_gb:g} reserve over {hw.gpu_bytes / GiB:.0f}")
     if hw.host_bytes is not None and host_per_node(row, hw) > hw.host_bytes:
-        out.append(f"host memory {host_per_node(row, hw) / GiB:.1f} GiB per node (offloaded states of "
-                   f"{min(hw.gpus_per_node, hw.world)} ranks, or start-up) over plan.host_memory_gb={hw.host_bytes / GiB:g}")
+        out.append(f"host memory {host_per_node(row, hw) / GiB:.1f} GiB per node over plan.host_memory_gb={hw.host_bytes / GiB:g}")
     return "; ".join(out)
 
 

@@ -28,7 +28,8 @@ def test_llama3_70b_zero3_gathers_past_max_live():
     B + H = 1,906,311,168. Backward: at block 0's first module (w2) block 0 is gathered and
     the prefetch took the next parameter, the embedding (H), whole; w2's gradient is whole
     beside them: B + H + W = 2,141,192,192. The head's own backward holds H + its gradient
-    H = 2,101,346,304, less. The old rule (two blocks, 2B) was 1,711,276,032."""
+    H = 2,101,346,304, less. The old rule (a block and what the cap left of a
+    prefetched one) was 1,000,000,000."""
     ws = G.of_config(composed("model=llama3_70b", "recipe=zero3"))
     assert (B70, H70) == (855_638_016, 1_050_673_152)
     assert ws.forward == B70 + H70 == 1_906_311_168
