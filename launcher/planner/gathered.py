@@ -22,8 +22,9 @@ DeepSpeed (deepspeed/runtime/zero/partitioned_param_coordinator.py, 0.19.8) does
   so the head's (V x dim) is reduce-scattered from its own tensor, beside the gathered weight.
 `deepspeed` replays these rules on the model's recorded order (the trace DeepSpeed records on
 the first step: the embedding, each block's wq wk wv wo w1 w3 w2, the head, then backward in
-reverse). A recomputed block gathers the same modules again before its backward, which the
-reuse window keeps: it moves no peak and the replay leaves it out.
+reverse). Activation recomputation is not replayed: a recomputed block's forward hooks run
+again just before its backward, which needs the same modules (checked against DeepSpeed
+without recomputation only: tests/unit/test_gathered.py).
 
 FSDP2 (torch/distributed/fsdp/_fully_shard/, `fsdp`): one unit per block, the root (embedding,
 final norm, head) never resharded (launcher/parallel/mesh.py::apply_fsdp). Forward holds the

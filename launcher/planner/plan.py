@@ -195,14 +195,14 @@ def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | N
 
 
 def deepspeed_gathered(cfg: Config, layout: Layout) -> int | None:
-    """Gathered elements at the peak: DeepSpeed ZeRO-3's (gathered.of_config; moe, lora: zero.gathered),
-    FSDP's without reshard_after_forward (every block at the turn); None for FSDP's two blocks."""
+    """Gathered elements at the peak: DeepSpeed ZeRO-3's (gathered.of_config; moe, lora: zero.gathered; none on one
+    rank: _no_gather_coalesced), FSDP's without reshard_after_forward (every block); None: FSDP's two blocks."""
     if layout.fsdp and not cfg.recipe.fsdp.reshard_after_forward and layout.pp == 1 and not moe.enabled(cfg.model):
         return cfg.model.n_layers * M.Shape.of(cfg.model, 1, 1).block_params // layout.tp
     if layout.shard != "zero3" or layout.fsdp:
         return None
     if not moe.enabled(cfg.model) and not lora.enabled(cfg.model):
-        return G.of_config(cfg).peak
+        return G.of_config(cfg).peak if layout.dp * layout.cp > 1 else 0
     return Z.gathered(cfg, M.Shape.of(cfg.model, 1, 1).block_params + moe.largest_block_delta(cfg.model))
 
 

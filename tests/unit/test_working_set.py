@@ -124,3 +124,16 @@ def test_offload_over_host_memory_does_not_fit(recipe, per_rank):
     for r in rows:
         assert abs(planner.host_per_node(r, hw) / expected - 1) < 0.01, (r.layout.label, planner.host_per_node(r, hw))
         assert not r.fits and "host memory" in r.why_not and "plan.host_memory_gb=1000" in r.why_not
+
+
+def test_fsdp_without_resharding_charges_every_block():
+    """recipe.fsdp.reshard_after_forward=false: every block (80 x 855,638,016 elements, bf16)
+    stays gathered to its backward; the plan's temporaries hold them instead of two blocks:
+    2 x (80 - 2) x B = 133,479,530,496 bytes more (llama3_70b, 64 GPUs, full recomputation)."""
+    from launcher.config import ACMode
+
+    rows = []
+    for reshard in ("true", "false"):
+        cfg = composed("model=llama3_70b", "recipe=fsdp", f"recipe.fsdp.reshard_after_forward={reshard}")
+        rows.append(planner.memory_row(cfg, planner.layout_for(cfg, 64), ACMode.full, 1))
+    assert rows[1].temp - rows[0].temp == 2 * (80 - 2) * B70 == 133_479_530_496
