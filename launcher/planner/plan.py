@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from launcher import jsonout
-from launcher.planner import lora, memory as M, moe, zero as Z
+from launcher.planner import collectives, gathered as G, lora, memory as M, moe, zero as Z
 from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig
 from launcher.planner.cost import step_time
 from launcher.planner.footprint import (Layout, activations, grads_at_peak, grads_kept, loss_slices, model_states,
@@ -57,6 +57,9 @@ class Row:
     grads_peak: int = 0
     """Device bytes of gradients at their own peak, the activations gone (the end of backward,
     the update; footprint.grads_at_peak): the device gradients, or more for transient copies."""
+    collectives: dict = dataclasses.field(default_factory=dict)  # one step's, one rank: collectives.per_step
+    why_not: str = ""  # why the row does not fit, in words
+    gathered: dict = dataclasses.field(default_factory=dict)  # ZeRO-3's / FSDP's working set: G.of_layout
     dispatch_worst: int = 0  # model.moe under ep, no capacity factor: what the worst routing adds (moe.worst_extra)
 
     @property
@@ -192,9 +195,14 @@ def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | N
 
 
 def deepspeed_gathered(cfg: Config, layout: Layout) -> int | None:
-    """DeepSpeed ZeRO-3's gathered elements at once (zero.gathered); None for FSDP's two blocks."""
+    """Gathered elements at the peak: DeepSpeed ZeRO-3's (gathered.of_config; moe, lora: zero.gathered; none on one
+    rank: _no_gather_coalesced), FSDP's without reshard_after_forward (every block); None: FSDP's two blocks."""
+    if layout.fsdp and not cfg.recipe.fsdp.reshard_after_forward and layout.pp == 1 and not moe.enabled(cfg.model):
+        return cfg.model.n_layers * M.Shape.of(cfg.model, 1, 1).block_params // layout.tp
     if layout.shard != "zero3" or layout.fsdp:
         return None
+    if not moe.enabled(cfg.model) and not lora.enabled(cfg.model):
+        return G.of_config(cfg).peak if layout.dp * layout.cp > 1 else 0
     return Z.gathered(cfg, M.Shape.of(cfg.model, 1, 1).block_params + moe.largest_block_delta(cfg.model))
 
 
@@ -202,6 +210,16 @@ def fits(cfg: Config, hw: Hardware, row: Row) -> bool:
     """The step and the start-up both fit the GPU (less plan.reserve_gb), and start-up fits
     the node's host memory when it is known: a layout that cannot start never fits."""
     return headroom(row, hw, cfg.plan.reserve_gb) >= 0 and (hw.host_bytes is None or host_per_node(row, hw) <= hw.host_bytes)
+
+
+def why_not(cfg: Config, hw: Hardware, row: Row) -> str:
+    """The reason a row does not fit: the device's memory, the node's host memory, or both."""
+    out = []
+    if headroom(row, hw, cfg.plan.reserve_gb) < 0:
+        out.append(f"{row.peak / GiB:.1f} GiB per {hw.unit} + {cfg.plan.reserve_gb:g} reserve over {hw.gpu_bytes / GiB:.0f}")
+    if hw.host_bytes is not None and host_per_node(row, hw) > hw.host_bytes:
+        out.append(f"host memory {host_per_node(row, hw) / GiB:.1f} GiB per node over plan.host_memory_gb={hw.host_bytes / GiB:g}")
+    return "; ".join(out)
 
 
 def headroom(row: Row, hw: Hardware, reserve_gb: float) -> int:
@@ -275,6 +293,9 @@ def plan(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig], micro_ba
                 row.fits = fits(cfg, hw, row)
             row.step_time_s, row.tokens_per_step = step_time(at_batch(cfg, layout, row.micro_batch), hw, layout, ac,
                                                              row.micro_batch)
+            row.collectives = collectives.per_step(at_batch(cfg, layout, row.micro_batch), layout)
+            row.gathered = G.of_layout(cfg, layout)
+            row.why_not = "" if row.fits else why_not(cfg, hw, row)
             rows.append(row)
     fitting = [r for r in rows if r.fits]
     if fitting:
