@@ -57,6 +57,14 @@ FINETUNE = {  # name: overrides beside HF_COMMON and the model folder (llama_1b,
 PRETRAINED = {  # llama_4l saved in fp32 in shards: step 1's loss is the saved model's own to float precision
     f"pretrained-{r}": [f"recipe={r}", "precision=fp32", "train.stop_at=1"] for r in ("ddp", "fsdp", "zero3")}
 
+# (h) issue 52's CUDA path: an MoE of 16 experts (top-2) under fsdp on one GPU, the grouped experts in bf16.
+MOE = ["model=moe_tiny", "model.dim=1024", "model.n_heads=16", "model.n_layers=8", "model.vocab_size=32000",
+       "model.max_seq_len=1024", "model.moe.experts=16", "model.moe.expert_dim=2816", "data.vocab_size=32000",
+       "train.seq_len=1024", "train.micro_batch=4", "train.steps=4", "optim.warmup_steps=1", "logger=none",
+       "logger.log_every=1", "checkpoint.every=0", "checkpoint.save_final=false", "cluster.nproc_per_node=1",
+       "precision=bf16"]
+MOE_RUNS = {f"moe-fsdp-{ac}": ["recipe=fsdp", *MOE, f"train.activation_checkpointing={ac}"] for ac in ("none", "full")}
+
 
 def standin(model: str) -> str:
     """The model folder in a run's overrides until the test has written it (the dry-run plans
@@ -139,8 +147,11 @@ def cases() -> list[Case]:
                      "compile, resume, snapshot, host syncs, the plan at 3 sizes, offload, FlexAttention)",
                      ["tests/gpu/test_gpu.py", "tests/gpu/test_flex_attention.py"],
                      {})]
+    h = [pytest_case("h-moe", "h", "MoE on CUDA: grouped experts (torch._grouped_mm, bf16) against the loop over "
+                     "experts; an MoE of 16 experts under fsdp against the plan", ["tests/gpu/test_moe_gpu.py"],
+                     MOE_RUNS)]
     firsts = [a[0], b[0], c[0], d[0], e[0], f[0]]
-    return firsts + a[1:] + b[1:] + g
+    return firsts + a[1:] + b[1:] + h + g
 
 
 def by_name() -> dict[str, Case]:
