@@ -138,7 +138,7 @@ def listening(pid: int) -> bool:
     except OSError:
         return False
     caught = int(status.split("SigCgt:", 1)[1].split()[0], 16) if "SigCgt:" in status else 0
-    rank = (b"launcher.rank" in cmdline or b"launcher.train" in cmdline) and b"torch.distributed.run" not in cmdline  # torchrun names the module too
+    rank = b"launcher.rank" in cmdline and b"torch.distributed.run" not in cmdline  # torchrun names the module too
     return rank and bool(caught >> (signal.SIGUSR1 - 1) & 1)
 
 
