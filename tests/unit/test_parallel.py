@@ -17,7 +17,7 @@ from launcher.parallel.dcp import _canonical
 from launcher.host import HostInfo
 from launcher.models.gpt import GPT
 from launcher.models import Layout
-from launcher.parallel.plan import Stage, stage_bounds, tp_plan
+from launcher.parallel.cuts import Stage, stage_bounds, tp_plan
 
 HOST = HostInfo.detect()
 
