@@ -20,19 +20,22 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from launcher import config as C, offline, provenance, runlock
-from launcher.launch import asked, fit, identity, k8s, plaintext, slurm, sweep
-from launcher.manifest import lock_folders, root_of
-from launcher.launch.commands import command_script, launch_argv, launch_env, LaunchPlan, sbatch_script, SLURM_STEPS
-from launcher.launch.args import parse_args, USAGE
-from launcher.launch.compose import compose_config, describe, expand_sweep, UsageError
-from launcher.host import HostInfo
 from launcher.exits import EXIT_INTERRUPTED
-from launcher.launch.planning import check_cpu_fit, cmd_plan, cmd_rehearse, planned_host, resolve_auto
-from launcher.launch.supervise import interrupts_held, supervise
-from launcher.launch.rundir import (check_checkpoint_space, check_resume_is_data, check_run_dir_name, check_writable,
-                                    make_plan, nothing_to_train, prepare_run, run_files, schedule_change, write_run_dir,
-                                    zero_config)
-from launcher.launch.validate import validate
+from launcher.host import HostInfo
+from launcher.launch.args import parse_args, USAGE
+from launcher.launch.checks import asked, fit, plaintext
+from launcher.launch.checks.validate import validate
+from launcher.launch.commands import sweep
+from launcher.launch.commands.plan import check_cpu_fit, cmd_plan, cmd_rehearse, planned_host, resolve_auto
+from launcher.launch.compose import compose_config, describe, expand_sweep, UsageError
+from launcher.launch.rundir import identity
+from launcher.launch.rundir.prepare import (check_checkpoint_space, check_resume_is_data, check_run_dir_name, check_writable,
+                                            make_plan, nothing_to_train, prepare_run, run_files, schedule_change,
+                                            write_run_dir, zero_config)
+from launcher.launch.start.argv import command_script, launch_argv, launch_env, LaunchPlan, sbatch_script, SLURM_STEPS
+from launcher.launch.start.supervise import interrupts_held, supervise
+from launcher.launch.submit import k8s, slurm
+from launcher.manifest import lock_folders, root_of
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "submit":
             return cmd_submit(args.overrides, args.multirun, args.dry_run)
         if args.command == "data":
-            from launcher.launch.data_command import cmd_data
+            from launcher.launch.commands.data import cmd_data
 
             return cmd_data(args.overrides)
         return cmd_train(args.overrides, args.multirun, args.dry_run)
@@ -136,7 +139,7 @@ def planned_nodes(cfg: C.Config, here: HostInfo) -> tuple[HostInfo, str | None]:
 def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool) -> None:
     """The config fits the command: Slurm configs are submitted, others trained here."""
     if cfg.model.lora.rank > 0:
-        from launcher.launch.levers import check_trainable
+        from launcher.launch.checks.levers import check_trainable
 
         check_trainable(cfg)
     c = cfg.cluster
@@ -159,14 +162,14 @@ def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool)
             raise C.ConfigError(key, "(default: a timestamp)",
                                 f"a run over cluster.nnodes={c.nnodes} nodes needs the same {key}=... on every node "
                                 "(a folder they share)")
-        from launcher.launch.rendezvous import check_master_addr
+        from launcher.launch.start.rendezvous import check_master_addr
 
         check_master_addr(cfg)
 
 
 def check_accelerate(cfg: C.Config) -> None:
     """cluster.runner=accelerate: one node (accelerate launch on node 0 refuses a port in use,
-    and the nodes' launchers meet on it first: launcher/launch/rendezvous.py), and accelerate
+    and the nodes' launchers meet on it first: launcher/launch/start/rendezvous.py), and accelerate
     importable by this interpreter, which runs it (found, not imported: it imports torch)."""
     import importlib.util
 
@@ -304,7 +307,7 @@ def supervise_with_backoff(cfg: C.Config, argv: list[str], env: dict[str, str], 
 def run_node(cfg: C.Config, run_dir: Path, argv: list[str], env: dict[str, str]) -> int:
     """One node of a multi-node run started by hand: meet the other nodes' launchers
     first (a node that never comes is named), then supervise this node's torchrun."""
-    from launcher.launch.rendezvous import NodeRendezvous, RendezvousFailed
+    from launcher.launch.start.rendezvous import NodeRendezvous, RendezvousFailed
 
     try:
         with NodeRendezvous(cfg, run_dir) as meeting:
@@ -371,7 +374,7 @@ def cmd_submit(overrides: list[str], multirun: bool, dry_run: bool = False) -> i
 
 def cmd_export(args: list[str]) -> int:
     """`launcher export RUN_DIR [export.key=value ...]`: consolidated weights."""
-    from launcher.launch.export import export
+    from launcher.launch.commands.export import export
 
     if not args or "=" in args[0]:
         raise UsageError("usage: launcher export RUN_DIR [export.format=safetensors export.dtype=fp32|bf16 "

@@ -18,7 +18,7 @@ never read, and the previous checkpoint and `latest` as they were.
 
 Every checkpoint names the run it belongs to (checkpoint.run_id, set by the launcher):
 resume=auto takes the newest whole checkpoint of this run, keep-K deletes only this run's.
-The launch side sees to it that a folder holds one run's checkpoints (launcher/launch/identity.py).
+The launch side sees to it that a folder holds one run's checkpoints (launcher/launch/rundir/identity.py).
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ class Checkpointer:
 def write_failure_cause(err: BaseException, root: Path) -> str:
     """Why a write failed, in words: a full disk says so (torch's zip writer reports it as
     "unexpected pos 64 vs 0"), anything else is the error's first line."""
-    from launcher.launch.supervise import LOW_DISK, free_bytes
+    from launcher.launch.start.supervise import LOW_DISK, free_bytes
 
     free = free_bytes(root)
     if getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err) or free < LOW_DISK:

@@ -150,7 +150,7 @@ def train(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemption: 
     # The collectives' own timeout is the backstop; the watchdog (launcher/rank/watchdog.py)
     # fires first, at dist.timeout_s, and names the silent rank.
     backstop = cfg.dist.timeout_s + max(30, cfg.dist.timeout_s // 2)
-    if backend == "nccl" and cfg.dist.flight_recorder:  # where NCCL's own timeout dump goes (launch/commands.py)
+    if backend == "nccl" and cfg.dist.flight_recorder:  # where NCCL's own timeout dump goes (launch/start/argv.py)
         (run_dir / COMM_TRACE).mkdir(exist_ok=True)
     dist.init_process_group(backend, store=job_store(rank, world_size, backstop), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=backstop),

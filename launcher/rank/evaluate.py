@@ -48,7 +48,7 @@ def held_out_batches(job, cp: int, cp_rank: int) -> list[tuple[str, float, list]
     the same held-out samples at every evaluation (launcher/data/read.py::val_sets); per
     source of a mixture, train.eval_samples each: (name, weight, micro-batches)."""
     cfg, mb = job.cfg, job.cfg.train.micro_batch
-    n = cfg.train.eval_samples // (job.dp_size * mb)  # whole micro-batches (launch/held_out.py)
+    n = cfg.train.eval_samples // (job.dp_size * mb)  # whole micro-batches (launch/checks/data.py)
     first = job.dp_rank * n * mb
     out = []
     for name, weight, data in val_sets(cfg, job.dataset):

@@ -12,7 +12,7 @@ import recipes
 from launcher.launch import cli, compose
 from launcher.parallel import degrees as D
 from launcher import config as C
-from launcher.launch.validate import validate
+from launcher.launch.checks.validate import validate
 from launcher.host import HostInfo, native_bf16
 
 HOST = HostInfo.detect()
@@ -145,7 +145,7 @@ def test_a_relaunch_that_changes_the_schedule_says_so(tmp_path):
     20 applies again, and the learning rate at step 10 falls from the peak; one line says so,
     and none when the run's warm-up is kept (optim.warmup_steps=10)."""
     from launcher.manifest import write_manifest
-    from launcher.launch.rundir import schedule_change
+    from launcher.launch.rundir.prepare import schedule_change
 
     run = tmp_path / "run"
     old, _, _ = cli.compose_config(["train.steps=10"])

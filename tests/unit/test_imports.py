@@ -175,8 +175,8 @@ def test_neither_side_imports_the_other_when_imported():
     graph = import_graph(at_import=True)
     assert reach(graph, "launcher.rank.entry") >= {"launcher.rank.loop", "launcher.config"}
     assert side_crossings(graph) == []
-    graph["launcher.launch.rundir"] |= {"launcher.rank.checkpoint"}  # the import rundir once had
-    assert "launcher.launch.rundir -> launcher.rank.checkpoint" in side_crossings(graph)
+    graph["launcher.launch.rundir.prepare"] |= {"launcher.rank.checkpoint"}  # the import rundir once had
+    assert "launcher.launch.rundir.prepare -> launcher.rank.checkpoint" in side_crossings(graph)
     assert "launcher.launch.cli -> launcher.rank.checkpoint" in side_crossings(graph)
 
 

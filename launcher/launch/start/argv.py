@@ -273,7 +273,7 @@ def command_script(argv: list[str], env: dict[str, str], workdir: str, run_dir: 
     lines += ["# A launch still running there: say so now (its rendezvous would keep this one waiting).",
               f"{shell_word(argv[0])} -m launcher.runlock {shlex.quote(run_dir)}",
               "# Supervised as `launcher train` supervises it: a Ctrl-C saves and exits 130 in one line.",
-              f"exec {shell_word(argv[0])} -m launcher.launch.supervise {shlex.quote(run_dir)} "
+              f"exec {shell_word(argv[0])} -m launcher.launch.start.supervise {shlex.quote(run_dir)} "
               + " ".join(shell_word(a) for a in argv)]
     return "\n".join(lines) + "\n"
 

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launcher import config as C
-from launcher.launch import slurm
+from launcher.launch.submit import slurm
 from launcher.launch.compose import UsageError, compose_config, recipe_configs
 from launcher.host import HostInfo
-from launcher.launch.validate import validate
+from launcher.launch.checks.validate import validate
 
 if TYPE_CHECKING:
     from launcher.planner.plan import Hardware
@@ -190,7 +190,7 @@ def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
     hw = hardware(cfg, host, world_from_launch=False)
     cpu = on_this_cpu(cfg, host)
     if cpu:  # this machine's ranks, as `make train` starts them here (its default precision too)
-        from launcher.launch.asked import fit_precision, named
+        from launcher.launch.checks.asked import fit_precision, named
 
         cfg, note = fit_precision(cfg, named(overrides), host)
         for note in [note] * bool(note) + validate(cfg, host):
@@ -236,7 +236,7 @@ def resolve_auto(overrides: list[str], host: HostInfo) -> tuple[list[str], str |
     if not (auto_recipe or auto_mb):
         return overrides, None
     from launcher.planner import plan as planner  # imports torch (meta-device counts): only when asked
-    from launcher.launch import asked
+    from launcher.launch.checks import asked
 
     rest = [o for o in overrides if o not in ("recipe=auto", "train.micro_batch=auto")]
     cfg, _, _ = compose_config(rest)

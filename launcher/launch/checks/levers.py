@@ -209,7 +209,7 @@ def base_digest(folder: str, memo_root, threads: int = 4) -> str:
     """sha256 over model.pretrained's config.json and *.safetensors, each file's sha256
     memoised as the data cache's are (by path, size and times: a later launch hashes nothing
     unchanged). A checkpoint records it; a resume onto another base is refused
-    (launcher/launch/fit.py)."""
+    (launcher/launch/checks/fit.py)."""
     import hashlib
     from pathlib import Path
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from launcher.config import (Backend, Config, ConfigError, DataKind, ModelKind, OffloadDevice, PPSchedule, Precision, Runner, Scheduler, TokenDtype, ffn_dim, nproc_per_node, pipeline_stages)
 from launcher import optim
-from launcher.launch.held_out import validate_evaluation, validate_token_data
-from launcher.launch.levers import validate_context_parallel, validate_levers
+from launcher.launch.checks.data import validate_evaluation, validate_token_data
+from launcher.launch.checks.levers import validate_context_parallel, validate_levers
 from launcher.parallel.degrees import data_parallel_size, grad_accum
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from launcher.exits import EXIT_BAD_INPUT, EXIT_CHECKPOINT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED, MARKERS
-from launcher.launch.console import LOG, Console, killed
+from launcher.launch.start.console import LOG, Console, killed
 
 
 @contextlib.contextmanager
@@ -94,7 +94,7 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
     previous = {sig: signal.signal(sig, send) for sig in forward}
     try:
         # torchrun's stderr (its ranks' too) through the console: the ranks' lines live, torchrun's
-        # report and the tracebacks into RUN_DIR/torchrun.log (launch/console.py)
+        # report and the tracebacks into RUN_DIR/torchrun.log (launch/start/console.py)
         proc = subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True,
                                 errors="replace", preexec_fn=functools.partial(stop_with_parent, os.getpid()))
         console = Console(proc.stderr, run_dir, lambda: children(proc.pid))
@@ -304,7 +304,7 @@ def _wait_for_group(pgid: int, timeout_s: float) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m launcher.launch.supervise RUN_DIR COMMAND...`: RUN_DIR/command.sh's last
+    """`python -m launcher.launch.start.supervise RUN_DIR COMMAND...`: RUN_DIR/command.sh's last
     line. The run's command supervised as `launcher train` supervises it (a Ctrl-C: the
     ranks save, one line, exit 130; the other endings explained alike). Reads config.yaml
     for the checkpoint folder and the runner; imports no torch."""

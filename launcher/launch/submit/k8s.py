@@ -7,7 +7,7 @@ Two flavours (cluster.k8s.kind):
 - trainjob: a Kubeflow Trainer TrainJob on a torch runtime; the operator builds the pods
   and gives each its node rank and the rendezvous address (PET_* variables).
 
-Each pod runs torchrun for its node, like a Slurm task (launch/commands.py::torchrun_argv):
+Each pod runs torchrun for its node, like a Slurm task (launch/start/argv.py::torchrun_argv):
 the run directory is on a shared volume at the same path as on the submitting machine, so
 a pod that fails or is evicted restarts and its ranks resume from `latest`. The manifest is
 YAML written by a YAML emitter from plain data (no text templating); the one shell line in
@@ -24,7 +24,7 @@ import subprocess
 from pathlib import Path
 
 from launcher import config as C
-from launcher.launch.commands import NodeArgs, ShellExpr, job_env, shell_word, torchrun_argv
+from launcher.launch.start.argv import NodeArgs, ShellExpr, job_env, shell_word, torchrun_argv
 
 MANIFEST = "job.yaml"
 PORT = 29500

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from launcher import config as C
 from launcher.manifest import root_of
-from launcher.launch.commands import (ACCELERATE_CONFIG, accelerate_config_text, command_script, HOSTFILE, hostfile_text,
+from launcher.launch.start.argv import (ACCELERATE_CONFIG, accelerate_config_text, command_script, HOSTFILE, hostfile_text,
                                       launch_argv, launch_env, LaunchPlan)
 from launcher.host import HostInfo
 

@@ -10,7 +10,7 @@ import sys
 from launcher import config as C
 from launcher.exits import EXIT_INTERRUPTED
 from launcher.launch.compose import compose_config
-from launcher.launch.supervise import interrupts_held
+from launcher.launch.start.supervise import interrupts_held
 
 
 def cmd_data(overrides: list[str]) -> int:

@@ -1,6 +1,6 @@
 """Slurm, the impure half: what the job's nodes look like (for validation on a login node
 that has no GPUs), and handing RUN_DIR/job.sbatch to sbatch. The script itself is rendered
-by the pure `launcher.launch.commands.sbatch_script`.
+by the pure `launcher.launch.start.argv.sbatch_script`.
 
 sbatch runs with the user's environment (less what the launcher set for itself), so SLURM_CONF, SBATCH_* defaults and the user's
 Slurm configuration apply as they would by hand. It runs inside the run directory: the

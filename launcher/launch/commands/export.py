@@ -23,7 +23,7 @@ from launcher.untrusted import check_checkpoint
 
 
 def export(run_dir: Path, overrides: list[str]) -> Path:
-    from launcher.launch.supervise import interrupts_held
+    from launcher.launch.start.supervise import interrupts_held
 
     with interrupts_held():  # the launch side imports torch only when it exports
         import torch
@@ -86,7 +86,7 @@ def same_base(cfg: C.Config, folder: Path) -> None:
     """export.merge_lora: model.pretrained is still the base the adapters were trained over
     (its sha256 against the checkpoint's manifest), or a merge would write another model."""
     from launcher.data.cache import cache_root
-    from launcher.launch.levers import base_digest
+    from launcher.launch.checks.levers import base_digest
 
     manifest = json.loads((folder / "manifest.json").read_text())
     recorded = ((manifest.get("model") or {}).get("lora") or {}).get("base_digest")
