@@ -14,9 +14,8 @@ import pytest
 import yaml
 
 from launcher.launch import cli
-
-
 from launcher.launch.submit import k8s
+
 K8S_VERSION = "1.30"  # a cluster of the last two years; the schemas ship with kubernetes-validate
 
 

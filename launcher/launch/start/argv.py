@@ -279,7 +279,7 @@ def command_script(argv: list[str], env: dict[str, str], workdir: str, run_dir: 
 
 
 # ----------------------------------------------------------------------------- Slurm
-SBATCH_TEMPLATE = Path(__file__).resolve().parents[2] / "scripts" / "slurm" / "job.sbatch"
+SBATCH_TEMPLATE = Path(__file__).resolve().parents[3] / "scripts" / "slurm" / "job.sbatch"
 _SBATCH_PLAIN = re.compile(r"[\w.,:+=@/%\[\]-]+")
 
 
