@@ -32,7 +32,7 @@ def chat(name: str, *more: str) -> list[str]:
 # (overrides, words the one line must contain)
 CASES = [
     (["recipe=nope"], ["recipe=nope", "allowed: ddp"]),
-    (["recipe.strategy=nope"], ["recipe.strategy=nope", "no engine recipes/nope.py", "allowed: ddp, fsdp, pp, pp_fsdp, tp, tp_fsdp, zero"]),
+    (["recipe.strategy=nope"], ["recipe.strategy=nope", "no such engine", "allowed: ddp, fsdp, pp, pp_fsdp, tp, tp_fsdp, zero"]),
     (["model=gpt_huge"], ["model=gpt_huge", "gpt_tiny"]),
     (["data=nope"], ["data=nope", "synthetic"]),
     (["precision=fp4"], ["precision=fp4", "bf16", "fp32", "fp8"]),
@@ -55,6 +55,8 @@ CASES = [
     (["train.compile=maybe"], ["train.compile=maybe", "expected bool"]),
     (["optim.lr=fast"], ["optim.lr=fast", "expected float"]),
     (["train.activation_checkpointing=sometimes"], ["train.activation_checkpointing=sometimes", "full"]),
+    (["train.activation_checkpointing=1.5"], ["train.activation_checkpointing=1.5", "allowed: none, full, selective, op"]),
+    (["debug.fault=nan"], ["debug.fault=nan", "allowed: save_staged", "oom"]),
     (["train.steps=0"], ["train.steps=0", ">= 1"]),
     (["train.micro_batch=-1"], ["train.micro_batch=-1", ">= 1"]),
     (["train.seq_len=0"], ["train.seq_len=0"]),
