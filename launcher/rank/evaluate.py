@@ -10,6 +10,7 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
 
 from launcher.data.read import IGNORE, micro_batch, val_sets
 from launcher.device import synchronize
@@ -68,8 +69,6 @@ def counted(job, batches: list) -> float | None:
     token. None where every target counts."""
     if not hasattr(job.dataset, "packed"):
         return None
-    import torch.distributed as dist
-
     total = torch.tensor([sum(int((b[1] != IGNORE).sum()) for b in batches)], dtype=torch.int64)
     dist.all_reduce(total, group=job.preemption.group)
     p = job.cfg.parallel  # a pipeline's schedule cuts each step's worth into its own micro-batches

@@ -82,7 +82,7 @@ class NodeRendezvous:
 
     # ------------------------------------------------------------------ enter / exit
     def __enter__(self) -> "NodeRendezvous":
-        import torch.distributed as dist
+        import torch.distributed as dist  # torch: the launch side imports none when imported (test_imports)
 
         deadline = time.monotonic() + self.timeout
         if self.rank == 0:
