@@ -29,13 +29,13 @@ from launcher.launch.checks.levers import check_trainable
 from launcher.launch.checks.validate import validate
 from launcher.launch.commands import sweep
 from launcher.launch.commands.data import cmd_data
-from launcher.launch.commands.export import export
+from launcher.launch.commands.export import cmd_export
 from launcher.launch.commands.plan import check_cpu_fit, cmd_plan, cmd_rehearse, planned_host, resolve_auto
 from launcher.launch.compose import compose_config, describe, expand_sweep, UsageError
 from launcher.launch.rundir import identity
 from launcher.launch.rundir.prepare import (check_checkpoint_space, check_resume_is_data, check_run_dir_name,
-                                            check_writable, make_plan, nothing_to_train, prepare_run, run_files,
-                                            schedule_change, write_run_dir, zero_config)
+                                            check_writable, exported_threads, make_plan, nothing_to_train, prepare_run,
+                                            run_files, schedule_change, write_run_dir, zero_config)
 from launcher.launch.start.argv import command_script, launch_argv, launch_env, LaunchPlan, sbatch_script, SLURM_STEPS
 from launcher.launch.start.rendezvous import check_master_addr, NodeRendezvous, RendezvousFailed
 from launcher.launch.start.supervise import interrupts_held, supervise
@@ -80,9 +80,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compose_jobs(command: str, overrides: list[str], multirun: bool,
-                 dry_run: bool = False) -> list[tuple[C.Config, Path, HostInfo, str | None]]:
+                 dry_run: bool = False) -> tuple[list[tuple[C.Config, Path, HostInfo, str | None]], list[str]]:
     """`train` and `submit` alike: compose and validate every point of a sweep first (bad
-    input starts nothing and writes nothing); each point gets its own run directory."""
+    input starts nothing and writes nothing); each point gets its own run directory. Returns
+    the jobs and the warnings, which the command prints once nothing can refuse the launch
+    any more (bad input stays one line)."""
     with interrupts_held():  # the lazy imports of validation (torch, the engines, DeepSpeed)
         here = HostInfo.detect()
         if command == "submit" and not any(o.split("=", 1)[0].lstrip("+~") == "cluster" for o in overrides):
@@ -123,9 +125,15 @@ def compose_jobs(command: str, overrides: list[str], multirun: bool,
             jobs.append((cfg, run_dir, host, choice, zero_config(cfg, host)))
         if command == "submit" and not dry_run and any(j[0].cluster.scheduler == C.Scheduler.slurm for j in jobs):
             slurm.check_client()
-        for note in dict.fromkeys(n for n in notes if n):  # once every point passed: bad input stays one line
-            print(f"warning: {note}", file=sys.stderr, flush=True)
-    return jobs
+        if command == "train":
+            exported_threads()  # the launching shell's OMP_NUM_THREADS, which each rank would take
+    return jobs, list(dict.fromkeys(n for n in notes if n))
+
+
+def say(notes: list[str]) -> None:
+    """compose_jobs' warnings, once every check passed."""
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
 
 
 def planned_nodes(cfg: C.Config, here: HostInfo) -> tuple[HostInfo, str | None]:
@@ -184,7 +192,9 @@ def check_accelerate(cfg: C.Config) -> None:
 def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> int:
     """Compose and validate every point first (bad input starts nothing), then run each; a
     sweep's points are named by their swept values and compared in one table at the end."""
-    rc, jobs, points = 0, compose_jobs("train", overrides, multirun, dry_run), []
+    (jobs, notes), rc, points = compose_jobs("train", overrides, multirun, dry_run), 0, []
+    if dry_run:
+        say(notes)
     names = sweep.point_names(expand_sweep(overrides)) if multirun else [""]
     for k, ((cfg, run_dir, host, choice, ds), name) in enumerate(zip(jobs, names), 1):
         if name and cfg.run_name is None:  # W&B's name and the summary's title: the swept values
@@ -216,7 +226,8 @@ def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> in
                     held.enter_context(runlock.hold_all(lock_folders(cfg, run_dir)))
                     runlock.check_free(run_dir)  # a Slurm job queued for it would start into this run
                 points.append(sweep.Point(name, run_dir, started=time.time()))
-                points[-1].rc = launch_job(cfg, run_dir, plan, files, choice, overrides)
+                points[-1].rc = launch_job(cfg, run_dir, plan, files, choice, overrides, notes)
+                notes = []  # said once, before the first point's ranks
                 rc = max(rc, points[-1].rc)
             except (C.ConfigError, runlock.Held):  # refused before any rank started: leave no trace
                 if created and owner:
@@ -229,12 +240,14 @@ def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> in
 
 
 def launch_job(cfg: C.Config, run_dir: Path, plan: LaunchPlan, files: dict[str, str], choice: str | None,
-               overrides: list[str]) -> int:
-    """Write the run directory and run the ranks under supervision; the exit code."""
+               overrides: list[str], notes: list[str]) -> int:
+    """Write the run directory (and prepare its data), say the launch's warnings, and run the
+    ranks under supervision; the exit code."""
     if cfg.cluster.node_rank == 0:  # the other nodes of a launch by hand run what node 0 settles
         cfg = identity.settle(cfg, run_dir)
     cfg = wandb_reachable_or_offline(cfg, run_dir)
     argv_run, env = prepare_run(cfg, run_dir, plan, files)
+    say(notes)  # nothing refuses the launch any more
     provenance.write(run_dir, ["train", *overrides], cfg.cluster.node_rank)
     env = {**env, **runlock.for_ranks()}  # rank 0 finds the lock held by its own launch (not in command.sh)
     print(f"run directory: {run_dir}", flush=True)
@@ -326,7 +339,9 @@ def slurm_plan(cfg: C.Config, host: HostInfo, code: str | None = None, python: s
 def cmd_submit(overrides: list[str], multirun: bool, dry_run: bool = False) -> int:
     """`launcher submit`: per point, RUN_DIR/config.yaml + job.sbatch, then sbatch.
     --dry-run prints the script and submits nothing."""
-    jobs = compose_jobs("submit", overrides, multirun, dry_run)
+    jobs, notes = compose_jobs("submit", overrides, multirun, dry_run)
+    if dry_run:
+        say(notes)
     for cfg, run_dir, host, choice, ds in jobs:
         code, kube = slurm.code_dir(cfg, run_dir), cfg.cluster.scheduler == C.Scheduler.k8s
         name = k8s.MANIFEST if kube else slurm.SCRIPT  # the pods run the image's interpreter, the nodes ours
@@ -362,23 +377,8 @@ def cmd_submit(overrides: list[str], multirun: bool, dry_run: bool = False) -> i
             raise
         print(job_id if kube else f"submitted job {job_id}: run directory {run_dir}, log {slurm.log_path(run_dir, job_id)}",
               flush=True)
-    return 0
-
-
-def cmd_export(args: list[str]) -> int:
-    """`launcher export RUN_DIR [export.key=value ...]`: consolidated weights."""
-    if not args or "=" in args[0]:
-        raise UsageError("usage: launcher export RUN_DIR [export.format=safetensors export.dtype=fp32|bf16 "
-                         "export.step=N export.out=DIR]")
-    run_dir = Path(args[0]).resolve()
-    if not (run_dir / "config.yaml").is_file():
-        raise C.ConfigError("RUN", args[0], "not a run directory (no config.yaml in it)")
-    for o in args[1:]:
-        if not o.startswith("export."):
-            raise C.ConfigError(o.split("=", 1)[0], o.split("=", 1)[-1], "export takes only export.* options")
-    out = export(run_dir, args[1:])
-    dtype = next((o.split("=", 1)[1] for o in args[1:] if o.startswith("export.dtype=")), "fp32")
-    print(f"exported {out} ({dtype})")
+        say(notes)  # about the job sbatch took, not one it refused
+        notes = []
     return 0
 
 

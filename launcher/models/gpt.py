@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from launcher.config import ACMode, ModelConfig, ffn_dim, is_moe_block, matmul_params
+from launcher.config import ACMode, ModelConfig, is_moe_block, matmul_params
 from launcher.models.attention import Attention, DocumentMask, rotary_at, rotary_table
 from launcher.models.init import InitSpec, init_skipped
+from launcher.models.mlp import FeedForward
 
 
 class RMSNorm(nn.Module):
@@ -35,20 +36,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return out.type_as(x) * self.weight
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
-        super().__init__()
-        hidden = hidden or ffn_dim(cfg)  # an MoE's shared expert: its own width
-        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
-        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):

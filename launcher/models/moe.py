@@ -30,7 +30,7 @@ from torch import nn
 
 from launcher.config import MoEBalance, MoEConfig, MoEScore, ModelConfig, expert_dim
 from launcher.models.experts import Experts
-from launcher.models.gpt import FeedForward
+from launcher.models.mlp import FeedForward
 from launcher.models.init import InitSpec
 
 _AUX: list[torch.Tensor] = []

@@ -20,9 +20,27 @@ from omegaconf import OmegaConf
 import recipes
 from launcher import config as C, models
 from launcher.launch.checks.levers import base_digest
+from launcher.launch.compose import UsageError
 from launcher.launch.start.supervise import interrupts_held
 from launcher.manifest import find_latest, root_of, step_name, verify
 from launcher.untrusted import check_checkpoint
+
+
+def cmd_export(args: list[str]) -> int:
+    """`launcher export RUN_DIR [export.key=value ...]`: consolidated weights."""
+    if not args or "=" in args[0]:
+        raise UsageError("usage: launcher export RUN_DIR [export.format=safetensors export.dtype=fp32|bf16 "
+                         "export.step=N export.out=DIR]")
+    run_dir = Path(args[0]).resolve()
+    if not (run_dir / "config.yaml").is_file():
+        raise C.ConfigError("RUN", args[0], "not a run directory (no config.yaml in it)")
+    for o in args[1:]:
+        if not o.startswith("export."):
+            raise C.ConfigError(o.split("=", 1)[0], o.split("=", 1)[-1], "export takes only export.* options")
+    out = export(run_dir, args[1:])
+    dtype = next((o.split("=", 1)[1] for o in args[1:] if o.startswith("export.dtype=")), "fp32")
+    print(f"exported {out} ({dtype})")
+    return 0
 
 
 def export(run_dir: Path, overrides: list[str]) -> Path:
