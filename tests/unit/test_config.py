@@ -243,7 +243,8 @@ def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
     bad = run("train", "recipe=mine", "recipe.strategy=nope", f"hydra.run.dir={tmp_path / 'bad'}", "--dry-run")
     allowed = ", ".join(sorted([*recipes.names(), "mine"]))
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        f"error: recipe.strategy=nope: no engine recipes/nope.py; allowed: {allowed}"], bad.stderr
+        f"error: recipe.strategy=nope: no such engine; allowed: {allowed} (recipes/<engine>: a module or package; "
+        "a recipe, conf/recipe/<name>.yaml, names one)"], bad.stderr
 
 
 def test_config_yaml_holds_every_string_as_typed(tmp_path):
