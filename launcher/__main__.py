@@ -9,7 +9,7 @@ def entry() -> int:
     # KeyboardInterrupt inside an import can be swallowed by a library's bare `except:`, and
     # the run would then start as if nothing had been pressed. The launch side's modules
     # import no torch when imported (`launcher --help` does without it); the commands hold
-    # a Ctrl-C the same way while they import it (launch/supervise.py::interrupts_held).
+    # a Ctrl-C the same way while they import it (launch/start/supervise.py::interrupts_held).
     pressed: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
     from launcher.launch.cli import main

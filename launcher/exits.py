@@ -1,7 +1,7 @@
 """Exit codes and the marker files that explain them.
 
 A rank that stops for a known reason leaves a small JSON file in RUN_DIR; torchrun itself
-exits 1 whatever happened, so the launcher (launch/supervise.py) reads the marker and
+exits 1 whatever happened, so the launcher (launch/start/supervise.py) reads the marker and
 exits with the code that says why, after printing the reason.
 """
 

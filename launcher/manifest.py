@@ -88,7 +88,7 @@ def digests(folder: Path, rank: int, world: int) -> dict[str, dict]:
 
 def write_manifest(folder: Path, step: int, run_id: str | None = None, about: dict | None = None,
                    known: dict[str, dict] | None = None) -> None:
-    """folder/manifest.json: the step, the run, `about` (what wrote it: launcher/launch/fit.py), each
+    """folder/manifest.json: the step, the run, `about` (what wrote it: launcher/launch/checks/fit.py), each
     file's size and sha256: from `known` (the ranks' own digests), the rest hashed here. The
     folder's directories are fsynced (their entries are what a rename publishes)."""
     files = dict(known or {})
@@ -265,7 +265,7 @@ def shapes(cfg) -> dict[str, list[int]]:
 
 def describe(cfg) -> dict:
     """What a checkpoint's manifest records about the model that wrote it (the launch side
-    compares it with the model a launch builds: launcher/launch/fit.py)."""
+    compares it with the model a launch builds: launcher/launch/checks/fit.py)."""
     from launcher.config import to_dict
 
     return {"model": to_dict(cfg)["model"], "params": shapes(cfg)}

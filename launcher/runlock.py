@@ -113,7 +113,7 @@ def check_free(run_dir: Path) -> None:
     holder = _read(path)
     if holder and not _mine(holder) and not gone(holder):
         raise Held(describe(holder, path))
-    job_file = run_dir / "slurm_job_id"  # launcher/launch/slurm.py::JOB_ID_FILE
+    job_file = run_dir / "slurm_job_id"  # launcher/launch/submit/slurm.py::JOB_ID_FILE
     job = job_file.read_text().strip() if job_file.is_file() else ""
     states = slurm_job_states(job) if job.isdigit() else None
     live = [state for state in states or [] if state not in ENDED]

@@ -5,7 +5,7 @@ Model states per rank: the matmul weights (q/k/v/o, the SwiGLU projections; an u
 embedding and head by vocabulary) and their gradients and Adam states are split tp
 ways; the norms (and a tied embedding) are replicated: 16 x (Ψ_matmul/tp + Ψ_replicated).
 Each block all-reduces its activations twice in forward and twice in backward. The plan
-is in launcher/parallel/plan.py; the engine is fsdp's ShardedEngine (no FSDP here).
+is in launcher/parallel/cuts.py; the engine is fsdp's ShardedEngine (no FSDP here).
 """
 
 from recipes import Holding, Parallelism, RecipeSpec

@@ -39,7 +39,7 @@ from launcher import models
 from launcher.planner import plan as planner
 from launcher.launch.compose import CONF_DIR, compose_config, group_configs, recipe_configs
 from launcher.config import ACMode, ConfigError
-from launcher.launch.validate import validate
+from launcher.launch.checks.validate import validate
 from launcher.data.read import build_dataset
 from launcher.exits import exit_now
 from launcher.host import HostInfo, deepspeed_env

@@ -68,7 +68,7 @@ def layouts() -> list[tuple[str, int, list[str]]]:
 def rehearse_one(model: str, nodes: int, overrides: list[str]) -> dict:
     """One layout, in a process of its own (each rank joins a fake group of the layout's world)."""
     from launcher.launch.compose import compose_config
-    from launcher.launch.planning import validate_for_cluster
+    from launcher.launch.commands.plan import validate_for_cluster
     from launcher.host import HostInfo
     from launcher.planner import rehearse as R
 

@@ -16,7 +16,7 @@ gives every name of the package (C.Config, C.Precision, C.ffn_dim ...).
                 need the recipe's engine: launcher/parallel/degrees.py)
 
 The cross-field checks that no single type can express (batch arithmetic, device
-capabilities, paths, the model's shape) are launcher/launch/validate.py's. This package imports
+capabilities, paths, the model's shape) are launcher/launch/checks/validate.py's. This package imports
 nothing else of the project.
 """
 

@@ -123,7 +123,7 @@ def loss_chunks(cfg: Config, vocab_size: int, micro_batch: int, sliceable: bool)
     """Slices of the sequence the loss is computed over: train.loss_chunks, or (null) the
     fewest, a power of two, that keep one slice's fp32 logits within LOSS_CHUNK_BYTES; 1
     where the layout cannot slice it (`sliceable` false: model=hf, a pipeline's last stage,
-    tensor parallel; launch/validate.py refuses an explicit N > 1 there)."""
+    tensor parallel; launch/checks/validate.py refuses an explicit N > 1 there)."""
     if cfg.train.loss_chunks is not None:
         return cfg.train.loss_chunks
     s, chunks = cfg.train.seq_len, 1

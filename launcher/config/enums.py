@@ -127,7 +127,7 @@ class Scheduler(str, enum.Enum):
 
 
 class K8sKind(str, enum.Enum):
-    """The Kubernetes object `make submit cluster=k8s` renders (launcher/launch/k8s.py)."""
+    """The Kubernetes object `make submit cluster=k8s` renders (launcher/launch/submit/k8s.py)."""
 
     job = "job"
     """An Indexed batch/v1 Job and a headless Service: no operator needed. The completion

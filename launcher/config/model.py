@@ -225,6 +225,6 @@ SOURCE_KEYS: dict[str, tuple[DataKind, ...]] = {
 }
 """The data.* keys only some sources read (val_path, val_fraction and sources are checked with
 train.eval_every's held-out data). A run that sets one its data= does not read is refused
-(launcher/launch/asked.py): `data.files=...` without data=hf_text would otherwise train on
+(launcher/launch/checks/asked.py): `data.files=...` without data=hf_text would otherwise train on
 synthetic data, without a word."""
 

@@ -40,7 +40,7 @@ class CheckpointConfig:
     where the checkpoint folder already holds a run's checkpoints. refuse (exit 2): two runs
     never share a folder. archive: first move that run aside, its checkpoints and the run
     directory's record of it (config.yaml, metrics.jsonl, summary.json, W&B id) to
-    RUN_DIR/archive/<its run id>/; nothing is deleted (launcher/launch/identity.py)."""
+    RUN_DIR/archive/<its run id>/; nothing is deleted (launcher/launch/rundir/identity.py)."""
     run_id: Optional[str] = None
     """The run the checkpoints belong to, written into every manifest and `latest`; keep-K
     and resume=auto only touch this run's. Set by the launcher: a launch that continues a run
@@ -76,7 +76,7 @@ class LoggerConfig:
 @dataclass
 class K8sConfig:
     """cluster=k8s: `make submit` renders RUN_DIR/job.yaml and applies it with kubectl
-    (launcher/launch/k8s.py). One pod per node, each running torchrun for its node; GPUs per
+    (launcher/launch/submit/k8s.py). One pod per node, each running torchrun for its node; GPUs per
     pod are cluster.gpus_per_node, the ranks' environment cluster.env, the grace after a
     stop cluster.preempt_grace_s."""
 

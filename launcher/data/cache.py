@@ -182,9 +182,8 @@ def prepare(cfg: Config, unit_bytes: int | None = None, out=None) -> Prepared:
     try:
         root.mkdir(parents=True, exist_ok=True)
         nproc, t0 = processes(d), time.perf_counter()
-        stats = [f.stat() for f in files]
-        sums, _ = digests(root, files, nproc, out)
-        folder = root / cache_key(sums, fmt.value, d.text_field, tok, chat["key"])
+        src = _Inputs(files, fmt, [f.stat() for f in files], digests(root, files, nproc, out)[0], tok, chat)
+        folder = root / cache_key(src.sums, fmt.value, d.text_field, tok, chat["key"])
         if whole(folder, out, nproc):
             return Prepared(folder, json.loads((folder / INDEX).read_text()), reused=True)
 
@@ -194,44 +193,69 @@ def prepare(cfg: Config, unit_bytes: int | None = None, out=None) -> Prepared:
         with locked(folder.with_name(folder.name + ".lock"), waiting) as fd:
             if whole(folder, out, nproc):  # made while this launch waited
                 return Prepared(folder, json.loads((folder / INDEX).read_text()), reused=True)
-            folder.mkdir(exist_ok=True)
-            for tmp in folder.glob(".*.tmp"):  # what a killed launch was writing: never renamed, never read
-                tmp.unlink(missing_ok=True)
-            sizes = [s.st_size for s in stats]  # what was hashed: the key's content
-            plan = _plan(folder, files, fmt, sizes, unit_bytes or d.shard_mb << 20)
-            dtype = token_dtype(tok)
-            done = _recorded(folder, len(plan), dtype.width)
-            jobs = [{"unit": k, "dir": str(folder), "format": fmt.value, "field": d.text_field,
-                     "tokenizer": d.tokenizer, "dtype": dtype.value, "bytes": sum(map(units.piece_bytes, pieces)),
-                     "pieces": [{**p, "path": str(files[p["file"]])} for p in pieces], **chat["job"]}
-                    for k, pieces in enumerate(plan) if k not in done]
-            total = sum(units.piece_bytes(p) for pieces in plan for p in pieces)
-            meter = Meter(total, total - sum(j["bytes"] for j in jobs), out)
-            room(folder, sum(j["bytes"] for j in jobs), dtype.width, d.tokenizer == "byte", out)
-            resumed = len(done)
-            try:
-                done.update(_run(jobs, nproc, fd, meter, chat_units.tokenize_chat_unit if chat["key"] else None))
-            except InputError:
-                shutil.rmtree(folder, ignore_errors=True)
-                raise
-            changed = [str(f) for f, s in zip(files, stats) if (f.stat().st_size, f.stat().st_mtime_ns) !=
-                       (s.st_size, s.st_mtime_ns)]
-            if changed:  # what was read is not what was hashed: this key's content is not known
-                shutil.rmtree(folder, ignore_errors=True)
-                raise ConfigError("data.files", changed[0], "changed while it was prepared; launch again once the "
-                                  "files stay as they are")
-            index = _index(cfg, tok, dtype, fmt, files, sizes, sums, [done[k] for k in range(len(plan))], chat["key"])
-            index["shards"] = shards.with_digests(folder, index["shards"], nproc)  # checked at every reuse
-            _fsync_dir(folder)  # every shard's and record's rename is on disk before the index says they are whole
-            units.write_json_atomic(folder / INDEX, index)
-            _fsync_dir(folder)
-            _tidy(folder, index, len(plan))
+            return _build(cfg, folder, src, fd, nproc, unit_bytes or d.shard_mb << 20, out, t0)
     except OSError as err:
         raise ConfigError("data.cache_dir", str(root), f"the prepared data could not be written ({err}); "
                           "choose another data.cache_dir, or free space (the units done so far are kept for the "
                           "next launch)") from err
+
+
+@dataclass
+class _Inputs:
+    """What one preparation reads: the files (their format, their stat and digests when
+    hashed), the tokenizer, data=chat's settings."""
+    files: list[Path]
+    fmt: object
+    stats: list[os.stat_result]
+    sums: list[str]
+    tok: object
+    chat: dict
+
+
+def _build(cfg: Config, folder: Path, src: _Inputs, fd: int, nproc: int, unit_bytes: int, out, t0: float) -> Prepared:
+    """Under the key's lock: the units an earlier launch left kept, the others tokenized by
+    `nproc` processes, then the index written last (what makes the folder whole)."""
+    d, files = cfg.data, src.files
+    folder.mkdir(exist_ok=True)
+    for tmp in folder.glob(".*.tmp"):  # what a killed launch was writing: never renamed, never read
+        tmp.unlink(missing_ok=True)
+    sizes = [s.st_size for s in src.stats]  # what was hashed: the key's content
+    plan = _plan(folder, files, src.fmt, sizes, unit_bytes)
+    dtype = token_dtype(src.tok)
+    done = _recorded(folder, len(plan), dtype.width)
+    jobs = [{"unit": k, "dir": str(folder), "format": src.fmt.value, "field": d.text_field,
+             "tokenizer": d.tokenizer, "dtype": dtype.value, "bytes": sum(map(units.piece_bytes, pieces)),
+             "pieces": [{**p, "path": str(files[p["file"]])} for p in pieces], **src.chat["job"]}
+            for k, pieces in enumerate(plan) if k not in done]
+    total = sum(units.piece_bytes(p) for pieces in plan for p in pieces)
+    meter = Meter(total, total - sum(j["bytes"] for j in jobs), out)
+    room(folder, sum(j["bytes"] for j in jobs), dtype.width, d.tokenizer == "byte", out)
+    resumed = len(done)
+    try:
+        done.update(_run(jobs, nproc, fd, meter, chat_units.tokenize_chat_unit if src.chat["key"] else None))
+    except InputError:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    _unchanged(folder, files, src.stats)
+    index = _index(cfg, src.tok, dtype, src.fmt, files, sizes, src.sums, [done[k] for k in range(len(plan))],
+                   src.chat["key"])
+    index["shards"] = shards.with_digests(folder, index["shards"], nproc)  # checked at every reuse
+    _fsync_dir(folder)  # every shard's and record's rename is on disk before the index says they are whole
+    units.write_json_atomic(folder / INDEX, index)
+    _fsync_dir(folder)
+    _tidy(folder, index, len(plan))
     return Prepared(folder, index, reused=False, seconds=time.perf_counter() - t0, processes=min(nproc, len(jobs)),
                     units=len(plan), resumed=resumed, built_bytes=meter.bytes, built_tokens=meter.tokens)
+
+
+def _unchanged(folder: Path, files: list[Path], stats: list[os.stat_result]) -> None:
+    """What was read is what was hashed, else this key's content is not known: the folder goes."""
+    changed = [str(f) for f, s in zip(files, stats) if (f.stat().st_size, f.stat().st_mtime_ns) !=
+               (s.st_size, s.st_mtime_ns)]
+    if changed:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise ConfigError("data.files", changed[0], "changed while it was prepared; launch again once the "
+                          "files stay as they are")
 
 
 def whole(folder: Path, out, threads: int = 1) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import NamedTuple
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
 from launcher.launch.compose import UsageError
@@ -81,8 +82,6 @@ def parse_args(argv: list[str]) -> Args:
                          f"{', '.join('/'.join(a.option_strings) for a in flags)}, or key=value overrides")
     args = Args(command, parsed.overrides, getattr(parsed, "dry_run", False), getattr(parsed, "multirun", False),
                 getattr(parsed, "as_json", False), getattr(parsed, "ranks", None))
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parser = OverridesParser.create()
     for o in args.overrides if command in ("train", "submit", "data") else []:
         try:

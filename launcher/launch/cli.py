@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -19,20 +20,29 @@ from pathlib import Path
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from launcher import config as C, offline, provenance, runlock
-from launcher.launch import asked, fit, identity, k8s, plaintext, slurm, sweep
-from launcher.manifest import lock_folders, root_of
-from launcher.launch.commands import command_script, launch_argv, launch_env, LaunchPlan, sbatch_script, SLURM_STEPS
-from launcher.launch.args import parse_args, USAGE
-from launcher.launch.compose import compose_config, describe, expand_sweep, UsageError
+from launcher import config as C, offline, ops, provenance, runlock
+from launcher.exits import EXIT_INTERRUPTED, OOM_MARKER
 from launcher.host import HostInfo
-from launcher.exits import EXIT_INTERRUPTED
-from launcher.launch.planning import check_cpu_fit, cmd_plan, cmd_rehearse, planned_host, resolve_auto
-from launcher.launch.supervise import interrupts_held, supervise
-from launcher.launch.rundir import (check_checkpoint_space, check_resume_is_data, check_run_dir_name, check_writable,
-                                    exported_threads, make_plan, nothing_to_train, prepare_run, run_files,
-                                    schedule_change, write_run_dir, zero_config)
-from launcher.launch.validate import validate
+from launcher.launch.args import parse_args, USAGE
+from launcher.launch.checks import asked, fit, plaintext
+from launcher.launch.checks.levers import check_trainable
+from launcher.launch.checks.validate import validate
+from launcher.launch.commands import sweep
+from launcher.launch.commands.data import cmd_data
+from launcher.launch.commands.export import cmd_export
+from launcher.launch.commands.plan import check_cpu_fit, cmd_plan, cmd_rehearse, planned_host, resolve_auto
+from launcher.launch.compose import compose_config, describe, expand_sweep, UsageError
+from launcher.launch.rundir import identity
+from launcher.launch.rundir.prepare import (check_checkpoint_space, check_resume_is_data, check_run_dir_name,
+                                            check_writable, exported_threads, make_plan, nothing_to_train, prepare_run,
+                                            run_files, schedule_change, write_run_dir, zero_config)
+from launcher.launch.start.argv import command_script, launch_argv, launch_env, LaunchPlan, sbatch_script, SLURM_STEPS
+from launcher.launch.start.rendezvous import check_master_addr, NodeRendezvous, RendezvousFailed
+from launcher.launch.start.supervise import interrupts_held, supervise
+from launcher.launch.submit import k8s, slurm
+from launcher.manifest import lock_folders, root_of
+from launcher.parallel import ds_config
+from launcher.parallel.degrees import back_off
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
             print(args.help, end="")
             return 0
         if args.command == "export":
-            from launcher.launch.export import cmd_export
-
             return cmd_export(args.overrides)
         if args.command == "plan":
             with interrupts_held():
@@ -58,8 +66,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "submit":
             return cmd_submit(args.overrides, args.multirun, args.dry_run)
         if args.command == "data":
-            from launcher.launch.data_command import cmd_data
-
             return cmd_data(args.overrides)
         return cmd_train(args.overrides, args.multirun, args.dry_run)
     except (UsageError, runlock.Held) as e:
@@ -146,8 +152,6 @@ def planned_nodes(cfg: C.Config, here: HostInfo) -> tuple[HostInfo, str | None]:
 def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool) -> None:
     """The config fits the command: Slurm configs are submitted, others trained here."""
     if cfg.model.lora.rank > 0:
-        from launcher.launch.levers import check_trainable
-
         check_trainable(cfg)
     c = cfg.cluster
     kind = {C.Scheduler.slurm: "Slurm", C.Scheduler.k8s: "Kubernetes"}.get(c.scheduler)
@@ -169,17 +173,14 @@ def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool)
             raise C.ConfigError(key, "(default: a timestamp)",
                                 f"a run over cluster.nnodes={c.nnodes} nodes needs the same {key}=... on every node "
                                 "(a folder they share)")
-        from launcher.launch.rendezvous import check_master_addr
 
         check_master_addr(cfg)
 
 
 def check_accelerate(cfg: C.Config) -> None:
     """cluster.runner=accelerate: one node (accelerate launch on node 0 refuses a port in use,
-    and the nodes' launchers meet on it first: launcher/launch/rendezvous.py), and accelerate
+    and the nodes' launchers meet on it first: launcher/launch/start/rendezvous.py), and accelerate
     importable by this interpreter, which runs it (found, not imported: it imports torch)."""
-    import importlib.util
-
     if cfg.cluster.nnodes > 1:
         raise C.ConfigError("cluster.runner", "accelerate", f"accelerate launch starts one node's ranks here, not "
                             f"cluster.nnodes={cfg.cluster.nnodes}: several nodes run with cluster.runner=torchrun")
@@ -215,7 +216,6 @@ def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> in
             points.append(sweep.Point(name, run_dir))
             continue
         if ds is not None:  # a DeepSpeed recipe: its ops compiled here, once per environment, not in the ranks
-            from launcher import ops
 
             ops.build(ops.needed(cfg, host.cuda))
         created = not run_dir.exists()
@@ -272,7 +272,7 @@ def wandb_reachable_or_offline(cfg: C.Config, run_dir: Path) -> C.Config:
     answers. logger.mode=auto: if not, the run logs offline (one line; config.yaml says
     offline); logger.mode=online: refused. The ranks fall back to offline on their own too
     (a key the server rejects, a network that drops; launcher/rank/metrics.py)."""
-    from launcher.rank.metrics import sinks, wandb_mode, wandb_unreachable
+    from launcher.rank.metrics import sinks, wandb_mode, wandb_unreachable  # the rank side: lazy (test_imports)
 
     if C.LoggerKind.wandb not in sinks(cfg) or wandb_mode(cfg) != "online":
         return cfg
@@ -291,10 +291,6 @@ def supervise_with_backoff(cfg: C.Config, argv: list[str], env: dict[str, str], 
     leaves RUN_DIR/oom.json; the launcher takes the next smaller micro-batch with the
     accumulation that keeps the global batch (degrees.backed_off), records it in config.yaml
     and launches again: the ranks resume from the last checkpoint, on the same samples."""
-    from launcher.exits import OOM_MARKER
-    from launcher.parallel import ds_config
-    from launcher.parallel.degrees import back_off
-
     marker = run_dir / OOM_MARKER
     while True:
         marker.unlink(missing_ok=True)
@@ -319,8 +315,6 @@ def supervise_with_backoff(cfg: C.Config, argv: list[str], env: dict[str, str], 
 def run_node(cfg: C.Config, run_dir: Path, argv: list[str], env: dict[str, str]) -> int:
     """One node of a multi-node run started by hand: meet the other nodes' launchers
     first (a node that never comes is named), then supervise this node's torchrun."""
-    from launcher.launch.rendezvous import NodeRendezvous, RendezvousFailed
-
     try:
         with NodeRendezvous(cfg, run_dir) as meeting:
             print(f"node {cfg.cluster.node_rank}: all {cfg.cluster.nnodes} nodes joined "

@@ -5,13 +5,17 @@ words for what went wrong: an unknown group option, a wrong type, a missing valu
 from __future__ import annotations
 
 import contextlib
-
+import enum
+import re
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf, open_dict
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException,
+                              ValidationError)
 
 from launcher import config as C
 
@@ -41,9 +45,6 @@ def compose_config(overrides: list[str]) -> tuple[C.Config, Path, dict]:
 
 def expand_sweep(overrides: list[str]) -> list[list[str]]:
     """Hydra's sweep syntax (`optim.lr=1e-3,3e-3`) -> one override list per point."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parsed = OverridesParser.create().parse_overrides(overrides)
     batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     return [list(point) for batch in batches for point in batch]
@@ -99,8 +100,6 @@ def describe(e: BaseException) -> str:
 def _describe_omegaconf(e: OmegaConfBaseException) -> str:
     key = getattr(e, "full_key", None) or "?"
     msg = str(getattr(e, "msg", "") or e).strip().splitlines()[0]
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
-
     if isinstance(e, (ConfigKeyError, ConfigAttributeError)) and "not in" in msg:
         parent, _, leaf = key.rpartition(".")
         schema = C.GROUPS.get(parent.split(".")[0]) if parent else C.Config
@@ -119,6 +118,8 @@ def _describe_omegaconf(e: OmegaConfBaseException) -> str:
         if "expected one of" in msg:
             allowed = msg.split("expected one of", 1)[1].strip()
             return f"{key}={value}: not allowed; allowed: {allowed.strip('[]')}"
+        if choice := _enum_named(msg):  # a number given to a choice (1.5, nan): its words, as for a wrong word
+            return f"{key}={value}: not allowed; allowed: {', '.join(m.name for m in choice)}"
         want = "the declared type"
         if "converted to" in msg:
             want = msg.split("converted to", 1)[1].strip()
@@ -127,3 +128,11 @@ def _describe_omegaconf(e: OmegaConfBaseException) -> str:
         names = {"Integer": "int", "Float": "float", "Boolean": "bool (true/false)", "String": "str"}
         return f"{key}={value}: wrong type; expected {names.get(want, want)}"
     return f"{key}: {msg}"
+
+
+def _enum_named(msg: str) -> type[enum.Enum] | None:
+    """The choice (an Enum of launcher.config) OmegaConf names in "Value 1.5 (float) is not a
+    valid input for <enum 'ACMode'>", or None."""
+    found = re.search(r"<enum '(\w+)'>", msg)
+    choice = getattr(C, found.group(1), None) if found else None
+    return choice if isinstance(choice, type) and issubclass(choice, enum.Enum) else None

@@ -93,10 +93,45 @@ def persistence_threshold(cfg: C.Config) -> int:
 
 def deepspeed_config(cfg: C.Config, world_size: int, cuda: bool) -> dict[str, Any]:
     """The DeepSpeed config of `cfg` at `world_size` ranks (pure)."""
-    t, o, p, z = cfg.train, cfg.optim, cfg.precision, cfg.recipe.zero
+    t, o, p = cfg.train, cfg.optim, cfg.precision
     accum = D.grad_accum(cfg, world_size)
     m = model_shape(cfg)  # model=hf: the sizes from its Hugging Face config
-    dim2 = m.dim * m.dim
+    out: dict[str, Any] = {
+        "train_batch_size": t.micro_batch * accum * world_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": o.grad_clip,
+        "steps_per_print": QUIET,
+        "optimizer": {"type": "AdamW", "params": optimizer_params(cfg, cuda)},
+        # Both flags always written, so an extra key cannot switch precision behind precision=.
+        "bf16": {"enabled": p.name == C.Precision.bf16},
+        "fp16": {"enabled": p.name == C.Precision.fp16},
+        "zero_optimization": zero_section(cfg, m.dim * m.dim),
+    }
+    if p.name == C.Precision.fp16:
+        out["fp16"].update({
+            "loss_scale": 0,  # dynamic
+            "initial_scale_power": int(math.log2(p.initial_scale)),
+            "loss_scale_window": p.growth_interval,
+            "min_loss_scale": p.min_scale,
+            "hysteresis": 1,  # halve on the first overflow, as torch's GradScaler does
+        })
+    if t.activation_checkpointing != C.ACMode.none:
+        # The model recomputes blocks with torch.utils.checkpoint (launcher/models/gpt.py);
+        # DeepSpeed's own activation partitioning and CPU checkpointing act only on its
+        # checkpoint function, which the model does not use: recorded here as off.
+        blocks = m.n_layers if t.activation_checkpointing in (C.ACMode.full, C.ACMode.op) else \
+            len(range(0, m.n_layers, t.ac_every))
+        out["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
+                                           "contiguous_memory_optimization": False, "number_checkpoints": blocks,
+                                           "synchronize_checkpoint_boundary": False, "profile": False}
+    return out
+
+
+def zero_section(cfg: C.Config, dim2: int) -> dict[str, Any]:
+    """zero_optimization: the stage, its buckets (dim2: the default all-gather bucket, dim²),
+    stage 3's prefetch and persistence, offload written whichever way it is set."""
+    z = cfg.recipe.zero
     zero: dict[str, Any] = {
         "stage": z.stage,
         # DeepSpeed's own default, made explicit so ds_config.json says what runs.
@@ -119,7 +154,13 @@ def deepspeed_config(cfg: C.Config, world_size: int, cuda: bool) -> dict[str, An
         zero[key] = {"device": device.value}
         if device != C.OffloadDevice.none:
             zero[key]["pin_memory"] = z.pin_memory
+    return zero
 
+
+def optimizer_params(cfg: C.Config, cuda: bool) -> dict[str, Any]:
+    """The AdamW optimizer's params: torch's AdamW on the device (fused on CUDA unless
+    optim.fused says), DeepSpeedCPUAdam when the optimizer is offloaded."""
+    o, z = cfg.optim, cfg.recipe.zero
     params: dict[str, Any] = {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps, "weight_decay": o.weight_decay}
     if z.offload_optimizer == C.OffloadDevice.none:
         # torch.optim.AdamW, as ddp uses (DeepSpeed's FusedAdam would be JIT-compiled for CUDA).
@@ -128,36 +169,7 @@ def deepspeed_config(cfg: C.Config, world_size: int, cuda: bool) -> dict[str, An
         if fused:
             params["fused"] = True
     # else: DeepSpeedCPUAdam, in AdamW mode (decoupled decay) because the type is AdamW.
-    out: dict[str, Any] = {
-        "train_batch_size": t.micro_batch * accum * world_size,
-        "train_micro_batch_size_per_gpu": t.micro_batch,
-        "gradient_accumulation_steps": accum,
-        "gradient_clipping": o.grad_clip,
-        "steps_per_print": QUIET,
-        "optimizer": {"type": "AdamW", "params": params},
-        # Both flags always written, so an extra key cannot switch precision behind precision=.
-        "bf16": {"enabled": p.name == C.Precision.bf16},
-        "fp16": {"enabled": p.name == C.Precision.fp16},
-        "zero_optimization": zero,
-    }
-    if p.name == C.Precision.fp16:
-        out["fp16"].update({
-            "loss_scale": 0,  # dynamic
-            "initial_scale_power": int(math.log2(p.initial_scale)),
-            "loss_scale_window": p.growth_interval,
-            "min_loss_scale": p.min_scale,
-            "hysteresis": 1,  # halve on the first overflow, as torch's GradScaler does
-        })
-    if t.activation_checkpointing != C.ACMode.none:
-        # The model recomputes blocks with torch.utils.checkpoint (launcher/models/gpt.py);
-        # DeepSpeed's own activation partitioning and CPU checkpointing act only on its
-        # checkpoint function, which the model does not use: recorded here as off.
-        blocks = m.n_layers if t.activation_checkpointing in (C.ACMode.full, C.ACMode.op) else \
-            len(range(0, m.n_layers, t.ac_every))
-        out["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
-                                           "contiguous_memory_optimization": False, "number_checkpoints": blocks,
-                                           "synchronize_checkpoint_boundary": False, "profile": False}
-    return out
+    return params
 
 
 # ----------------------------------------------------------------------------- merge

@@ -22,7 +22,7 @@ from launcher import config as C
 from launcher.parallel import degrees as D
 from launcher.device import autocast_dtype
 from launcher.rank.engine import local_shard
-from launcher.parallel.plan import apply_tp, held_blocks
+from launcher.parallel.cuts import apply_tp, held_blocks
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 

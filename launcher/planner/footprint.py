@@ -78,7 +78,7 @@ def pipeline(cfg: Config) -> tuple[int, int, str, list[int] | None]:
 def stage_ranks(cfg: Config, layout: Layout) -> list[list[tuple[int, int, bool, bool]]]:
     """For each pipeline rank, its stages as (first layer, end layer, has embedding,
     has head) -- launcher.parallel.plan.stage_bounds, as the pp recipe cuts them."""
-    from launcher.parallel.plan import stage_bounds
+    from launcher.parallel.cuts import stage_bounds
 
     _, virtual, _, split = pipeline(cfg)
     n_stages = layout.pp * virtual

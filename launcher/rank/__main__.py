@@ -6,7 +6,7 @@ EARLY_STOPS: list[int] = []
 """Stop signals (Ctrl-C, a scheduler's SIGTERM) that come while this rank still imports
 torch (a second or two): Preemption.install takes them over, so a rank stopped at start-up
 ends cleanly too, not with a KeyboardInterrupt traceback. Its SIGUSR1 handler also tells
-the launcher that the rank now takes signals (launch/supervise.py::listening)."""
+the launcher that the rank now takes signals (launch/start/supervise.py::listening)."""
 for _sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
     signal.signal(_sig, lambda signum, _frame: EARLY_STOPS.append(signum))
 

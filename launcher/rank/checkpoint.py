@@ -18,7 +18,7 @@ never read, and the previous checkpoint and `latest` as they were.
 
 Every checkpoint names the run it belongs to (checkpoint.run_id, set by the launcher):
 resume=auto takes the newest whole checkpoint of this run, keep-K deletes only this run's.
-The launch side sees to it that a folder holds one run's checkpoints (launcher/launch/identity.py).
+The launch side sees to it that a folder holds one run's checkpoints (launcher/launch/rundir/identity.py).
 """
 
 from __future__ import annotations
@@ -35,8 +35,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from launcher.config import FaultPoint
 from launcher.manifest import (TrainerState, _fsync_dir, belongs, complete_checkpoints, digests, read_latest, set_aside,
                                step_name, step_of, verify, write_latest, write_manifest)
+from launcher.rank.async_save import Saver
+from launcher.rank.faults import strike
 
 
 def verify_together(folder: Path, rank: int, world: int) -> str | None:
@@ -74,14 +77,9 @@ class Checkpointer:
         self.saver = None  # checkpoint.async_save: launcher/rank/async_save.py::Saver, made on every rank
         self.data: str | None = None  # the dataset's fingerprint, saved and compared at resume
         if async_save:
-            from launcher.rank.async_save import Saver
-
             self.saver = Saver(timeout)
 
     def _fault(self, point: str, step: int) -> None:
-        from launcher.config import FaultPoint
-        from launcher.rank.faults import strike
-
         strike(self.debug, FaultPoint(point), step, self.rank)
 
     def save(self, step: int, samples_seen: int, engine) -> Path:
@@ -236,7 +234,7 @@ class Checkpointer:
 def write_failure_cause(err: BaseException, root: Path) -> str:
     """Why a write failed, in words: a full disk says so (torch's zip writer reports it as
     "unexpected pos 64 vs 0"), anything else is the error's first line."""
-    from launcher.launch.supervise import LOW_DISK, free_bytes
+    from launcher.launch.start.supervise import LOW_DISK, free_bytes  # the launch side: lazy (test_imports)
 
     free = free_bytes(root)
     if getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err) or free < LOW_DISK:

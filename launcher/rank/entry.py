@@ -137,10 +137,11 @@ def main(argv: list[str] | None = None, early: list[int] = ()) -> int:
             except OSError as e:  # a full or read-only disk: one line, not a traceback
                 print(f"error: cannot lock {e.filename or run_dir}: {e.strerror or e}", file=sys.stderr, flush=True)
                 return 2
-        return train(cfg, run_dir, rank, world_size, preemption, started)
+        return run_rank(cfg, run_dir, rank, world_size, preemption, started)
 
 
-def train(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemption: Preemption, started: float) -> int:
+def run_rank(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemption: Preemption, started: float) -> int:
+    """This rank's run: device, process group, checkpointer, engine and data, the loop; the group torn down."""
     local_rank = int(os.environ["LOCAL_RANK"])
     device = local_device(local_rank)
     backend = backend_for(device) if cfg.dist.backend == C.Backend.auto else cfg.dist.backend.value
@@ -150,7 +151,7 @@ def train(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemption: 
     # The collectives' own timeout is the backstop; the watchdog (launcher/rank/watchdog.py)
     # fires first, at dist.timeout_s, and names the silent rank.
     backstop = cfg.dist.timeout_s + max(30, cfg.dist.timeout_s // 2)
-    if backend == "nccl" and cfg.dist.flight_recorder:  # where NCCL's own timeout dump goes (launch/commands.py)
+    if backend == "nccl" and cfg.dist.flight_recorder:  # where NCCL's own timeout dump goes (launch/start/argv.py)
         (run_dir / COMM_TRACE).mkdir(exist_ok=True)
     dist.init_process_group(backend, store=job_store(rank, world_size, backstop), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=backstop),

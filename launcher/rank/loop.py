@@ -1,7 +1,7 @@
 """The training loop, top to bottom. Every recipe runs through here; the engine decides
 how micro-batches become an optimizer step, the loop decides when to log and save. Each
 concern is one call: the batches (rank/feed.py), the step with its back-off and
-measurements (rank/step.py), the evaluation (rank/validation.py), the loss guard
+measurements (rank/step.py), the evaluation (rank/evaluate.py), the loss guard
 (rank/guard.py), the checkpoints (rank/saves.py), fault injection (rank/faults.py)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from launcher.rank.profiler import StepProfiler
 from launcher.rank.saves import Saves
 from launcher.rank.step import Stepper
 from launcher.rank.straggler import Stragglers
-from launcher.rank.validation import HeldOut, val_metrics
+from launcher.rank.evaluate import HeldOut, val_metrics
 from launcher.rank.watchdog import Watchdog
 
 

@@ -1,5 +1,5 @@
 """`pp`: pipeline parallel with torch.distributed.pipelining. The layers are cut into
-stages at block boundaries (launcher/parallel/plan.py: balanced by parameter count, or
+stages at block boundaries (launcher/parallel/cuts.py: balanced by parameter count, or
 parallel.pp_split); each rank holds its stage (interleaved_1f1b: pp_virtual_stages of
 them, rank r holding stages r, r+pp, ...). Every rank cuts the model while it is still on
 the meta device, then allocates and fills only its layers; the values are those every
@@ -7,7 +7,7 @@ other recipe draws for the same names (launcher/models/init.py), so each stage s
 from exactly the weights ddp starts from.
 
 With parallel.tp > 1 each stage is tensor parallel too (pp x tp, the layout of a 70B
-model over nodes: launcher/parallel/plan.py's plan applied to each stage's modules); the
+model over nodes: launcher/parallel/cuts.py's plan applied to each stage's modules); the
 recipe `pp_fsdp` (recipes/pp_fsdp.py) shards each stage over the data-parallel ranks with
 FSDP2 (pp x fsdp, pp x tp x fsdp).
 

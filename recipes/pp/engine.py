@@ -26,7 +26,7 @@ from launcher.rank.engine import (BuildContext, Engine, MemoryBreakdown, StepRes
 from launcher.models import Layout, model_layout, model_shape
 from launcher.models.gpt import lm_loss
 from launcher.models.init import is_dtensor
-from launcher.parallel.plan import Stage, apply_tp, stage_bounds
+from launcher.parallel.cuts import Stage, apply_tp, stage_bounds
 from launcher.parallel.mesh import allreduce_grads, apply_fsdp, build_mesh, clip_grad_norm, match_grad_layouts
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}

@@ -19,7 +19,7 @@ from hf_models import mixtral_args, tiny_mixtral
 from runs import here, launch, read_metrics
 from launcher import config as C
 from launcher.data.read import build_dataset
-from launcher.launch.export import load_exported
+from launcher.launch.commands.export import load_exported
 from launcher.models.gpt import lm_loss
 
 ARGS = ["recipe=fsdp", "cluster.nproc_per_node=2", "train.steps=2", "optim.warmup_steps=1", "train.seq_len=32",

@@ -22,7 +22,7 @@ from hf_models import TINY_LLAMA
 from launcher import config as C
 from launcher import models
 from launcher.launch import cli
-from launcher.launch.levers import base_digest
+from launcher.launch.checks.levers import base_digest
 from launcher.models import lora
 from launcher.rank.engine import load_trained
 

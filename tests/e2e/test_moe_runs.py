@@ -131,7 +131,7 @@ def test_resume_under_ep_continues_the_run(runs):
 
 def test_export_of_a_ddp_ep_checkpoint_is_the_whole_model(runs):
     """`make export` joins ddp's expert files: the model fsdp trained at ep=1, up to reduction order."""
-    from launcher.launch.export import load_exported
+    from launcher.launch.commands.export import load_exported
 
     run = runs("ddp_ep2")
     path = run / "export" / f"step_{STEPS:08d}" / "model.safetensors"

@@ -240,7 +240,7 @@ def test_model_state_bytes_per_rank_match_the_formulas(runs):
 def test_export_from_dcp_checkpoints_gives_the_same_model(runs, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from launcher.launch.export import load_exported
+    from launcher.launch.commands.export import load_exported
 
     final = f"checkpoints/step_{STEPS:08d}"
     ddp_final = torch.load(runs("ddp") / final / "engine/model.pt", weights_only=True)

@@ -269,8 +269,9 @@ def test_the_space_check_asks_for_keep_plus_one_checkpoints_of_16_bytes_per_para
     checkpoints of 16 bytes per parameter fit on the disk passes, one more is refused."""
     import shutil
 
-    from launcher.launch import cli, rundir
     from launcher import models
+    from launcher.launch import cli
+    from launcher.launch.rundir import prepare as rundir
 
     disk = small_disk(40)
     cfg, _, _ = cli.compose_config(["model=gpt_tiny", "checkpoint.every=1", f"checkpoint.dir={disk / 'ckpt'}"])

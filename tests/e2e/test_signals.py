@@ -160,7 +160,7 @@ def test_a_ctrl_c_while_torchrun_starts_is_held_and_handed_on(tmp_path, monkeypa
     import os
     import signal
 
-    from launcher.launch import supervise
+    from launcher.launch.start import supervise
 
     real, sent = subprocess.Popen, []
 
@@ -230,7 +230,7 @@ def test_a_stop_signal_before_the_first_step_stops_at_once(tmp_path):
     import signal
     import time
 
-    from launcher.launch.supervise import listening
+    from launcher.launch.start.supervise import listening
 
     run = tmp_path / "run"
     proc = _start(run, "optim.warmup_steps=5", "logger=none")

@@ -257,7 +257,7 @@ def _umask() -> int:
 
 
 def test_export_loads_into_the_model_with_the_same_logits(straight):
-    from launcher.launch.export import load_exported
+    from launcher.launch.commands.export import load_exported
     from launcher.models.gpt import GPT
 
     run = straight

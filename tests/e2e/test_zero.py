@@ -180,7 +180,7 @@ def test_checkpoint_resumes_at_other_world_sizes_on_the_same_curve(fp32_runs, tm
 def test_export_of_zero_shards_gives_the_trained_model(fp32_runs, tmp_path):
     """`launcher export` on zero2 and zero3 checkpoints: the fp32 weights equal ddp's (the same
     training in fp32), so the exported model gives ddp's logits."""
-    from launcher.launch.export import load_exported
+    from launcher.launch.commands.export import load_exported
     from launcher.models.gpt import GPT
 
     ddp_dir = fp32_runs["ddp"] / "checkpoints" / "step_00000020" / "engine"

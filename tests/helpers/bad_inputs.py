@@ -32,7 +32,7 @@ def chat(name: str, *more: str) -> list[str]:
 # (overrides, words the one line must contain)
 CASES = [
     (["recipe=nope"], ["recipe=nope", "allowed: ddp"]),
-    (["recipe.strategy=nope"], ["recipe.strategy=nope", "no engine recipes/nope.py", "allowed: ddp, fsdp, pp, pp_fsdp, tp, tp_fsdp, zero"]),
+    (["recipe.strategy=nope"], ["recipe.strategy=nope", "no such engine", "allowed: ddp, fsdp, pp, pp_fsdp, tp, tp_fsdp, zero"]),
     (["model=gpt_huge"], ["model=gpt_huge", "gpt_tiny"]),
     (["data=nope"], ["data=nope", "synthetic"]),
     (["precision=fp4"], ["precision=fp4", "bf16", "fp32", "fp8"]),
@@ -55,6 +55,8 @@ CASES = [
     (["train.compile=maybe"], ["train.compile=maybe", "expected bool"]),
     (["optim.lr=fast"], ["optim.lr=fast", "expected float"]),
     (["train.activation_checkpointing=sometimes"], ["train.activation_checkpointing=sometimes", "full"]),
+    (["train.activation_checkpointing=1.5"], ["train.activation_checkpointing=1.5", "allowed: none, full, selective, op"]),
+    (["debug.fault=nan"], ["debug.fault=nan", "allowed: save_staged", "oom"]),
     (["train.steps=0"], ["train.steps=0", ">= 1"]),
     (["train.micro_batch=-1"], ["train.micro_batch=-1", ">= 1"]),
     (["train.seq_len=0"], ["train.seq_len=0"]),
@@ -193,7 +195,7 @@ CASES = [
      ["recipe.fsdp.cpu_offload=true", "pp_fsdp", "unsharded"]),
     (["recipe=pp", "parallel.tp=3", "cluster.nproc_per_node=6"], ["parallel.tp=3", "model.n_heads=4"]),
     (["parallel.nope=1"], ["parallel.nope", "unknown key", "pp_schedule"]),
-    # ZeRO recipes (launcher/launch/validate.py::validate_zero, launcher/parallel/ds_config.py)
+    # ZeRO recipes (launcher/launch/checks/validate.py::validate_zero, launcher/parallel/ds_config.py)
     (["recipe=zero1", "recipe.zero.stage=4"], ["recipe.zero.stage=4", "allowed: 0, 1, 2, 3"]),
     (["recipe=zero1", "recipe.zero.stage=-1"], ["recipe.zero.stage=-1", "allowed: 0, 1, 2, 3"]),
     (["recipe.zero.offload_optimizer=cpu"], ["recipe.zero.offload_optimizer=cpu", "recipe ddp", "cannot offload"]),
@@ -297,7 +299,7 @@ CASES = [
     (["profile.enabled=true", "profile.steps=[5,500]"], ["profile.steps=[5, 500]", "train.steps=200"]),
     (["profile.enabled=true", "profile.steps=[5]"], ["profile.steps=[5]", "[first, last]"]),
     (["logger.also=[tensorboard,nope]"], ["logger.also", "nope", "tensorboard"]),
-    # parallel.ep (launcher/launch/levers.py::validate_moe): engines without it, ranks it does not divide
+    # parallel.ep (launcher/launch/checks/levers.py::validate_moe): engines without it, ranks it does not divide
     (["model=moe_tiny", "recipe=zero2", "parallel.ep=2", "cluster.nproc_per_node=2"],
      ["parallel.ep=2", "recipe zero2 has no expert parallel", "use recipe=ddp or recipe=fsdp"]),
     (["model=moe_tiny", "recipe=fsdp", "parallel.ep=4", "cluster.nproc_per_node=2"],

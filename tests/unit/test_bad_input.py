@@ -115,7 +115,7 @@ def test_a_ctrl_c_while_the_launch_side_imports_is_held_then_said(tmp_path, caps
     import os
     import signal
 
-    from launcher.launch import validate as V
+    from launcher.launch.checks import validate as V
 
     real, finished = V.validate, []
 

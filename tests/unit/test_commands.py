@@ -14,7 +14,7 @@ import pytest
 
 from golden import check_golden
 from launcher.launch import cli
-from launcher.launch.commands import (ACCELERATE_CONFIG, LaunchPlan, accelerate_argv, accelerate_config_text,
+from launcher.launch.start.argv import (ACCELERATE_CONFIG, LaunchPlan, accelerate_argv, accelerate_config_text,
                                       command_script, deepspeed_argv, flight_recorder_names, hostfile_text, launch_argv,
                                       launch_env, rank_env, sbatch_quote, sbatch_script, torchrun_argv)
 
@@ -45,7 +45,7 @@ def test_command_script_quotes_everything():
     check_golden("command_quoted.sh", script)
     # The exec line parses back to exactly the argv, under the supervisor: no word of it is shell syntax.
     exec_line = [line for line in script.splitlines() if line.startswith("exec ")][0]
-    assert shlex.split(exec_line)[1:] == [PLAN.python, "-m", "launcher.launch.supervise", run_dir,
+    assert shlex.split(exec_line)[1:] == [PLAN.python, "-m", "launcher.launch.start.supervise", run_dir,
                                           *torchrun_argv(cfg, run_dir, PLAN)]
 
 
@@ -81,7 +81,7 @@ def test_threads_per_rank_keep_the_shells_omp_num_threads(monkeypatch):
     """Threads per rank: cluster.cpu_threads, else the OMP_NUM_THREADS the user exported
     (as torchrun keeps it), else this machine's cores / processes; into command.sh."""
     from launcher.host import HostInfo
-    from launcher.launch.rundir import make_plan
+    from launcher.launch.rundir.prepare import make_plan
 
     host = HostInfo(cuda=False, gpus=0, cpus=8)
     cfg, _, _ = cli.compose_config(["cluster.nproc_per_node=2"])
@@ -231,8 +231,8 @@ def test_dry_run_of_accelerate_prints_its_config_and_command(tmp_path, capsys, m
     config = out.split(f"# {ACCELERATE_CONFIG}\n", 1)[1].split("# command\n")[0]
     assert "distributed_type: MULTI_GPU" in config and "num_processes: 2" in config
     exec_line = [line for line in out.splitlines() if line.startswith("exec ")][0]
-    words = shlex.split(exec_line)  # exec PYTHON -m launcher.launch.supervise RUN PYTHON -m accelerate...
-    assert words[3:5] == ["launcher.launch.supervise", str(run)]
+    words = shlex.split(exec_line)  # exec PYTHON -m launcher.launch.start.supervise RUN PYTHON -m accelerate...
+    assert words[3:5] == ["launcher.launch.start.supervise", str(run)]
     assert words[7:10] == ["accelerate.commands.launch", f"--config_file={run}/{ACCELERATE_CONFIG}", "--rdzv_backend=c10d"]
     assert "export PET_RDZV_ENDPOINT=127.0.0.1:" in out and not run.exists()
 
@@ -240,7 +240,7 @@ def test_dry_run_of_accelerate_prints_its_config_and_command(tmp_path, capsys, m
 def test_torchrun_options_follow_the_installed_torchrun(monkeypatch):
     """torch 2.13's torchrun takes --shutdown-timeout; a site's torch 2.11 (seen on the H200,
     bench/gpu.md) refuses it and every launch failed: the option is left out there."""
-    from launcher.launch import commands
+    from launcher.launch.start import argv as commands
 
     assert commands.torchrun_takes("--shutdown-timeout") and not commands.torchrun_takes("--no-such-option")
     cfg, _, _ = cli.compose_config([])

@@ -12,7 +12,7 @@ import recipes
 from launcher.launch import cli, compose
 from launcher.parallel import degrees as D
 from launcher import config as C
-from launcher.launch.validate import validate
+from launcher.launch.checks.validate import validate
 from launcher.host import HostInfo, native_bf16
 
 HOST = HostInfo.detect()
@@ -145,7 +145,7 @@ def test_a_relaunch_that_changes_the_schedule_says_so(tmp_path):
     20 applies again, and the learning rate at step 10 falls from the peak; one line says so,
     and none when the run's warm-up is kept (optim.warmup_steps=10)."""
     from launcher.manifest import write_manifest
-    from launcher.launch.rundir import schedule_change
+    from launcher.launch.rundir.prepare import schedule_change
 
     run = tmp_path / "run"
     old, _, _ = cli.compose_config(["train.steps=10"])
@@ -243,7 +243,8 @@ def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
     bad = run("train", "recipe=mine", "recipe.strategy=nope", f"hydra.run.dir={tmp_path / 'bad'}", "--dry-run")
     allowed = ", ".join(sorted([*recipes.names(), "mine"]))
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        f"error: recipe.strategy=nope: no engine recipes/nope.py; allowed: {allowed}"], bad.stderr
+        f"error: recipe.strategy=nope: no such engine; allowed: {allowed} (recipes/<engine>: a module or package; "
+        "a recipe, conf/recipe/<name>.yaml, names one)"], bad.stderr
 
 
 def test_config_yaml_holds_every_string_as_typed(tmp_path):

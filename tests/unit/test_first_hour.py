@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from launcher.host import HostInfo, native_bf16
-from launcher.launch import asked, cli
+from launcher.launch import cli
+from launcher.launch.checks import asked
 from launcher.launch.compose import compose_config
 
 ZEN4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_vnni\n"
@@ -74,7 +75,7 @@ def test_make_plan_without_a_gpu_plans_for_this_machine(capsys):
     host = HostInfo.detect()
     if host.cuda:
         pytest.skip("a GPU machine plans for its GPUs")
-    from launcher.launch.planning import cmd_plan
+    from launcher.launch.commands.plan import cmd_plan
 
     assert cmd_plan(["model=gpt_1b"]) == 0
     out = capsys.readouterr().out
@@ -147,7 +148,7 @@ def test_a_plan_on_this_cpu_says_per_process():
 def test_a_stop_says_what_a_relaunch_does(tmp_path, capsys):
     """No checkpoint: it said "no complete checkpoint yet. Launch the same run directory
     again to resume from it.", with nothing to resume (the launches: tests/e2e/test_signals.py)."""
-    from launcher.launch.supervise import disk_report, explain
+    from launcher.launch.start.supervise import disk_report, explain
 
     (tmp_path / "preempted.json").write_text('{"step": null, "signal": "SIGINT"}')
     assert explain(1, tmp_path, tmp_path / "checkpoints") == 130
@@ -170,7 +171,7 @@ def test_ctrl_c_says_how_long_the_step_takes(tmp_path, capfd):
     import sys
     import threading
 
-    from launcher.launch.supervise import AGREE_S, stop_line, supervise
+    from launcher.launch.start.supervise import AGREE_S, stop_line, supervise
     from launcher.rank.preempt import CHECK_S
 
     assert AGREE_S == CHECK_S
@@ -186,7 +187,7 @@ def test_ctrl_c_says_how_long_the_step_takes(tmp_path, capfd):
 def test_a_sweep_names_its_points_by_their_values(tmp_path, capsys, monkeypatch):
     """`make train ARGS="-m ..."` named its points `run 0`, `run 1` (the launch and its
     comparison table: tests/e2e/test_sweep_runs.py)."""
-    from launcher.launch.sweep import point_names
+    from launcher.launch.commands.sweep import point_names
 
     points = [["optim.lr=0.001", "model=gpt_tiny", "train.steps=2"], ["optim.lr=0.001", "model=gpt_small", "train.steps=2"],
               ["optim.lr=0.003", "model=gpt_tiny", "train.steps=2"]]

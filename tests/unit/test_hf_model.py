@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hf_models import tiny_llama_config
-from launcher.launch import cli, rundir
+from launcher.launch import cli
+from launcher.launch.rundir import prepare as rundir
 from launcher import models
 from launcher import config as C
 from launcher.models.gpt import GPT

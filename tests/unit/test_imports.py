@@ -1,7 +1,8 @@
 """The import graph: no cycle among the project's modules (lazy imports inside functions
 included), launcher/config/ imports nothing else of the project, and no module changes
 the environment when it is imported (the hub's offline switches are set by the entry
-points: the launcher, a rank); and no Python file over 400 lines."""
+points: the launcher, a rank); functions short (FUNCTION_LINES, a few named exceptions) and
+no file without bound (LINES)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,21 @@ import sys
 from runs import REPO
 
 PACKAGES = ("launcher", "recipes")
-LINES = 400  # the most a Python file of the project may hold
+# A file holds one concept and may be as long as that concept needs; LINES only keeps any
+# file from growing without bound (docs/ARCHITECTURE.md, "Rules about concepts").
+LINES = 600
+FUNCTION_LINES = 50  # a function reads in one screen
+# Functions over FUNCTION_LINES, by name: each one is a single sequence that splitting would
+# only scatter (or is another helper's to split); a new long function fails the test, and
+# one that gets short must leave this list.
+LONG_FUNCTIONS = {
+    "launcher/data/cache.py::_run",
+    "launcher/models/init.py::recorded_specs",
+    "launcher/planner/cost.py::step_time",
+    "launcher/planner/rehearse.py::rehearse_rank",
+    "launcher/rank/metrics.py::_init_wandb",
+    "recipes/zero/engine.py::terms_held",
+}
 
 
 def modules() -> dict[str, ast.Module]:
@@ -175,8 +190,8 @@ def test_neither_side_imports_the_other_when_imported():
     graph = import_graph(at_import=True)
     assert reach(graph, "launcher.rank.entry") >= {"launcher.rank.loop", "launcher.config"}
     assert side_crossings(graph) == []
-    graph["launcher.launch.rundir"] |= {"launcher.rank.checkpoint"}  # the import rundir once had
-    assert "launcher.launch.rundir -> launcher.rank.checkpoint" in side_crossings(graph)
+    graph["launcher.launch.rundir.prepare"] |= {"launcher.rank.checkpoint"}  # the import rundir once had
+    assert "launcher.launch.rundir.prepare -> launcher.rank.checkpoint" in side_crossings(graph)
     assert "launcher.launch.cli -> launcher.rank.checkpoint" in side_crossings(graph)
 
 
@@ -232,9 +247,31 @@ def test_the_suite_is_split_by_what_it_starts():
     assert wrong == [], wrong
 
 
-def test_no_python_file_is_over_400_lines():
-    """A file a newcomer can read whole: every Python file of the project (the packages, the
-    scripts, the tests) holds at most LINES lines; a longer one is split by concern."""
+def test_no_python_file_grows_without_bound():
+    """Files are split by concept, not by size (a folder of peers gets rooms, launch/ has
+    checks/, commands/, rundir/, start/, submit/); LINES is the backstop: every Python file
+    of the project (the packages, the scripts, the tests) holds at most LINES lines."""
     long = {str(path.relative_to(REPO)): n for folder in (*PACKAGES, "scripts", "tests")
             for path in sorted((REPO / folder).rglob("*.py")) if (n := len(path.read_text().splitlines())) > LINES}
     assert long == {}, long
+
+
+def long_functions() -> dict[str, int]:
+    """'path::name' -> lines, for every function of the packages over FUNCTION_LINES lines
+    (from `def` to its last line, nested functions counted in their parent and alone)."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    if (n := node.end_lineno - node.lineno + 1) > FUNCTION_LINES:
+                        out[f"{path.relative_to(REPO)}::{node.name}"] = n
+    return out
+
+
+def test_functions_are_short():
+    """At most FUNCTION_LINES lines a function, but for the named LONG_FUNCTIONS, and the
+    named ones still are long (a split one leaves the list, so the list stays true)."""
+    found = long_functions()
+    assert set(found) - LONG_FUNCTIONS == set(), {k: v for k, v in found.items() if k not in LONG_FUNCTIONS}
+    assert LONG_FUNCTIONS - set(found) == set(), "short now, drop from LONG_FUNCTIONS"

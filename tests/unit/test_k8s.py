@@ -1,4 +1,4 @@
-"""cluster=k8s (launcher/launch/k8s.py): `launcher submit` renders RUN_DIR/job.yaml, which
+"""cluster=k8s (launcher/launch/submit/k8s.py): `launcher submit` renders RUN_DIR/job.yaml, which
 validates offline against the Kubernetes schemas (kubernetes-validate, strict: an unknown
 field fails) and the Kubeflow Trainer's API models; bad values are refused in one line; with
 no kubectl here the submit writes the run directory and prints the exact command."""
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.launch import cli, k8s
+from launcher.launch import cli
+from launcher.launch.submit import k8s
 
 K8S_VERSION = "1.30"  # a cluster of the last two years; the schemas ship with kubernetes-validate
 
@@ -150,7 +151,7 @@ def test_the_rehearsed_405b_layout_renders_as_a_64_pod_job(capsys, monkeypatch):
     given cluster.join_timeout_s to join, the flight recorder's dump into the run directory;
     the same overrides as tests/unit/test_slurm.py's 64-node sbatch golden."""
     from golden import check_golden
-    from launcher.launch import rundir
+    from launcher.launch.rundir import prepare as rundir
     from runs import REPO
 
     kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the k8s extra (make test installs it)")

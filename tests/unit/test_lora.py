@@ -112,7 +112,7 @@ def test_lora_and_low_bit_states_without_torchao_are_one_line(base, tmp_path, ca
 
 def test_a_model_without_linears_in_its_layers_is_refused():
     """GPT-2's projections are Conv1D: adapters on nothing would freeze every weight."""
-    from launcher.launch.levers import validate_lora
+    from launcher.launch.checks.levers import validate_lora
     from bad_inputs import HF
 
     cfg, _, _ = compose_config(["model=hf", f"model.config={HF['gpt2']}", "model.lora.rank=8"])

@@ -14,7 +14,7 @@ from launcher.launch import cli
 from launcher.config import ACMode
 from launcher.models.attention import DocumentMask, attend
 from launcher.models.gpt import GPT, lm_loss, set_activation_checkpointing
-from launcher.parallel.plan import Stage
+from launcher.parallel.cuts import Stage
 
 LENGTHS = [6, 11, 1, 9]  # the samples of one window (tokens incl. the one predicted last)
 PAD = 4  # padding at the window's end: its own segment, nothing counted

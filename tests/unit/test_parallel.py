@@ -12,12 +12,12 @@ from torch import nn
 
 from launcher.launch import cli
 from launcher.parallel import degrees as D
-from launcher.launch.validate import validate
+from launcher.launch.checks.validate import validate
 from launcher.parallel.dcp import _canonical
 from launcher.host import HostInfo
 from launcher.models.gpt import GPT
 from launcher.models import Layout
-from launcher.parallel.plan import Stage, stage_bounds, tp_plan
+from launcher.parallel.cuts import Stage, stage_bounds, tp_plan
 
 HOST = HostInfo.detect()
 

@@ -149,8 +149,8 @@ def test_auto_micro_batch_with_a_global_batch_launches(capsys):
     ranks: the planner chose 1024 (what fits this machine) and the launch refused its own
     choice. Now it chooses a micro-batch that divides 16 / 2, and the launch's check passes."""
     from launcher.host import HostInfo
-    from launcher.launch.planning import resolve_auto
-    from launcher.launch.validate import validate
+    from launcher.launch.commands.plan import resolve_auto
+    from launcher.launch.checks.validate import validate
 
     host = HostInfo.detect()
     chosen, _ = resolve_auto(["train.micro_batch=auto", "train.global_batch=16", "cluster.nproc_per_node=2",

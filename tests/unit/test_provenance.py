@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from launcher import provenance
-from launcher.launch import cli, slurm
+from launcher.launch import cli
+from launcher.launch.submit import slurm
 from runs import REPO
 
 

@@ -67,12 +67,12 @@ def test_rank_zero_waits_for_a_holder_that_lets_go_and_not_for_one_that_stays(tm
 
 
 def test_a_rank_killed_with_the_host_near_its_memory_limit_is_named_as_the_oom_killers():
-    """The wording of the launcher's line for a SIGKILLed rank (launch/console.py), from
+    """The wording of the launcher's line for a SIGKILLed rank (launch/start/console.py), from
     torchrun's report as it prints it and the host's memory as sampled: under 5% available
     in the seconds before, the out-of-memory killer; plenty, something else."""
     import time
 
-    from launcher.launch.console import Memory, killed, root_cause
+    from launcher.launch.start.console import Memory, killed, root_cause
 
     report = ["Root Cause (first observed failure):\n", "[0]:\n", "  rank      : 1 (local_rank: 1)\n",
               "  exitcode  : -9 (pid: 4242)  (SIGKILL)\n", "  traceback : Signal 9 (SIGKILL) received by PID 4242\n"]

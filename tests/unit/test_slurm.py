@@ -52,7 +52,7 @@ def test_the_rehearsed_405b_layout_renders_as_a_64_node_job(capsys, monkeypatch)
     monkeypatch.chdir(REPO)
     # A 405B run keeps 4 checkpoints of 6 TB on the cluster's parallel filesystem; this
     # machine's disk stands in for it with that filesystem's free space (1 PiB).
-    from launcher.launch import rundir
+    from launcher.launch.rundir import prepare as rundir
 
     class ParallelFilesystem:
         free = 2**50

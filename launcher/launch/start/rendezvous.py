@@ -22,7 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from launcher import config as C
-from launcher.launch.commands import join_timeout
+from launcher.launch.start.argv import join_timeout
 
 POLL_S = 0.2
 DONE_WAIT_S = 60  # node 0 keeps the store this long at most for the others to finish
@@ -82,7 +82,7 @@ class NodeRendezvous:
 
     # ------------------------------------------------------------------ enter / exit
     def __enter__(self) -> "NodeRendezvous":
-        import torch.distributed as dist
+        import torch.distributed as dist  # torch: the launch side imports none when imported (test_imports)
 
         deadline = time.monotonic() + self.timeout
         if self.rank == 0:

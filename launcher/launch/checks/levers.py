@@ -4,9 +4,14 @@ rank): the loss in slices (train.loss_chunks), activation offload, float8 matmul
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+from pathlib import Path
 
+import recipes
 from launcher.config import Config, ConfigError, ModelKind, Precision, sliceable_loss
+from launcher.host import fp8_capable, gpu_name
+from launcher.parallel.degrees import degrees
 
 
 def validate_levers(cfg: Config, host, world: int = 1) -> None:
@@ -39,8 +44,6 @@ def validate_moe(cfg: Config, world: int = 1) -> None:
     """model.moe (launcher/models/moe.py) and parallel.ep: the router's numbers, the recipes
     that take an MoE (no tensor or pipeline parallel: the experts are not split by tp, and a
     pipeline's auxiliary losses would be on other stages), and ep against the experts."""
-    import recipes
-
     e, m, p, name = cfg.model.moe, cfg.model, cfg.parallel, cfg.recipe.strategy
     if p.ep < 1:
         raise ConfigError("parallel.ep", p.ep, "must be >= 1 (1: every rank holds every expert)")
@@ -79,9 +82,6 @@ def validate_moe(cfg: Config, world: int = 1) -> None:
 def validate_ep_ranks(cfg: Config, world: int) -> None:
     """ep > 1 splits the experts over ep of the ranks that share the dense weights' data
     parallel: fsdp's dp_shard x cp (not across HSDP's replicas), ddp's whole world."""
-    import recipes
-    from launcher.parallel.degrees import degrees
-
     p, deg = cfg.parallel, degrees(cfg, world)
     if recipes.spec(cfg.recipe.strategy).parallelism.shards:
         if p.dp_replicate > 1:
@@ -100,9 +100,6 @@ def validate_ep_ranks(cfg: Config, world: int) -> None:
 def validate_fp8(cfg: Config, host) -> None:
     """precision=fp8: torchao installed, bf16 around it, ddp or fsdp without tensor or
     pipeline parallel, and float8 tensor cores (or precision.fp8_emulate=true)."""
-    import recipes
-    from launcher.host import fp8_capable, gpu_name
-
     p = cfg.parallel
     if cfg.precision.name != Precision.bf16:
         raise ConfigError("precision", "fp8", f"runs inside bf16 autocast; precision.name={cfg.precision.name.value} "
@@ -129,8 +126,6 @@ def validate_context_parallel(cfg: Config, m, name: str, allowed: bool) -> None:
     """parallel.cp > 1: no packed samples' mask (data.document_masking), a recipe that splits
     the sequence, the project's decoder (its attention does the all-to-all), and a
     sequence and heads that divide."""
-    import recipes
-
     p = cfg.parallel
     if cfg.data.document_masking:
         raise ConfigError("parallel.cp", p.cp, "not with data.document_masking=true: each rank attends the whole "
@@ -162,7 +157,7 @@ def check_trainable(cfg: Config) -> None:
 def validate_lora(cfg: Config) -> None:
     """model.lora: adapters over the whole layers (ddp, fsdp, ZeRO): tensor parallel would
     have to split each adapter with its layer, a pipeline stage's optimizer is its own."""
-    from launcher.planner.lora import ENGINES
+    from launcher.planner.lora import ENGINES  # torch: the launch side imports none when imported (test_imports)
 
     p, lora = cfg.parallel, cfg.model.lora
     if lora.rank < 0:
@@ -190,7 +185,7 @@ def validate_lora(cfg: Config) -> None:
                           "the activations for the fp32 adapters; use base_dtype=auto (the compute dtype) or "
                           "precision=bf16")
     from launcher import models  # imports torch: only for a LoRA run
-    from launcher.models.lora import plain, targets
+    from launcher.models.lora import plain, targets  # torch: the launch side imports none when imported (test_imports)
 
     base = models.on_meta(plain(cfg))
     linears = sorted({n.rsplit(".", 1)[-1] for n in targets(base, models.model_layout(base).layers, None)})
@@ -202,7 +197,7 @@ def validate_lora(cfg: Config) -> None:
         raise ConfigError("model.lora.targets", missing[0], f"names no linear inside the decoder layers; this model's "
                           f"are {', '.join(linears)}")
     if cfg.model.kind == ModelKind.hf and cfg.model.pretrained is not None:  # what the adapters train over
-        from launcher.data.cache import cache_root
+        from launcher.data.cache import cache_root  # numpy: ~1 s of start-up (measured)
 
         lora.base_digest = base_digest(cfg.model.pretrained, cache_root(cfg.data))
 
@@ -211,11 +206,8 @@ def base_digest(folder: str, memo_root, threads: int = 4) -> str:
     """sha256 over model.pretrained's config.json and *.safetensors, each file's sha256
     memoised as the data cache's are (by path, size and times: a later launch hashes nothing
     unchanged). A checkpoint records it; a resume onto another base is refused
-    (launcher/launch/fit.py)."""
-    import hashlib
-    from pathlib import Path
-
-    from launcher.data.cache import digests
+    (launcher/launch/checks/fit.py)."""
+    from launcher.data.cache import digests  # numpy: ~1 s of start-up (measured)
 
     root = Path(folder)
     files = sorted([root / "config.json", *root.glob("*.safetensors")])

@@ -17,8 +17,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from launcher import config as C
+import recipes
+from launcher import config as C, models
+from launcher.launch.checks.levers import base_digest
 from launcher.launch.compose import UsageError
+from launcher.launch.start.supervise import interrupts_held
 from launcher.manifest import find_latest, root_of, step_name, verify
 from launcher.untrusted import check_checkpoint
 
@@ -41,51 +44,30 @@ def cmd_export(args: list[str]) -> int:
 
 
 def export(run_dir: Path, overrides: list[str]) -> Path:
-    from launcher.launch.supervise import interrupts_held
+    """The checkpoint RUN_DIR's config and `overrides` name, consolidated and written as
+    safetensors, a PEFT folder (model.lora, unmerged) or a from_pretrained folder."""
+    with interrupts_held():  # the launch side imports torch only when it exports (test_imports)
+        import torch  # torch only here, as the with says
+        from safetensors.torch import save_file  # as torch
 
-    with interrupts_held():  # the launch side imports torch only when it exports
-        import torch
-        from safetensors.torch import save_file
-
-        import recipes
-
-    base = OmegaConf.merge(OmegaConf.structured(C.Config), C.read_frozen(run_dir / "config.yaml"))
-    base.export.out = None  # where to write comes from this command line only, never from a run directory's file
-    cfg: C.Config = C.to_typed(OmegaConf.merge(base, OmegaConf.from_dotlist(overrides)))
-    if cfg.model.kind == C.ModelKind.hf and cfg.export.format != C.ExportFormat.hf:
-        raise C.ConfigError("export.format", cfg.export.format.value,
-                            "model=hf exports as export.format=hf (a from_pretrained folder)")
-    root = root_of(cfg, run_dir)
-    if cfg.export.step is None:
-        folder = find_latest(root)
-        if folder is None:
-            raise C.ConfigError("RUN", str(run_dir), f"no complete checkpoint under {root}")
-    else:
-        folder = root / step_name(cfg.export.step)
-        problem = verify(folder) if folder.is_dir() else "no such checkpoint"
-        if problem:
-            raise C.ConfigError("export.step", cfg.export.step, f"{folder}: {problem}")
-    problem = check_checkpoint(folder)
-    if problem:
-        raise C.ConfigError("RUN", str(run_dir), problem)
+    cfg = export_config(run_dir, overrides)
+    folder = chosen_checkpoint(cfg, run_dir)
     state = recipes.consolidate(cfg, folder / "engine")
     dtype = {C.ExportDtype.fp32: torch.float32, C.ExportDtype.bf16: torch.bfloat16}[cfg.export.dtype]
     # Each dtype has its own default folder: a bf16 export never replaces the fp32 one.
     suffix = "" if cfg.export.dtype == C.ExportDtype.fp32 else f"-{cfg.export.dtype.value}"
     if cfg.model.lora.rank > 0:  # the checkpoint holds the adapters: alone as PEFT's folder, or merged
-        from launcher.models import lora
+        from launcher.models import lora  # imports torch, as above
 
         if not cfg.export.merge_lora:
             out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / f"{folder.name}-peft{suffix}"
             return readable(lora.write_peft(cfg, state, out, dtype))
-        from launcher import models
-
         same_base(cfg, folder)
         base = models.build(lora.plain(cfg), torch.device("cpu")).state_dict()  # model.pretrained, read again
         state = lora.merged(cfg, state, base)
         suffix = f"-merged{suffix}"
     if cfg.export.format == C.ExportFormat.hf:  # a from_pretrained folder (launcher/models/hf.py)
-        from launcher.models.hf_export import save_pretrained
+        from launcher.models.hf_export import save_pretrained  # imports transformers: only for this format
 
         out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / f"{folder.name}-hf{suffix}"
         return readable(save_pretrained(cfg, state, out, dtype))
@@ -100,11 +82,40 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
     return readable(path)
 
 
+def export_config(run_dir: Path, overrides: list[str]) -> C.Config:
+    """The run's frozen config with the command line's export.* on top (export.out only
+    from the command line, never from a run directory's file)."""
+    base = OmegaConf.merge(OmegaConf.structured(C.Config), C.read_frozen(run_dir / "config.yaml"))
+    base.export.out = None
+    cfg: C.Config = C.to_typed(OmegaConf.merge(base, OmegaConf.from_dotlist(overrides)))
+    if cfg.model.kind == C.ModelKind.hf and cfg.export.format != C.ExportFormat.hf:
+        raise C.ConfigError("export.format", cfg.export.format.value,
+                            "model=hf exports as export.format=hf (a from_pretrained folder)")
+    return cfg
+
+
+def chosen_checkpoint(cfg: C.Config, run_dir: Path) -> Path:
+    """export.step's checkpoint folder (default: the newest complete one), whole and data."""
+    root = root_of(cfg, run_dir)
+    if cfg.export.step is None:
+        folder = find_latest(root)
+        if folder is None:
+            raise C.ConfigError("RUN", str(run_dir), f"no complete checkpoint under {root}")
+    else:
+        folder = root / step_name(cfg.export.step)
+        problem = verify(folder) if folder.is_dir() else "no such checkpoint"
+        if problem:
+            raise C.ConfigError("export.step", cfg.export.step, f"{folder}: {problem}")
+    problem = check_checkpoint(folder)
+    if problem:
+        raise C.ConfigError("RUN", str(run_dir), problem)
+    return folder
+
+
 def same_base(cfg: C.Config, folder: Path) -> None:
     """export.merge_lora: model.pretrained is still the base the adapters were trained over
     (its sha256 against the checkpoint's manifest), or a merge would write another model."""
-    from launcher.data.cache import cache_root
-    from launcher.launch.levers import base_digest
+    from launcher.data.cache import cache_root  # numpy: only for export.merge_lora
 
     manifest = json.loads((folder / "manifest.json").read_text())
     recorded = ((manifest.get("model") or {}).get("lora") or {}).get("base_digest")
@@ -128,10 +139,10 @@ def readable(path: Path) -> Path:
 def load_exported(path: str | Path, device: str = "cpu"):
     """The project's model (launcher.models.gpt.GPT) with the exported weights, from the
     file alone."""
-    import torch
-    from safetensors import safe_open
+    import torch  # the launch side imports none when imported (test_imports)
+    from safetensors import safe_open  # as torch
 
-    from launcher.models.gpt import GPT
+    from launcher.models.gpt import GPT  # as torch
 
     with safe_open(str(path), framework="pt", device=device) as f:
         meta = f.metadata()

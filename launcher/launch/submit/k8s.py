@@ -7,7 +7,7 @@ Two flavours (cluster.k8s.kind):
 - trainjob: a Kubeflow Trainer TrainJob on a torch runtime; the operator builds the pods
   and gives each its node rank and the rendezvous address (PET_* variables).
 
-Each pod runs torchrun for its node, like a Slurm task (launch/commands.py::torchrun_argv):
+Each pod runs torchrun for its node, like a Slurm task (launch/start/argv.py::torchrun_argv):
 the run directory is on a shared volume at the same path as on the submitting machine, so
 a pod that fails or is evicted restarts and its ranks resume from `latest`. The manifest is
 YAML written by a YAML emitter from plain data (no text templating); the one shell line in
@@ -23,8 +23,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from launcher import config as C
-from launcher.launch.commands import NodeArgs, ShellExpr, job_env, shell_word, torchrun_argv
+import yaml
+
+from launcher import config as C, user_env
+from launcher.launch.start.argv import job_env, NodeArgs, shell_word, ShellExpr, torchrun_argv
 
 MANIFEST = "job.yaml"
 PORT = 29500
@@ -195,8 +197,6 @@ def manifests(cfg: C.Config, run_dir: str, plan) -> list[dict]:
 
 
 def render(cfg: C.Config, run_dir: str, plan) -> str:
-    import yaml
-
     head = f"# Kubernetes job for the run directory {run_dir}; apply with: {shlex.join(apply_argv(cfg, run_dir))}\n"
     return head + yaml.safe_dump_all(manifests(cfg, run_dir, plan), sort_keys=False, width=120)
 
@@ -209,8 +209,6 @@ def apply_argv(cfg: C.Config, run_dir: str) -> list[str]:
 def apply(cfg: C.Config, run_dir: Path) -> str:
     """`kubectl apply -f RUN_DIR/job.yaml` when kubectl and a context are there; else the
     command to run, in words. kubectl runs with the user's environment (KUBECONFIG)."""
-    from launcher import user_env
-
     argv = apply_argv(cfg, str(run_dir))
     command = " ".join(shlex.quote(a) for a in argv)
     if shutil.which("kubectl") is None:

@@ -5,10 +5,14 @@ prints exactly what would run."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 import shlex
 from dataclasses import dataclass
+from importlib.metadata import distribution, PackageNotFoundError, version
 from pathlib import Path
+
+import yaml
 
 from launcher.config import Config, Runner
 from launcher.exits import COMM_TRACE
@@ -106,8 +110,6 @@ SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 def torchrun_takes(option: str) -> bool:
     """Whether the installed torch's torchrun takes `option`, read from its source (a site's
     older torch, TORCH=system, lacks the newer options), without importing torch."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
     try:
         return f'"{option}"' in Path(distribution("torch").locate_file("torch/distributed/run.py")).read_text()
     except (PackageNotFoundError, OSError):
@@ -162,8 +164,6 @@ def accelerate_config_text(cfg: Config, plan: LaunchPlan) -> str:
     127.0.0.1:master_port. Precision, compilation and devices stay the ranks' own (no mixed
     precision, no dynamo, every GPU visible): accelerate only starts the ranks, which never
     build its Accelerator."""
-    import yaml
-
     values = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_machines": 1,
               "machine_rank": 0, "num_processes": plan.nproc_per_node, "main_process_ip": "127.0.0.1",
               "main_process_port": plan.master_port, "rdzv_backend": "c10d", "same_network": False, "gpu_ids": "all",
@@ -207,8 +207,6 @@ def launch_env(cfg: Config, plan: LaunchPlan, run_dir: str) -> dict[str, str]:
 
 def rendezvous_id(run_dir: str) -> str:
     """Stable per run directory, so agents of one job (and only they) meet."""
-    import hashlib
-
     return "run-" + hashlib.sha1(run_dir.encode()).hexdigest()[:12]
 
 
@@ -255,8 +253,6 @@ def flight_recorder_names(torch_version: str) -> tuple[str, str]:
 
 def installed_torch() -> str:
     """The torch the ranks will import (the launch side's own environment), without importing it."""
-    from importlib.metadata import version
-
     return version("torch")
 
 
@@ -273,13 +269,13 @@ def command_script(argv: list[str], env: dict[str, str], workdir: str, run_dir: 
     lines += ["# A launch still running there: say so now (its rendezvous would keep this one waiting).",
               f"{shell_word(argv[0])} -m launcher.runlock {shlex.quote(run_dir)}",
               "# Supervised as `launcher train` supervises it: a Ctrl-C saves and exits 130 in one line.",
-              f"exec {shell_word(argv[0])} -m launcher.launch.supervise {shlex.quote(run_dir)} "
+              f"exec {shell_word(argv[0])} -m launcher.launch.start.supervise {shlex.quote(run_dir)} "
               + " ".join(shell_word(a) for a in argv)]
     return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- Slurm
-SBATCH_TEMPLATE = Path(__file__).resolve().parents[2] / "scripts" / "slurm" / "job.sbatch"
+SBATCH_TEMPLATE = Path(__file__).resolve().parents[3] / "scripts" / "slurm" / "job.sbatch"
 _SBATCH_PLAIN = re.compile(r"[\w.,:+=@/%\[\]-]+")
 
 

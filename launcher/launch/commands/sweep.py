@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rich.table import Table
+    from rich.table import Table  # rich: only to print the table
 
 
 def point_names(points: list[list[str]]) -> list[str]:
@@ -43,7 +43,7 @@ class Point:
 def comparison(points: list[Point]) -> Table:
     """One row per point: how it ended, its final loss, its last validation loss (a column
     when any point evaluated), tokens/s and rank 0's peak memory."""
-    from rich.table import Table
+    from rich.table import Table  # rich: only to print the table
 
     summaries = [p.summary() for p in points]
     val = any(s and "val_loss" in s for s in summaries)
@@ -60,7 +60,7 @@ def comparison(points: list[Point]) -> Table:
 
 
 def print_comparison(points: list[Point]) -> None:
-    from rich.console import Console
+    from rich.console import Console  # rich: only to print the table
 
     print(f"sweep: {len(points)} points in {points[0].run_dir.parent}", flush=True)
     Console(file=sys.stdout, width=160).print(comparison(points))

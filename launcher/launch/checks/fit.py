@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import recipes
 from launcher import config as C
 from launcher.manifest import MANIFEST, resumable, shapes
 
@@ -25,8 +26,6 @@ FORMATS = [  # (format, file that marks it, its name)
 
 def readers(fmt: str) -> set[str]:
     """The engines that load a checkpoint of this format (their RecipeSpec's `reads`)."""
-    import recipes
-
     return {name for name, spec in recipes.specs().items() if fmt in spec.reads}
 
 

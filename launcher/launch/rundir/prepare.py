@@ -13,11 +13,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launcher import config as C
-from launcher.manifest import root_of
-from launcher.launch.commands import (ACCELERATE_CONFIG, accelerate_config_text, command_script, HOSTFILE, hostfile_text,
-                                      launch_argv, launch_env, LaunchPlan)
-from launcher.host import HostInfo
+import recipes
+from launcher import config as C, models
+from launcher.host import deepspeed_env, HostInfo
+from launcher.launch.start.argv import (ACCELERATE_CONFIG, accelerate_config_text, command_script, HOSTFILE,
+                                        hostfile_text, launch_argv, launch_env, LaunchPlan)
+from launcher.manifest import complete_checkpoints, manifest_step, resumable, root_of, verify
+from launcher.parallel import ds_config
+from launcher.untrusted import check_checkpoint
 
 
 def free_port() -> int:
@@ -74,7 +77,6 @@ def checkpoint_bound(cfg: C.Config) -> int:
     model's count), model=hf from its meta-device build (the Hugging Face model itself)."""
     if cfg.model.kind != C.ModelKind.hf:
         return 16 * C.num_params(cfg.model)
-    from launcher import models
 
     return 16 * sum(p.numel() for p in models.on_meta(cfg).parameters())
 
@@ -94,8 +96,6 @@ def check_checkpoint_space(cfg: C.Config, run_dir: Path, dry_run: bool = False) 
     fewer when the run's complete ones and the ones this launch writes are fewer; found
     here, not mid-run. A dry run (a plan, perhaps for another machine's disk: the planner's
     recommended command) gets the shortfall as a note, checked again when it launches."""
-    from launcher.manifest import complete_checkpoints
-
     root = root_of(cfg, run_dir)
     probe = writable_parent(root, "checkpoint.dir")
     each = checkpoint_bound(cfg)
@@ -121,8 +121,6 @@ def schedule_change(cfg: C.Config, run_dir: Path) -> str | None:
     """A launch that continues a run with another train.steps or optim.warmup_steps (say,
     more steps for a run whose warm-up was clamped to its length) changes the learning
     rate at the step it resumes from: said in one line, None when it stays the same."""
-    from launcher.manifest import manifest_step, resumable
-
     frozen, folders = run_dir / "config.yaml", resumable(cfg, run_dir)
     if not folders or not frozen.is_file():
         return None
@@ -139,9 +137,6 @@ def check_resume_is_data(cfg: C.Config, run_dir: Path) -> None:
     """Every checkpoint the ranks may resume from can be read without running code
     (launcher/untrusted.py): a crafted file is refused here, in one line, before any rank
     starts. Only pickles' small parts are read (no digests, no tensor data)."""
-    from launcher.manifest import resumable
-    from launcher.untrusted import check_checkpoint
-
     for folder in resumable(cfg, run_dir):
         problem = check_checkpoint(folder)
         if problem:
@@ -151,8 +146,6 @@ def check_resume_is_data(cfg: C.Config, run_dir: Path) -> None:
 def run_files(cfg: C.Config, plan: LaunchPlan, ds: dict | None) -> dict[str, str]:
     """Files besides config.yaml the ranks or the runner read: ds_config.json (ZeRO), the
     hostfile (runner=deepspeed on several nodes), accelerate_config.yaml (runner=accelerate)."""
-    from launcher.parallel import ds_config
-
     files = {}
     if ds is not None:
         files[ds_config.FILE] = ds_config.text(ds)
@@ -207,7 +200,7 @@ def prepare_data(cfg: C.Config, run_dir: Path, created: bool) -> None:
     (reused when `make data` or another run prepared the same inputs; the ranks read the
     directory RUN_DIR/data/<data.name>.json names). A failure removes a run directory this
     launch created."""
-    from launcher.data.prepare import prepare_cache
+    from launcher.data.prepare import prepare_cache  # numpy: ~1 s of start-up (measured)
 
     try:
         print(prepare_cache(cfg, run_dir), flush=True)
@@ -228,8 +221,6 @@ def check_run_dir_name(run_dir: Path) -> None:
 def nothing_to_train(cfg: C.Config, run_dir: Path) -> bool:
     """A launch that would resume a checkpoint already at train.steps says so in one line
     and leaves the run directory as it is (its summary.json is the run's own)."""
-    from launcher.manifest import manifest_step, resumable, verify
-
     folders = resumable(cfg, run_dir)
     step = manifest_step(folders[-1]) if folders else None
     if step is None or step < cfg.train.steps:
@@ -248,12 +239,8 @@ def zero_config(cfg: C.Config, host: HostInfo) -> dict | None:
     """An engine that runs inside DeepSpeed (its RecipeSpec says so: recipe.strategy=zero):
     DeepSpeed's config, generated, merged with recipe.zero.extra and checked by DeepSpeed's
     parser at the world size of this launch (ConfigError if not)."""
-    import recipes
-
     if not recipes.spec(cfg.recipe.strategy).deepspeed:
         return None
-    from launcher.parallel import ds_config
-    from launcher.host import deepspeed_env
 
     deepspeed_env()
     world = C.nproc_per_node(cfg, host) * cfg.cluster.nnodes

@@ -10,6 +10,7 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
 
 from launcher.data.read import IGNORE, micro_batch, val_sets
 from launcher.device import synchronize
@@ -48,7 +49,7 @@ def held_out_batches(job, cp: int, cp_rank: int) -> list[tuple[str, float, list]
     the same held-out samples at every evaluation (launcher/data/read.py::val_sets); per
     source of a mixture, train.eval_samples each: (name, weight, micro-batches)."""
     cfg, mb = job.cfg, job.cfg.train.micro_batch
-    n = cfg.train.eval_samples // (job.dp_size * mb)  # whole micro-batches (launch/held_out.py)
+    n = cfg.train.eval_samples // (job.dp_size * mb)  # whole micro-batches (launch/checks/data.py)
     first = job.dp_rank * n * mb
     out = []
     for name, weight, data in val_sets(cfg, job.dataset):
@@ -68,8 +69,6 @@ def counted(job, batches: list) -> float | None:
     token. None where every target counts."""
     if not hasattr(job.dataset, "packed"):
         return None
-    import torch.distributed as dist
-
     total = torch.tensor([sum(int((b[1] != IGNORE).sum()) for b in batches)], dtype=torch.int64)
     dist.all_reduce(total, group=job.preemption.group)
     p = job.cfg.parallel  # a pipeline's schedule cuts each step's worth into its own micro-batches

@@ -11,6 +11,9 @@ import dataclasses
 from pathlib import Path
 
 from launcher import config as C
+from launcher.host import native_bf16
+from launcher.manifest import resumable
+from launcher.parallel.degrees import data_parallel_size, global_batch
 
 KEPT = ("model", "data", "precision", "train.micro_batch", "train.grad_accum", "train.global_batch", "train.seq_len")
 """What a run trains: a relaunch takes these from the run's config.yaml unless it names them
@@ -48,8 +51,6 @@ def fit_precision(cfg: C.Config, names: set[str], host, native: bool | None = No
     """The default precision (bf16) on ranks of a CPU without native bf16 (`native`, else
     this CPU's flags: host.native_bf16): fp32, and the line that says so. A precision the
     user chose is kept."""
-    from launcher.host import native_bf16
-
     p = cfg.precision
     if host.cuda or is_named("precision.name", names) or p.name != C.Precision.bf16 or p.fp8:
         return cfg, None
@@ -66,8 +67,6 @@ def keep_run_values(cfg: C.Config, names: set[str], run_dir: Path, host) -> tupl
     world size (train.global_batch) unless the overrides set the batch. Returns the config,
     one line naming what was kept and what the overrides change (None: nothing), and the
     keys the run settled (KEPT when it resumes: no default, such as fit_precision's, applies)."""
-    from launcher.manifest import resumable
-
     frozen = run_dir / "config.yaml"
     if not frozen.is_file() or not resumable(cfg, run_dir):
         return cfg, None, set()
@@ -93,8 +92,6 @@ def _keep_global_batch(cfg: C.Config, old: C.Config, names: set[str], host) -> t
     """At another world size (a reshard) the run's global batch, through train.global_batch,
     unless the overrides set train.global_batch or train.grad_accum; where it cannot be kept,
     the line says so."""
-    from launcher.parallel.degrees import data_parallel_size, global_batch
-
     worlds = [C.nproc_per_node(c, host) * c.cluster.nnodes for c in (old, cfg)]
     was, now = global_batch(old, worlds[0]), global_batch(cfg, worlds[1])
     if was == now:

@@ -12,10 +12,12 @@ import math
 import re
 from pathlib import Path
 
-from launcher.config import (Backend, Config, ConfigError, DataKind, ModelKind, OffloadDevice, PPSchedule, Precision, Runner, Scheduler, TokenDtype, ffn_dim, nproc_per_node, pipeline_stages)
+import recipes
 from launcher import optim
-from launcher.launch.held_out import validate_evaluation, validate_token_data
-from launcher.launch.levers import validate_context_parallel, validate_levers
+from launcher.config import (Backend, Config, ConfigError, DataKind, ffn_dim, ModelConfig, ModelKind, nproc_per_node,
+                             OffloadDevice, pipeline_stages, PPSchedule, Precision, Runner, Scheduler, TokenDtype)
+from launcher.launch.checks.data import validate_evaluation, validate_token_data
+from launcher.launch.checks.levers import validate_context_parallel, validate_levers
 from launcher.parallel.degrees import data_parallel_size, grad_accum
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -33,12 +35,27 @@ def _positive(key: str, value, *, zero_ok: bool = False) -> None:
 
 
 def validate(cfg: Config, host) -> list[str]:
-    """Cross-field checks on the launch side. `host` is a host.HostInfo. Returns notes
-    (a value it adjusted): the caller prints them once every check has passed, so bad
-    input stays one line."""
-    from launcher.models import model_vocab_size  # the model's package imports torch: only when checked
-    notes: list[str] = []
-    t, m, d, o = cfg.train, cfg.model, cfg.data, cfg.optim
+    """Cross-field checks on the launch side, in this order (the first failure is the line
+    the user sees). `host` is a host.HostInfo. Returns notes (a value it adjusted): the
+    caller prints them once every check has passed, so bad input stays one line."""
+    validate_train(cfg)
+    if cfg.model.kind == ModelKind.hf:
+        validate_hf_model(cfg)
+    else:
+        validate_gpt_model(cfg)
+    validate_data(cfg)
+    notes = validate_optimizer(cfg, host)
+    validate_device(cfg, host)
+    validate_outputs(cfg)
+    validate_cluster(cfg, host)
+    validate_zero(cfg, host)
+    validate_batch(cfg, host)
+    return notes
+
+
+def validate_train(cfg: Config) -> None:
+    """train.* ranges and the debug knobs' (the model and data keys have their own)."""
+    t = cfg.train
     for key in ("steps", "micro_batch", "grad_accum", "seq_len", "ac_every"):
         _positive(f"train.{key}", getattr(t, key))
     if t.global_batch is not None:
@@ -55,12 +72,14 @@ def validate(cfg: Config, host) -> list[str]:
     _positive("debug.fault_steps", cfg.debug.fault_steps)
     if not cfg.debug.slow_s >= 0:
         raise ConfigError("debug.slow_s", cfg.debug.slow_s, "must be >= 0")
-    if m.kind == ModelKind.hf:
-        validate_hf_model(cfg)
-    else:
-        validate_gpt_model(cfg)
 
-    # data
+
+def validate_data(cfg: Config) -> None:
+    """data.*: against the model's vocabulary, each source's own keys (a tokenizer is read
+    only for data=hf_text and chat)."""
+    from launcher.models import model_vocab_size  # the model's package imports torch: only when checked
+
+    d = cfg.data
     _positive("data.vocab_size", d.vocab_size)
     if d.vocab_size > model_vocab_size(cfg) and d.name not in (DataKind.hf_text, DataKind.chat):  # the tokenizer's, below
         raise ConfigError("data.vocab_size", d.vocab_size, f"must be <= model.vocab_size={model_vocab_size(cfg)}")
@@ -94,9 +113,11 @@ def validate(cfg: Config, host) -> list[str]:
         raise ConfigError("data.num_workers", d.num_workers, "must be >= 0 (or null for auto)")
     _positive("data.prefetch_factor", d.prefetch_factor)
 
-    # optimizer
-    import recipes  # as validate_parallel does
 
+def validate_optimizer(cfg: Config, host) -> list[str]:
+    """optim.* against the recipe and the machine; warmup clamped to a short run (a note)."""
+    notes: list[str] = []
+    t, o = cfg.train, cfg.optim
     spec = recipes.spec(cfg.recipe.strategy)
     optim.validate(o, cfg.recipe.name, spec.deepspeed, spec.parallelism.shards and cfg.recipe.fsdp.cpu_offload,
                    host.cuda)
@@ -106,8 +127,11 @@ def validate(cfg: Config, host) -> list[str]:
         notes.append(f"optim.warmup_steps={o.warmup_steps} is longer than train.steps={t.steps}: warming up over "
                      f"all {t.steps} steps")
         o.warmup_steps = t.steps
+    return notes
 
-    # precision and device
+
+def validate_device(cfg: Config, host) -> None:
+    """Precision, backend and the collectives' timeouts against the machine."""
     if cfg.precision.name == Precision.fp16 and not host.cuda:
         raise ConfigError("precision", "fp16", "fp16 needs CUDA (loss scaling on GPU); this machine has none: use bf16 or fp32")
     if cfg.dist.backend == Backend.nccl and not host.cuda:
@@ -115,25 +139,26 @@ def validate(cfg: Config, host) -> list[str]:
     _positive("dist.timeout_s", cfg.dist.timeout_s)
     _positive("dist.flight_recorder", cfg.dist.flight_recorder, zero_ok=True)
 
-    # checkpoint
+
+def validate_outputs(cfg: Config) -> None:
+    """What the run writes: checkpoints (and the one it resumes), logs, a profile."""
     _positive("checkpoint.every", cfg.checkpoint.every, zero_ok=True)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     r = cfg.checkpoint.resume
     if r not in ("auto", "never") and not Path(r).is_dir():
         raise ConfigError("checkpoint.resume", r, "allowed: auto, never, or an existing checkpoint folder")
-
-    # logger
     _positive("logger.log_every", cfg.logger.log_every)
-
-    # profiler
     if cfg.profile.enabled:
         steps = list(cfg.profile.steps)
-        if len(steps) != 2 or not 1 <= steps[0] <= steps[1] <= t.steps:
-            raise ConfigError("profile.steps", steps, f"[first, last] with 1 <= first <= last <= train.steps={t.steps}")
-
+        if len(steps) != 2 or not 1 <= steps[0] <= steps[1] <= cfg.train.steps:
+            raise ConfigError("profile.steps", steps,
+                              f"[first, last] with 1 <= first <= last <= train.steps={cfg.train.steps}")
     _positive("debug.async_save_delay_s", cfg.debug.async_save_delay_s, zero_ok=True)
 
-    # cluster
+
+def validate_cluster(cfg: Config, host) -> None:
+    """cluster.*: nodes, ports, timeouts, environment names, Slurm's keys, the processes
+    per node against the machine's GPUs or cores."""
     c = cfg.cluster
     _positive("cluster.nnodes", c.nnodes)
     if not 0 <= c.node_rank < c.nnodes:
@@ -166,10 +191,11 @@ def validate(cfg: Config, host) -> list[str]:
             where = f"{host.gpus} GPU(s)" if host.cuda else f"a CPU-only machine ({host.cpus} cores)"
             raise ConfigError("cluster.nproc_per_node", c.nproc_per_node, f"allowed 1..{slots} on {where}")
 
-    # recipe and runner
-    validate_zero(cfg, host)
 
-    # batch arithmetic
+def validate_batch(cfg: Config, host) -> None:
+    """The batch arithmetic over the world size: degrees, levers, the global batch, the
+    pipeline's micro-batches, the evaluation's samples."""
+    t, c = cfg.train, cfg.cluster
     world = nproc_per_node(cfg, host) * c.nnodes
     validate_parallel(cfg, world)
     validate_levers(cfg, host, world)
@@ -179,7 +205,6 @@ def validate(cfg: Config, host) -> list[str]:
                           f"must be a multiple of micro_batch({t.micro_batch}) x data-parallel size({dp}) = {t.micro_batch * dp}")
     validate_pipeline_batch(cfg, world)
     validate_evaluation(cfg, dp, grad_accum(cfg, world))
-    return notes
 
 
 def validate_gpt_model(cfg: Config) -> None:
@@ -201,7 +226,7 @@ def validate_gpt_model(cfg: Config) -> None:
     if t.seq_len > m.max_seq_len:
         raise ConfigError("train.seq_len", t.seq_len, f"must be <= model.max_seq_len={m.max_seq_len}")
     if m.pretrained is not None:  # a Hugging Face folder read into the decoder: its shape and tensors
-        from launcher.models.hf_adapter import check
+        from launcher.models.hf_adapter import check  # transformers and torch: only for model.pretrained
 
         check(cfg)
 
@@ -209,7 +234,7 @@ def validate_gpt_model(cfg: Config) -> None:
 def validate_hf_model(cfg: Config) -> None:
     """model=hf: the files exist, transformers builds the model offline, its shape fits the
     sequence length and the parallel degrees (launcher/models/hf.py; imports transformers)."""
-    from launcher.models.hf import check
+    from launcher.models.hf import check  # transformers and torch: only for model=hf
 
     check(cfg)
 
@@ -217,9 +242,19 @@ def validate_hf_model(cfg: Config) -> None:
 def validate_parallel(cfg: Config, world: int) -> None:
     """Degrees against the recipe, the model and the world size (numbers in every message)."""
     from launcher.models import model_shape  # the model's package imports torch: only when checked
-    import recipes
 
-    p, m, name = cfg.parallel, model_shape(cfg), cfg.recipe.strategy
+    p, m = cfg.parallel, model_shape(cfg)
+    validate_degrees(cfg, m)
+    if p.tp > 1:
+        validate_tp_split(cfg, m)
+    if p.pp > 1:
+        validate_pp_split(p, m)
+    validate_world(cfg, world)
+
+
+def validate_degrees(cfg: Config, m: ModelConfig) -> None:
+    """Each degree positive and one the recipe's engine has (recipes.spec(...).parallelism)."""
+    p, name = cfg.parallel, cfg.recipe.strategy
     spec = recipes.spec(name)
     can = spec.parallelism
     for key in ("dp_replicate", "tp", "cp", "pp", "pp_microbatches", "pp_virtual_stages"):
@@ -250,38 +285,44 @@ def validate_parallel(cfg: Config, world: int) -> None:
     if p.cp > 1:
         validate_context_parallel(cfg, m, name, can.cp)
 
-    # tensor parallel: every split dimension divides
-    if p.tp > 1:
-        kv = m.n_kv_heads or m.n_heads
-        if (m.qk_norm or m.attn_bias) and not m.moe.experts:  # an MoE: refused under tp by levers.validate_moe
-            key = "model.qk_norm" if m.qk_norm else "model.attn_bias"
-            raise ConfigError(key, "true", f"tensor parallel (parallel.tp={p.tp}) does not split the attention's "
-                              "q/k norms or biases; use parallel.tp=1 (fsdp, zero, ddp)")
-        for key, size in (("model.n_heads", m.n_heads), ("model.n_kv_heads", kv),
-                          ("model.ffn_dim (SwiGLU hidden)", ffn_dim(m))):
-            if size % p.tp:
-                raise ConfigError("parallel.tp", p.tp, f"must divide {key}={size}")
-        if not m.tie_embeddings and m.vocab_size % p.tp:
-            raise ConfigError("parallel.tp", p.tp,
-                              f"must divide model.vocab_size={m.vocab_size} (untied embeddings are split by vocabulary)")
-        if p.sequence_parallel and cfg.train.seq_len % p.tp:
-            raise ConfigError("parallel.sequence_parallel", "true",
-                              f"needs train.seq_len={cfg.train.seq_len} divisible by parallel.tp={p.tp}")
 
-    # pipeline: stages fit the layers
-    if p.pp > 1:
-        stages = pipeline_stages(p)
-        if stages > m.n_layers:
-            raise ConfigError("parallel.pp", p.pp, f"{stages} stages (pp {p.pp} x {stages // p.pp} per rank) "
-                              f"but model.n_layers={m.n_layers}; every stage needs a layer")
-        if p.pp_split is not None:
-            split = list(p.pp_split)
-            if len(split) != stages - 1 or split != sorted(set(split)) or not all(0 < s < m.n_layers for s in split):
-                which = "stage 2" if stages == 2 else f"stages 2..{stages}"
-                raise ConfigError("parallel.pp_split", split, f"needs {stages - 1} increasing layer index(es) in "
-                                  f"[1, {m.n_layers - 1}] (the first layer of {which}); null balances by parameters")
+def validate_tp_split(cfg: Config, m: ModelConfig) -> None:
+    """Tensor parallel: every split dimension divides; no q/k norms or biases to split."""
+    p = cfg.parallel
+    kv = m.n_kv_heads or m.n_heads
+    if (m.qk_norm or m.attn_bias) and not m.moe.experts:  # an MoE: refused under tp by levers.validate_moe
+        key = "model.qk_norm" if m.qk_norm else "model.attn_bias"
+        raise ConfigError(key, "true", f"tensor parallel (parallel.tp={p.tp}) does not split the attention's "
+                          "q/k norms or biases; use parallel.tp=1 (fsdp, zero, ddp)")
+    for key, size in (("model.n_heads", m.n_heads), ("model.n_kv_heads", kv),
+                      ("model.ffn_dim (SwiGLU hidden)", ffn_dim(m))):
+        if size % p.tp:
+            raise ConfigError("parallel.tp", p.tp, f"must divide {key}={size}")
+    if not m.tie_embeddings and m.vocab_size % p.tp:
+        raise ConfigError("parallel.tp", p.tp,
+                          f"must divide model.vocab_size={m.vocab_size} (untied embeddings are split by vocabulary)")
+    if p.sequence_parallel and cfg.train.seq_len % p.tp:
+        raise ConfigError("parallel.sequence_parallel", "true",
+                          f"needs train.seq_len={cfg.train.seq_len} divisible by parallel.tp={p.tp}")
 
-    # the world
+
+def validate_pp_split(p, m: ModelConfig) -> None:
+    """Pipeline: the stages fit the layers, an explicit split is increasing and inside."""
+    stages = pipeline_stages(p)
+    if stages > m.n_layers:
+        raise ConfigError("parallel.pp", p.pp, f"{stages} stages (pp {p.pp} x {stages // p.pp} per rank) "
+                          f"but model.n_layers={m.n_layers}; every stage needs a layer")
+    if p.pp_split is not None:
+        split = list(p.pp_split)
+        if len(split) != stages - 1 or split != sorted(set(split)) or not all(0 < s < m.n_layers for s in split):
+            which = "stage 2" if stages == 2 else f"stages 2..{stages}"
+            raise ConfigError("parallel.pp_split", split, f"needs {stages - 1} increasing layer index(es) in "
+                              f"[1, {m.n_layers - 1}] (the first layer of {which}); null balances by parameters")
+
+
+def validate_world(cfg: Config, world: int) -> None:
+    """The degrees multiply to the world size (dp_shard=-1: whatever the others leave)."""
+    p = cfg.parallel
     fixed = p.dp_replicate * p.tp * p.pp * p.cp
     shard = p.dp_shard if p.dp_shard != -1 else world // fixed
     if shard < 1 or fixed * shard != world:
@@ -349,8 +390,6 @@ def validate_slurm(cfg: Config) -> None:
 
 def validate_zero(cfg: Config, host) -> None:
     """ZeRO options, offload and the deepspeed runner: what combinations make sense."""
-    import recipes
-
     z, c, strategy = cfg.recipe.zero, cfg.cluster, cfg.recipe.strategy
     deepspeed = recipes.spec(strategy).deepspeed
     if c.runner == Runner.deepspeed and not deepspeed:

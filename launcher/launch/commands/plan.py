@@ -4,6 +4,7 @@ the hardware planned for, the table, the recommended command.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -11,14 +12,18 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import recipes
 from launcher import config as C
-from launcher.launch import slurm
-from launcher.launch.compose import UsageError, compose_config, recipe_configs
-from launcher.host import HostInfo
-from launcher.launch.validate import validate
+from launcher.host import gpu_memory_bytes, gpu_name, HostInfo, table_tflops
+from launcher.launch.checks import asked
+from launcher.launch.checks.asked import fit_precision, named
+from launcher.launch.checks.validate import validate
+from launcher.launch.compose import compose_config, recipe_configs, UsageError
+from launcher.launch.submit import slurm
+from launcher.parallel import degrees as D
 
 if TYPE_CHECKING:
-    from launcher.planner.plan import Hardware
+    from launcher.planner.plan import Hardware  # the planner imports torch (its meta-device counts)
 
 
 def planned_host(command: str, point: list[str], here: HostInfo) -> HostInfo:
@@ -33,8 +38,7 @@ def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "Hardwar
     """The GPUs to plan for: the configured cluster, or this machine's; on a machine without
     GPUs and no cluster named (cluster.gpus_per_node, cluster.gpu_memory_gb), its CPU
     processes (cluster.nproc_per_node, 2 by default), each with its share of the memory."""
-    from launcher.planner import plan as planner
-    from launcher.host import gpu_memory_bytes, gpu_name, table_tflops
+    from launcher.planner import plan as planner  # the planner imports torch (its meta-device counts)
 
     c = cfg.cluster
     world_from_launch = world_from_launch or on_this_cpu(cfg, host)
@@ -80,7 +84,7 @@ def check_cpu_fit(cfg: C.Config, host: HostInfo) -> None:
         rough = 16 * C.num_params(m) + t.micro_batch * t.seq_len * (40 * m.n_layers * m.dim + 12 * m.vocab_size)
         if rough * n < ram // 8:
             return
-    from launcher.planner import plan as planner
+    from launcher.planner import plan as planner  # the planner imports torch (its meta-device counts)
 
     hw = hardware(cfg, host, world_from_launch=True)
     try:
@@ -100,8 +104,6 @@ def check_cpu_fit(cfg: C.Config, host: HostInfo) -> None:
 def available_recipes(cuda: bool = True) -> dict[str, C.RecipeConfig]:
     """The recipes the planner compares: every conf/recipe/*.yaml. On a CPU the ranks'
     memory is the host's: a recipe that offloads saves nothing there and is left out."""
-    import recipes
-
     out = recipe_configs()
     if not cuda:
         out = {name: rc for name, rc in out.items() if not recipes.spec(rc.strategy).holds(rc).offload_optim}
@@ -124,8 +126,6 @@ def recommended_command(overrides: list[str], best) -> str:
 def validate_for_cluster(cfg: C.Config, world: int, host: HostInfo) -> None:
     """Validate against the cluster being planned for, not this machine: one node with all
     its `world` GPUs stands for it (the same data-parallel size, no rendezvous to check)."""
-    import dataclasses
-
     as_one_node = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, nnodes=1, node_rank=0,
                                                                        nproc_per_node=None, gpus_per_node=world))
     for note in validate(as_one_node, HostInfo(cuda=True, gpus=world, cpus=host.cpus)):
@@ -144,14 +144,12 @@ def cmd_rehearse(overrides: list[str], as_json: bool = False, ranks: str | None 
     world = per_node * c.nnodes
     # Validated as a launch on that cluster's nodes would be (its GPUs, its node count: the
     # messages name them); the rendezvous is not rehearsed, so no port is asked for.
-    import dataclasses
 
     on_nodes = dataclasses.replace(cfg, cluster=dataclasses.replace(c, master_port=c.master_port or 29500))
     for note in validate(on_nodes, HostInfo(cuda=True, gpus=per_node, cpus=HostInfo.detect().cpus)):
         print(f"warning: {note}", file=sys.stderr, flush=True)
-    from launcher.parallel import degrees as D
-    from launcher.planner import rehearse as R
-    from launcher.planner.plan import layout_of
+    from launcher.planner import rehearse as R  # the planner imports torch (its meta-device counts)
+    from launcher.planner.plan import layout_of  # the planner imports torch (its meta-device counts)
 
     R.rehearsable(cfg)
     chosen = None
@@ -183,14 +181,13 @@ def cmd_rehearse(overrides: list[str], as_json: bool = False, ranks: str | None 
 def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
     """`launcher plan`: the table (or --json), optionally a chart; validates the config
     against the planned cluster, not this machine."""
-    from launcher.planner import plan as planner
+    from launcher.planner import plan as planner  # the planner imports torch (its meta-device counts)
 
     cfg, _, _ = compose_config(overrides)
     host = HostInfo.detect()
     hw = hardware(cfg, host, world_from_launch=False)
     cpu = on_this_cpu(cfg, host)
     if cpu:  # this machine's ranks, as `make train` starts them here (its default precision too)
-        from launcher.launch.asked import fit_precision, named
 
         cfg, note = fit_precision(cfg, named(overrides), host)
         for note in [note] * bool(note) + validate(cfg, host):
@@ -204,13 +201,13 @@ def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
              f"cluster.gpus_per_node and cluster.gpu_memory_gb plan for GPUs)" if cpu else
              f"{hw.nnodes} node(s) x {hw.gpus_per_node} GPU(s) of {hw.gpu_bytes / 2**30:.0f} GiB")
     title = f"{cfg.model.name}: seq {cfg.train.seq_len}, {cfg.precision.name.value}, {where}"
-    from launcher.planner import memory, moe
+    from launcher.planner import memory, moe  # the planner imports torch (its meta-device counts)
 
     shaped = planner.planned_model(cfg).model
     if as_json:
         print(planner.to_json(rows, hw, reserve, command, memory.param_summary(shaped)))
     else:
-        from rich.console import Console
+        from rich.console import Console  # rich: only to print a table
 
         console = Console(width=200)
         console.print(memory.param_line(shaped), markup=False, soft_wrap=True)
@@ -220,7 +217,7 @@ def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
         console.print(f"recommended: {command}" if command else planner.no_fit_message(rows, hw, reserve), markup=False,
                       soft_wrap=True)  # one line, to paste
     if cfg.plan.chart:
-        from launcher.planner.chart import chart
+        from launcher.planner.chart import chart  # the planner imports torch (its meta-device counts)
 
         chart(rows, hw, Path(cfg.plan.chart), reserve, title)
         if not as_json:
@@ -236,7 +233,6 @@ def resolve_auto(overrides: list[str], host: HostInfo) -> tuple[list[str], str |
     if not (auto_recipe or auto_mb):
         return overrides, None
     from launcher.planner import plan as planner  # imports torch (meta-device counts): only when asked
-    from launcher.launch import asked
 
     rest = [o for o in overrides if o not in ("recipe=auto", "train.micro_batch=auto")]
     cfg, _, _ = compose_config(rest)

@@ -1,6 +1,6 @@
 """Slurm, the impure half: what the job's nodes look like (for validation on a login node
 that has no GPUs), and handing RUN_DIR/job.sbatch to sbatch. The script itself is rendered
-by the pure `launcher.launch.commands.sbatch_script`.
+by the pure `launcher.launch.start.argv.sbatch_script`.
 
 sbatch runs with the user's environment (less what the launcher set for itself), so SLURM_CONF, SBATCH_* defaults and the user's
 Slurm configuration apply as they would by hand. It runs inside the run directory: the
@@ -15,8 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher import config as C
+from launcher import config as C, user_env
 from launcher.host import HostInfo
+from launcher.provenance import PROJECT
 
 JOB_ID_FILE = "slurm_job_id"
 SCRIPT = "job.sbatch"
@@ -45,8 +46,6 @@ def submit(run_dir: Path) -> str:
     """`sbatch --parsable job.sbatch` in RUN_DIR; writes and returns the job id. sbatch gets
     the user's environment, less what the launch side set for this machine
     (launcher.user_env: DS_ACCELERATOR=cpu on a login node without GPUs stays there)."""
-    from launcher import user_env
-
     proc = subprocess.run(["sbatch", "--parsable", SCRIPT], cwd=run_dir, capture_output=True, text=True,
                           env=user_env())
     if proc.returncode != 0:
@@ -78,8 +77,6 @@ def code_dir(cfg: C.Config, run_dir: Path) -> str | None:
 def snapshot_code(run_dir: Path) -> Path:
     """Copy the project's packages into RUN_DIR/code (a new copy replaces an earlier one
     whole: written beside it, then renamed). Bytecode caches are left out."""
-    from launcher.provenance import PROJECT
-
     dest, fresh, old = run_dir / CODE, run_dir / f".{CODE}.new", run_dir / f".{CODE}.old"
     for leftover in (fresh, old):
         shutil.rmtree(leftover, ignore_errors=True)

@@ -18,8 +18,11 @@ import threading
 import time
 from pathlib import Path
 
+from launcher import config as C
+from launcher.data.progress import duration
 from launcher.exits import EXIT_BAD_INPUT, EXIT_CHECKPOINT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED, MARKERS
-from launcher.launch.console import LOG, Console, killed
+from launcher.launch.start.console import Console, killed, LOG
+from launcher.manifest import root_of, whole
 
 
 @contextlib.contextmanager
@@ -57,49 +60,15 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
     the child has exited, the ranks still saving are waited for (at most drain_s). For a
     launcher that dies on a signal instead of waiting for its ranks (DeepSpeed's)."""
     clear_markers(run_dir)
-    proc: subprocess.Popen | None = None
-    early: list[int] = []  # signals that came before torchrun was started: handed on once it is
-    interrupts: list[float] = []
-    handed: set[int] = set()  # the ranks that have the Ctrl-C
-
-    def hand_over() -> None:
-        """The Ctrl-C to each rank as soon as it takes signals (one still starting, or
-        started later by a restart), until torchrun ends: a thread, from the first Ctrl-C."""
-        while proc.poll() is None:
-            for pid in children(proc.pid):
-                if pid not in handed and listening(pid):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGINT)
-                    handed.add(pid)
-            time.sleep(0.2)
-
-    def send(sig, _frame):
-        if proc is None:
-            early.append(sig)
-            return
-        if sig == signal.SIGINT:
-            interrupts.append(time.monotonic())
-            print(stop_line(run_dir) if len(interrupts) == 1 else "Ctrl-C again: stopping now", file=sys.stderr, flush=True)
-        if sig == signal.SIGINT and len(interrupts) > 1:
-            stop_now(proc, own_group)
-        elif own_group:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-        elif sig == signal.SIGINT:  # never to torchrun: it would stop the ranks with tracebacks
-            threading.Thread(target=hand_over, name="hand-over-ctrl-c", daemon=True).start()
-        else:
-            proc.send_signal(sig)  # torchrun passes it on
-
-    forward = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
-    previous = {sig: signal.signal(sig, send) for sig in forward}
+    forwarder = _Forwarder(run_dir, own_group)
+    previous = {sig: signal.signal(sig, forwarder.send) for sig in _Forwarder.SIGNALS}
     try:
         # torchrun's stderr (its ranks' too) through the console: the ranks' lines live, torchrun's
-        # report and the tracebacks into RUN_DIR/torchrun.log (launch/console.py)
+        # report and the tracebacks into RUN_DIR/torchrun.log (launch/start/console.py)
         proc = subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True,
                                 errors="replace", preexec_fn=functools.partial(stop_with_parent, os.getpid()))
         console = Console(proc.stderr, run_dir, lambda: children(proc.pid))
-        for sig in early:
-            send(sig, None)
+        forwarder.started(proc)
         rc = proc.wait()
         if own_group:
             _wait_for_group(proc.pid, drain_s)
@@ -107,7 +76,56 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return explain(rc, run_dir, ckpt_root or run_dir / "checkpoints", interrupted=bool(interrupts), console=console)
+    return explain(rc, run_dir, ckpt_root or run_dir / "checkpoints", interrupted=bool(forwarder.interrupts),
+                   console=console)
+
+
+class _Forwarder:
+    """supervise's signal handler: where each stop signal goes (see supervise), and the
+    Ctrl-Cs taken so far."""
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+
+    def __init__(self, run_dir: Path, own_group: bool):
+        self.run_dir, self.own_group = run_dir, own_group
+        self.proc: subprocess.Popen | None = None
+        self.early: list[int] = []  # signals that came before torchrun was started: handed on once it is
+        self.interrupts: list[float] = []
+        self.handed: set[int] = set()  # the ranks that have the Ctrl-C
+
+    def started(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        for sig in self.early:
+            self.send(sig, None)
+
+    def hand_over(self) -> None:
+        """The Ctrl-C to each rank as soon as it takes signals (one still starting, or
+        started later by a restart), until torchrun ends: a thread, from the first Ctrl-C."""
+        while self.proc.poll() is None:
+            for pid in children(self.proc.pid):
+                if pid not in self.handed and listening(pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGINT)
+                    self.handed.add(pid)
+            time.sleep(0.2)
+
+    def send(self, sig, _frame) -> None:
+        proc = self.proc
+        if proc is None:
+            self.early.append(sig)
+            return
+        if sig == signal.SIGINT:
+            self.interrupts.append(time.monotonic())
+            print(stop_line(self.run_dir) if len(self.interrupts) == 1 else "Ctrl-C again: stopping now",
+                  file=sys.stderr, flush=True)
+        if sig == signal.SIGINT and len(self.interrupts) > 1:
+            stop_now(proc, self.own_group)
+        elif self.own_group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+        elif sig == signal.SIGINT:  # never to torchrun: it would stop the ranks with tracebacks
+            threading.Thread(target=self.hand_over, name="hand-over-ctrl-c", daemon=True).start()
+        else:
+            proc.send_signal(sig)  # torchrun passes it on
 
 
 def stop_now(proc: subprocess.Popen, own_group: bool) -> None:
@@ -138,7 +156,7 @@ def listening(pid: int) -> bool:
     except OSError:
         return False
     caught = int(status.split("SigCgt:", 1)[1].split()[0], 16) if "SigCgt:" in status else 0
-    rank = (b"launcher.rank" in cmdline or b"launcher.train" in cmdline) and b"torch.distributed.run" not in cmdline  # torchrun names the module too
+    rank = b"launcher.rank" in cmdline and b"torch.distributed.run" not in cmdline  # torchrun names the module too
     return rank and bool(caught >> (signal.SIGUSR1 - 1) & 1)
 
 
@@ -224,8 +242,6 @@ def relaunch(ckpt_root: Path, first: str | None = None) -> str:
     untouched. Launch ... to resume from it.', or, with none, that it starts the run over
     (nothing to resume); `first`: what to do before. From directory entries and manifests
     only, nothing that needs free space or reads weights."""
-    from launcher.manifest import whole
-
     done = whole(ckpt_root)
     then = f"{first}, then launch" if first else "Launch"
     if done:
@@ -242,8 +258,6 @@ it imports torch)."""
 def stop_line(run_dir: Path) -> str:
     """The first Ctrl-C's line: how soon the ranks finish their step, from the last step
     time rank 0 logged (a step of minutes is not 'about a second'); none before any."""
-    from launcher.data.progress import duration
-
     step = last_step_s(run_dir)
     when = "" if step is None else " (within about a second)" if step + AGREE_S < 1.5 else \
         f" (within about {duration(step + AGREE_S)}: the last step took {duration(step)})"
@@ -304,13 +318,10 @@ def _wait_for_group(pgid: int, timeout_s: float) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m launcher.launch.supervise RUN_DIR COMMAND...`: RUN_DIR/command.sh's last
+    """`python -m launcher.launch.start.supervise RUN_DIR COMMAND...`: RUN_DIR/command.sh's last
     line. The run's command supervised as `launcher train` supervises it (a Ctrl-C: the
     ranks save, one line, exit 130; the other endings explained alike). Reads config.yaml
     for the checkpoint folder and the runner; imports no torch."""
-    from launcher import config as C
-    from launcher.manifest import root_of
-
     run_dir = Path(argv[0]).resolve()
     cfg = C.load_frozen(run_dir)
     return supervise(argv[1:], dict(os.environ), run_dir, own_group=cfg.cluster.runner == C.Runner.deepspeed,

@@ -10,15 +10,15 @@ import sys
 from launcher import config as C
 from launcher.exits import EXIT_INTERRUPTED
 from launcher.launch.compose import compose_config
-from launcher.launch.supervise import interrupts_held
+from launcher.launch.start.supervise import interrupts_held
 
 
 def cmd_data(overrides: list[str]) -> int:
     """Compose (data=hf_text unless the overrides name it), validate the data's own fields,
     files and tokenizer (no model: the prepared data serves any model its vocabulary fits),
     prepare, say where."""
-    from launcher.data.cache import describe, prepare
-    from launcher.data.prepare import validate_chat, validate_hf_text
+    from launcher.data.cache import describe, prepare  # numpy: ~1 s of start-up (measured)
+    from launcher.data.prepare import validate_chat, validate_hf_text  # as above
 
     with interrupts_held():
         named = any(o.split("=", 1)[0].lstrip("+~") == "data" for o in overrides)
