@@ -4,7 +4,7 @@ device: the swap keeps each weight Parameter and its name, so init, checkpoints 
 export see the model they always see). Not the head (the logits' precision matters most
 and torchtitan leaves it out too), nor a layer whose dimensions are not multiples of 16
 (float8 matmuls need them). The launch side checked the machine, the recipe and torchao
-(launcher/launch/levers.py)."""
+(launcher/launch/checks/levers.py)."""
 
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ class GPT(nn.Module):
         return loss if aux is None else loss + aux.to(loss.device)
 
     def run_blocks(self, layers, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """(index, block) pairs in order: a pipeline stage's middle (launcher/parallel/plan.py's Stage)."""
+        """(index, block) pairs in order: a pipeline stage's middle (launcher/parallel/cuts.py's Stage)."""
         mask = None if positions is None else DocumentMask(positions)
         return run_layers(layers, h, rotary_at(self.rope, positions), self.checkpointed, self.op_level,
                           self.offload(h), mask)

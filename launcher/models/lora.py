@@ -12,7 +12,7 @@ drawn from train.seed like any parameter (launcher/models/init.py).
 
 Names: a parameter `<module>.lora_A.weight` here is PEFT's `base_model.model.<module>.
 lora_A.weight` in adapter_model.safetensors (peft_state), so `PeftModel.from_pretrained`
-loads an export over the untouched base (launcher/launch/export.py).
+loads an export over the untouched base (launcher/launch/commands/export.py).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def pipeline(cfg: Config) -> tuple[int, int, str, list[int] | None]:
 
 def stage_ranks(cfg: Config, layout: Layout) -> list[list[tuple[int, int, bool, bool]]]:
     """For each pipeline rank, its stages as (first layer, end layer, has embedding,
-    has head) -- launcher.parallel.plan.stage_bounds, as the pp recipe cuts them."""
+    has head) -- launcher.parallel.cuts.stage_bounds, as the pp recipe cuts them."""
     from launcher.parallel.cuts import stage_bounds
 
     _, virtual, _, split = pipeline(cfg)
@@ -358,7 +358,7 @@ def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode
     (activations count it: Numerics.gathered_head) but not the embedding's."""
     n = numerics(precision, layout)
     x = M.Shape.of(m, b, s)
-    # Tensor parallel gathers the head's output (launcher/parallel/plan.py: ColwiseParallel to
+    # Tensor parallel gathers the head's output (launcher/parallel/cuts.py: ColwiseParallel to
     # Replicate): every rank holds the whole vocabulary's logits, not a 1/tp slice.
     logits = M.loss_temporaries(x, n, loss_chunks)
     recompute = (M.block_activations(x, n, layout.tp, layout.cp, sp) + moe.recompute_delta(m, x, n, layout.ep)

@@ -186,7 +186,7 @@ def _linear_inputs(x: Shape, n: Numerics, consumers: int) -> int:
 def block_activations(x: Shape, n: Numerics, tp: int = 1, cp: int = 1, sp: bool = False) -> int:
     """Bytes one block saves for backward (no recomputation). tp splits heads and SwiGLU
     width (norms, residual replicated); sp (parallel.sequence_parallel) splits the norms'
-    sequence over tp too (Korthikanti et al. 2022, section 4.2.2; launcher/parallel/plan.py),
+    sequence over tp too (Korthikanti et al. 2022, section 4.2.2; launcher/parallel/cuts.py),
     while the projections save the gathered, whole sequence (PrepareModuleInput to
     Replicate: Megatron's saving of the sharded input is not made); cp: x.s is this rank's
     positions (context.py)."""
