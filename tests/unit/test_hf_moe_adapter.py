@@ -18,6 +18,7 @@ from launcher.config import ConfigError
 from launcher.launch import cli
 from launcher.models import hf_adapter
 from launcher.models.hf_sources import flat_boxes
+from parts import check_parts_read_alone
 
 CPU = torch.device("cpu")
 
@@ -90,22 +91,7 @@ def test_each_part_read_alone_is_that_part_of_the_whole(saved):
     parameter, read alone, equal that part of the parameter read whole."""
     cfg = compose(*mixtral_args(saved[0]))
     whole = dict(models.build(cfg, CPU).named_parameters())
-    read = hf_adapter.reader(cfg.model)
-    g = torch.Generator().manual_seed(0)
-    for name, full in whole.items():
-        shape = tuple(full.shape)
-        for _ in range(3):
-            box = []
-            for n in shape:
-                a, b = sorted(torch.randint(0, n + 1, (2,), generator=g).tolist())
-                box.append((a, max(b, a + 1) if a < n else b))
-            out = torch.full([b - a for a, b in box], float("nan"))
-            read(name, out, shape, tuple(box), None)
-            assert torch.equal(out, full[tuple(slice(a, b) for a, b in box)].detach()), (name, box)
-            start, stop = sorted(torch.randint(0, math.prod(shape) + 1, (2,), generator=g).tolist())
-            flat = torch.full((stop - start,), float("nan"))
-            read(name, flat, shape, None, (start, stop))
-            assert torch.equal(flat, full.detach().reshape(-1)[start:stop]), (name, start, stop)
+    check_parts_read_alone(hf_adapter.reader(cfg.model), whole, tries=3)
 
 
 @pytest.mark.parametrize("shape", [(), (7,), (3, 5), (4, 3, 5), (2, 3, 2, 3)])

@@ -7,7 +7,6 @@ tests/unit/test_hf_moe_adapter.py."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import pytest
@@ -19,6 +18,7 @@ from launcher.config import ConfigError, num_params
 from launcher.launch import cli
 from launcher.models import hf_adapter
 from launcher.models.moe import routers
+from parts import check_parts_read_alone
 
 CPU = torch.device("cpu")
 KINDS = ("qwen3_moe", "qwen2_moe")
@@ -84,21 +84,7 @@ def test_each_part_read_alone_is_that_part_of_the_whole(saved, kind):
     cfg = compose(*qwen_args(saved[kind][0], kind))
     whole = dict(models.build(cfg, CPU).named_parameters())
     assert any(n.endswith("q_norm.weight") or n.endswith("wq.bias") for n in whole)
-    read, g = hf_adapter.reader(cfg.model), torch.Generator().manual_seed(0)
-    for name, full in whole.items():
-        shape = tuple(full.shape)
-        for _ in range(2):
-            box = []
-            for n in shape:
-                a, b = sorted(torch.randint(0, n + 1, (2,), generator=g).tolist())
-                box.append((a, max(b, a + 1) if a < n else b))
-            out = torch.full([b - a for a, b in box], float("nan"))
-            read(name, out, shape, tuple(box), None)
-            assert torch.equal(out, full[tuple(slice(a, b) for a, b in box)].detach()), (name, box)
-            start, stop = sorted(torch.randint(0, math.prod(shape) + 1, (2,), generator=g).tolist())
-            flat = torch.full((stop - start,), float("nan"))
-            read(name, flat, shape, None, (start, stop))
-            assert torch.equal(flat, full.detach().reshape(-1)[start:stop]), (name, start, stop)
+    check_parts_read_alone(hf_adapter.reader(cfg.model), whole, tries=2)
 
 
 @pytest.mark.parametrize("kind", KINDS)
