@@ -17,6 +17,11 @@ import dataclasses
 
 from recipes.fsdp import fsdp_holds
 
-SPEC = RecipeSpec(Parallelism(shards=True, tp=True, pp=True, required=("pp",)), engine="recipes.pp.engine",
-                  builds_on_meta=True, writes="dcp", reads=("ddp", "dcp"),
-                  holds=lambda recipe: dataclasses.replace(fsdp_holds(recipe), grads_freed=False))  # kept over micro-batches
+SPEC = RecipeSpec(
+    Parallelism(shards=True, tp=True, pp=True, required=("pp",)),
+    engine="recipes.pp.engine",
+    builds_on_meta=True,
+    writes="dcp",
+    reads=("ddp", "dcp"),
+    holds=lambda recipe: dataclasses.replace(fsdp_holds(recipe), grads_freed=False),
+)  # kept over micro-batches

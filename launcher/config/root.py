@@ -15,8 +15,15 @@ from omegaconf import OmegaConf
 from launcher.config.recipe import ParallelConfig, RecipeConfig
 from launcher.config.model import DataConfig, ModelConfig
 from launcher.config.train import DistConfig, OptimConfig, PrecisionConfig, TrainConfig
-from launcher.config.run import (CheckpointConfig, ClusterConfig, DebugConfig, ExportConfig, LoggerConfig, PlanConfig,
-                                 ProfileConfig)
+from launcher.config.run import (
+    CheckpointConfig,
+    ClusterConfig,
+    DebugConfig,
+    ExportConfig,
+    LoggerConfig,
+    PlanConfig,
+    ProfileConfig,
+)
 
 
 @dataclass
@@ -105,8 +112,9 @@ def to_yaml(cfg: Config) -> str:
     (a user's escaped `\\${...}`, a path that holds one) is escaped, so no reader of the file
     (the ranks, export, a relaunch) resolves it against its own environment. The project's
     own interpolations (hydra.run.dir's ${now:}) were resolved on the launch side before."""
-    return OmegaConf.to_yaml(OmegaConf.create(_escaped(OmegaConf.to_container(OmegaConf.structured(cfg),
-                                                                              enum_to_str=True))))
+    return OmegaConf.to_yaml(
+        OmegaConf.create(_escaped(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)))
+    )
 
 
 _INTERPOLATION = re.compile(r"(\\*)\$\{")

@@ -37,4 +37,6 @@ def trainable_tensors(m: ModelConfig) -> tuple[tuple[tuple[int, ...], bool], ...
 @functools.lru_cache(maxsize=32)
 def _trainable(key: tuple) -> tuple[tuple[tuple[int, ...], bool], ...]:
     model = M._meta_gpt(from_shape_key(key))
-    return tuple((tuple(p.shape), name.startswith(("tok_embeddings.", "output."))) for name, p in model.named_parameters())
+    return tuple(
+        (tuple(p.shape), name.startswith(("tok_embeddings.", "output."))) for name, p in model.named_parameters()
+    )

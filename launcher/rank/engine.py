@@ -209,8 +209,10 @@ def check(cls: type) -> list[str]:
         if isinstance(declared, property) != isinstance(actual, property):
             problems.append(f"{cls.__name__}.{name}: a property in the contract, not here, or the reverse")
         elif not isinstance(declared, property) and _parameters(actual) != _parameters(declared):
-            problems.append(f"{cls.__name__}.{name}{inspect.signature(actual)}: the contract says "
-                            f"{name}{inspect.signature(declared)}")
+            problems.append(
+                f"{cls.__name__}.{name}{inspect.signature(actual)}: the contract says "
+                f"{name}{inspect.signature(declared)}"
+            )
     return problems
 
 
@@ -230,7 +232,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         # A ZeRO-3 partitioned parameter's tensor is a flat placeholder: its shape is ds_shape.
         (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]  # model.lora's adapters are all matrices: no empty group (DCP trips on one)
+    return [
+        g for g in groups if g["params"]
+    ]  # model.lora's adapters are all matrices: no empty group (DCP trips on one)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -266,8 +270,13 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def evaluate(model: nn.Module, micro_batches: list[Batch], device: torch.device, dtype: torch.dtype | None,
-             loss_owner: bool = True) -> StepResult:
+def evaluate(
+    model: nn.Module,
+    micro_batches: list[Batch],
+    device: torch.device,
+    dtype: torch.dtype | None,
+    loss_owner: bool = True,
+) -> StepResult:
     """train.eval_every: the mean loss over `micro_batches`, forward only (no gradients, the
     model in eval mode), in the training's autocast; an engine's eval_step for a model that
     takes (inputs, targets[, positions]) and returns the loss. Sharded and replicated models alike:
@@ -298,8 +307,11 @@ def owners_sum(loss: torch.Tensor, owner: bool, device: torch.device) -> torch.T
 def parameter_leaves(root: nn.Module) -> list[nn.Module]:
     """The modules under `root` with no children that hold parameters of their own: the
     linears, embeddings and norms, where a forward's FLOPs are."""
-    return [m for m in root.modules()
-            if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is not None]
+    return [
+        m
+        for m in root.modules()
+        if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is not None
+    ]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -336,8 +348,10 @@ def load_trained(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     if unexpected or set(missing) - frozen:
-        raise RuntimeError(f"checkpoint does not match the model: missing {sorted(set(missing) - frozen)[:3]}, "
-                           f"unexpected {sorted(unexpected)[:3]}")
+        raise RuntimeError(
+            f"checkpoint does not match the model: missing {sorted(set(missing) - frozen)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}"
+        )
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

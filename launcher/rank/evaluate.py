@@ -80,7 +80,7 @@ def held_out_loss(job, batches: list) -> StepResult:
     """The engine's forward-only loss over the held-out micro-batches, a step's worth
     (grad_accum micro-batches: a pipeline's schedule splits that whole) at a time."""
     g = job.grad_accum
-    parts = [(job.engine.eval_step(batches[i:i + g]), len(batches[i:i + g])) for i in range(0, len(batches), g)]
+    parts = [(job.engine.eval_step(batches[i : i + g]), len(batches[i : i + g])) for i in range(0, len(batches), g)]
     loss = sum(r.loss * n for r, n in parts) / len(batches)
     return StepResult(loss=loss, grad_norm=parts[0][0].grad_norm, loss_owner=parts[0][0].loss_owner)
 

@@ -154,8 +154,17 @@ class Preemption:
     def write_marker(self, run_dir: Path, step: int | None, checkpoint: Path | None) -> None:
         """preempted.json; no step (and no checkpoint) when the stop came before the first step."""
         name = signal.Signals(self.signal).name if self.signal else "unknown"
-        (run_dir / MARKER).write_text(json.dumps({"step": step, "signal": name, "time": time.time(),
-                                                  "checkpoint": str(checkpoint) if checkpoint else None}) + "\n")
+        (run_dir / MARKER).write_text(
+            json.dumps(
+                {
+                    "step": step,
+                    "signal": name,
+                    "time": time.time(),
+                    "checkpoint": str(checkpoint) if checkpoint else None,
+                }
+            )
+            + "\n"
+        )
 
 
 def next_check_in(step_us: int) -> int:

@@ -37,8 +37,11 @@ def test_crafted_dcp_metadata_runs_code_in_torch_and_not_here(tmp_path):
     with pytest.raises(dcp.CheckpointRefused, match="posix.system"):
         dcp.read_metadata(folder)
     with pytest.raises(BaseException) as refused:  # DCP wraps it in a CheckpointException (a BaseException)
-        dcp_api.load({"model": {"w": torch.empty(4, 3), "b": torch.empty(3, dtype=torch.bfloat16)}},
-                     storage_reader=dcp.SafeReader(folder), no_dist=True)
+        dcp_api.load(
+            {"model": {"w": torch.empty(4, 3), "b": torch.empty(3, dtype=torch.bfloat16)}},
+            storage_reader=dcp.SafeReader(folder),
+            no_dist=True,
+        )
     assert "must never run code" in str(getattr(refused.value, "failures", refused.value))
     problem = untrusted.check_checkpoint(folder)
     assert "posix.system" in problem and "\n" not in problem and not marker.exists()
