@@ -57,7 +57,7 @@ def git_state(with_diff: bool = True) -> tuple[dict, str]:
         status = _git("status", "--porcelain", "--untracked-files=normal").splitlines()
         diff = _git("diff", "HEAD", "--no-ext-diff") if status and with_diff else ""  # binary files: named only
     except (OSError, subprocess.SubprocessError) as e:
-        why = e.stderr.strip().splitlines()[-1] if getattr(e, "stderr", None) else str(e)
+        why = stderr.strip().splitlines()[-1] if (stderr := getattr(e, "stderr", None)) else str(e)
         return {"error": f"no git state of {PROJECT}: {why}"}, ""
     untracked = [line[3:] for line in status if line.startswith("??")]
     state = {"commit": commit, "branch": branch, "dirty": bool(status), "untracked": untracked[:MAX_LISTED]}

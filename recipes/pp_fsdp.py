@@ -12,9 +12,9 @@ compute dtype and their gradients in fp32 unsharded until the step's reduce-scat
 planner's pipeline-FSDP term (launcher/planner/footprint.py).
 """
 
-from recipes import Parallelism, RecipeSpec
 import dataclasses
 
+from recipes import Parallelism, RecipeSpec
 from recipes.fsdp import fsdp_holds
 
 SPEC = RecipeSpec(

@@ -20,8 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from launcher.exits import exit_now
 from launcher.device import backend_for, local_device, memory_stats, synchronize
+from launcher.exits import exit_now
 
 
 def parser() -> argparse.ArgumentParser:

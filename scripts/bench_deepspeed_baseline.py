@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from baseline_common import batch, finish, model_config, param_groups, parser, report, start_process_group, timed_loop
+
 from launcher.host import deepspeed_env
 from launcher.models.gpt import GPT
 

@@ -136,8 +136,8 @@ def main() -> int:
     if args.probe:
         probe(args.probe, rest)
         return 0
-    from launcher.launch import cli
     from launcher import models
+    from launcher.launch import cli
 
     trees = {"after": REPO}
     if args.before:

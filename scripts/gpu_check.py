@@ -34,7 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
-from gpu_cases import HF_MODELS, Case, cases as all_cases, standin  # noqa: E402
+from gpu_cases import HF_MODELS, Case, standin  # noqa: E402
+from gpu_cases import cases as all_cases  # noqa: E402
 from gpu_report import Report  # noqa: E402
 
 TIMES = REPO / "bench" / "gpu_times.json"
@@ -368,12 +369,15 @@ def main(argv: list[str] | None = None) -> int:
     f = facts()
     where = f"{f['count']} x {f['gpu']}"
     kept, dropped = fit(todo, times, args.budget_s - install_s - spent_before)
-    entry = lambda c: {
-        "name": c.name,
-        "part": c.part,
-        "seconds": estimate(times, c.name)[0],  # noqa: E731
-        "source": estimate(times, c.name)[1],
-    }
+
+    def entry(c):
+        return {
+            "name": c.name,
+            "part": c.part,
+            "seconds": estimate(times, c.name)[0],
+            "source": estimate(times, c.name)[1],
+        }
+
     report.start(
         f,
         {

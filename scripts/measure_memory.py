@@ -34,16 +34,16 @@ from pathlib import Path
 import torch.distributed as dist
 
 import recipes
-from launcher.parallel import ds_config
 from launcher import models
-from launcher.planner import plan as planner
-from launcher.launch.compose import CONF_DIR, compose_config, group_configs, recipe_configs
 from launcher.config import ACMode, ConfigError
-from launcher.launch.checks.validate import validate
 from launcher.data.read import build_dataset
+from launcher.device import local_device
 from launcher.exits import exit_now
 from launcher.host import HostInfo, deepspeed_env
-from launcher.device import local_device
+from launcher.launch.checks.validate import validate
+from launcher.launch.compose import CONF_DIR, compose_config, group_configs, recipe_configs
+from launcher.parallel import ds_config
+from launcher.planner import plan as planner
 from launcher.planner.memory import ActivationCounter
 from launcher.rank.entry import build_engine
 

@@ -78,9 +78,9 @@ def layouts() -> list[tuple[str, int, list[str]]]:
 
 def rehearse_one(model: str, nodes: int, overrides: list[str]) -> dict:
     """One layout, in a process of its own (each rank joins a fake group of the layout's world)."""
-    from launcher.launch.compose import compose_config
-    from launcher.launch.commands.plan import validate_for_cluster
     from launcher.host import HostInfo
+    from launcher.launch.commands.plan import validate_for_cluster
+    from launcher.launch.compose import compose_config
     from launcher.planner import rehearse as R
 
     cfg, _, _ = compose_config([f"model={model}", f"cluster.nnodes={nodes}", *COMMON, *overrides])

@@ -22,8 +22,9 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 # Published as source only: built here into pure-Python wheels (py3-none-any).

@@ -72,7 +72,8 @@ def states_rows() -> list[str]:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    from launcher.planner import plan as planner, zero as Z
+    from launcher.planner import plan as planner
+    from launcher.planner import zero as Z
     from launcher.planner.footprint import model_states
     from launcher.planner.memory import ParamCounts
 
@@ -109,8 +110,8 @@ def activation_rows() -> list[str]:
     dropout, no recomputation), against the planner's block for this shape under DeepSpeed
     bf16 (micro-batch 1)."""
     from launcher.planner import memory as M
-    from launcher.planner.footprint import numerics
     from launcher.planner import plan as planner
+    from launcher.planner.footprint import numerics
 
     cfg = compose("zero3")
     x = M.Shape.of(cfg.model, 1, SEQ)

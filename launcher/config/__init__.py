@@ -22,6 +22,26 @@ nothing else of the project.
 
 from __future__ import annotations
 
+from launcher.config.derived import (
+    attention_params,
+    block_matmul_params,
+    expert_dim,
+    ffn_dim,
+    ffn_params,
+    from_shape_key,
+    head_dim,
+    held_out_windows,
+    is_moe_block,
+    loss_chunks,
+    lr_factor,
+    matmul_params,
+    nproc_per_node,
+    num_params,
+    pipeline_stages,
+    shape_key,
+    shared_dim,
+    sliceable_loss,
+)
 from launcher.config.enums import (
     ACMode,
     Backend,
@@ -46,10 +66,21 @@ from launcher.config.enums import (
     TrainOn,
     WandbMode,
 )
-from launcher.config.recipe import DDPOptions, FSDPOptions, ParallelConfig, RecipeConfig, ZeroOptions
-from launcher.config.model import DataConfig, LoraConfig, ModelConfig, SOURCE_KEYS
+from launcher.config.model import SOURCE_KEYS, DataConfig, LoraConfig, ModelConfig
 from launcher.config.moe import MoEBalance, MoEConfig, MoEScore
-from launcher.config.train import DistConfig, OptimConfig, PrecisionConfig, TrainConfig
+from launcher.config.recipe import DDPOptions, FSDPOptions, ParallelConfig, RecipeConfig, ZeroOptions
+from launcher.config.root import (
+    GROUPS,
+    RETIRED,
+    Config,
+    load_frozen,
+    read_frozen,
+    register_configs,
+    to_dict,
+    to_typed,
+    to_yaml,
+    write_frozen,
+)
 from launcher.config.run import (
     CheckpointConfig,
     ClusterConfig,
@@ -60,38 +91,7 @@ from launcher.config.run import (
     PlanConfig,
     ProfileConfig,
 )
-from launcher.config.root import (
-    Config,
-    GROUPS,
-    RETIRED,
-    load_frozen,
-    read_frozen,
-    register_configs,
-    to_dict,
-    to_typed,
-    to_yaml,
-    write_frozen,
-)
-from launcher.config.derived import (
-    attention_params,
-    block_matmul_params,
-    expert_dim,
-    ffn_dim,
-    ffn_params,
-    from_shape_key,
-    head_dim,
-    is_moe_block,
-    shared_dim,
-    held_out_windows,
-    loss_chunks,
-    lr_factor,
-    matmul_params,
-    nproc_per_node,
-    num_params,
-    pipeline_stages,
-    shape_key,
-    sliceable_loss,
-)
+from launcher.config.train import DistConfig, OptimConfig, PrecisionConfig, TrainConfig
 
 __all__ = [
     "ACMode",

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.config import Config, ConfigError, DataConfig, DataKind
+from launcher.config import Config, ConfigError, DataConfig, DataKind, TextFormat
 from launcher.data import chat_units, shards, units
 from launcher.data.chat import settings as chat_settings
 from launcher.data.inputs import file_format, load_tokenizer, resolve_files, token_dtype
@@ -126,7 +126,7 @@ def locked(path: Path, waiting=None):
 def _sha256(path: Path) -> str:
     try:
         with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()  # hashlib lets go of the GIL: threads hash in parallel
+            return shards.file_sha256(f)  # hashlib lets go of the GIL: threads hash in parallel
     except OSError as err:
         raise ConfigError("data.files", str(path), f"cannot be read ({err.strerror or err})") from err
 
@@ -235,7 +235,7 @@ class _Inputs:
     hashed), the tokenizer, data=chat's settings."""
 
     files: list[Path]
-    fmt: object
+    fmt: TextFormat
     stats: list[os.stat_result]
     sums: list[str]
     tok: object

@@ -251,12 +251,12 @@ def prefix_mask(tok, template: Template, messages: list[dict], turns: list[int])
         return ids, counts
     encoded = encode(tok, rendered)
     ids, counts = encoded[-1], np.zeros(len(encoded[-1]), dtype=bool)
-    chain = [x for pair in zip(encoded[:n], encoded[n : 2 * n]) for x in pair] + [ids]
-    for k in range(len(chain) - 1):
-        if chain[k + 1][: len(chain[k])] != chain[k]:
+    id_chain = [x for pair in zip(encoded[:n], encoded[n : 2 * n]) for x in pair] + [ids]
+    for k in range(len(id_chain) - 1):
+        if id_chain[k + 1][: len(id_chain[k])] != id_chain[k]:
             raise not_prefix(template, turns[k // 2] + (k % 2))
-    for start, end in zip(encoded[:n], encoded[n : 2 * n]):
-        counts[len(start) : len(end)] = True
+    for first, last in zip(encoded[:n], encoded[n : 2 * n]):
+        counts[len(first) : len(last)] = True
     return ids, counts
 
 

@@ -79,7 +79,8 @@ def tokenize_chat_unit(job: dict, report) -> dict:
     from launcher.data.inputs import load_tokenizer
 
     unit, folder, fmt = job["unit"], Path(job["dir"]), TextFormat(job["format"])
-    tok, dtype = load_tokenizer(job["tokenizer"]).tok, np.dtype(job["dtype"])
+    tok = load_tokenizer(job["tokenizer"]).tok  # type: ignore[union-attr]  # data=chat: data.tokenizer=byte is refused
+    dtype = np.dtype(job["dtype"])
     template, train_on, field = (
         Template(job["template"], tuple(job["template_key"])),
         TrainOn(job["train_on"]),
@@ -118,8 +119,8 @@ def tokenize_chat_unit(job: dict, report) -> dict:
         for k in ("mask", "lengths", "file"):  # the shard last: a shard with its files beside it
             os.replace(tmp[k], folder / names[k])
     else:  # a unit without a row writes no shard
-        for f in tmp.values():
-            f.unlink()
+        for path in tmp.values():
+            path.unlink()
     record = {
         "unit": unit,
         "file": names["file"] if tokens else None,

@@ -32,10 +32,10 @@ from launcher.config import (
     held_out_windows,
 )
 from launcher.data.cache import INDEX, cache_root, describe, prepare
-from launcher.data.sources import indexed
-from launcher.host import usable_cores
 from launcher.data.inputs import fields_of, file_format, load_tokenizer, patterns, resolve_files
+from launcher.data.sources import indexed
 from launcher.data.units import write_json_atomic
+from launcher.host import usable_cores
 from launcher.models import model_vocab_size
 
 POINTER = "hf_text.json"
@@ -114,7 +114,7 @@ def validate_chat(cfg: Config, against_model: bool = True) -> None:
             "whose chat template renders the conversations (or data.chat_template=<file.jinja>)",
         )
     tok = load_tokenizer(d.tokenizer)
-    load_template(d, tok.tok)
+    load_template(d, tok.tok)  # type: ignore[union-attr]  # data.tokenizer=byte was refused above
     if against_model:
         check_vocabulary(cfg, tok)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 PLAIN_EVERY = 5.0
 """Seconds between two plain progress lines (stdout not a terminal)."""
@@ -35,7 +36,8 @@ class Meter:
         self.out = out or sys.stdout
         self.bytes = self.docs = self.tokens = 0
         self.t0 = self.last = time.monotonic()
-        self.bar = self.task = None
+        self.bar: Any = None
+        self.task: Any = None
 
     def __enter__(self) -> "Meter":
         from rich.console import Console

@@ -122,7 +122,7 @@ def indexed(key: str, path: str, index: Path) -> Stream:
         raise ConfigError(key, path, f"{index} has no {err} (not an index make data wrote)")
     except (ValueError, TypeError, AttributeError) as err:  # not JSON, a wrong type, an unknown dtype
         raise ConfigError(key, path, f"{index}: {err}")
-    from launcher.data.shards import bad_name, NotItsOwn
+    from launcher.data.shards import NotItsOwn, bad_name
 
     wrong = next((w for w in (bad_name(index.parent, s) for s in meta["shards"]) if w), None)
     if wrong:  # /etc/passwd, ../other/shard_000000.bin: never read

@@ -12,7 +12,6 @@ from hydra.errors import HydraException
 
 from launcher.launch.compose import UsageError
 
-
 COMMANDS = ("train", "export", "plan", "submit", "rehearse", "data")
 
 
@@ -102,10 +101,10 @@ def parse_args(argv: list[str]) -> Args:
         getattr(parsed, "as_json", False),
         getattr(parsed, "ranks", None),
     )
-    parser = OverridesParser.create()
+    overrides_parser = OverridesParser.create()
     for o in args.overrides if command in ("train", "submit", "data") else []:
         try:
-            parser.parse_overrides([o])
+            overrides_parser.parse_overrides([o])
         except HydraException as e:
             raise UsageError(f"{o}: cannot parse ({str(e).splitlines()[0]}); overrides look like key=value")
     return args

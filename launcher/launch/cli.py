@@ -20,10 +20,11 @@ from pathlib import Path
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from launcher import config as C, offline, ops, provenance, runlock
+from launcher import config as C
+from launcher import offline, ops, provenance, runlock
 from launcher.exits import EXIT_INTERRUPTED, OOM_MARKER
 from launcher.host import HostInfo
-from launcher.launch.args import parse_args, USAGE
+from launcher.launch.args import USAGE, parse_args
 from launcher.launch.checks import asked, fit, plaintext
 from launcher.launch.checks.levers import check_trainable
 from launcher.launch.checks.validate import validate
@@ -31,7 +32,7 @@ from launcher.launch.commands import sweep
 from launcher.launch.commands.data import cmd_data
 from launcher.launch.commands.export import cmd_export
 from launcher.launch.commands.plan import check_cpu_fit, cmd_plan, cmd_rehearse, planned_host, resolve_auto
-from launcher.launch.compose import compose_config, describe, expand_sweep, UsageError
+from launcher.launch.compose import UsageError, compose_config, describe, expand_sweep
 from launcher.launch.rundir import identity
 from launcher.launch.rundir.prepare import (
     check_checkpoint_space,
@@ -47,8 +48,8 @@ from launcher.launch.rundir.prepare import (
     write_run_dir,
     zero_config,
 )
-from launcher.launch.start.argv import command_script, launch_argv, launch_env, LaunchPlan, sbatch_script, SLURM_STEPS
-from launcher.launch.start.rendezvous import check_master_addr, NodeRendezvous, RendezvousFailed
+from launcher.launch.start.argv import SLURM_STEPS, LaunchPlan, command_script, launch_argv, launch_env, sbatch_script
+from launcher.launch.start.rendezvous import NodeRendezvous, RendezvousFailed, check_master_addr
 from launcher.launch.start.supervise import interrupts_held, supervise
 from launcher.launch.submit import k8s, slurm
 from launcher.manifest import lock_folders, root_of
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def compose_jobs(
     command: str, overrides: list[str], multirun: bool, dry_run: bool = False
-) -> tuple[list[tuple[C.Config, Path, HostInfo, str | None]], list[str]]:
+) -> tuple[list[tuple[C.Config, Path, HostInfo, str | None, dict | None]], list[str]]:
     """`train` and `submit` alike: compose and validate every point of a sweep first (bad
     input starts nothing and writes nothing); each point gets its own run directory. Returns
     the jobs and the warnings, which the command prints once nothing can refuse the launch

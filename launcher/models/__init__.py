@@ -9,7 +9,6 @@ and torch only by the functions that build or change a model: the launch side re
 project's decoder's shape (`model_shape`, `model_vocab_size`) without either.
 """
 
-from launcher.models.layout import Layout
 from launcher.models.dispatch import (
     after_step,
     build,
@@ -29,6 +28,7 @@ from launcher.models.dispatch import (
     set_activation_checkpointing,
     skeleton,
 )
+from launcher.models.layout import Layout
 
 __all__ = [
     "Layout",

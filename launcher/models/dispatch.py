@@ -88,7 +88,8 @@ def materialize(model: nn.Module, cfg: Config, device: torch.device, storage: to
     model.pretrained (launcher/models/init.py). No collective."""
     from launcher.models import init
 
-    specs, fresh = init_specs(cfg), frozenset()
+    specs = init_specs(cfg)
+    fresh: dict = {}  # the LoRA adapters' specs
     if cfg.model.lora.rank > 0:  # the adapters are drawn, whatever the base is read from
         from launcher.models import lora
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-
 import math
 import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +22,8 @@ from torch.utils.checkpoint import checkpoint
 
 from launcher.config import ACMode, ModelConfig, head_dim, is_moe_block, matmul_params
 from launcher.models.attention import Attention, DocumentMask, rotary_at, rotary_table
-from launcher.models.layers import FeedForward, RMSNorm
 from launcher.models.init import InitSpec, init_skipped
+from launcher.models.layers import FeedForward, RMSNorm
 
 
 class Block(nn.Module):
@@ -62,7 +62,7 @@ class GPT(nn.Module):
         self.op_level = False  # activation_checkpointing=op: they keep their matmuls' outputs
         self.loss_chunks = 1  # train.loss_chunks (models.prepare): the loss over this many slices of the sequence
         self.offload_activations = False  # train.activation_offload (models.prepare)
-        self._offload = None  # its ActivationOffload, made at the first forward (on the device)
+        self._offload: Any = None  # its ActivationOffload, made at the first forward (on the device)
         # A GPT built on its own (tests, the hand-written bench loops) draws its weights from
         # torch's global RNG, as any nn.Module. The launcher builds it under skip_torch_init
         # on the meta device instead, and each rank fills only its part with values that do

@@ -30,14 +30,15 @@ import copy
 import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from launcher import offline
 from launcher.config import ACMode, Config, ConfigError, HFAttention, ModelConfig, ModelKind
-from launcher.models.layout import Layout
 from launcher.models.gpt import lm_loss
+from launcher.models.layout import Layout
 from launcher.remote_code import remote_code
 
 PP_PARTS = ("embed_tokens", "layers", "norm")  # base_model_pp_plan keys a pipeline can cut
@@ -143,7 +144,6 @@ def build(m: ModelConfig, device: torch.device) -> "HFCausalLM":
     draws or reads the weights, each rank only its part), in fp32, in training mode."""
     offline()
     from transformers import AutoModelForCausalLM
-
     from transformers.initialization import no_init_weights
 
     from launcher.models.init import init_skipped
@@ -324,7 +324,8 @@ def _layout_of(model: nn.Module) -> Layout:
 
 @functools.lru_cache(maxsize=8)
 def _meta(key: str, path: str, attn: str) -> HFCausalLM:
-    m = ModelConfig(kind=ModelKind.hf, **{key.split(".")[1]: path}, attn_implementation=HFAttention(attn))
+    source: dict[str, Any] = {key.split(".")[1]: path}  # model.pretrained or model.hf_config
+    m = ModelConfig(kind=ModelKind.hf, **source, attn_implementation=HFAttention(attn))
     return build(m, torch.device("meta"))
 
 
@@ -390,7 +391,7 @@ def set_activation_checkpointing(model: HFCausalLM, mode: ACMode, every: int) ->
     if mode == ACMode.none:
         return
     n = every if mode == ACMode.selective else 1
-    kwargs = {"use_reentrant": False}
+    kwargs: dict[str, Any] = {"use_reentrant": False}
     if mode == ACMode.op:  # the layers keep attention's and every other matmul's outputs
         from launcher.models.gpt import keep_matmuls
 

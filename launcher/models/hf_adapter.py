@@ -273,7 +273,8 @@ def to_hf(m: ModelConfig, state: dict):
 
     offline()
     config = hf_config(m)  # refuses first
-    out, gate_up = {}, {}
+    out: dict = {}
+    gate_up: dict = {}
     for key, value in state.items():
         if key.endswith(".router.bias"):
             continue

@@ -148,7 +148,10 @@ def problems(raw: dict, seq_len: int, max_seq_len: int) -> list[tuple[bool, str]
 def router_wants(kind: str, m: ModelConfig) -> list[tuple[str, object, object]]:
     """(key, its value, the value this model type routes with): what config.json does not name."""
     e = m.moe
-    wants = [("model.moe.score", e.score.value, MoEScore.softmax.value), ("model.moe.route_scale", e.route_scale, 1.0)]
+    wants: list[tuple[str, object, object]] = [
+        ("model.moe.score", e.score.value, MoEScore.softmax.value),
+        ("model.moe.route_scale", e.route_scale, 1.0),
+    ]
     if kind == "mixtral":
         wants += [("model.moe.norm_topk", e.norm_topk, True), ("model.moe.first_dense", e.first_dense, 0)]
     if kind != "qwen2_moe":
@@ -168,7 +171,7 @@ def export_type(m: ModelConfig) -> str:
             (e.score == MoEScore.softmax, f"score={e.score.value}"),
             (e.route_scale == 1.0, f"route_scale={e.route_scale}"),
             (e.balance != MoEBalance.bias, "balance=bias's biases"),
-            (e.top_k > 1 or not e.norm_topk, f"top_k=1 renormalized (transformers: weight 1, the decoder: its score)"),
+            (e.top_k > 1 or not e.norm_topk, "top_k=1 renormalized (transformers: weight 1, the decoder: its score)"),
         ]
         why += {
             "mixtral": [

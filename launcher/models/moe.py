@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launcher.config import MoEBalance, MoEConfig, MoEScore, ModelConfig, expert_dim, shared_dim
+from launcher.config import ModelConfig, MoEBalance, MoEConfig, MoEScore, expert_dim, shared_dim
 from launcher.models.experts import Experts
-from launcher.models.layers import FeedForward
 from launcher.models.init import InitSpec
+from launcher.models.layers import FeedForward
 
 _AUX: list[torch.Tensor] = []
 """The auxiliary losses the MoE blocks of the current forward recorded (GPT.forward takes them)."""

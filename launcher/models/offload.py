@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -43,7 +44,8 @@ class Stored:
 
     def __init__(self, host: torch.Tensor, done):
         self.host, self.done = host, done
-        self.device = self.arrived = None
+        self.device: torch.Tensor | None = None
+        self.arrived: Any = None  # a torch.cuda.Event
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):

@@ -120,9 +120,9 @@ def _header(path: Path) -> dict[str, Entry]:
                 f"data_offsets [{begin}, {end}] hold {end - begin} bytes where {dtype} {tuple(shape)} needs {want}",
             )
         entries[name] = Entry(name, path, DTYPES[dtype], tuple(shape), base + begin, base + end)
-    for e in sorted(entries.values(), key=lambda e: e.start):
-        if e.end > size:
-            raise _error(e.name, path, f"truncated: the file has {size} bytes, the data ends at byte {e.end}")
+    for entry in sorted(entries.values(), key=lambda x: x.start):
+        if entry.end > size:
+            raise _error(entry.name, path, f"truncated: the file has {size} bytes, the data ends at byte {entry.end}")
     return entries
 
 
@@ -243,7 +243,7 @@ def _copy(
             _pread_into(fd, memoryview(buf)[: n * unit_bytes], offset + pos * unit_bytes, entry)
             rows = torch.frombuffer(buf, dtype=entry.dtype, count=n * unit).view(n, *inner)
             with torch.no_grad():  # out may be a parameter
-                out[pos : pos + n].copy_(rows[(slice(None), *cut)])
+                out[pos : pos + n].copy_(rows[(slice(None),) + cut])
     finally:
         os.close(fd)
     return out

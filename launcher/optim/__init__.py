@@ -16,8 +16,8 @@ validation); the optimizer classes are launcher/optim/classes.py, imported by `b
 from __future__ import annotations
 
 import importlib
-import math
 import importlib.util
+import math
 from dataclasses import dataclass
 from typing import Iterable
 

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -38,11 +37,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from launcher.config import Config
-from launcher.rank.engine import param_groups, set_lrs, trained_state
 from launcher import models
+from launcher.config import Config
 from launcher.parallel.experts import join_expert_files
+from launcher.rank.engine import param_groups, set_lrs, trained_state
 
 OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)  # keys "state.<fqn>.<exp_avg|...>"
 
@@ -59,7 +59,7 @@ def _canonical(
 ) -> dict[str, torch.Tensor]:
     """The same tensors, a tied head under the embedding's name (once). `tied`: the
     (head, embedding) weight names of a tied model (Layout.tied_names), or None."""
-    out = {}
+    out: dict = {}
     for key, value in state.items():
         out.setdefault(_canonical_key(key, tied, prefix), value)
     return out

@@ -28,15 +28,15 @@ import collections.abc
 import contextlib
 import copy
 import json
-import os
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from launcher import config as C
-from launcher.parallel import degrees as D
 from launcher.models import model_shape
+from launcher.parallel import degrees as D
 
 FILE = "ds_config.json"
 

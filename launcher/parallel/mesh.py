@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor
 
 import recipes
 from launcher import config as C
-from launcher.parallel import degrees as D
 from launcher.device import autocast_dtype
-from launcher.rank.engine import local_shard
+from launcher.parallel import degrees as D
 from launcher.parallel.cuts import apply_tp, held_blocks
+from launcher.rank.engine import local_shard
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 

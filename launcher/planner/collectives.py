@@ -23,11 +23,12 @@ from __future__ import annotations
 import math
 
 from launcher.config import Config
-from launcher.planner import gathered as G, lora
+from launcher.planner import gathered as G
+from launcher.planner import lora
 from launcher.planner.footprint import Layout, ds_weight_bytes, param_share
 
 
-def counted(count: int, nbytes: int) -> dict[str, int]:
+def counted(count: float, nbytes: float) -> dict[str, int]:
     return {"count": int(count), "bytes": int(nbytes)}
 
 

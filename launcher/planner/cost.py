@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from launcher.config import ACMode, Config, block_matmul_params, ffn_dim, head_dim, matmul_params
 from launcher.models.gpt import flops_per_token
-from launcher.planner import lora, memory as M, moe
+from launcher.planner import lora, moe
+from launcher.planner import memory as M
 from launcher.planner.footprint import Layout, activations, numerics, param_share
 
 OP_RECOMPUTE = 0.1

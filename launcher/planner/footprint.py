@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from launcher.parallel import ds_config
-from launcher.planner import lora, memory as M, moe, zero as Z
-from launcher.planner.optimizer import optimizer_states
 from launcher.config import ACMode, Config, ModelConfig, Precision, loss_chunks, sliceable_loss
+from launcher.parallel import ds_config
+from launcher.planner import lora, moe
+from launcher.planner import memory as M
+from launcher.planner import zero as Z
+from launcher.planner.optimizer import optimizer_states
 
 
 @dataclass(frozen=True)

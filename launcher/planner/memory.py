@@ -135,7 +135,7 @@ def param_summary(m: ModelConfig) -> dict:
     """What `make plan` shows of the model: its total parameters, the active ones (a token's:
     an MoE's top k experts of E, launcher.config.num_params), and each run of like blocks
     (kind dense or moe, how many, parameters each, of them routed experts)."""
-    c, runs = ParamCounts.of(m), []
+    c, runs = ParamCounts.of(m), list[dict]()
     for i, (block, experts) in enumerate(zip(c.blocks, c.experts)):
         kind = "moe" if is_moe_block(m, i) else "dense"
         if runs and (runs[-1]["kind"], runs[-1]["params"]) == (kind, block):

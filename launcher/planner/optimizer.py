@@ -8,7 +8,8 @@ import math
 
 from launcher import optim as O
 from launcher.config import Config, ModelConfig, from_shape_key, shape_key
-from launcher.planner import lora, memory as M
+from launcher.planner import lora
+from launcher.planner import memory as M
 
 
 def optimizer_states(cfg: Config, P: int, n: int) -> int:

@@ -13,8 +13,11 @@ import math
 from dataclasses import asdict, dataclass
 
 from launcher import jsonout
-from launcher.planner import collectives, gathered as G, lora, memory as M, moe, zero as Z
 from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig
+from launcher.planner import collectives, lora, moe
+from launcher.planner import gathered as G
+from launcher.planner import memory as M
+from launcher.planner import zero as Z
 from launcher.planner.cost import step_time
 from launcher.planner.footprint import (
     Layout,
@@ -30,7 +33,6 @@ from launcher.planner.footprint import (
     start_up,
     temporaries,
 )
-
 
 GiB = 2**30
 DEFAULT_TFLOPS = 989.0  # H100 SXM dense bf16

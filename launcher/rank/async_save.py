@@ -97,7 +97,8 @@ class StagedFiles:
     `write` (on the writer thread) hands each to DeepSpeed's own engine."""
 
     def __init__(self, own, saver: Saver):
-        self.own, self.saver, self.files = own, saver, []
+        self.own, self.saver = own, saver
+        self.files: list = []
 
     def __getattr__(self, name):  # everything but save: DeepSpeed's engine
         return getattr(self.own, name)

@@ -23,7 +23,6 @@ from launcher import optim
 from launcher.config import Config, OptimConfig, lr_factor
 from launcher.models.init import is_dtensor
 
-
 # (inputs, targets), each (micro_batch, seq_len) int64, targets -100 where a token is not
 # counted in the loss; with data.document_masking a third, positions, restarting at 0 where
 # each packed sample starts: model(*batch) takes them all.
@@ -96,8 +95,10 @@ class StepGuard(Protocol):
     """What an engine asks during its step (train.max_bad_steps, train.spike_factor): the
     loop's LossGuard (launcher/rank/guard.py), or UNGUARDED."""
 
-    on: bool
     scaler_owns_nonfinite: bool
+
+    @property
+    def on(self) -> bool: ...  # LossGuard's is a property
 
     def admit(self, loss: torch.Tensor, owner: bool, grad_norm: torch.Tensor) -> bool: ...
 
@@ -223,7 +224,8 @@ def _parameters(fn) -> list[tuple[str, object, bool]]:
 # ----------------------------------------------------------------------------- helpers
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices (weights, embeddings); not vectors (norms, biases)."""
-    decay, no_decay = [], []
+    decay: list = []
+    no_decay: list = []
     seen = set()
     for p in model.parameters():
         if not p.requires_grad or id(p) in seen:

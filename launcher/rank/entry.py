@@ -24,15 +24,15 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import recipes
 from launcher import config as C
-from launcher.parallel import degrees as D
 from launcher import models, offline, provenance, runlock
-from launcher.exits import COMM_TRACE
-from launcher.manifest import describe, lock_folders, manifest_step, root_of
-from launcher.rank.checkpoint import Checkpointer
-from launcher.models import init
 from launcher.data.read import build_dataset
-from launcher.host import current_rss, process_start_time
 from launcher.device import autocast_dtype, backend_for, local_device, returned_to_the_os, startup_peaks, use_tf32
+from launcher.exits import COMM_TRACE
+from launcher.host import current_rss, process_start_time
+from launcher.manifest import describe, lock_folders, manifest_step, root_of
+from launcher.models import init
+from launcher.parallel import degrees as D
+from launcher.rank.checkpoint import Checkpointer
 from launcher.rank.engine import BuildContext, Engine
 from launcher.rank.loop import Job, run
 from launcher.rank.preempt import Preemption
@@ -125,7 +125,7 @@ def consolidated_digest(engine) -> str:
 
 
 @record
-def main(argv: list[str] | None = None, early: list[int] = ()) -> int:
+def main(argv: list[str] | None = None, early: tuple[int, ...] | list[int] = ()) -> int:
     """One rank, start to end; `early`: the stop signals recorded while it imported
     (launcher/rank/__main__.py). Returns the exit code."""
     started = process_start_time()

@@ -44,10 +44,11 @@ class HeldOut:
         return val
 
 
-def held_out_batches(job, cp: int, cp_rank: int) -> list[tuple[str, float, list]]:
+def held_out_batches(job, cp: int, cp_rank: int) -> list[tuple[str, float, list, float | None]]:
     """train.eval_every's micro-batches of this data-parallel rank, on its device, made once:
     the same held-out samples at every evaluation (launcher/data/read.py::val_sets); per
-    source of a mixture, train.eval_samples each: (name, weight, micro-batches)."""
+    source of a mixture, train.eval_samples each: (name, weight, micro-batches, their counted
+    targets, None under context parallel)."""
     cfg, mb = job.cfg, job.cfg.train.micro_batch
     n = cfg.train.eval_samples // (job.dp_size * mb)  # whole micro-batches (launch/checks/data.py)
     first = job.dp_rank * n * mb

@@ -23,6 +23,7 @@ from launcher.parallel.degrees import degrees
 from launcher.rank import faults
 from launcher.rank.checkpoint import Checkpointer
 from launcher.rank.engine import Engine, StepResult, local_shard, owners_sum
+from launcher.rank.evaluate import HeldOut, val_metrics
 from launcher.rank.feed import Feed
 from launcher.rank.guard import LossGuard
 from launcher.rank.metrics import RankZeroLogger, Throughput
@@ -31,7 +32,6 @@ from launcher.rank.profiler import StepProfiler
 from launcher.rank.saves import Saves
 from launcher.rank.step import Stepper
 from launcher.rank.straggler import Stragglers
-from launcher.rank.evaluate import HeldOut, val_metrics
 from launcher.rank.watchdog import Watchdog
 
 
@@ -238,7 +238,7 @@ def summarize(
     (debug.final_digest, and never when the job is being stopped: reading every weight
     would eat the grace period; the checkpoint's manifest holds digests), a digest of each
     rank's weights."""
-    gathered = [None] * job.world_size  # one collective: (digest, start-up figures) of every rank
+    gathered: list = [None] * job.world_size  # one collective: (digest, start-up figures) of every rank
     dist.all_gather_object(gathered, (weights_digest(job.engine) if digest else None, job.startup))
     digests, startups = [g[0] for g in gathered], [g[1] for g in gathered]
     if job.rank != 0:

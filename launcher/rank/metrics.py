@@ -381,7 +381,7 @@ def _init_wandb(cfg: Config, run_dir: Path):
             resume="allow",
             dir=str(run_dir),
             config={**to_dict(cfg), "provenance": provenance.for_wandb(run_dir)},
-            mode=mode,
+            mode=mode,  # type: ignore[arg-type]  # one of wandb's modes (logger.mode)
             settings=wandb.Settings(
                 console="off",
                 silent=True,

@@ -84,7 +84,8 @@ class Saves:
             with self.watchdog.paused():
                 saved = self.ckpt.save(step, samples_seen, self.job.engine)
         except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            return self.failed(err, step)
+            self.failed(err, step)
+            return None
         t = self.ckpt.timing
         if self.ckpt.saver is None:
             self.log.print(

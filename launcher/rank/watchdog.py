@@ -34,6 +34,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from launcher.exits import COMM_TRACE, EXIT_HANG, HANG_MARKER, HANG_STACKS
 
@@ -47,7 +48,7 @@ class Watchdog:
         self.last_progress = time.monotonic()
         self.active = False  # only between steps of the loop: not during start-up or saves
         self.prefix = "launcher/progress/"
-        self._store = None
+        self._store: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="launcher-watchdog", daemon=True)
 
@@ -274,7 +275,7 @@ def collectives_entered() -> dict[str, list[int]] | None:
     """{process group id: [collectives entered, collectives completed]} on this rank, from
     torch's flight recorder (0.2 ms); None when it is off or this torch has none."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]  # private, checked
 
         status = json.loads(_dump_fr_trace_json(includeCollectives=False)).get("pg_status") or {}
         return {
@@ -290,7 +291,7 @@ def write_flight_record(run_dir: Path, rank: int) -> Path | None:
     NCCL's own timeout dump, which `python -m torch.distributed.flight_recorder.fr_trace
     RUN_DIR/comm_trace` reads. Written for the user's tools; the launcher never loads it."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace
+        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]  # private, checked
 
         if not collectives_entered():
             return None

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher import models
-from launcher.parallel import degrees as D
 from launcher.device import autocast_dtype
+from launcher.parallel import degrees as D
 from launcher.parallel.experts import expert_param_names, join_expert_files, own_rows
 from launcher.rank.engine import (
     BuildContext,

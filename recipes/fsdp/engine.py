@@ -12,11 +12,12 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import recipes
-from launcher.parallel import degrees as D
-from launcher.parallel import dcp
 from launcher import models
 from launcher.device import autocast_dtype
 from launcher.models import model_layout
+from launcher.parallel import dcp
+from launcher.parallel import degrees as D
+from launcher.parallel.mesh import allreduce_grads, build_mesh, clip_grad_norm, match_grad_layouts, parallelize
 from launcher.rank.engine import (
     BuildContext,
     Engine,
@@ -29,7 +30,6 @@ from launcher.rank.engine import (
     optimizer_state_bytes,
     tensor_bytes,
 )
-from launcher.parallel.mesh import allreduce_grads, build_mesh, clip_grad_norm, parallelize, match_grad_layouts
 
 
 class ShardedEngine(Engine):

@@ -11,16 +11,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-import recipes
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+import recipes
 from launcher import config as C
-from launcher.parallel import degrees as D
-from launcher.parallel import dcp
 from launcher import models
 from launcher.device import autocast_dtype
+from launcher.models import Layout, model_layout, model_shape
+from launcher.models.gpt import lm_loss
+from launcher.models.init import is_dtensor
+from launcher.parallel import dcp
+from launcher.parallel import degrees as D
+from launcher.parallel.cuts import Stage, apply_tp, stage_bounds
+from launcher.parallel.mesh import allreduce_grads, apply_fsdp, build_mesh, clip_grad_norm, match_grad_layouts
 from launcher.rank.engine import (
     BuildContext,
     Engine,
@@ -33,11 +37,6 @@ from launcher.rank.engine import (
     optimizer_state_bytes,
     tensor_bytes,
 )
-from launcher.models import Layout, model_layout, model_shape
-from launcher.models.gpt import lm_loss
-from launcher.models.init import is_dtensor
-from launcher.parallel.cuts import Stage, apply_tp, stage_bounds
-from launcher.parallel.mesh import allreduce_grads, apply_fsdp, build_mesh, clip_grad_norm, match_grad_layouts
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -196,7 +195,7 @@ class PipelineEngine(Engine):
             k: (v.full_tensor() if is_dtensor(v) else v).detach().float().cpu()
             for k, v in self.model.state_dict().items()
         }
-        parts = [None] * dist.get_world_size()
+        parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
         full = {k: v for part in parts for k, v in part.items()}
         if self.layout.tied:

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from launcher import models
 from launcher.manifest import root_of
 from launcher.parallel import ds_config
-from launcher import models
+from launcher.planner.zero import zero_states
 from launcher.rank.engine import (
     BuildContext,
     Engine,
@@ -29,7 +30,6 @@ from launcher.rank.engine import (
     evaluate,
     param_groups,
 )
-from launcher.planner.zero import zero_states
 from launcher.untrusted import weights_only_loads
 from recipes.zero import import_deepspeed
 

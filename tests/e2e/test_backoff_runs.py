@@ -6,9 +6,8 @@ in place on one rank, by a relaunch from the last checkpoint on two."""
 from __future__ import annotations
 
 import pytest
-import yaml
-
 import wandb_file
+import yaml
 from runs import assert_same_training, launch, read_metrics
 
 COMMON = (

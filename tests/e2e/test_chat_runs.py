@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from chat_data import EXAMPLE, chat_model
 from runs import launch, read_metrics
 

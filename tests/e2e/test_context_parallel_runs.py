@@ -7,8 +7,8 @@ half the cp=1 rank's."""
 from __future__ import annotations
 
 import pytest
-
 from runs import launch, read_metrics
+
 from launcher.launch import cli
 from launcher.planner import plan as planner
 from launcher.planner.footprint import activations

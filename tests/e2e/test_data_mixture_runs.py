@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import wandb_file
 from runs import launch, read_metrics
 

@@ -6,7 +6,6 @@ with float8 tensor cores (tests/gpu/test_gpu.py)."""
 from __future__ import annotations
 
 import pytest
-
 from runs import launch, read_metrics
 
 RUN = (

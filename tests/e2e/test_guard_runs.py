@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import wandb_file
 from runs import launch, read_metrics
 

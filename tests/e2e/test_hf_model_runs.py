@@ -17,16 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from runs import launch, read_metrics
 from hf_models import TINY_LLAMA, tiny_llama_config
-from launcher.launch import cli
-from launcher.parallel import degrees as D
-from launcher import models
-from launcher import config as C
-from launcher.data.read import build_dataset
-from launcher.models.gpt import lm_loss
+from runs import launch, read_metrics
 
+from launcher import config as C
+from launcher import models
+from launcher.data.read import build_dataset
+from launcher.launch import cli
+from launcher.models.gpt import lm_loss
+from launcher.parallel import degrees as D
 
 REL = 1e-4  # fp32: the order of reductions is all that differs between layouts
 

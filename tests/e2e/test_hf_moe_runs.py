@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from hf_models import mixtral_args, tiny_mixtral
 from runs import here, launch, read_metrics
+
 from launcher import config as C
 from launcher.data.read import build_dataset
 from launcher.launch.commands.export import load_exported

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from corpus import WORDS, cached_tokens, documents, make_tokenizer, write_jsonl, write_parquet
 from runs import assert_same_training, launch, read_metrics
 

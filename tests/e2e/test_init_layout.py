@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from runs import REPO
 
 pytestmark = pytest.mark.slow  # a process per rank

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from runs import launch, read_metrics
 
 pytestmark = pytest.mark.slow

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from runs import assert_refused, launch, read_metrics
 from hf_models import TINY_LLAMA
+from runs import assert_refused, launch, read_metrics
+
 from launcher import config as C
 from launcher import models
 from launcher.launch import cli
@@ -199,6 +199,7 @@ def test_100_lora_steps_on_the_shipped_chat_data_learn(tmp_path):
     100 steps lower the held-out assistant loss by at least 10% from the base model's own
     (computed here on the same held-out windows)."""
     from chat_data import EXAMPLE, chat_model
+
     from launcher.data.read import Held, build_dataset, micro_batch
     from launcher.rank.engine import evaluate
 

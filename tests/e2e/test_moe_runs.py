@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from runs import here, launch, read_metrics
+
 from launcher import config as C
 from launcher.models.gpt import GPT
 

@@ -13,10 +13,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from runs import REPO, assert_same_training, in_fp32, launch
-from launcher.launch.rundir.prepare import free_port
 
+from launcher.launch.rundir.prepare import free_port
 
 # Same work either way: world size 2, one thread per rank (thread counts change float sums).
 COMMON = in_fp32(

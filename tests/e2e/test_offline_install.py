@@ -18,7 +18,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
 from runs import REPO
 
 WHEELHOUSE = os.environ.get("LAUNCHER_WHEELHOUSE")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from runs import launch, read_metrics
+
 from launcher.config import ACMode
 from launcher.launch import cli
 from launcher.planner import plan as planner

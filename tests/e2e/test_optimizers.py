@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-
 from runs import REPO, launch, read_metrics
+
 from launcher.launch import cli
 from launcher.planner import plan as planner
 

@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-
 from runs import REPO
 
 pytestmark = pytest.mark.slow

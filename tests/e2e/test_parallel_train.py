@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from runs import evaluated, here, launch, read_metrics
-from launcher.launch import cli
+
 from launcher import config as C
 from launcher.config import block_matmul_params, num_params
+from launcher.launch import cli
 from launcher.models.gpt import GPT
 
 pytestmark = pytest.mark.slow

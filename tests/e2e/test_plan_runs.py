@@ -10,13 +10,12 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 import torch
-
+import yaml
 from runs import REPO, in_fp32, launch, read_metrics
+
 from launcher.launch import cli, compose
 from launcher.planner import plan as planner
-
 
 # ----------------------------------------------------------------------------- real ranks
 MATRIX_WORLDS = (1, 2, 4)

@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from runs import REPO
+
 from launcher.host import HostInfo
 from launcher.launch import cli
 
@@ -113,9 +113,8 @@ def home(tmp_path_factory) -> Path:
     """A user's working folder: the README's fsdp run trained for 2 steps into outputs/a,
     a tiny Llama saved by transformers, a JSON-lines corpus and a text file."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from hf_models import TINY_LLAMA
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     home = tmp_path_factory.mktemp("home")
     (home / "corpus").mkdir()

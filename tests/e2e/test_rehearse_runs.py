@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from runs import REPO
+
 from launcher.planner.rehearse import TOLERANCE
 
 pytestmark = pytest.mark.slow

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-
 import runs
+import torch
 from runs import REPO, launch, rank_process, read_metrics, wait_for_step
-from launcher.manifest import find_latest, verify
+
 from launcher.exits import EXIT_CHECKPOINT_FAILED, EXIT_HANG
+from launcher.manifest import find_latest, verify
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from runs import FAST, REPO, here, launch, processes_of, start, wait_for_step
+
 from launcher import runlock
 from launcher.manifest import read_latest, run_of, verify
 

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from runs import REPO, in_fp32, launch, processes_of, rank_process, read_metrics
 from runs import start as _start
 from runs import wait_for_step as _wait_for_step
+
 from launcher.launch import cli
 from launcher.manifest import verify
 

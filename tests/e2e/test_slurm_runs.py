@@ -13,14 +13,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 import wandb_file
 from runs import FAST, REPO, launch, read_metrics, token_file
 from slurm_cluster import slurm_cluster  # noqa: F401 - the fixture
-from launcher.launch import cli
-from launcher.manifest import verify
 from test_readme import readme_line
 
+from launcher.launch import cli
+from launcher.manifest import verify
 
 # The jobs: 2 gloo ranks on the one node (2 CPUs), W&B offline.
 JOB = ["cluster.nproc_per_node=2", "cluster.cpus_per_task=2", *FAST]

@@ -16,8 +16,8 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from runs import REPO
+
 from launcher.launch import cli
 from launcher.planner import plan as planner
 from launcher.planner.memory import ParamCounts

@@ -6,7 +6,6 @@ rank 1 in the parameters' all-gathers) and a whole-forward clock would see no di
 from __future__ import annotations
 
 import pytest
-
 import wandb_file
 from runs import launch, read_metrics
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import wandb_file
 from runs import REPO, assert_same_training, here, launch, read_metrics, token_file
-from launcher.launch import cli
+
 from launcher import config as C
+from launcher.launch import cli
 from launcher.manifest import verify
 from launcher.rank.metrics import STEP_METRICS
 

@@ -8,9 +8,9 @@ import shutil
 import signal
 
 import pytest
-
 from corpus import documents, write_jsonl
 from runs import assert_refused, here, launch, rank_process, start, wait_for_step
+
 from launcher.config import load_frozen
 from launcher.manifest import read_latest, run_of, verify
 
@@ -148,8 +148,8 @@ def test_a_symlink_inside_a_checkpoint_is_refused_in_one_line(typed, tmp_path):
     payload (digests rewritten): the launch-side walk skipped it and the ranks refused with
     a traceback, exit 1; now one line, exit 2, the payload never run, no rank started."""
     import torch
-
     from crafted import Payload
+
     from launcher.manifest import write_manifest
 
     run = shutil.copytree(typed / "run", tmp_path / "run")
@@ -186,5 +186,5 @@ def test_a_rank_killed_by_a_signal_is_named_in_one_line(tmp_path):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: rank 1 (pid {victim.pid}) was killed by SIGKILL: "), err
     assert "GiB available in the seconds before; its peak resident memory" in lines[0], lines[0]
-    assert lines[0].endswith(f"step_00000003, is untouched. Launch the same run directory again to resume from it.")
+    assert lines[0].endswith("step_00000003, is untouched. Launch the same run directory again to resume from it.")
     assert "Traceback" not in out and "ChildFailedError" in (run / "torchrun.log").read_text()

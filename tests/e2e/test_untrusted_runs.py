@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from crafted import Payload, craft_metadata
 from runs import FAST, REPO, launch
+
 from launcher.manifest import files_of, verify, write_manifest, writer_of
 
 

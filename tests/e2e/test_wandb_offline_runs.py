@@ -9,7 +9,6 @@ import time
 
 import pytest
 import yaml
-
 from runs import FAST, REPO, launch
 from wandb_file import records
 

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from runs import REPO, evaluated, here, launch, processes_of, read_metrics, start, wait_for_step
+
 from launcher import config as C
+from launcher.host import deepspeed_env
 from launcher.manifest import verify
-from launcher.rank.preempt import EXIT_PREEMPTED
 from launcher.planner.zero import zero_paper_bytes as paper_bytes
 from launcher.planner.zero import zero_states
-from launcher.host import deepspeed_env
+from launcher.rank.preempt import EXIT_PREEMPTED
 
 deepspeed_env()  # DeepSpeed reads its accelerator when imported (recipes/zero/__init__.py::import_deepspeed does this for a run)
 from recipes.zero.engine import model_state_bytes  # noqa: E402

@@ -17,8 +17,7 @@ import sys
 
 import pytest
 import torch
-
-from gpu_runs import GPUS, gib, log_of, plan_row, record, start, ended
+from gpu_runs import GPUS, ended, gib, log_of, plan_row, record, start
 from runs import REPO, read_metrics
 
 sys.path.insert(0, str(REPO / "scripts"))

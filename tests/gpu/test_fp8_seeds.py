@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-
 from gpu_runs import GPUS, finished, record, together
 from runs import REPO, read_metrics
 

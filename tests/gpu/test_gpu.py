@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gpu_runs import GPUS, chosen, ended, finished, ran, record, schedule
 from gpu_runs import start as _start
 from runs import read_metrics

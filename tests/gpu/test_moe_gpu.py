@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-
 from gpu_runs import GPUS, finished, gib, plan_row, record, together
 from runs import REPO, read_metrics
 

@@ -13,7 +13,6 @@ import os
 import sys
 
 import pytest
-
 from gpu_runs import GPUS, chosen, finished, gib, plan_row, record, together
 from runs import REPO, read_metrics
 

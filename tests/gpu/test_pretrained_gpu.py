@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-
 from gpu_runs import GPUS, finished, gib, plan_row, record, save_llama, together
 from runs import REPO, read_metrics
 

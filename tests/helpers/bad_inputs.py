@@ -8,9 +8,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from runs import REPO
-from hf_models import bad_hf_files, bad_hf_weights, bad_moe_folders, mixtral_args
 from chat_data import bad_chat_files, chat_tokenizer
+from hf_models import bad_hf_files, bad_hf_weights, bad_moe_folders, mixtral_args
+from runs import REPO
 
 HF = bad_hf_files()  # small config folders for the model=hf rows
 W = bad_hf_weights()  # save_pretrained folders, one good and four broken

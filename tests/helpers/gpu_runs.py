@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from runs import REPO
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -20,10 +20,10 @@ import json
 import sys
 from pathlib import Path
 
+import probes
 import torch
 import torch.distributed as dist
 
-import probes
 from launcher import models
 from launcher.exits import exit_now
 from launcher.launch.compose import compose_config

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from runs import REPO
 
 SCRIPT = REPO / "scripts" / "slurm" / "local_cluster.sh"

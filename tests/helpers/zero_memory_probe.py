@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 import recipes
-from launcher.launch import cli
-from launcher.parallel import ds_config
 from launcher.exits import exit_now
 from launcher.host import deepspeed_env
-from launcher.rank.engine import BuildContext
+from launcher.launch import cli
 from launcher.models.gpt import GPT
+from launcher.parallel import ds_config
+from launcher.rank.engine import BuildContext
 
 
 def measure(recipe: str, model: str, rank: int, world: int, scratch: Path) -> dict:

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-
 from bad_inputs import CASES, CHAT, HF, MOE, TOK, W
 from runs import REPO
+
 from launcher.launch import cli
 
 

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from chat_data import TEMPLATE, chat_tokenizer, rows
+
 from launcher.config import TrainOn
 from launcher.data.chat import COUNTS, START, RowError, Template, conversation, render
 from launcher.data.inputs import load_tokenizer
@@ -257,6 +257,7 @@ def test_hf_text_documents_restart_positions_after_eos(tmp_path):
 
 def test_no_template_and_a_template_that_does_not_render_are_refused(tmp_path):
     from corpus import make_tokenizer
+
     from launcher.config import ConfigError, DataConfig
     from launcher.data.chat import load_template
 

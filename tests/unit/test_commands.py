@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 import pytest
-
 from golden import check_golden
+
 from launcher.launch import cli
 from launcher.launch.start.argv import (
     ACCELERATE_CONFIG,

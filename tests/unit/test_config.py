@@ -6,14 +6,14 @@ import itertools
 import json
 
 import pytest
-
 from hf_models import tiny_llama_config
+
 import recipes
-from launcher.launch import cli, compose
-from launcher.parallel import degrees as D
 from launcher import config as C
-from launcher.launch.checks.validate import validate
 from launcher.host import HostInfo, native_bf16
+from launcher.launch import cli, compose
+from launcher.launch.checks.validate import validate
+from launcher.parallel import degrees as D
 
 HOST = HostInfo.detect()
 
@@ -151,8 +151,8 @@ def test_a_relaunch_that_changes_the_schedule_says_so(tmp_path):
     """A run of 10 steps (its warm-up clamped to 10) continued to 40: the default warm-up of
     20 applies again, and the learning rate at step 10 falls from the peak; one line says so,
     and none when the run's warm-up is kept (optim.warmup_steps=10)."""
-    from launcher.manifest import write_manifest
     from launcher.launch.rundir.prepare import schedule_change
+    from launcher.manifest import write_manifest
 
     run = tmp_path / "run"
     old, _, _ = cli.compose_config(["train.steps=10"])
@@ -251,13 +251,12 @@ def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
         "SPEC = RecipeSpec(engine='recipes.ddp.engine', reads=('ddp', 'dcp'), holds=lambda recipe: Holding(shard='zero2'))\n"
     )
     (tmp_path / "conf" / "recipe" / "mine.yaml").write_text("name: mine\nstrategy: mine\n")
-    run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "launcher", *args],
-        cwd=tmp_path,  # noqa: E731
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "launcher", *args], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        )
+
     plan = run("plan", "model=gpt_tiny", "cluster.gpus_per_node=4", "cluster.gpu_memory_gb=80", "--json")
     assert plan.returncode == 0, plan.stderr[-2000:]
     mine = [r["layout"] for r in json.loads(plan.stdout)["rows"] if r["layout"]["recipe"] == "mine"]

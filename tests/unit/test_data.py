@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from runs import token_file
+
 from launcher.config import DataConfig, TokenDtype
 from launcher.data.read import MarkovSource, StepSampler, TokenFile
 

@@ -17,9 +17,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from corpus import WORDS, documents, make_tokenizer, write_jsonl
 from runs import assert_refused
+
 from launcher import config as C
 from launcher.data import cache, units
 from launcher.data.cache import prepare, read_tokens

@@ -9,9 +9,9 @@ import json
 
 import numpy as np
 import pytest
-
 from corpus import documents, write_jsonl
 from runs import assert_refused
+
 from launcher.data.cache import read_tokens
 from launcher.data.shards import memo_path
 from launcher.launch import cli

@@ -11,12 +11,12 @@ import json
 from pathlib import Path
 
 import pytest
-
-from launcher.launch import cli
-from launcher import config as C
-from launcher.parallel import ds_config as D
-from launcher.host import deepspeed_env
 from golden import check_golden
+
+from launcher import config as C
+from launcher.host import deepspeed_env
+from launcher.launch import cli
+from launcher.parallel import ds_config as D
 
 deepspeed_env()
 

@@ -12,7 +12,6 @@ import time
 
 import psutil
 import pytest
-
 from runs import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))

@@ -9,12 +9,12 @@ import json
 
 import pytest
 import torch
-
 from hf_models import tiny_llama_config
+
+from launcher import config as C
+from launcher import models
 from launcher.launch import cli
 from launcher.launch.rundir import prepare as rundir
-from launcher import models
-from launcher import config as C
 from launcher.models.gpt import GPT
 
 
@@ -58,8 +58,8 @@ def compose(*overrides: str) -> C.Config:
 
 
 def test_layout_flops_and_shape_come_from_the_hf_config(tmp_path):
-    from launcher.models import hf
     from launcher.config import num_params
+    from launcher.models import hf
     from launcher.models.gpt import flops_per_token
 
     cfg = compose("model=hf", f"model.config={tiny_llama_config(tmp_path)}")

@@ -11,8 +11,8 @@ import shutil
 
 import pytest
 import torch
-
 from hf_models import mixtral_args, tiny_mixtral
+
 from launcher import models
 from launcher.config import ConfigError
 from launcher.launch import cli
@@ -208,9 +208,8 @@ def test_missing_or_extra_tensors_are_named(saved, tmp_path):
 
 
 def test_a_dense_llama_folder_reads_into_the_dense_decoder(tmp_path):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from hf_models import TINY_LLAMA
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     own = AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}))

@@ -12,8 +12,8 @@ import shutil
 
 import pytest
 import torch
-
 from hf_models import TINY_QWEN, qwen_args, tiny_qwen
+
 from launcher import models
 from launcher.config import ConfigError, num_params
 from launcher.launch import cli

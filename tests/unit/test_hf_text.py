@@ -10,15 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from corpus import WORDS, cached_tokens, documents, make_tokenizer, write_jsonl, write_parquet
 from runs import assert_refused
-from launcher.launch import cli
+
 from launcher import config as C
-from launcher.launch.checks.validate import validate
 from launcher.data.cache import ENV
 from launcher.data.inputs import BYTE_EOS, load_tokenizer
 from launcher.data.prepare import prepare_cache, token_file_config
+from launcher.launch import cli
+from launcher.launch.checks.validate import validate
 
 
 @pytest.fixture(autouse=True)

@@ -186,8 +186,9 @@ def test_the_rehearsed_405b_layout_renders_as_a_64_pod_job(capsys, monkeypatch):
     given cluster.join_timeout_s to join, the flight recorder's dump into the run directory;
     the same overrides as tests/unit/test_slurm.py's 64-node sbatch golden."""
     from golden import check_golden
-    from launcher.launch.rundir import prepare as rundir
     from runs import REPO
+
+    from launcher.launch.rundir import prepare as rundir
 
     kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the k8s extra (make test installs it)")
     monkeypatch.chdir(REPO)

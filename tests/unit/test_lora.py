@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
+from hf_models import TINY_LLAMA
+from runs import assert_refused
 from transformers import AutoModelForCausalLM, LlamaConfig  # imported before any test captures stderr
 
-from runs import assert_refused
-from hf_models import TINY_LLAMA
 from launcher import models
 from launcher.launch import cli
 from launcher.launch.compose import compose_config
@@ -132,8 +132,9 @@ def test_lora_and_low_bit_states_without_torchao_are_one_line(base, tmp_path, ca
 
 def test_a_model_without_linears_in_its_layers_is_refused():
     """GPT-2's projections are Conv1D: adapters on nothing would freeze every weight."""
-    from launcher.launch.checks.levers import validate_lora
     from bad_inputs import HF
+
+    from launcher.launch.checks.levers import validate_lora
 
     cfg, _, _ = compose_config(["model=hf", f"model.config={HF['gpt2']}", "model.lora.rank=8"])
     with pytest.raises(Exception, match="no nn.Linear inside its decoder layers"):

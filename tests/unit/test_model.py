@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from launcher.config import ACMode, num_params
 from launcher.launch import cli
-from launcher.config import ACMode
-from launcher.config import num_params
 from launcher.models.gpt import GPT, flops_per_token, set_activation_checkpointing
 
 

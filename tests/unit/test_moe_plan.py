@@ -10,8 +10,8 @@ import math
 
 import pytest
 import torch
-
 from runs import here
+
 from launcher import models
 from launcher.config import ACMode, matmul_params, num_params
 from launcher.launch import cli

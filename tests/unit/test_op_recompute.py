@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_models import tiny_llama_config
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from hf_models import tiny_llama_config
 from launcher import models
 from launcher.config import ACMode, Precision
 from launcher.launch import cli

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch.distributed as dist
-
 from runs import REPO
+
 from launcher.rank import preempt
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from launcher.launch import cli
 from launcher.config import ACMode
+from launcher.launch import cli
 from launcher.models.attention import DocumentMask, attend
 from launcher.models.gpt import GPT, lm_loss, set_activation_checkpointing
 from launcher.parallel.cuts import Stage

@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from launcher.launch import cli
-from launcher.parallel import degrees as D
-from launcher.launch.checks.validate import validate
-from launcher.parallel.dcp import _canonical
 from launcher.host import HostInfo
-from launcher.models.gpt import GPT
+from launcher.launch import cli
+from launcher.launch.checks.validate import validate
 from launcher.models import Layout
+from launcher.models.gpt import GPT
+from launcher.parallel import degrees as D
 from launcher.parallel.cuts import Stage, stage_bounds, tp_plan
+from launcher.parallel.dcp import _canonical
 
 HOST = HostInfo.detect()
 

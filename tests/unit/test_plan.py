@@ -10,16 +10,15 @@ import subprocess
 
 import pytest
 import torch
-
 from runs import here
+
+from launcher.config import ACMode, num_params
 from launcher.launch import cli, compose
-from launcher.config import ACMode
-from launcher.planner import plan as planner, zero
+from launcher.models.gpt import GPT, set_activation_checkpointing
+from launcher.planner import plan as planner
+from launcher.planner import zero
 from launcher.planner.footprint import activations
 from launcher.planner.memory import ActivationCounter, Numerics, ParamCounts, activation_bytes
-from launcher.config import num_params
-from launcher.models.gpt import GPT, set_activation_checkpointing
-
 
 REGIMES = {  # name -> (how the model runs, what the formula is told)
     "autocast-bf16": (torch.bfloat16, False, Numerics.of("bf16")),

@@ -10,7 +10,8 @@ import pytest
 
 from launcher.config import shape_key
 from launcher.launch import cli, compose
-from launcher.planner import plan as planner, zero as Z
+from launcher.planner import plan as planner
+from launcher.planner import zero as Z
 from launcher.planner.footprint import model_states, start_up
 from launcher.planner.memory import ParamCounts
 
@@ -162,8 +163,8 @@ def test_auto_micro_batch_with_a_global_batch_launches(capsys):
     ranks: the planner chose 1024 (what fits this machine) and the launch refused its own
     choice. Now it chooses a micro-batch that divides 16 / 2, and the launch's check passes."""
     from launcher.host import HostInfo
-    from launcher.launch.commands.plan import resolve_auto
     from launcher.launch.checks.validate import validate
+    from launcher.launch.commands.plan import resolve_auto
 
     host = HostInfo.detect()
     chosen, _ = resolve_auto(

@@ -12,11 +12,11 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from runs import REPO
 
 from launcher import provenance
 from launcher.launch import cli
 from launcher.launch.submit import slurm
-from runs import REPO
 
 
 def _git(repo: Path, *args: str) -> str:

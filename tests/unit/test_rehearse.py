@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from runs import REPO
+
 from launcher.parallel import degrees as D
 from launcher.planner import rehearse as R
 
@@ -149,7 +150,8 @@ def test_tensor_parallel_ranks_hold_the_whole_vocabularys_logits():
 
     from launcher import models
     from launcher.launch import cli
-    from launcher.planner import footprint, plan as planner
+    from launcher.planner import footprint
+    from launcher.planner import plan as planner
     from launcher.rank.entry import build_engine
 
     for tied in ("true", "false"):

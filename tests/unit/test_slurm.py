@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from runs import FAST, REPO
-from launcher.launch import cli
 from golden import check_golden
+from runs import FAST, REPO
 
+from launcher.launch import cli
 
 # The jobs: 2 gloo ranks on the one node (2 CPUs), W&B offline.
 JOB = ["cluster.nproc_per_node=2", "cluster.cpus_per_task=2", *FAST]

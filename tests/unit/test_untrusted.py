@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp_api
+from crafted import Payload, craft_metadata
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from crafted import Payload, craft_metadata
-from launcher.parallel import dcp
 from launcher import untrusted
+from launcher.parallel import dcp
 
 
 def dcp_folder(folder: Path) -> Path:

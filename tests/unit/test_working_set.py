@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 
 from launcher.launch import cli, compose
-from launcher.planner import collectives, gathered as G, plan as planner
+from launcher.planner import collectives
+from launcher.planner import gathered as G
+from launcher.planner import plan as planner
 
 H70 = 128256 * 8192  # Llama 3 70B's head (and embedding): 1,050,673,152 elements, over max_live's 1e9
 B70 = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672  # a block: wq wo, wk wv (8 kv heads), w1 w3 w2

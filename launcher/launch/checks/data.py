@@ -37,7 +37,8 @@ def validate_token_data(cfg: Config) -> None:
 
 
 def validate_evaluation(cfg: Config, dp: int, grad_accum: int) -> None:
-    from launcher.data.sources import sources as sources_of, windows_of  # numpy: ~1 s of start-up (measured)
+    from launcher.data.sources import sources as sources_of  # numpy: ~1 s of start-up (measured)
+    from launcher.data.sources import windows_of
 
     t, d = cfg.train, cfg.data
     if t.eval_every < 0:

@@ -19,17 +19,17 @@ from launcher.config import (
     Config,
     ConfigError,
     DataKind,
-    ffn_dim,
     ModelConfig,
     ModelKind,
-    nproc_per_node,
     OffloadDevice,
-    pipeline_stages,
     PPSchedule,
     Precision,
     Runner,
     Scheduler,
     TokenDtype,
+    ffn_dim,
+    nproc_per_node,
+    pipeline_stages,
 )
 from launcher.launch.checks.data import validate_evaluation, validate_token_data
 from launcher.launch.checks.levers import validate_context_parallel, validate_levers

@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
 import recipes
-from launcher import config as C, models
+from launcher import config as C
+from launcher import models
 from launcher.launch.checks.levers import base_digest
 from launcher.launch.compose import UsageError
 from launcher.launch.start.supervise import interrupts_held
@@ -158,7 +160,9 @@ def load_exported(path: str | Path, device: str = "cpu"):
     with safe_open(str(path), framework="pt", device=device) as f:
         meta = f.metadata()
         state = {k: f.get_tensor(k) for k in f.keys()}
-    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(C.ModelConfig), json.loads(meta["model"])))
+    model_cfg: Any = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(C.ModelConfig), json.loads(meta["model"]))
+    )
     with torch.device(device):
         model = GPT(model_cfg)
     model.load_state_dict({k: v.float() for k, v in state.items()})

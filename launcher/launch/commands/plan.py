@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import recipes
 from launcher import config as C
-from launcher.host import gpu_memory_bytes, gpu_name, HostInfo, table_tflops
+from launcher.host import HostInfo, gpu_memory_bytes, gpu_name, table_tflops
 from launcher.launch.checks import asked
 from launcher.launch.checks.asked import fit_precision, named
 from launcher.launch.checks.validate import validate
-from launcher.launch.compose import compose_config, recipe_configs, UsageError
+from launcher.launch.compose import UsageError, compose_config, recipe_configs
 from launcher.launch.submit import slurm
 from launcher.parallel import degrees as D
 

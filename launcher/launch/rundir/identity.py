@@ -26,7 +26,8 @@ import secrets
 import time
 from pathlib import Path
 
-from launcher import config as C, runlock
+from launcher import config as C
+from launcher import runlock
 from launcher.manifest import UNREADABLE, complete_checkpoints, root_of, run_of
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

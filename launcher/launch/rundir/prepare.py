@@ -14,17 +14,18 @@ import tempfile
 from pathlib import Path
 
 import recipes
-from launcher import config as C, models
-from launcher.host import deepspeed_env, HostInfo
+from launcher import config as C
+from launcher import models
+from launcher.host import HostInfo, deepspeed_env
 from launcher.launch.start.argv import (
     ACCELERATE_CONFIG,
+    HOSTFILE,
+    LaunchPlan,
     accelerate_config_text,
     command_script,
-    HOSTFILE,
     hostfile_text,
     launch_argv,
     launch_env,
-    LaunchPlan,
 )
 from launcher.manifest import complete_checkpoints, manifest_step, resumable, root_of, verify
 from launcher.parallel import ds_config

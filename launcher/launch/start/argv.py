@@ -9,7 +9,7 @@ import hashlib
 import re
 import shlex
 from dataclasses import dataclass
-from importlib.metadata import distribution, PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, distribution, version
 from pathlib import Path
 
 import yaml
@@ -113,7 +113,7 @@ def torchrun_takes(option: str) -> bool:
     """Whether the installed torch's torchrun takes `option`, read from its source (a site's
     older torch, TORCH=system, lacks the newer options), without importing torch."""
     try:
-        return f'"{option}"' in Path(distribution("torch").locate_file("torch/distributed/run.py")).read_text()
+        return f'"{option}"' in Path(str(distribution("torch").locate_file("torch/distributed/run.py"))).read_text()
     except (PackageNotFoundError, OSError):
         return True
 

@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from launcher import config as C
 from launcher.launch.start.argv import join_timeout
@@ -36,7 +37,7 @@ def check_master_addr(cfg: C.Config) -> None:
     c = cfg.cluster
     key = "cluster.master_addr"
     try:
-        found = {info[4][0] for info in socket.getaddrinfo(c.master_addr, c.master_port, type=socket.SOCK_STREAM)}
+        found = {str(info[4][0]) for info in socket.getaddrinfo(c.master_addr, c.master_port, type=socket.SOCK_STREAM)}
     except (socket.gaierror, UnicodeError) as e:
         raise C.ConfigError(
             key,
@@ -88,7 +89,7 @@ class NodeRendezvous:
         self.reach_timeout = c.rdzv_timeout_s
         self.me = {"host": socket.gethostname(), "run_dir": str(run_dir), "config": config_digest(cfg)}
         self.where = f"the rendezvous at {self.addr}:{self.port}"
-        self.store = None
+        self.store: Any = None  # a TCPStore once joined
         self.nodes: dict[int, dict] = {}
 
     # ------------------------------------------------------------------ enter / exit

@@ -21,7 +21,7 @@ from pathlib import Path
 from launcher import config as C
 from launcher.data.progress import duration
 from launcher.exits import EXIT_BAD_INPUT, EXIT_CHECKPOINT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED, MARKERS
-from launcher.launch.start.console import Console, killed, LOG
+from launcher.launch.start.console import LOG, Console, killed
 from launcher.manifest import root_of, whole
 
 

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import yaml
 
-from launcher import config as C, user_env
-from launcher.launch.start.argv import job_env, NodeArgs, shell_word, ShellExpr, torchrun_argv
+from launcher import config as C
+from launcher import user_env
+from launcher.launch.start.argv import NodeArgs, ShellExpr, job_env, shell_word, torchrun_argv
 
 MANIFEST = "job.yaml"
 PORT = 29500

@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher import config as C, user_env
+from launcher import config as C
+from launcher import user_env
 from launcher.host import HostInfo
 from launcher.provenance import PROJECT
 
