@@ -22,7 +22,7 @@ RUN    ?=
 FROM   := $(if $(filter wheelhouse,$(MAKECMDGOALS)),,$(WHEELHOUSE))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup wheelhouse gpu-check train data plan rehearse submit export test test-quick bench clean
+.PHONY: help setup wheelhouse gpu-check train data plan rehearse submit export lint test test-quick bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -96,10 +96,17 @@ export: setup ## consolidated weights: RUN=<run dir> [export.dtype=bf16] [export
 # workers on 2 cores were no faster, 24:28: the suite is bound by its processes' CPU).
 TEST_WORKERS ?= $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? n / 2 : 2 )))
 
-test: $(TESTED) ## the full test suite: tests/unit and tests/e2e (real processes; about 25 minutes on 2 cores) [TEST_WORKERS=N]
+# The formatter, the linter and the type checker (pyproject.toml: [tool.ruff], [tool.mypy]), pinned in
+# the dev extra; the test targets run it first, so a tree that fails it runs no test.
+lint: $(TESTED) ## ruff format --check, ruff check and mypy on the whole tree (seconds; ruff format . fixes the first)
+	@$(PY) -m ruff format --check --quiet . || { echo 'lint: run .venv/bin/python -m ruff format . (then commit)' >&2; exit 1; }
+	@$(PY) -m ruff check --quiet .
+	@$(PY) -m mypy
+
+test: $(TESTED) lint ## the full test suite: tests/unit and tests/e2e (real processes; about 25 minutes on 2 cores) [TEST_WORKERS=N]
 	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
-test-quick: $(TESTED) ## tests/unit only: in-process checks and quick commands, no multi-process runs (about 4 minutes)
+test-quick: $(TESTED) lint ## tests/unit only: in-process checks and quick commands, no multi-process runs (about 4 minutes)
 	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit
 
 # The dry-run plans on CPU and needs the first run's install only; the cases need the tests' set-up.

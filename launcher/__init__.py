@@ -1,11 +1,18 @@
 """launcher: a distributed training launcher for PyTorch (see README.md)."""
+
 import os as _os
 
 USER_ENV: dict[str, str] = dict(_os.environ)
 """The environment this process started with, before any module of ours set a variable."""
 
-SET_HERE = ("DS_ACCELERATOR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE",
-            "HF_HUB_DISABLE_TELEMETRY", "HF_HUB_DISABLE_PROGRESS_BARS")
+SET_HERE = (
+    "DS_ACCELERATOR",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "HF_HUB_DISABLE_TELEMETRY",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+)
 """What the launch side sets for this machine (DeepSpeed's accelerator, found here; the
 hubs off): never handed on to a Slurm job, which runs on other machines."""
 
@@ -27,8 +34,9 @@ def offline() -> None:
     progress bars in every rank's log. Called by the entry points (the launcher, a rank)
     and before this project's first import of transformers; never when a module is
     imported. Before huggingface_hub is imported: it reads these once."""
-    _os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                       HF_HUB_DISABLE_TELEMETRY="1")
+    _os.environ.update(
+        HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1"
+    )
     _os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     quiet_imports()
 

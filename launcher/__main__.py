@@ -12,8 +12,8 @@ def entry() -> int:
     # a Ctrl-C the same way while they import it (launch/start/supervise.py::interrupts_held).
     pressed: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
-    from launcher.launch.cli import main
     from launcher.exits import EXIT_INTERRUPTED
+    from launcher.launch.cli import main
 
     if pressed:
         print("interrupted (Ctrl-C) before training started", file=sys.stderr)

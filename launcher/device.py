@@ -18,7 +18,6 @@ import torch
 from launcher.host import current_rss, table_tflops
 
 
-
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -77,10 +76,13 @@ def startup_peaks(device: torch.device, started: float, base: int, built: int | 
     host; host_built_peak_bytes (`built`), the peak RSS when this rank's part of the model
     was built (launcher.models.init.BUILT_PEAK_RSS), before the recipe's engine added its own state (DeepSpeed's optimizer set-up); device_peak_bytes, CUDA max_memory_allocated so far (None on CPU); seconds from
     the process's start (`started`, a time.time() value) to now."""
-    return {"host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host_base_bytes": base,
-            "host_built_peak_bytes": built,
-            "device_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-            "seconds": round(time.time() - started, 3)}
+    return {
+        "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "host_base_bytes": base,
+        "host_built_peak_bytes": built,
+        "device_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "seconds": round(time.time() - started, 3),
+    }
 
 
 @contextlib.contextmanager
@@ -155,7 +157,9 @@ def use_tf32(device: torch.device, enabled: bool) -> None:
         torch.backends.cudnn.allow_tf32 = enabled
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype | None, tflops: float | None = None) -> tuple[float | None, str | None]:
+def peak_flops(
+    device: torch.device, dtype: torch.dtype | None, tflops: float | None = None
+) -> tuple[float | None, str | None]:
     """Peak FLOP/s of one device for MFU, or None where the launcher knows none, and the line
     that says so. `tflops` (cluster.peak_tflops) first; else a GPU's data-sheet figure by its
     name (launcher/host.py; fp32 with TF32 is half the bf16 rate; IEEE fp32 has no entry).
@@ -170,5 +174,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype | None, tflops: float | 
     if known is None:
         return None, f"MFU not reported: no peak FLOP/s known for the GPU {name!r}; set cluster.peak_tflops"
     if dtype is None and not torch.backends.cuda.matmul.allow_tf32:
-        return None, "MFU not reported: IEEE fp32 (precision.tf32=false) has no peak in the device table; set cluster.peak_tflops"
+        return (
+            None,
+            "MFU not reported: IEEE fp32 (precision.tf32=false) has no peak in the device table; set cluster.peak_tflops",
+        )
     return known * 1e12 * (1.0 if dtype is not None else 0.5), None

@@ -85,8 +85,11 @@ def gpu_driver() -> bool:
     /dev/kfd, WSL's /dev/dxg). Without one, torch.cuda finds no device."""
     import glob
 
-    return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/proc/driver/nvidia/gpus/*")
-                or any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")))
+    return bool(
+        glob.glob("/dev/nvidia[0-9]*")
+        or glob.glob("/proc/driver/nvidia/gpus/*")
+        or any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg"))
+    )
 
 
 def nvidia_gpus() -> int | None:
@@ -128,8 +131,13 @@ def _nvidia_smi(field: str) -> str | None:
     if not shutil.which("nvidia-smi"):
         return None
     try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
         return out.splitlines()[0].strip() or None
     except (OSError, subprocess.SubprocessError, IndexError):
         return None

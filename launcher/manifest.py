@@ -58,9 +58,11 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-WRITERS = (re.compile(r"(?:^|/)rank_(\d+)\.pt$"),  # trainer/rank_R.pt
-           re.compile(r"(?:^|/)__(\d+)_\d+\.distcp$"),  # DCP: each rank's data file
-           re.compile(r"zero_pp_rank_(\d+)_"))  # DeepSpeed: each rank's ZeRO partition
+WRITERS = (
+    re.compile(r"(?:^|/)rank_(\d+)\.pt$"),  # trainer/rank_R.pt
+    re.compile(r"(?:^|/)__(\d+)_\d+\.distcp$"),  # DCP: each rank's data file
+    re.compile(r"zero_pp_rank_(\d+)_"),
+)  # DeepSpeed: each rank's ZeRO partition
 """The rank that writes a checkpoint file, from its name; rank 0 writes the rest (ddp's
 model.pt and optim.pt, DCP's .metadata, DeepSpeed's mp_rank_00_model_states.pt)."""
 
@@ -82,12 +84,16 @@ def files_of(folder: Path) -> list[str]:
 def digests(folder: Path, rank: int, world: int) -> dict[str, dict]:
     """Size and sha256 of the files of `folder` this rank wrote, each fsynced; `by`: the
     rank that hashed it (the manifest's record that the digests were taken in parallel)."""
-    return {rel: {"size": (folder / rel).stat().st_size, "sha256": _sha256(folder / rel), "by": rank}
-            for rel in files_of(folder) if writer_of(rel, world) == rank}
+    return {
+        rel: {"size": (folder / rel).stat().st_size, "sha256": _sha256(folder / rel), "by": rank}
+        for rel in files_of(folder)
+        if writer_of(rel, world) == rank
+    }
 
 
-def write_manifest(folder: Path, step: int, run_id: str | None = None, about: dict | None = None,
-                   known: dict[str, dict] | None = None) -> None:
+def write_manifest(
+    folder: Path, step: int, run_id: str | None = None, about: dict | None = None, known: dict[str, dict] | None = None
+) -> None:
     """folder/manifest.json: the step, the run, `about` (what wrote it: launcher/launch/checks/fit.py), each
     file's size and sha256: from `known` (the ranks' own digests), the rest hashed here. The
     folder's directories are fsynced (their entries are what a rename publishes)."""

@@ -63,13 +63,22 @@ def build(names: list[str] | tuple[str, ...], quiet_when_built: bool = True) -> 
             continue
         if built(builder) and quiet_when_built:
             continue
-        print(f"DeepSpeed ops: compiling {builder.NAME} for this environment (once; 1-3 minutes on 2 cores, "
-              f"into {os.environ['TORCH_EXTENSIONS_DIR']})", file=sys.stderr, flush=True)
+        print(
+            f"DeepSpeed ops: compiling {builder.NAME} for this environment (once; 1-3 minutes on 2 cores, "
+            f"into {os.environ['TORCH_EXTENSIONS_DIR']})",
+            file=sys.stderr,
+            flush=True,
+        )
         started = time.perf_counter()
         try:
             builder.load(verbose=False)
         except Exception as err:  # noqa: BLE001 -- a missing compiler: the rank that needs the op says it too
-            print(f"DeepSpeed ops: {builder.NAME} not built ({type(err).__name__}: {str(err).splitlines()[0][:200]})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"DeepSpeed ops: {builder.NAME} not built ({type(err).__name__}: {str(err).splitlines()[0][:200]})",
+                file=sys.stderr,
+                flush=True,
+            )
             continue
-        print(f"DeepSpeed ops: {builder.NAME} ready ({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+        print(
+            f"DeepSpeed ops: {builder.NAME} ready ({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True
+        )

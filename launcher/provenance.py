@@ -48,14 +48,16 @@ def git_state(with_diff: bool = True) -> tuple[dict, str]:
     """({commit, branch, dirty, untracked} or {error}, the diff of tracked files against HEAD)."""
     try:
         top = _git("rev-parse", "--show-toplevel").strip()
-        if Path(top).resolve() != PROJECT.resolve():  # e.g. a job's RUN_DIR/code inside a run directory inside a checkout
+        if (
+            Path(top).resolve() != PROJECT.resolve()
+        ):  # e.g. a job's RUN_DIR/code inside a run directory inside a checkout
             return {"error": f"{PROJECT} is not a git checkout of its own (it lies inside {top})"}, ""
         commit = _git("rev-parse", "HEAD").strip()
         branch = _git("rev-parse", "--abbrev-ref", "HEAD").strip()
         status = _git("status", "--porcelain", "--untracked-files=normal").splitlines()
         diff = _git("diff", "HEAD", "--no-ext-diff") if status and with_diff else ""  # binary files: named only
     except (OSError, subprocess.SubprocessError) as e:
-        why = e.stderr.strip().splitlines()[-1] if getattr(e, "stderr", None) else str(e)
+        why = stderr.strip().splitlines()[-1] if (stderr := getattr(e, "stderr", None)) else str(e)
         return {"error": f"no git state of {PROJECT}: {why}"}, ""
     untracked = [line[3:] for line in status if line.startswith("??")]
     state = {"commit": commit, "branch": branch, "dirty": bool(status), "untracked": untracked[:MAX_LISTED]}
@@ -121,11 +123,19 @@ def rank_versions() -> dict:
 def record(argv: list[str], node_rank: int, code: Path | None = None) -> tuple[dict, str, list[str]]:
     """(provenance.json's record, git.diff's text, requirements.txt's lines) of this launch."""
     git, diff = git_state()
-    rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "command": shlex.join([Path(sys.executable).name, "-m", "launcher", *argv]),
-           "argv": list(argv), "cwd": os.getcwd(), "host": socket.gethostname(), "node_rank": node_rank,
-           "python_executable": sys.executable, "project": str(PROJECT), "code": str(code or PROJECT),
-           "versions": versions(), "git": git}
+    rec = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": shlex.join([Path(sys.executable).name, "-m", "launcher", *argv]),
+        "argv": list(argv),
+        "cwd": os.getcwd(),
+        "host": socket.gethostname(),
+        "node_rank": node_rank,
+        "python_executable": sys.executable,
+        "project": str(PROJECT),
+        "code": str(code or PROJECT),
+        "versions": versions(),
+        "git": git,
+    }
     return rec, diff, installed()
 
 
@@ -166,9 +176,16 @@ def for_wandb(run_dir: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     git = rec.get("git", {})
-    out = {"command": rec.get("command"), "host": rec.get("host"), "code": rec.get("code"),
-           "commit": git.get("commit"), "dirty": git.get("dirty"), "git_error": git.get("error"),
-           "versions": rec.get("versions"), "record": rec.get("folder")}
+    out = {
+        "command": rec.get("command"),
+        "host": rec.get("host"),
+        "code": rec.get("code"),
+        "commit": git.get("commit"),
+        "dirty": git.get("dirty"),
+        "git_error": git.get("error"),
+        "versions": rec.get("versions"),
+        "record": rec.get("folder"),
+    }
     last = last_start(run_dir)
     if last is not None:
         out["rank_hosts"], out["rank_versions"] = last.get("hosts"), last.get("versions")
@@ -204,9 +221,15 @@ def record_hosts(run_dir: Path, rank: int, world_size: int, group=None) -> None:
     for r, host in enumerate(hosts):
         by_host.setdefault(host, []).append(r)
     git, _ = git_state(with_diff=False)  # a start without the launcher (command.sh, a requeue) records it too
-    line = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world": world_size, "hosts": by_host,
-            "code": str(PROJECT), "git": {k: v for k, v in git.items() if k != "untracked"},
-            "python_executable": sys.executable, "versions": rank_versions()}
+    line = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "world": world_size,
+        "hosts": by_host,
+        "code": str(PROJECT),
+        "git": {k: v for k, v in git.items() if k != "untracked"},
+        "python_executable": sys.executable,
+        "versions": rank_versions(),
+    }
     path = run_dir / FOLDER / HOSTS
     try:
         path.parent.mkdir(exist_ok=True)

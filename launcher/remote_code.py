@@ -24,6 +24,8 @@ def remote_code(folder: Path) -> str | None:
             continue
         if isinstance(raw, dict) and raw.get("auto_map"):
             names = ", ".join(sorted(raw["auto_map"])) if isinstance(raw["auto_map"], dict) else str(raw["auto_map"])
-            return (f"{path} names custom code (auto_map: {names}), which the launcher never runs "
-                    "(trust_remote_code stays off): use a model or tokenizer transformers implements itself")
+            return (
+                f"{path} names custom code (auto_map: {names}), which the launcher never runs "
+                "(trust_remote_code stays off): use a model or tokenizer transformers implements itself"
+            )
     return None

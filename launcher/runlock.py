@@ -40,8 +40,17 @@ from pathlib import Path
 
 LOCK = ".launch.lock"
 ENV = "LAUNCHER_RUN_LOCK"  # set by a launcher for the ranks it starts: their launch holds the lock
-ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-         "TIMEOUT"}
+ENDED = {
+    "BOOT_FAIL",
+    "CANCELLED",
+    "COMPLETED",
+    "DEADLINE",
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "TIMEOUT",
+}
 
 
 class Held(Exception):
@@ -54,7 +63,7 @@ def _start_time(pid: int) -> str | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat[stat.rindex(")") + 2:].split()[19]
+    return stat[stat.rindex(")") + 2 :].split()[19]
 
 
 def _pid_namespace() -> str | None:
@@ -65,10 +74,15 @@ def _pid_namespace() -> str | None:
 
 
 def me() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _start_time(os.getpid()),
-            "pid_ns": _pid_namespace(),
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
-            "started": time.time()}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "pid_start": _start_time(os.getpid()),
+        "pid_ns": _pid_namespace(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
+        "started": time.time(),
+    }
 
 
 def gone(holder: dict) -> bool:
@@ -91,8 +105,9 @@ def slurm_job_states(job_id: str) -> list[str] | None:
     if shutil.which("squeue") is None:
         return None
     try:
-        proc = subprocess.run(["squeue", "--noheader", f"--jobs={job_id}", "--format=%T"], capture_output=True,
-                              text=True, timeout=10)
+        proc = subprocess.run(
+            ["squeue", "--noheader", f"--jobs={job_id}", "--format=%T"], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if proc.returncode != 0:
@@ -118,16 +133,20 @@ def check_free(run_dir: Path) -> None:
     states = slurm_job_states(job) if job.isdigit() else None
     live = [state for state in states or [] if state not in ENDED]
     if live:
-        raise Held(f"{run_dir} belongs to Slurm job {job} ({live[0]}); wait for it, `scancel {job}`, or choose "
-                   f"another hydra.run.dir")
+        raise Held(
+            f"{run_dir} belongs to Slurm job {job} ({live[0]}); wait for it, `scancel {job}`, or choose "
+            f"another hydra.run.dir"
+        )
 
 
 def describe(holder: dict, path: Path) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
     job = f", Slurm job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
-    return (f"{path.parent} is in use by the launch started {when} on {holder.get('host')} (pid {holder.get('pid')}"
-            f"{job}); wait for it, stop it, or choose another hydra.run.dir (checkpoint.dir). If that launch is gone for good "
-            f"(its host is down), remove {path}")
+    return (
+        f"{path.parent} is in use by the launch started {when} on {holder.get('host')} (pid {holder.get('pid')}"
+        f"{job}); wait for it, stop it, or choose another hydra.run.dir (checkpoint.dir). If that launch is gone for good "
+        f"(its host is down), remove {path}"
+    )
 
 
 def _mine(holder: dict | None) -> bool:

@@ -46,7 +46,9 @@ def check_file(path: Path) -> str | None:
     try:
         unsafe = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(str(path))) - set(DEEPSPEED_GLOBALS))
     except Exception as e:  # noqa: BLE001 -- not a torch.save archive, torn, encrypted, ...
-        return f"{path} cannot be checked ({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); {REFUSE}"
+        return (
+            f"{path} cannot be checked ({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); {REFUSE}"
+        )
     if unsafe:
         return f"{path} would call {unsafe[0]}, which a checkpoint never contains: {REFUSE}"
     return None

@@ -111,8 +111,12 @@ def module(strategy: str):
     """The recipe's module (its SPEC), imported on first use; it imports no torch."""
     strategy = getattr(strategy, "value", strategy)
     if strategy not in names():
-        raise ConfigError("recipe.strategy", strategy, f"no such engine; allowed: {', '.join(names())} "
-                          "(recipes/<engine>: a module or package; a recipe, conf/recipe/<name>.yaml, names one)")
+        raise ConfigError(
+            "recipe.strategy",
+            strategy,
+            f"no such engine; allowed: {', '.join(names())} "
+            "(recipes/<engine>: a module or package; a recipe, conf/recipe/<name>.yaml, names one)",
+        )
     return importlib.import_module(f"recipes.{strategy}")
 
 

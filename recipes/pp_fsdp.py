@@ -12,11 +12,16 @@ compute dtype and their gradients in fp32 unsharded until the step's reduce-scat
 planner's pipeline-FSDP term (launcher/planner/footprint.py).
 """
 
-from recipes import Parallelism, RecipeSpec
 import dataclasses
 
+from recipes import Parallelism, RecipeSpec
 from recipes.fsdp import fsdp_holds
 
-SPEC = RecipeSpec(Parallelism(shards=True, tp=True, pp=True, required=("pp",)), engine="recipes.pp.engine",
-                  builds_on_meta=True, writes="dcp", reads=("ddp", "dcp"),
-                  holds=lambda recipe: dataclasses.replace(fsdp_holds(recipe), grads_freed=False))  # kept over micro-batches
+SPEC = RecipeSpec(
+    Parallelism(shards=True, tp=True, pp=True, required=("pp",)),
+    engine="recipes.pp.engine",
+    builds_on_meta=True,
+    writes="dcp",
+    reads=("ddp", "dcp"),
+    holds=lambda recipe: dataclasses.replace(fsdp_holds(recipe), grads_freed=False),
+)  # kept over micro-batches

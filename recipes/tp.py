@@ -10,5 +10,11 @@ is in launcher/parallel/cuts.py; the engine is fsdp's ShardedEngine (no FSDP her
 
 from recipes import Holding, Parallelism, RecipeSpec
 
-SPEC = RecipeSpec(Parallelism(tp=True, required=("tp",)), engine="recipes.fsdp.engine", builds_on_meta=True, writes="dcp",
-                  reads=("ddp", "dcp"), holds=lambda recipe: Holding(grads_freed=True))  # fsdp's engine frees them
+SPEC = RecipeSpec(
+    Parallelism(tp=True, required=("tp",)),
+    engine="recipes.fsdp.engine",
+    builds_on_meta=True,
+    writes="dcp",
+    reads=("ddp", "dcp"),
+    holds=lambda recipe: Holding(grads_freed=True),
+)  # fsdp's engine frees them

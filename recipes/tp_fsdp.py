@@ -8,5 +8,11 @@ applies tensor parallel, then FSDP.
 from recipes import Parallelism, RecipeSpec
 from recipes.fsdp import fsdp_holds
 
-SPEC = RecipeSpec(Parallelism(shards=True, tp=True, cp=True, required=("tp",)), engine="recipes.fsdp.engine", builds_on_meta=True, writes="dcp",
-                  reads=("ddp", "dcp"), holds=fsdp_holds)
+SPEC = RecipeSpec(
+    Parallelism(shards=True, tp=True, cp=True, required=("tp",)),
+    engine="recipes.fsdp.engine",
+    builds_on_meta=True,
+    writes="dcp",
+    reads=("ddp", "dcp"),
+    holds=fsdp_holds,
+)

@@ -20,14 +20,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from launcher.exits import exit_now
 from launcher.device import backend_for, local_device, memory_stats, synchronize
+from launcher.exits import exit_now
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", nargs="+", default=["model=gpt_tiny"],
-                    help="the model's config overrides, as make train takes them (model=gpt_small model.dim=256 ...)")
+    ap.add_argument(
+        "--model",
+        nargs="+",
+        default=["model=gpt_tiny"],
+        help="the model's config overrides, as make train takes them (model=gpt_small model.dim=256 ...)",
+    )
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -144,7 +148,14 @@ def report(args, elapsed: float, model_state_bytes: int) -> None:
     tokens = timed * args.micro_batch * args.seq_len * dist.get_world_size()
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"tokens_per_s": tokens / elapsed, "step_time_s": elapsed / timed,
-                       "peak_bytes": memory_stats(args.device)["mem/peak_bytes"],
-                       "model_state_bytes": model_state_bytes,
-                       "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS")}, f)
+            json.dump(
+                {
+                    "tokens_per_s": tokens / elapsed,
+                    "step_time_s": elapsed / timed,
+                    "peak_bytes": memory_stats(args.device)["mem/peak_bytes"],
+                    "model_state_bytes": model_state_bytes,
+                    "threads": torch.get_num_threads(),
+                    "omp": os.environ.get("OMP_NUM_THREADS"),
+                },
+                f,
+            )

@@ -73,8 +73,11 @@ def native_bf16() -> tuple[bool, str]:
         ok = torch.cuda.is_bf16_supported(including_emulation=False)
         return ok, f"{torch.cuda.get_device_name()} {'supports' if ok else 'does not support'} bf16"
     try:
-        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                         if line.startswith("flags")).split(":", 1)[1].split())
+        flags = set(
+            next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+            .split(":", 1)[1]
+            .split()
+        )
     except (OSError, StopIteration):
         return False, "the CPU's flags could not be read"
     have = sorted(flags & {"avx512_bf16", "amx_bf16"})
@@ -102,35 +105,78 @@ class Bench:
 
     def train_args(self, recipe: str, model: str, steps: int, extra: list[str], run: Path) -> list[str]:
         a = self.args
-        return [f"hydra.run.dir={run}", f"recipe={recipe}", *model_args(model), f"precision={a.dtype}",
-                f"train.steps={steps}", "optim.warmup_steps=5", f"train.seq_len={a.seq_len}",
-                f"train.micro_batch={a.micro_batch}", f"train.global_batch={a.micro_batch * a.nproc}",
-                # The loop computes the loss whole: so does the recipe (auto would slice a large
-                # vocabulary's logits on a GPU, a memory lever that costs time; docs/memory.md).
-                "train.loss_chunks=1",
-                "logger=none", "logger.log_every=10", "checkpoint.every=0", "checkpoint.save_final=false",
-                f"cluster.nproc_per_node={a.nproc}", *extra]
+        return [
+            f"hydra.run.dir={run}",
+            f"recipe={recipe}",
+            *model_args(model),
+            f"precision={a.dtype}",
+            f"train.steps={steps}",
+            "optim.warmup_steps=5",
+            f"train.seq_len={a.seq_len}",
+            f"train.micro_batch={a.micro_batch}",
+            f"train.global_batch={a.micro_batch * a.nproc}",
+            # The loop computes the loss whole: so does the recipe (auto would slice a large
+            # vocabulary's logits on a GPU, a memory lever that costs time; docs/memory.md).
+            "train.loss_chunks=1",
+            "logger=none",
+            "logger.log_every=10",
+            "checkpoint.every=0",
+            "checkpoint.save_final=false",
+            f"cluster.nproc_per_node={a.nproc}",
+            *extra,
+        ]
 
     def recipe(self, recipe: str, model: str, extra: list[str] = ()) -> dict:
         run = self.runs / f"{recipe}-{model}"
         shutil.rmtree(run, ignore_errors=True)
-        _run([sys.executable, "-m", "launcher", "train",
-              *self.train_args(recipe, model, self.args.steps, list(extra), run)], self.env)
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "launcher",
+                "train",
+                *self.train_args(recipe, model, self.args.steps, list(extra), run),
+            ],
+            self.env,
+        )
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         steady = rows[1:]  # the first interval holds start-up
         tokens_per_step = rows[0]["tokens_per_s"] * rows[0]["step_time_s"]
-        return {"tokens_per_s": tokens_per_step / statistics.mean(r["step_time_s"] for r in steady),
-                "peak_bytes": max(r["mem/peak_bytes"] for r in rows),
-                "model_state_bytes": rows[-1]["mem/model_state_bytes"]}
+        return {
+            "tokens_per_s": tokens_per_step / statistics.mean(r["step_time_s"] for r in steady),
+            "peak_bytes": max(r["mem/peak_bytes"] for r in rows),
+            "model_state_bytes": rows[-1]["mem/model_state_bytes"],
+        }
 
-    def baseline(self, recipe: str, model: str, steps: int | None = None, warmup: int = 10,
-                 more: tuple[str, ...] = ()) -> tuple[dict, float]:
+    def baseline(
+        self, recipe: str, model: str, steps: int | None = None, warmup: int = 10, more: tuple[str, ...] = ()
+    ) -> tuple[dict, float]:
         script, extra, _ = CASES[recipe]
         a, out = self.args, self.runs / f"baseline-{recipe}-{model}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}",
-               f"scripts/{script}", "--model", *model_args(model), "--dtype", a.dtype, "--steps", str(steps or a.steps),
-               "--warmup", str(warmup), "--micro-batch", str(a.micro_batch), "--seq-len", str(a.seq_len),
-               "--out", str(out), *extra, *more]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={a.nproc}",
+            f"scripts/{script}",
+            "--model",
+            *model_args(model),
+            "--dtype",
+            a.dtype,
+            "--steps",
+            str(steps or a.steps),
+            "--warmup",
+            str(warmup),
+            "--micro-batch",
+            str(a.micro_batch),
+            "--seq-len",
+            str(a.seq_len),
+            "--out",
+            str(out),
+            *extra,
+            *more,
+        ]
         wall = _run(cmd, self.env)
         return json.loads(out.read_text()), wall
 
@@ -140,24 +186,35 @@ class Bench:
         for i in range(self.args.rounds):
             for recipe, model in cases:
                 ours, theirs = seen[(recipe, model)]
-                pair = [lambda: ours.append(self.recipe(recipe, model)),
-                        lambda: theirs.append(self.baseline(recipe, model)[0])]
-                for run in (pair if i % 2 == 0 else pair[::-1]):
+                pair = [
+                    lambda: ours.append(self.recipe(recipe, model)),
+                    lambda: theirs.append(self.baseline(recipe, model)[0]),
+                ]
+                for run in pair if i % 2 == 0 else pair[::-1]:
                     run()
-                print(f"round {i + 1}: {recipe:6} {model:9} {ours[-1]['tokens_per_s']:9,.0f} vs "
-                      f"{theirs[-1]['tokens_per_s']:9,.0f} tok/s", flush=True)
+                print(
+                    f"round {i + 1}: {recipe:6} {model:9} {ours[-1]['tokens_per_s']:9,.0f} vs "
+                    f"{theirs[-1]['tokens_per_s']:9,.0f} tok/s",
+                    flush=True,
+                )
         results = []
         for (recipe, model), (ours, theirs) in seen.items():
             ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)]
-            results.append({
-                "recipe": recipe, "model": model, "target": CASES[recipe][2],
-                "recipe_tokens_per_s": [r["tokens_per_s"] for r in ours],
-                "baseline_tokens_per_s": [r["tokens_per_s"] for r in theirs],
-                "ratios": ratios, "ratio": statistics.median(ratios),
-                "recipe_peak_bytes": max(r["peak_bytes"] for r in ours),
-                "baseline_peak_bytes": max(r.get("peak_bytes", 0) for r in theirs),
-                "recipe_model_state_bytes": ours[-1]["model_state_bytes"],
-                "baseline_model_state_bytes": theirs[-1].get("model_state_bytes")})
+            results.append(
+                {
+                    "recipe": recipe,
+                    "model": model,
+                    "target": CASES[recipe][2],
+                    "recipe_tokens_per_s": [r["tokens_per_s"] for r in ours],
+                    "baseline_tokens_per_s": [r["tokens_per_s"] for r in theirs],
+                    "ratios": ratios,
+                    "ratio": statistics.median(ratios),
+                    "recipe_peak_bytes": max(r["peak_bytes"] for r in ours),
+                    "baseline_peak_bytes": max(r.get("peak_bytes", 0) for r in theirs),
+                    "recipe_model_state_bytes": ours[-1]["model_state_bytes"],
+                    "baseline_model_state_bytes": theirs[-1].get("model_state_bytes"),
+                }
+            )
         return results
 
     def startup(self) -> dict:
@@ -168,8 +225,12 @@ class Bench:
         like = self.train_args("ddp", "gpt_tiny", 2, [], run)
         default = [f"hydra.run.dir={run}", "train.steps=2", f"cluster.nproc_per_node={self.args.nproc}"]
         make = ["make", "-s", "train"]
-        seen = {"make train, 2 steps (no W&B, no checkpoint)": [], "torchrun, hand-written 2-step loop": [],
-                "make train, 2 steps (defaults: W&B offline, final checkpoint)": [], "make train --dry-run": []}
+        seen = {
+            "make train, 2 steps (no W&B, no checkpoint)": [],
+            "torchrun, hand-written 2-step loop": [],
+            "make train, 2 steps (defaults: W&B offline, final checkpoint)": [],
+            "make train --dry-run": [],
+        }
         names = list(seen)
         for i in range(self.args.rounds):
             order = [0, 1, 2, 3] if i % 2 == 0 else [1, 0, 3, 2]
@@ -180,7 +241,9 @@ class Bench:
                 elif k == 1:
                     seen[names[k]].append(self.baseline("ddp", "gpt_tiny", steps=2, warmup=1)[1])
                 elif k == 2:
-                    seen[names[k]].append(_run([*make, f"ARGS={' '.join(default)}"], {**self.env, "WANDB_MODE": "offline"}))
+                    seen[names[k]].append(
+                        _run([*make, f"ARGS={' '.join(default)}"], {**self.env, "WANDB_MODE": "offline"})
+                    )
                 else:
                     seen[names[k]].append(_run([*make, f"ARGS={' '.join(like)} --dry-run"], self.env))
             print(f"round {i + 1}: start-up " + ", ".join(f"{v[-1]:.2f}" for v in seen.values()) + " s", flush=True)
@@ -190,16 +253,25 @@ class Bench:
         model = "gpt_small"
         cases = [(name, extra) for name, extra in PARALLEL_CASES if self.args.nproc % degree(extra) == 0]
         if len(cases) < len(PARALLEL_CASES):
-            print(f"parallel: {self.args.nproc} rank(s) cannot split tp or pp; "
-                  f"{', '.join(n for n, _ in cases)} only", flush=True)
+            print(
+                f"parallel: {self.args.nproc} rank(s) cannot split tp or pp; {', '.join(n for n, _ in cases)} only",
+                flush=True,
+            )
         seen: dict[str, list[dict]] = {name: [] for name, _ in cases}
         for i in range(self.args.rounds):
-            for name, extra in (cases if i % 2 == 0 else cases[::-1]):
+            for name, extra in cases if i % 2 == 0 else cases[::-1]:
                 seen[name].append(self.recipe(name, model, extra))
-        return [{"recipe": name, "overrides": extra, "model": model,
-                 "tokens_per_s": [x["tokens_per_s"] for x in seen[name]],
-                 "peak_bytes": statistics.median(x["peak_bytes"] for x in seen[name]),
-                 "model_state_bytes": seen[name][-1]["model_state_bytes"]} for name, extra in cases]
+        return [
+            {
+                "recipe": name,
+                "overrides": extra,
+                "model": model,
+                "tokens_per_s": [x["tokens_per_s"] for x in seen[name]],
+                "peak_bytes": statistics.median(x["peak_bytes"] for x in seen[name]),
+                "model_state_bytes": seen[name][-1]["model_state_bytes"],
+            }
+            for name, extra in cases
+        ]
 
 
 def degree(overrides: list[str]) -> int:
@@ -226,9 +298,14 @@ def settings(args, threads: int) -> dict:
     import torch
 
     gpu = f"{torch.cuda.get_device_name()}, nccl" if torch.cuda.is_available() else "gloo"
-    return {"machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
-                       f"torch {torch.__version__}, {args.nproc} processes x {threads} thread(s), {gpu}",
-            "dtype": args.dtype, "steps": args.steps, "micro_batch": args.micro_batch, "seq_len": args.seq_len}
+    return {
+        "machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
+        f"torch {torch.__version__}, {args.nproc} processes x {threads} thread(s), {gpu}",
+        "dtype": args.dtype,
+        "steps": args.steps,
+        "micro_batch": args.micro_batch,
+        "seq_len": args.seq_len,
+    }
 
 
 def merge(args, why: str, threads: int, results: list[dict], startup: dict | None, parallel: list[dict]) -> dict:
@@ -244,7 +321,9 @@ def merge(args, why: str, threads: int, results: list[dict], startup: dict | Non
     if old.get("settings") == data["settings"]:
         data.update({k: old.get(k) for k in ("steps", "startup", "parallel")})
     ran = {(r["recipe"], r["model"]) for r in results}
-    data["steps"] = [r for r in data["steps"] or [] if (r["recipe"], r["model"]) not in ran] + [{**r, **now} for r in results]
+    data["steps"] = [r for r in data["steps"] or [] if (r["recipe"], r["model"]) not in ran] + [
+        {**r, **now} for r in results
+    ]
     order = {(r, m): i for i, (m, r) in enumerate((m, r) for m in MODELS for r in CASES)}
     data["steps"].sort(key=lambda r: order.get((r["recipe"], r["model"]), len(order)))
     if startup:
@@ -272,37 +351,56 @@ def write(data: dict) -> None:
     ]
     for r in data["steps"]:
         ok = "ok" if r["ratio"] >= r["target"] else "**missed**"
-        lines.append(f"| {r['recipe']} | {r['model']} | {spread(r['recipe_tokens_per_s'])} | "
-                     f"{spread(r['baseline_tokens_per_s'])} | {spread(r['ratios'], '.3f')} | >= {r['target']} {ok} | "
-                     f"{_mib(r['recipe_peak_bytes'])} / {_mib(r['baseline_peak_bytes'])} | "
-                     f"{_mib(r['recipe_model_state_bytes'])} / {_mib(r['baseline_model_state_bytes'])} | "
-                     f"{r['date']}, {r['rounds']} rounds |")
+        lines.append(
+            f"| {r['recipe']} | {r['model']} | {spread(r['recipe_tokens_per_s'])} | "
+            f"{spread(r['baseline_tokens_per_s'])} | {spread(r['ratios'], '.3f')} | >= {r['target']} {ok} | "
+            f"{_mib(r['recipe_peak_bytes'])} / {_mib(r['baseline_peak_bytes'])} | "
+            f"{_mib(r['recipe_model_state_bytes'])} / {_mib(r['baseline_model_state_bytes'])} | "
+            f"{r['date']}, {r['rounds']} rounds |"
+        )
     run = dict.fromkeys(r["model"] for r in data["steps"])
-    lines += ["", "Models: " + "; ".join(f"`{k}` = `{' '.join(model_args(k))}`" for k in run),
-              "Hand-written loops: scripts/bench_ddp_baseline.py (DDP), scripts/bench_deepspeed_baseline.py "
-              "(DeepSpeed, the same ZeRO stage and buckets), scripts/bench_fsdp_baseline.py (FSDP2)."]
+    lines += [
+        "",
+        "Models: " + "; ".join(f"`{k}` = `{' '.join(model_args(k))}`" for k in run),
+        "Hand-written loops: scripts/bench_ddp_baseline.py (DDP), scripts/bench_deepspeed_baseline.py "
+        "(DeepSpeed, the same ZeRO stage and buckets), scripts/bench_fsdp_baseline.py (FSDP2).",
+    ]
     if data["startup"]:
         s = data["startup"]
         base = statistics.median(s["commands"]["torchrun, hand-written 2-step loop"])
-        lines += ["", "## Start-up: a whole 2-step run", "",
-                  f"gpt_tiny on the processes above, wall seconds of the whole command, {s['rounds']} rounds interleaved, "
-                  f"measured {s['date']}; target: `make train` like for like at most {STARTUP_TARGET}x torchrun of "
-                  "the hand-written loop.", "",
-                  "| command | seconds, median (min-max) | x hand-written |", "|---|---:|---:|"]
+        lines += [
+            "",
+            "## Start-up: a whole 2-step run",
+            "",
+            f"gpt_tiny on the processes above, wall seconds of the whole command, {s['rounds']} rounds interleaved, "
+            f"measured {s['date']}; target: `make train` like for like at most {STARTUP_TARGET}x torchrun of "
+            "the hand-written loop.",
+            "",
+            "| command | seconds, median (min-max) | x hand-written |",
+            "|---|---:|---:|",
+        ]
         for name, values in s["commands"].items():
             lines.append(f"| {name} | {spread(values, '.2f')} | {statistics.median(values) / base:.2f} |")
     if data["parallel"]:
         rows = data["parallel"]["rows"]
         ddp = statistics.median(rows[0]["tokens_per_s"])
-        lines += ["", "## Parallel recipes beside ddp", "",
-                  f"Same bench: {rows[0]['model']}, the same batch and precision, median (min-max) of "
-                  f"{data['parallel']['rounds']} rounds (interleaved), measured {data['parallel']['date']}. "
-                  "Model state is what rank 0 holds.", "",
-                  "| recipe | overrides | tokens/s | vs ddp | peak memory/rank | model state/rank |", "|---|---|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "## Parallel recipes beside ddp",
+            "",
+            f"Same bench: {rows[0]['model']}, the same batch and precision, median (min-max) of "
+            f"{data['parallel']['rounds']} rounds (interleaved), measured {data['parallel']['date']}. "
+            "Model state is what rank 0 holds.",
+            "",
+            "| recipe | overrides | tokens/s | vs ddp | peak memory/rank | model state/rank |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
         for r in rows:
-            lines.append(f"| {r['recipe']} | {' '.join(r['overrides']) or '-'} | {spread(r['tokens_per_s'])} | "
-                         f"{statistics.median(r['tokens_per_s']) / ddp:.2f} | {_mib(r['peak_bytes'])} MiB | "
-                         f"{_mib(r['model_state_bytes'])} MiB |")
+            lines.append(
+                f"| {r['recipe']} | {' '.join(r['overrides']) or '-'} | {spread(r['tokens_per_s'])} | "
+                f"{statistics.median(r['tokens_per_s']) / ddp:.2f} | {_mib(r['peak_bytes'])} MiB | "
+                f"{_mib(r['model_state_bytes'])} MiB |"
+            )
     (OUT / "results.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {OUT / 'results.md'}")
 
@@ -315,7 +413,9 @@ def main() -> int:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
-    ap.add_argument("--only", nargs="*", default=None, help=f"recipes to run against their loops (default: {' '.join(CASES)})")
+    ap.add_argument(
+        "--only", nargs="*", default=None, help=f"recipes to run against their loops (default: {' '.join(CASES)})"
+    )
     ap.add_argument("--models", nargs="*", default=None, help=f"models (default: {' '.join(MODELS)})")
     ap.add_argument("--no-startup", action="store_true", help="skip the 2-step start-up runs")
     ap.add_argument("--no-parallel", action="store_true", help="skip the parallel recipes beside ddp")
@@ -332,8 +432,7 @@ def main() -> int:
         why = f"chosen with --dtype ({why})"
     print(f"precision {args.dtype}: {why}", flush=True)
     bench = Bench(args)
-    cases = [(r, m) for m in (args.models or list(MODELS))
-             for r in (args.only if args.only is not None else CASES)]
+    cases = [(r, m) for m in (args.models or list(MODELS)) for r in (args.only if args.only is not None else CASES)]
     results = bench.steps(cases)
     startup = None if args.no_startup else bench.startup()
     parallel = [] if args.no_parallel else bench.parallel()

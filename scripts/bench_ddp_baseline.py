@@ -9,11 +9,13 @@ front), no logging, no checkpoints: the fastest honest loop.
 from __future__ import annotations
 
 import torch
+from baseline_common import adamw, compute, finish, report, start, timed_loop
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from baseline_common import adamw, compute, finish, report, start, timed_loop
 from launcher.rank.engine import optimizer_state_bytes, tensor_bytes
-from recipes.ddp.engine import no_buffer_sync  # forward_sync_buffers=False, or broadcast_buffers=False before torch 2.13
+from recipes.ddp.engine import (
+    no_buffer_sync,
+)  # forward_sync_buffers=False, or broadcast_buffers=False before torch 2.13
 
 
 def main() -> None:

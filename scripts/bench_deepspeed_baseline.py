@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from baseline_common import batch, finish, model_config, param_groups, parser, report, start_process_group, timed_loop
+
 from launcher.host import deepspeed_env
 from launcher.models.gpt import GPT
 
@@ -30,18 +30,30 @@ def main() -> None:
     mcfg = model_config(args)
     torch.manual_seed(0)
     model = GPT(mcfg).to(device)
-    dim2 = mcfg.dim ** 2
-    zero = {"stage": args.stage, "overlap_comm": args.stage >= 2, "contiguous_gradients": True,
-            "reduce_bucket_size": dim2, "allgather_bucket_size": dim2}
+    dim2 = mcfg.dim**2
+    zero = {
+        "stage": args.stage,
+        "overlap_comm": args.stage >= 2,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": dim2,
+        "allgather_bucket_size": dim2,
+    }
     if args.stage == 3:
-        zero.update({"stage3_prefetch_bucket_size": int(0.9 * dim2),
-                     "stage3_param_persistence_threshold": 10 * mcfg.dim})
+        zero.update(
+            {"stage3_prefetch_bucket_size": int(0.9 * dim2), "stage3_param_persistence_threshold": 10 * mcfg.dim}
+        )
     config = {
-        "train_batch_size": args.micro_batch * world, "train_micro_batch_size_per_gpu": args.micro_batch,
-        "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 2**31 - 1,
-        "bf16": {"enabled": args.dtype == "bf16"}, "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,
-                                                  "torch_adam": True}},
+        "train_batch_size": args.micro_batch * world,
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 2**31 - 1,
+        "bf16": {"enabled": args.dtype == "bf16"},
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1, "torch_adam": True},
+        },
     }
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
 

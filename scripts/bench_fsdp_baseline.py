@@ -10,9 +10,9 @@ fp32, as the recipe does. No data loader, no logging, no checkpoints.
 from __future__ import annotations
 
 import torch
+from baseline_common import adamw, batch, finish, report, start, timed_loop
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from baseline_common import adamw, batch, finish, report, start, timed_loop
 from launcher.rank.engine import local_shard, optimizer_state_bytes
 
 

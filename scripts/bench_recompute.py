@@ -43,31 +43,53 @@ def main() -> int:
     bench = Bench(args)
     seen = {m: [] for m in MODES}
     for i in range(args.rounds):
-        for mode in (MODES if i % 2 == 0 else MODES[::-1]):
+        for mode in MODES if i % 2 == 0 else MODES[::-1]:
             seen[mode].append(bench.recipe(args.recipe, args.model, [f"train.activation_checkpointing={mode}"]))
-        print(f"round {i + 1}: " + ", ".join(f"{m} {seen[m][-1]['tokens_per_s']:,.0f}" for m in MODES) + " tok/s",
-              flush=True)
+        print(
+            f"round {i + 1}: " + ", ".join(f"{m} {seen[m][-1]['tokens_per_s']:,.0f}" for m in MODES) + " tok/s",
+            flush=True,
+        )
     base = statistics.median(r["tokens_per_s"] for r in seen["none"])
-    lines = ["# Activation checkpointing: memory and step time", "",
-             f"Written by scripts/bench_recompute.py on {time.strftime('%Y-%m-%d %H:%M')}: {args.recipe}, "
-             f"`{' '.join(model_args(args.model))}`, {args.nproc} processes, micro-batch {args.micro_batch} x "
-             f"{args.seq_len} tokens, {args.dtype} ({why}); {args.rounds} rounds interleaved, median (min-max) "
-             "tokens/s over the steady steps. Activation bytes per rank: the planner's (within 0.2% of torch's "
-             "MemTracker, tests/unit/test_op_recompute.py).", "",
-             "| mode | tokens/s | step time x none | activation MiB | x none |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        "# Activation checkpointing: memory and step time",
+        "",
+        f"Written by scripts/bench_recompute.py on {time.strftime('%Y-%m-%d %H:%M')}: {args.recipe}, "
+        f"`{' '.join(model_args(args.model))}`, {args.nproc} processes, micro-batch {args.micro_batch} x "
+        f"{args.seq_len} tokens, {args.dtype} ({why}); {args.rounds} rounds interleaved, median (min-max) "
+        "tokens/s over the steady steps. Activation bytes per rank: the planner's (within 0.2% of torch's "
+        "MemTracker, tests/unit/test_op_recompute.py).",
+        "",
+        "| mode | tokens/s | step time x none | activation MiB | x none |",
+        "|---|---:|---:|---:|---:|",
+    ]
     acts = {}
     for mode in MODES:
-        cfg, _, _ = cli.compose_config([f"recipe={args.recipe}", *model_args(args.model), f"precision={args.dtype}",
-                                        f"train.seq_len={args.seq_len}", f"train.activation_checkpointing={mode}"])
+        cfg, _, _ = cli.compose_config(
+            [
+                f"recipe={args.recipe}",
+                *model_args(args.model),
+                f"precision={args.dtype}",
+                f"train.seq_len={args.seq_len}",
+                f"train.activation_checkpointing={mode}",
+            ]
+        )
         layout = layout_for(cfg, args.nproc)
-        acts[mode] = M.activation_bytes(cfg.model, args.micro_batch, args.seq_len,
-                                        numerics(cfg.precision.name, layout), cfg.train.activation_checkpointing,
-                                        cfg.train.ac_every, tp=layout.tp)
+        acts[mode] = M.activation_bytes(
+            cfg.model,
+            args.micro_batch,
+            args.seq_len,
+            numerics(cfg.precision.name, layout),
+            cfg.train.activation_checkpointing,
+            cfg.train.ac_every,
+            tp=layout.tp,
+        )
     for mode in MODES:
         tps = [r["tokens_per_s"] for r in seen[mode]]
         med = statistics.median(tps)
-        lines.append(f"| {mode} | {med:,.0f} ({min(tps):,.0f}-{max(tps):,.0f}) | {base / med:.3f} | "
-                     f"{acts[mode] / 2**20:,.1f} | {acts[mode] / acts['none']:.2f} |")
+        lines.append(
+            f"| {mode} | {med:,.0f} ({min(tps):,.0f}-{max(tps):,.0f}) | {base / med:.3f} | "
+            f"{acts[mode] / 2**20:,.1f} | {acts[mode] / acts['none']:.2f} |"
+        )
     out = REPO / "bench" / "recompute.md"
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")

@@ -39,10 +39,25 @@ EVERY, STEPS = 4, 11
 def run_case(tree: Path, model: str, recipe: str, mode: str, scratch: Path) -> dict:
     """The stalls of the two saves and the time they lost, in seconds; the checkpoint's bytes."""
     run_dir = scratch / f"{recipe}-{model}-{tree.name}-{mode}"
-    argv = [sys.executable, "-m", "launcher", "train", f"model={model}", f"recipe={recipe}",
-            f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "checkpoint.save_final=false",
-            "checkpoint.keep=1", "train.micro_batch=1", "train.seq_len=64", "optim.warmup_steps=0",
-            "logger=none", "logger.log_every=1", f"hydra.run.dir={run_dir}", "cluster.nproc_per_node=2"]
+    argv = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "train",
+        f"model={model}",
+        f"recipe={recipe}",
+        f"train.steps={STEPS}",
+        f"checkpoint.every={EVERY}",
+        "checkpoint.save_final=false",
+        "checkpoint.keep=1",
+        "train.micro_batch=1",
+        "train.seq_len=64",
+        "optim.warmup_steps=0",
+        "logger=none",
+        "logger.log_every=1",
+        f"hydra.run.dir={run_dir}",
+        "cluster.nproc_per_node=2",
+    ]
     if mode == "async":
         argv.append("checkpoint.async_save=true")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tree)}
@@ -64,22 +79,28 @@ def run_case(tree: Path, model: str, recipe: str, mode: str, scratch: Path) -> d
     lost = sum(gaps[s] - steady for s in range(EVERY + 1, STEPS + 1))
     size = sum(p.stat().st_size for p in (run_dir / "checkpoints").rglob("*") if p.is_file())
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    return {"stall_s": [resumed[s] - steps[s] for s in (EVERY, 2 * EVERY)], "lost_s": lost, "step_s": steady,
-            "bytes": size}
+    return {
+        "stall_s": [resumed[s] - steps[s] for s in (EVERY, 2 * EVERY)],
+        "lost_s": lost,
+        "step_s": steady,
+        "bytes": size,
+    }
 
 
 def tree_of(commit: str, scratch: Path) -> Path:
     path = scratch / f"tree-{commit[:10]}"
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=REPO, check=True,
-                   capture_output=True)
+    subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=REPO, check=True, capture_output=True)
     return path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="fsdp:gpt_125m,fsdp:gpt_350m,zero2:gpt_125m,zero2:gpt_350m",
-                    help="recipe:model pairs (an async save holds a second copy of the state in host memory: "
-                         "on a 24 GiB machine without a GPU gpt_1b does not fit twice)")
+    ap.add_argument(
+        "--cases",
+        default="fsdp:gpt_125m,fsdp:gpt_350m,zero2:gpt_125m,zero2:gpt_350m",
+        help="recipe:model pairs (an async save holds a second copy of the state in host memory: "
+        "on a 24 GiB machine without a GPU gpt_1b does not fit twice)",
+    )
     ap.add_argument("--before", help="a commit to compare with, sync only (checked out into a worktree)")
     ap.add_argument("--out", default=str(REPO / "bench" / "save.md"))
     args = ap.parse_args()
@@ -92,24 +113,36 @@ def main() -> None:
         for case in args.cases.split(","):
             recipe, model = case.split(":")
             for name, tree, mode in runs:
-                rows.append({"recipe": recipe, "model": model, "tree": name, "mode": mode,
-                             **run_case(tree, model, recipe, mode, scratch)})
+                rows.append(
+                    {
+                        "recipe": recipe,
+                        "model": model,
+                        "tree": name,
+                        "mode": mode,
+                        **run_case(tree, model, recipe, mode, scratch),
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         for name, tree, _ in runs:
             if tree != REPO:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
-    lines = ["# Save stall per checkpoint, 2 CPU ranks (fp32)", "",
-             f"`python scripts/bench_save.py --cases {args.cases}"
-             + (f" --before {args.before}`" if args.before else "`"),
-             f"on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-             f"{time.strftime('%Y-%m-%d')}, after = {head.strip()} (with uncommitted changes, if any).", "",
-             "| recipe | model | tree | save | checkpoint size | step | stall, 1st save | stall, 2nd save | lost (both) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['recipe']} | {r['model']} | {r['tree']} | {r['mode']} | {r['bytes'] / 2**30:.2f} GiB | "
-              f"{r['step_s']:.2f} s | {r['stall_s'][0]:.2f} s | {r['stall_s'][1]:.2f} s | {r['lost_s']:.1f} s |"
-              for r in rows]
+    lines = [
+        "# Save stall per checkpoint, 2 CPU ranks (fp32)",
+        "",
+        f"`python scripts/bench_save.py --cases {args.cases}" + (f" --before {args.before}`" if args.before else "`"),
+        f"on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"{time.strftime('%Y-%m-%d')}, after = {head.strip()} (with uncommitted changes, if any).",
+        "",
+        "| recipe | model | tree | save | checkpoint size | step | stall, 1st save | stall, 2nd save | lost (both) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['recipe']} | {r['model']} | {r['tree']} | {r['mode']} | {r['bytes'] / 2**30:.2f} GiB | "
+        f"{r['step_s']:.2f} s | {r['stall_s'][0]:.2f} s | {r['stall_s'][1]:.2f} s | {r['lost_s']:.1f} s |"
+        for r in rows
+    ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(Path(args.out).read_text())
 

@@ -70,10 +70,14 @@ def probe(tree: str, overrides: list[str]) -> None:
     else:  # a tree from before start(): every rank built the whole model first
         assert "model" not in inspect.signature(T.build_engine).parameters
         T.build_engine(cfg, device, rank, world, rank, run_dir)
-        startup = {"host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                   "host_built_peak_bytes": None, "seconds": round(time.time() - started, 3)}
-    (run_dir / f"probe_rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "code": str(Path(sys.modules["launcher"].__file__).resolve().parents[1]), **startup}))
+        startup = {
+            "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "host_built_peak_bytes": None,
+            "seconds": round(time.time() - started, 3),
+        }
+    (run_dir / f"probe_rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "code": str(Path(sys.modules["launcher"].__file__).resolve().parents[1]), **startup})
+    )
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -84,13 +88,25 @@ def probe(tree: str, overrides: list[str]) -> None:
 def run_case(tree: Path, overrides: list[str]) -> list[dict]:
     """Each rank's start-up figures (launcher.device.startup_peaks) for one configuration."""
     with tempfile.TemporaryDirectory(prefix="startup-") as run_dir:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                str(REPO / "scripts" / "bench_startup.py"), "--probe", str(tree), *overrides]
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(REPO / "scripts" / "bench_startup.py"),
+            "--probe",
+            str(tree),
+            *overrides,
+        ]
         env = {**os.environ, "PROBE_RUN_DIR": run_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)}
         proc = subprocess.run(argv, cwd=tree, capture_output=True, text=True, env=env, timeout=1800)
         rows = [json.loads(p.read_text()) for p in sorted(Path(run_dir).glob("probe_rank*.json"))]
     if proc.returncode != 0 or len(rows) != 2:
-        raise SystemExit(f"{' '.join(overrides)} in {tree}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(
+            f"{' '.join(overrides)} in {tree}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     assert all(Path(r["code"]) == tree.resolve() for r in rows), (rows, tree)  # the tree measured is the tree named
     return rows
 
@@ -107,31 +123,41 @@ def main() -> int:
     ap.add_argument("--models", default="gpt_1b")
     ap.add_argument("--recipes", default="fsdp,zero3")
     ap.add_argument("--precision", default="fp32")
-    ap.add_argument("--hf", metavar="FOLDER", action="append", default=[],
-                    help="also a save_pretrained folder: model=hf model.pretrained=FOLDER (read shard-wise)")
+    ap.add_argument(
+        "--hf",
+        metavar="FOLDER",
+        action="append",
+        default=[],
+        help="also a save_pretrained folder: model=hf model.pretrained=FOLDER (read shard-wise)",
+    )
     ap.add_argument("--before", metavar="REV", help="also measure this commit's tree (the code before a change)")
     ap.add_argument("--out", default=str(REPO / "bench" / "startup.md"))
     args, rest = ap.parse_known_args()
     if args.probe:
         probe(args.probe, rest)
         return 0
-    from launcher.launch import cli
     from launcher import models
+    from launcher.launch import cli
 
     trees = {"after": REPO}
     if args.before:
         trees = {"before": worktree(args.before), **trees}
-    lines = [f"# Start-up: engine ready, 2 CPU ranks, {args.precision}", "",
-             f"{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
-             f"{os.cpu_count()} cores; `python scripts/bench_startup.py --models {args.models} --recipes {args.recipes}"
-             f" --precision {args.precision}{' --before ' + args.before if args.before else ''}`.", "",
-             "Per rank, the worst of the two: peak RSS when the engine is ready (before step 1), the peak when "
-             "this rank's part of the model was built (before the recipe's optimizer set-up; n/a before the change), "
-             "seconds from process start. Ψ = parameters; the issue's target is 0.5 x 4Ψ + the gpt_tiny baseline "
-             "(the same recipe's process with a tiny model).", "",
-             "| tree | recipe | model | Ψ | host peak (GiB) | model built (GiB) | baseline (GiB) | (peak - baseline) / 4Ψ "
-             "| (built - baseline) / 4Ψ | seconds |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Start-up: engine ready, 2 CPU ranks, {args.precision}",
+        "",
+        f"{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores; `python scripts/bench_startup.py --models {args.models} --recipes {args.recipes}"
+        f" --precision {args.precision}{' --before ' + args.before if args.before else ''}`.",
+        "",
+        "Per rank, the worst of the two: peak RSS when the engine is ready (before step 1), the peak when "
+        "this rank's part of the model was built (before the recipe's optimizer set-up; n/a before the change), "
+        "seconds from process start. Ψ = parameters; the issue's target is 0.5 x 4Ψ + the gpt_tiny baseline "
+        "(the same recipe's process with a tiny model).",
+        "",
+        "| tree | recipe | model | Ψ | host peak (GiB) | model built (GiB) | baseline (GiB) | (peak - baseline) / 4Ψ "
+        "| (built - baseline) / 4Ψ | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for label, tree in trees.items():
         for recipe in args.recipes.split(","):
             base = run_case(tree, [f"recipe={recipe}", "model=gpt_tiny", f"precision={args.precision}"])
@@ -146,9 +172,11 @@ def main() -> int:
                 built = max((r["host_built_peak_bytes"] or 0) for r in rows) or None
                 secs = max(r["seconds"] for r in rows)
                 gib = lambda v: f"{v / 2**30:.2f}" if v else "n/a"  # noqa: E731
-                line = (f"| {label} | {recipe} | {model} | {psi / 1e9:.2f}B | {gib(peak)} | {gib(built)} | {gib(base_peak)} "
-                        f"| {(peak - base_peak) / (4 * psi):.3f} | "
-                        f"{f'{(built - base_peak) / (4 * psi):.3f}' if built else 'n/a'} | {secs:.1f} |")
+                line = (
+                    f"| {label} | {recipe} | {model} | {psi / 1e9:.2f}B | {gib(peak)} | {gib(built)} | {gib(base_peak)} "
+                    f"| {(peak - base_peak) / (4 * psi):.3f} | "
+                    f"{f'{(built - base_peak) / (4 * psi):.3f}' if built else 'n/a'} | {secs:.1f} |"
+                )
                 print(line, flush=True)
                 lines.append(line)
     if args.before:

@@ -34,7 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
-from gpu_cases import HF_MODELS, Case, cases as all_cases, standin  # noqa: E402
+from gpu_cases import HF_MODELS, Case, standin  # noqa: E402
+from gpu_cases import cases as all_cases  # noqa: E402
 from gpu_report import Report  # noqa: E402
 
 TIMES = REPO / "bench" / "gpu_times.json"
@@ -73,8 +74,10 @@ def record_time(path: Path, name: str, seconds: float, status: str, where: str) 
     if status == "passed":
         entry = {"seconds": round(seconds), "source": f"measured {time.strftime('%Y-%m-%d')} on {where}"}
     else:
-        entry = {"seconds": round(max(seconds, before)),
-                 "source": f"{status} after {seconds:.0f} s on {time.strftime('%Y-%m-%d')}, {where}: at least that"}
+        entry = {
+            "seconds": round(max(seconds, before)),
+            "source": f"{status} after {seconds:.0f} s on {time.strftime('%Y-%m-%d')}, {where}: at least that",
+        }
     times["cases"][name] = entry
     Path(path).write_text(json.dumps(times, indent=1) + "\n")
 
@@ -97,8 +100,9 @@ def planned(case: Case, hf_folders: dict[str, Path]) -> dict[str, dict]:
             cfg, _, _ = cli.compose_config(over)
             cfg = planner.planned_model(cfg)
             world = cfg.cluster.nproc_per_node or 1
-            row = planner.memory_row(cfg, planner.layout_for(cfg, world), cfg.train.activation_checkpointing,
-                                     cfg.train.micro_batch)
+            row = planner.memory_row(
+                cfg, planner.layout_for(cfg, world), cfg.train.activation_checkpointing, cfg.train.micro_batch
+            )
             out[name] = {"peak": row.peak, "startup": row.startup}
         except (ConfigError, SystemExit) as err:
             out[name] = {"error": str(err).splitlines()[0][:160]}
@@ -110,13 +114,18 @@ def llama_configs(root: Path) -> dict[str, Path]:
     out = {}
     for model, shape in HF_MODELS.items():
         (root / model).mkdir(parents=True, exist_ok=True)
-        (root / model / "config.json").write_text(json.dumps({**shape, "model_type": "llama", "torch_dtype": "bfloat16",
-                                                              "architectures": ["LlamaForCausalLM"]}))
+        (root / model / "config.json").write_text(
+            json.dumps(
+                {**shape, "model_type": "llama", "torch_dtype": "bfloat16", "architectures": ["LlamaForCausalLM"]}
+            )
+        )
         out[model] = root / model
     return out
 
 
-def dry_run(cases: list[Case], times: dict, budget_s: float, install_s: float, as_json: bool, memory: bool = True) -> int:
+def dry_run(
+    cases: list[Case], times: dict, budget_s: float, install_s: float, as_json: bool, memory: bool = True
+) -> int:
     kept, dropped = fit(cases, times, budget_s - install_s)
     with tempfile.TemporaryDirectory(prefix="gpu-check-plan-") as tmp:
         folders = llama_configs(Path(tmp))
@@ -125,26 +134,48 @@ def dry_run(cases: list[Case], times: dict, budget_s: float, install_s: float, a
             seconds, source = estimate(times, c.name)
             plans = planned(c, folders) if memory else {name: {} for name in c.runs}
             peaks = [p["peak"] for p in plans.values() if "peak" in p]
-            rows.append({"priority": i, "name": c.name, "part": c.part, "what": c.what, "seconds": seconds,
-                         "source": source, "kept": c in kept, "runs": plans,
-                         "max_peak": max(peaks, default=0), "sum_peak": sum(peaks)})
+            rows.append(
+                {
+                    "priority": i,
+                    "name": c.name,
+                    "part": c.part,
+                    "what": c.what,
+                    "seconds": seconds,
+                    "source": source,
+                    "kept": c in kept,
+                    "runs": plans,
+                    "max_peak": max(peaks, default=0),
+                    "sum_peak": sum(peaks),
+                }
+            )
     if as_json:
         print(json.dumps({"budget_s": budget_s, "install_s": install_s, "cases": rows}, indent=1))
         return 0
-    print(f"gpu-check --dry-run: budget {budget_s:.0f} s, install {install_s:.0f} s "
-          f"({times['install']['source']}); the cases in priority order:")
+    print(
+        f"gpu-check --dry-run: budget {budget_s:.0f} s, install {install_s:.0f} s "
+        f"({times['install']['source']}); the cases in priority order:"
+    )
     for r in rows:
         mark = "run " if r["kept"] else "DROP"
         peak = f", planned peak per GPU up to {r['max_peak'] / 2**30:.2f} GiB" if memory and r["runs"] else ""
-        print(f"{mark} {r['priority']:2}. {r['name']:22} about {r['seconds']:4.0f} s ({r['source']}); "
-              f"{len(r['runs'])} launcher run(s){peak}")
+        print(
+            f"{mark} {r['priority']:2}. {r['name']:22} about {r['seconds']:4.0f} s ({r['source']}); "
+            f"{len(r['runs'])} launcher run(s){peak}"
+        )
         for name, p in r["runs"].items():
-            figure = (f"peak {p['peak'] / 2**30:6.2f} GiB, start-up {p['startup'] / 2**30:6.2f} GiB" if "peak" in p
-                      else f"refused: {p['error']}" if "error" in p else "")
+            figure = (
+                f"peak {p['peak'] / 2**30:6.2f} GiB, start-up {p['startup'] / 2**30:6.2f} GiB"
+                if "peak" in p
+                else f"refused: {p['error']}"
+                if "error" in p
+                else ""
+            )
             print(f"         {name:32} {figure}")
     total = sum(r["seconds"] for r in rows if r["kept"])
-    print(f"kept: {total:.0f} s of cases + {install_s:.0f} s install = {total + install_s:.0f} s of {budget_s:.0f} s; "
-          f"dropped (lowest priority first): {', '.join(c.name for c in dropped) or 'none'}")
+    print(
+        f"kept: {total:.0f} s of cases + {install_s:.0f} s install = {total + install_s:.0f} s of {budget_s:.0f} s; "
+        f"dropped (lowest priority first): {', '.join(c.name for c in dropped) or 'none'}"
+    )
     return 0
 
 
@@ -186,9 +217,19 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(below, timeout=30)
 
 
-def check(cases: list[Case], times_path: Path, budget_s: float, install_s: float, report: Report, work: Path,
-          where: str, spent_before: float = 0.0, call_s: float | None = None, clock=time.monotonic,
-          done: dict | None = None) -> dict:
+def check(
+    cases: list[Case],
+    times_path: Path,
+    budget_s: float,
+    install_s: float,
+    report: Report,
+    work: Path,
+    where: str,
+    spent_before: float = 0.0,
+    call_s: float | None = None,
+    clock=time.monotonic,
+    done: dict | None = None,
+) -> dict:
     """Run the cases in order within the budget, each appended to the report as it ends, and
     the state for --resume saved after each (work/state.json: a call stopped from outside
     loses at most the case it was in). {case name: status}, the skipped ones included."""
@@ -227,8 +268,12 @@ def check(cases: list[Case], times_path: Path, budget_s: float, install_s: float
 def save_state(work: Path, spent: float, done: dict, report: Report, times_path: Path) -> None:
     """What --resume needs: the seconds spent, each case's status, the section appended so far
     and the times measured (the next call's working tree has neither file as this one left it)."""
-    (work / "state.json").write_text(json.dumps({"spent_s": spent, "done": done, "section": report.written,
-                                                 "times": load_times(times_path)["cases"]}, indent=1))
+    (work / "state.json").write_text(
+        json.dumps(
+            {"spent_s": spent, "done": done, "section": report.written, "times": load_times(times_path)["cases"]},
+            indent=1,
+        )
+    )
 
 
 def facts() -> dict:
@@ -236,8 +281,9 @@ def facts() -> dict:
 
     driver = "unknown"
     if shutil.which("nvidia-smi"):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        )
         driver = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else driver
     try:
         from importlib.metadata import version
@@ -246,12 +292,19 @@ def facts() -> dict:
     except Exception:
         deepspeed = "not installed"
     nccl = torch.cuda.nccl.version()
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "gpu": torch.cuda.get_device_name(0), "count": torch.cuda.device_count(),
-            "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
-            "driver": driver, "cuda": torch.version.cuda, "torch": torch.__version__,
-            "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
-            "deepspeed": deepspeed, "python": platform.python_version(), "cpus": len(os.sched_getaffinity(0))}
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "gpu": torch.cuda.get_device_name(0),
+        "count": torch.cuda.device_count(),
+        "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+        "driver": driver,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
+        "deepspeed": deepspeed,
+        "python": platform.python_version(),
+        "cpus": len(os.sched_getaffinity(0)),
+    }
 
 
 def chosen(spec: str | None) -> list[Case]:
@@ -269,13 +322,21 @@ def chosen(spec: str | None) -> list[Case]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="list the cases, planned memory, last times, what is dropped")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="list the cases, planned memory, last times, what is dropped"
+    )
     ap.add_argument("--json", action="store_true", help="with --dry-run: as JSON")
     ap.add_argument("--no-memory", action="store_true", help="with --dry-run: without the planned memory (quicker)")
     ap.add_argument("--budget-s", type=float, default=720.0, help="device seconds in all, the install included")
-    ap.add_argument("--install-s", type=float, default=None, help="the install's seconds (default: bench/gpu_times.json's)")
-    ap.add_argument("--call-s", type=float, default=None, help="the most this call may take (the device tool: 600 a command)")
-    ap.add_argument("--resume", action="store_true", help="go on from the previous call: skip its cases, count its time")
+    ap.add_argument(
+        "--install-s", type=float, default=None, help="the install's seconds (default: bench/gpu_times.json's)"
+    )
+    ap.add_argument(
+        "--call-s", type=float, default=None, help="the most this call may take (the device tool: 600 a command)"
+    )
+    ap.add_argument(
+        "--resume", action="store_true", help="go on from the previous call: skip its cases, count its time"
+    )
     ap.add_argument("--cases", default=None, help="these cases, in this order (names as --dry-run lists them)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "gpu.md")
     ap.add_argument("--times", type=Path, default=TIMES)
@@ -290,8 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu-check: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing run "
-              "(--dry-run lists the cases)")
+        print(
+            "gpu-check: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing run "
+            "(--dry-run lists the cases)"
+        )
         return 0
     state_path = args.work / "state.json"
     state = json.loads(state_path.read_text()) if args.resume and state_path.exists() else {}
@@ -306,14 +369,32 @@ def main(argv: list[str] | None = None) -> int:
     f = facts()
     where = f"{f['count']} x {f['gpu']}"
     kept, dropped = fit(todo, times, args.budget_s - install_s - spent_before)
-    entry = lambda c: {"name": c.name, "part": c.part, "seconds": estimate(times, c.name)[0],  # noqa: E731
-                       "source": estimate(times, c.name)[1]}
-    report.start(f, {"budget_s": args.budget_s, "install_s": install_s, "install_source": times["install"]["source"],
-                     "spent_before_s": spent_before, "cases_s": args.budget_s - install_s - spent_before},
-                 [entry(c) for c in kept], [entry(c) for c in dropped], resumed=bool(state))
+
+    def entry(c):
+        return {
+            "name": c.name,
+            "part": c.part,
+            "seconds": estimate(times, c.name)[0],
+            "source": estimate(times, c.name)[1],
+        }
+
+    report.start(
+        f,
+        {
+            "budget_s": args.budget_s,
+            "install_s": install_s,
+            "install_source": times["install"]["source"],
+            "spent_before_s": spent_before,
+            "cases_s": args.budget_s - install_s - spent_before,
+        },
+        [entry(c) for c in kept],
+        [entry(c) for c in dropped],
+        resumed=bool(state),
+    )
     print(f"gpu-check: {where}; {len(kept)} case(s) planned, {len(dropped)} dropped", flush=True)
-    status = check(kept, args.times, args.budget_s, install_s, report, args.work, where, spent_before, args.call_s,
-                   done=done)
+    status = check(
+        kept, args.times, args.budget_s, install_s, report, args.work, where, spent_before, args.call_s, done=done
+    )
     report.copy()
     return 0 if all(s in ("passed", "skipped") for s in status.values()) else 1
 

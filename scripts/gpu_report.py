@@ -69,16 +69,26 @@ class Report:
     # ----------------------------------------------------------------- the section's parts
     def start(self, facts: dict, budget: dict, kept: list[dict], dropped: list[dict], resumed: bool) -> None:
         f = facts
-        lines = ["", f"## {f['date']}: `make gpu-check`{' (continued)' if resumed else ''}", "",
-                 f"{f['count']} x {f['gpu']} ({f['memory_gib']} GiB), driver {f['driver']}, CUDA {f['cuda']}, torch "
-                 f"{f['torch']}, NCCL {f['nccl']}, DeepSpeed {f['deepspeed']}, Python {f['python']}, {f['cpus']} CPU cores.",
-                 "", f"Budget {budget['budget_s']:.0f} s of device time: {budget['install_s']:.0f} s for the install "
-                 f"({budget['install_source']}), {budget['spent_before_s']:.0f} s spent by earlier calls, "
-                 f"{budget['cases_s']:.0f} s for the cases. Planned, in this order:", ""]
+        lines = [
+            "",
+            f"## {f['date']}: `make gpu-check`{' (continued)' if resumed else ''}",
+            "",
+            f"{f['count']} x {f['gpu']} ({f['memory_gib']} GiB), driver {f['driver']}, CUDA {f['cuda']}, torch "
+            f"{f['torch']}, NCCL {f['nccl']}, DeepSpeed {f['deepspeed']}, Python {f['python']}, {f['cpus']} CPU cores.",
+            "",
+            f"Budget {budget['budget_s']:.0f} s of device time: {budget['install_s']:.0f} s for the install "
+            f"({budget['install_source']}), {budget['spent_before_s']:.0f} s spent by earlier calls, "
+            f"{budget['cases_s']:.0f} s for the cases. Planned, in this order:",
+            "",
+        ]
         lines += [f"- `{c['name']}` ({c['part']}): about {c['seconds']:.0f} s ({c['source']})" for c in kept]
         if dropped:
-            lines += ["", "Dropped before starting (lowest priority first, to fit the budget): " +
-                      ", ".join(f"`{c['name']}` ({c['seconds']:.0f} s)" for c in dropped) + "."]
+            lines += [
+                "",
+                "Dropped before starting (lowest priority first, to fit the budget): "
+                + ", ".join(f"`{c['name']}` ({c['seconds']:.0f} s)" for c in dropped)
+                + ".",
+            ]
         self.append(lines)
 
     def case(self, name: str, what: str, status: str, seconds: float, folder: Path, log_tail: str = "") -> None:
@@ -87,8 +97,15 @@ class Report:
         lines += rounds_lines(folder / "rounds.json")
         lines += table_lines(folder / "measured")
         if status != "passed" and log_tail:
-            lines += ["", "<details><summary>the end of its output</summary>", "", "```", log_tail.rstrip(), "```",
-                      "</details>"]
+            lines += [
+                "",
+                "<details><summary>the end of its output</summary>",
+                "",
+                "```",
+                log_tail.rstrip(),
+                "```",
+                "</details>",
+            ]
         self.append(lines)
 
     def end(self, skipped: list[tuple[str, str]], spent: float, budget: float) -> None:
@@ -114,8 +131,14 @@ def tests_lines(junit: Path) -> list[str]:
                     tails.append((name, "\n".join((node.text or "").strip().splitlines()[-15:])))
         rows.append(f"| {name} | {outcome}{': ' + why.replace('|', '/') if why else ''} |")
     counts = {k: sum(f"| {k}" in r for r in rows) for k in ("passed", "FAILED", "ERROR", "skipped")}
-    out = ["", ", ".join(f"{v} {k.lower()}" for k, v in counts.items() if v) + ".", "", "| test | outcome |",
-           "|---|---|", *rows]
+    out = [
+        "",
+        ", ".join(f"{v} {k.lower()}" for k, v in counts.items() if v) + ".",
+        "",
+        "| test | outcome |",
+        "|---|---|",
+        *rows,
+    ]
     for name, tail in tails:
         out += ["", f"<details><summary>{name}</summary>", "", "```", tail, "```", "</details>"]
     return out
@@ -131,12 +154,17 @@ def rounds_lines(path: Path) -> list[str]:
 
     pct = lambda x: f"{100 * x:.1f}%" if x else "n/a"  # noqa: E731
     ok = "met" if r["ratio"] >= r["target"] else "**missed**"
-    return ["", f"{r['rounds']} round(s), seq {r['seq']} x micro-batch {r['micro_batch']}, bf16, {r['gpus']} GPU(s):", "",
-            "| recipe tokens/s | hand-written tokens/s | ratio, median (min-max) | target | MFU | hand-written MFU | "
-            "peak GiB recipe / hand-written |", "|---:|---:|---:|---:|---:|---:|---:|",
-            f"| {spread(r['recipe_tokens_per_s'], ',.0f')} | {spread(r['baseline_tokens_per_s'], ',.0f')} | "
-            f"{spread(r['ratios'], '.3f')} | {r['target']} {ok} | {pct(r['mfu'])} | {pct(r['baseline_mfu'])} | "
-            f"{gib(r['peak_bytes'])} / {gib(r['baseline_peak_bytes'])} |"]
+    return [
+        "",
+        f"{r['rounds']} round(s), seq {r['seq']} x micro-batch {r['micro_batch']}, bf16, {r['gpus']} GPU(s):",
+        "",
+        "| recipe tokens/s | hand-written tokens/s | ratio, median (min-max) | target | MFU | hand-written MFU | "
+        "peak GiB recipe / hand-written |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {spread(r['recipe_tokens_per_s'], ',.0f')} | {spread(r['baseline_tokens_per_s'], ',.0f')} | "
+        f"{spread(r['ratios'], '.3f')} | {r['target']} {ok} | {pct(r['mfu'])} | {pct(r['baseline_mfu'])} | "
+        f"{gib(r['peak_bytes'])} / {gib(r['baseline_peak_bytes'])} |",
+    ]
 
 
 def table_lines(folder: Path) -> list[str]:

@@ -39,8 +39,9 @@ def main() -> int:
 
     bench_script.MODELS.update(AT_SEQ)  # the bench's model names: these overrides on both sides
     gpus = torch.cuda.device_count()
-    bench = Bench(argparse.Namespace(nproc=gpus, dtype="bf16", steps=args.steps, micro_batch=MICRO_BATCH[args.model],
-                                     seq_len=SEQ))
+    bench = Bench(
+        argparse.Namespace(nproc=gpus, dtype="bf16", steps=args.steps, micro_batch=MICRO_BATCH[args.model], seq_len=SEQ)
+    )
     bench.runs = args.out.parent / "runs"
     bench.runs.mkdir(parents=True, exist_ok=True)
     cfg, _, _ = cli.compose_config([*AT_SEQ[args.model], f"train.seq_len={SEQ}"])
@@ -48,23 +49,36 @@ def main() -> int:
     mfu = (lambda tps: tps * flops_per_token(cfg, SEQ) / (peak * gpus)) if peak else (lambda tps: None)
     ours, theirs = [], []
     for i in range(args.rounds):
-        sides = [lambda: ours.append(bench.recipe(args.recipe, args.model)),
-                 lambda: theirs.append(bench.baseline(args.recipe, args.model)[0])]
-        for side in (sides if i % 2 == 0 else sides[::-1]):
+        sides = [
+            lambda: ours.append(bench.recipe(args.recipe, args.model)),
+            lambda: theirs.append(bench.baseline(args.recipe, args.model)[0]),
+        ]
+        for side in sides if i % 2 == 0 else sides[::-1]:
             side()
         ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)]
-        out = {"model": args.model, "recipe": args.recipe, "seq": SEQ, "micro_batch": MICRO_BATCH[args.model],
-               "gpus": gpus, "rounds": len(ratios), "target": ROUND_TARGET,
-               "recipe_tokens_per_s": [r["tokens_per_s"] for r in ours],
-               "baseline_tokens_per_s": [r["tokens_per_s"] for r in theirs],
-               "ratios": ratios, "ratio": statistics.median(ratios),
-               "mfu": mfu(statistics.median(r["tokens_per_s"] for r in ours)),
-               "baseline_mfu": mfu(statistics.median(r["tokens_per_s"] for r in theirs)),
-               "peak_bytes": max(r["peak_bytes"] for r in ours),
-               "baseline_peak_bytes": max(r.get("peak_bytes", 0) for r in theirs)}
+        out = {
+            "model": args.model,
+            "recipe": args.recipe,
+            "seq": SEQ,
+            "micro_batch": MICRO_BATCH[args.model],
+            "gpus": gpus,
+            "rounds": len(ratios),
+            "target": ROUND_TARGET,
+            "recipe_tokens_per_s": [r["tokens_per_s"] for r in ours],
+            "baseline_tokens_per_s": [r["tokens_per_s"] for r in theirs],
+            "ratios": ratios,
+            "ratio": statistics.median(ratios),
+            "mfu": mfu(statistics.median(r["tokens_per_s"] for r in ours)),
+            "baseline_mfu": mfu(statistics.median(r["tokens_per_s"] for r in theirs)),
+            "peak_bytes": max(r["peak_bytes"] for r in ours),
+            "baseline_peak_bytes": max(r.get("peak_bytes", 0) for r in theirs),
+        }
         args.out.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"round {i + 1}: {args.recipe} {args.model} {ours[-1]['tokens_per_s']:,.0f} vs "
-              f"{theirs[-1]['tokens_per_s']:,.0f} tok/s ({ratios[-1]:.3f}x)", flush=True)
+        print(
+            f"round {i + 1}: {args.recipe} {args.model} {ours[-1]['tokens_per_s']:,.0f} vs "
+            f"{theirs[-1]['tokens_per_s']:,.0f} tok/s ({ratios[-1]:.3f}x)",
+            flush=True,
+        )
     return 0
 
 

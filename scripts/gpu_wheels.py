@@ -23,11 +23,37 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LIMIT = 64 * 2**20
-LEAVE_OUT = ("numpy", "transformers", "accelerate", "tokenizers", "huggingface-hub", "hf-xet", "safetensors", "regex",
-             "datasets", "pyarrow", "pandas", "multiprocess", "dill", "xxhash", "tzdata",
-             "wandb", "cwevals", "protobuf", "googleapis-common-protos", "opentelemetry-*",
-             "matplotlib", "pillow", "fonttools", "kiwisolver", "contourpy", "cycler", "pyparsing", "python-dateutil",
-             "setuptools")
+LEAVE_OUT = (
+    "numpy",
+    "transformers",
+    "accelerate",
+    "tokenizers",
+    "huggingface-hub",
+    "hf-xet",
+    "safetensors",
+    "regex",
+    "datasets",
+    "pyarrow",
+    "pandas",
+    "multiprocess",
+    "dill",
+    "xxhash",
+    "tzdata",
+    "wandb",
+    "cwevals",
+    "protobuf",
+    "googleapis-common-protos",
+    "opentelemetry-*",
+    "matplotlib",
+    "pillow",
+    "fonttools",
+    "kiwisolver",
+    "contourpy",
+    "cycler",
+    "pyparsing",
+    "python-dateutil",
+    "setuptools",
+)
 
 
 def canon(name: str) -> str:
@@ -48,12 +74,17 @@ def main() -> int:
     wheels = [w for w in sorted(src.glob("*.whl")) if not left_out(w.name.split("-")[0])]
     for w in wheels:
         shutil.copy2(w, out / w.name)
-    lines = [line for line in (src / "requirements.txt").read_text().splitlines()
-             if line.strip() and not left_out(re.split(r"[=<>! ]", line.strip())[0])]
+    lines = [
+        line
+        for line in (src / "requirements.txt").read_text().splitlines()
+        if line.strip() and not left_out(re.split(r"[=<>! ]", line.strip())[0])
+    ]
     (out / "requirements.txt").write_text("\n".join(lines) + "\n")
     size = sum(w.stat().st_size for w in wheels)
-    print(f"gpu_wheels: {len(wheels)} wheels, {size / 2**20:.0f} MiB in {out}: " + ", ".join(
-        w.name.split("-")[0] for w in wheels))
+    print(
+        f"gpu_wheels: {len(wheels)} wheels, {size / 2**20:.0f} MiB in {out}: "
+        + ", ".join(w.name.split("-")[0] for w in wheels)
+    )
     if size > LIMIT:
         print(f"gpu_wheels: over the device tool's {LIMIT // 2**20} MiB: leave out more (LEAVE_OUT)", file=sys.stderr)
         return 1

@@ -34,16 +34,16 @@ from pathlib import Path
 import torch.distributed as dist
 
 import recipes
-from launcher.parallel import ds_config
 from launcher import models
-from launcher.planner import plan as planner
-from launcher.launch.compose import CONF_DIR, compose_config, group_configs, recipe_configs
 from launcher.config import ACMode, ConfigError
-from launcher.launch.checks.validate import validate
 from launcher.data.read import build_dataset
+from launcher.device import local_device
 from launcher.exits import exit_now
 from launcher.host import HostInfo, deepspeed_env
-from launcher.device import local_device
+from launcher.launch.checks.validate import validate
+from launcher.launch.compose import CONF_DIR, compose_config, group_configs, recipe_configs
+from launcher.parallel import ds_config
+from launcher.planner import plan as planner
 from launcher.planner.memory import ActivationCounter
 from launcher.rank.entry import build_engine
 
@@ -58,16 +58,27 @@ def offered(model: str, world: int, recipes: list[str], overrides: tuple[str, ..
     return planner.candidates(cfg, hw, recipe_configs(set(recipes)))
 
 
-def compose(layout: planner.Layout, model: str, mb: int, seq: int, world: int, optim: str = "adamw",
-            more: tuple[str, ...] = ()):
+def compose(
+    layout: planner.Layout, model: str, mb: int, seq: int, world: int, optim: str = "adamw", more: tuple[str, ...] = ()
+):
     """A layout's config as `make train` composes it. A pipeline cuts each step's batch into
     parallel.pp_microbatches, at least one per stage under 1F1B: pp of them, and a
     micro-batch of at least pp sequences. Composed once per layout: each precision is its
     own conf/precision/ file on it (nothing in conf/ interpolates the precision group)."""
     extra = [f"parallel.pp_microbatches={layout.pp}"] if layout.pp > 1 else []
-    cfg, _, _ = compose_config([*layout.overrides(), f"model={model}", f"train.micro_batch={max(mb, layout.pp)}",
-                                f"train.seq_len={seq}", "logger=none", f"cluster.nproc_per_node={world}", f"optim={optim}",
-                                *extra, *more])
+    cfg, _, _ = compose_config(
+        [
+            *layout.overrides(),
+            f"model={model}",
+            f"train.micro_batch={max(mb, layout.pp)}",
+            f"train.seq_len={seq}",
+            "logger=none",
+            f"cluster.nproc_per_node={world}",
+            f"optim={optim}",
+            *extra,
+            *more,
+        ]
+    )
     return cfg
 
 
@@ -75,8 +86,9 @@ def cell(cfg, accum: int, ac: str):
     """`train.grad_accum=... train.activation_checkpointing=...` on a composed config (plain
     values: nothing in conf/ interpolates them), validated as the launch side does. Hydra
     composes a config in about 0.15 s; the matrix has hundreds of cells per world size."""
-    out = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=accum,
-                                                               activation_checkpointing=ACMode(ac)))
+    out = dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, grad_accum=accum, activation_checkpointing=ACMode(ac))
+    )
     validate(out, HostInfo.detect())
     return out
 
@@ -85,15 +97,24 @@ def predicted(cfg, layout: planner.Layout, rank: int, world: int) -> dict:
     pp_rank = rank // (world // layout.pp)  # the mesh puts pipeline stages outermost
     p, g, o, where, host = planner.model_states(cfg, layout, pp_rank)
     act = planner.activations(cfg, layout, cfg.train.activation_checkpointing, cfg.train.micro_batch, pp_rank)
-    return {"params": p, "grads": g, "optim": o, "model_state": p + g + o, "host": sum(host.values()),
-            "where": where, "activations": act}
+    return {
+        "params": p,
+        "grads": g,
+        "optim": o,
+        "model_state": p + g + o,
+        "host": sum(host.values()),
+        "where": where,
+        "activations": act,
+    }
 
 
 def measure_engine(cells: list, layout: planner.Layout, rank: int, world: int, device, scratch: Path) -> list[dict]:
     """One engine for cells that differ only in what its build does not read; a row per cell."""
     cfg, started = cells[0], time.perf_counter()
     if recipes.spec(cfg.recipe.strategy).deepspeed:  # what the launch side writes for DeepSpeed
-        (scratch / ds_config.FILE).write_text(ds_config.text(ds_config.launch_config(cfg, world, device.type == "cuda")))
+        (scratch / ds_config.FILE).write_text(
+            ds_config.text(ds_config.launch_config(cfg, world, device.type == "cuda"))
+        )
     net = models.prepare(models.on_meta(cfg), cfg)
     engine = build_engine(cfg, net, device, rank, world, rank, scratch)
     built = time.perf_counter()
@@ -115,13 +136,26 @@ def measure_engine(cells: list, layout: planner.Layout, rank: int, world: int, d
         with ActivationCounter(engine.model) as counter:
             engine.train_step(step(c))
         held = engine.state_bytes()
-        rows.append({"measured": {"params": held.params, "grads": held.grads, "optim": held.optim,
-                                  "model_state": held.total, "host": held.host, "where": held.where,
-                                  "activations": counter.bytes},
-                     "predicted": predicted(c, layout, rank, world)})
+        rows.append(
+            {
+                "measured": {
+                    "params": held.params,
+                    "grads": held.grads,
+                    "optim": held.optim,
+                    "model_state": held.total,
+                    "host": held.host,
+                    "where": held.where,
+                    "activations": counter.bytes,
+                },
+                "predicted": predicted(c, layout, rank, world),
+            }
+        )
     if rank == 0:
-        print(f"{layout.label} {cfg.precision.name.value}: {len(cells)} cells, built in {built - started:.1f} s, "
-              f"measured in {time.perf_counter() - built:.1f} s", flush=True)
+        print(
+            f"{layout.label} {cfg.precision.name.value}: {len(cells)} cells, built in {built - started:.1f} s, "
+            f"measured in {time.perf_counter() - built:.1f} s",
+            flush=True,
+        )
     del engine, net, runs
     if recipes.spec(cfg.recipe.strategy).deepspeed:
         from recipes.zero.engine import restore_linear
@@ -151,11 +185,25 @@ def _run(args, rank: int, world: int, device, scratch: Path) -> list[dict]:
             for mb in [int(b) for b in args.micro_batches.split(",")]:
                 composed = compose(layout, model, mb, args.seq_len, world, optim, tuple(args.overrides))
                 for precision in precisions:
-                    rows += measure_precision(dataclasses.replace(composed, precision=typed[precision]), args,
-                                              layout, rank, world, device, scratch,
-                                              {"recipe": layout.recipe, "layout": layout.label, "model": model,
-                                               "micro_batch": mb, "precision": precision, "world": world, "rank": rank,
-                                               "optim": optim})
+                    rows += measure_precision(
+                        dataclasses.replace(composed, precision=typed[precision]),
+                        args,
+                        layout,
+                        rank,
+                        world,
+                        device,
+                        scratch,
+                        {
+                            "recipe": layout.recipe,
+                            "layout": layout.label,
+                            "model": model,
+                            "micro_batch": mb,
+                            "precision": precision,
+                            "world": world,
+                            "rank": rank,
+                            "optim": optim,
+                        },
+                    )
     return rows
 
 
@@ -174,18 +222,32 @@ def measure_precision(base, args, layout, rank, world, device, scratch, key) -> 
         engines.setdefault(None if shared else accum, []).append(cfg)
     for cells in engines.values():
         measured = measure_engine(cells, layout, rank, world, device, scratch)
-        rows += [{**key, "grad_accum": c.train.grad_accum, "ac": c.train.activation_checkpointing.value, **r}
-                 for c, r in zip(cells, measured)]
+        rows += [
+            {**key, "grad_accum": c.train.grad_accum, "ac": c.train.activation_checkpointing.value, **r}
+            for c, r in zip(cells, measured)
+        ]
     return rows
 
 
 def table(rows: list[dict]) -> str:
     """Plan against measured, the rank with the most model state of each cell."""
-    lines = ["| world | layout | precision | accum | AC | model states plan / measured (MiB) | ratio "
-             "| activations plan / measured (MiB) | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| world | layout | precision | accum | AC | model states plan / measured (MiB) | ratio "
+        "| activations plan / measured (MiB) | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     cells: dict[tuple, dict] = {}
     for r in rows:
-        k = (r["world"], r["layout"], r["optim"], r["model"], r["micro_batch"], r["precision"], r["grad_accum"], r["ac"])
+        k = (
+            r["world"],
+            r["layout"],
+            r["optim"],
+            r["model"],
+            r["micro_batch"],
+            r["precision"],
+            r["grad_accum"],
+            r["ac"],
+        )
         if "refused" in r or k not in cells or r["measured"]["model_state"] > cells[k]["measured"]["model_state"]:
             cells[k] = r
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
@@ -195,9 +257,11 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {world} | {layout} | {precision} | {accum} | {ac} | refused: {r['refused']} | | | |")
             continue
         m, p = r["measured"], r["predicted"]
-        lines.append(f"| {world} | {layout} | {precision} | {accum} | {ac} "
-                     f"| {mib(p['model_state'])} / {mib(m['model_state'])} | {m['model_state'] / p['model_state']:.3f} "
-                     f"| {mib(p['activations'])} / {mib(m['activations'])} | {m['activations'] / p['activations']:.3f} |")
+        lines.append(
+            f"| {world} | {layout} | {precision} | {accum} | {ac} "
+            f"| {mib(p['model_state'])} / {mib(m['model_state'])} | {m['model_state'] / p['model_state']:.3f} "
+            f"| {mib(p['activations'])} / {mib(m['activations'])} | {m['activations'] / p['activations']:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -212,7 +276,9 @@ def main() -> None:
     ap.add_argument("--ac", default="none,full,selective")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--overrides", nargs="*", default=[], help="more overrides for every cell, e.g. recipe.zero.extra=...")
+    ap.add_argument(
+        "--overrides", nargs="*", default=[], help="more overrides for every cell, e.g. recipe.zero.extra=..."
+    )
     ap.add_argument("--table", action="store_true", help="print plan against measured (rank 0)")
     args = ap.parse_args()
 

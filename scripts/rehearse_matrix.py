@@ -32,13 +32,24 @@ from pathlib import Path
 
 from launcher.host import usable_cores
 
-COMMON = ["train.seq_len=8192", "train.micro_batch=1", "train.activation_checkpointing=full", "cluster.gpus_per_node=8",
-          "cluster.gpu_memory_gb=80"]
+COMMON = [
+    "train.seq_len=8192",
+    "train.micro_batch=1",
+    "train.activation_checkpointing=full",
+    "cluster.gpus_per_node=8",
+    "cluster.gpu_memory_gb=80",
+]
 
 
 def pipeline(pp: int, recipe: str = "pp", tp: int = 1) -> list[str]:
-    return [f"recipe={recipe}", f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.pp_microbatches={2 * pp}",
-            f"train.micro_batch={2 * pp}", *(["parallel.sequence_parallel=true"] if tp > 1 else [])]
+    return [
+        f"recipe={recipe}",
+        f"parallel.pp={pp}",
+        f"parallel.tp={tp}",
+        f"parallel.pp_microbatches={2 * pp}",
+        f"train.micro_batch={2 * pp}",
+        *(["parallel.sequence_parallel=true"] if tp > 1 else []),
+    ]
 
 
 MATRIX: list[tuple[str, int, list[str]]] = [  # (model, nodes of 8, overrides)
@@ -67,9 +78,9 @@ def layouts() -> list[tuple[str, int, list[str]]]:
 
 def rehearse_one(model: str, nodes: int, overrides: list[str]) -> dict:
     """One layout, in a process of its own (each rank joins a fake group of the layout's world)."""
-    from launcher.launch.compose import compose_config
-    from launcher.launch.commands.plan import validate_for_cluster
     from launcher.host import HostInfo
+    from launcher.launch.commands.plan import validate_for_cluster
+    from launcher.launch.compose import compose_config
     from launcher.planner import rehearse as R
 
     cfg, _, _ = compose_config([f"model={model}", f"cluster.nnodes={nodes}", *COMMON, *overrides])
@@ -82,8 +93,11 @@ def rehearse_one(model: str, nodes: int, overrides: list[str]) -> dict:
     for r in row["ranks"]:
         experts = [s["local"] for s in r.pop("shards") if s["name"].endswith("experts.w1")]
         r["experts_w1"] = experts[0] if experts else None  # the local shape of a routed-expert weight
-    print(f"{model} {result.layout.label} on {world} ranks: {len(result.ranks)} ranks in {row['seconds']:.1f} s, "
-          f"largest difference {100 * result.worst.difference:+.2f}% (rank {result.worst.rank})", flush=True)
+    print(
+        f"{model} {result.layout.label} on {world} ranks: {len(result.ranks)} ranks in {row['seconds']:.1f} s, "
+        f"largest difference {100 * result.worst.difference:+.2f}% (rank {result.worst.rank})",
+        flush=True,
+    )
     return row
 
 
@@ -105,17 +119,20 @@ def run(only: set[str] | None = None, jobs: int = 1) -> list[dict]:
         return [rehearse_one(*m) for m in todo]
     first = sorted(range(len(todo)), key=lambda i: "recipe=zero3" not in todo[i][2])
     threads = max(1, usable_cores() // jobs)
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=share_cores, initargs=(threads,)) as pool:
+    with ProcessPoolExecutor(
+        max_workers=jobs, mp_context=multiprocessing.get_context("spawn"), initializer=share_cores, initargs=(threads,)
+    ) as pool:
         futures = {i: pool.submit(rehearse_one, *todo[i]) for i in first}
         return [futures[i].result() for i in range(len(todo))]
 
 
 def table(rows: list[dict]) -> str:
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
-    lines = ["| model | layout | ranks | rank (pp, dp_replicate, dp_shard, tp) | model states planned / rehearsed (GiB) | difference "
-             "| start-up planned / held when ready (GiB) | plan on 80 GiB |",
-             "|---|---|---:|---|---:|---:|---:|---|"]
+    lines = [
+        "| model | layout | ranks | rank (pp, dp_replicate, dp_shard, tp) | model states planned / rehearsed (GiB) | difference "
+        "| start-up planned / held when ready (GiB) | plan on 80 GiB |",
+        "|---|---|---:|---|---:|---:|---:|---|",
+    ]
     for row in rows:
         verdict = "fits" if row["fits"] else "does not fit"
         for r in row["ranks"]:
@@ -126,9 +143,11 @@ def table(rows: list[dict]) -> str:
             else:
                 held = f"{gib(r['planned']['model_states'])} / {gib(r['total'])}"
                 startup = f"{gib(row['planned_startup'])} / {gib(r['startup'])}"
-            lines.append(f"| {row['model']} | {row['layout']['label']} | {row['world']} | {r['rank']} "
-                         f"({c['pp']}, {c['dp_replicate']}, {c['dp_shard']}, {c['tp']}) "
-                         f"| {held} | {100 * r['difference']:+.3f}% | {startup} | {verdict} |")
+            lines.append(
+                f"| {row['model']} | {row['layout']['label']} | {row['world']} | {r['rank']} "
+                f"({c['pp']}, {c['dp_replicate']}, {c['dp_shard']}, {c['tp']}) "
+                f"| {held} | {100 * r['difference']:+.3f}% | {startup} | {verdict} |"
+            )
     return "\n".join(lines)
 
 
@@ -136,14 +155,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--only", default="", help="comma-separated models")
-    ap.add_argument("--jobs", type=int, default=usable_cores(),
-                    help="layouts rehearsed at once, each in its own process (default: the cores this process may use)")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=usable_cores(),
+        help="layouts rehearsed at once, each in its own process (default: the cores this process may use)",
+    )
     args = ap.parse_args()
     started = time.perf_counter()
     rows = run(set(args.only.split(",")) if args.only else None, args.jobs)
     print(table(rows))
-    print(f"matrix: {sum(len(r['ranks']) for r in rows)} ranks of {len(rows)} layouts in "
-          f"{time.perf_counter() - started:.0f} s")
+    print(
+        f"matrix: {sum(len(r['ranks']) for r in rows)} ranks of {len(rows)} layouts in "
+        f"{time.perf_counter() - started:.0f} s"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -22,20 +22,33 @@ import json
 import random
 from pathlib import Path
 
-WORDS = ("red blue green black white pink gold gray cat dog fox owl bee ant cow hen sun moon star rain snow wind "
-         "tree leaf rock sand lake hill road ship").split()
+WORDS = (
+    "red blue green black white pink gold gray cat dog fox owl bee ant cow hen sun moon star rain snow wind "
+    "tree leaf rock sand lake hill road ship"
+).split()
 SYSTEMS = ("You are a careful assistant .", "Answer with the result only .", "You are good at numbers and words .")
-PROMPT_WORDS = ("What is Reverse Sort Count the words : How many are there in ? + - = And now".split())
+PROMPT_WORDS = "What is Reverse Sort Count the words : How many are there in ? + - = And now".split()
 SPECIAL = ["<unk>", "<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
-TEMPLATE = ("{{ bos_token }}{% for message in messages %}"
-            "{% if message['role'] == 'assistant' %}<|assistant|>"
-            "{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}"
-            "{% else %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endif %}"
-            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|assistant|>"
+    "{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}"
+    "{% else %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 """Every turn ends with <|end|>; the assistant's content and its <|end|> are generated."""
-LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=512, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
-             initializer_range=0.125)
+LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    initializer_range=0.125,
+)
 
 
 def vocabulary() -> list[str]:
@@ -69,8 +82,10 @@ def rows(n: int, seed: int = 0) -> list[dict]:
         messages = [{"role": "system", "content": r.choice(SYSTEMS)}] if r.random() < 0.3 else []
         for turn in range(2 if r.random() < 0.25 else 1):
             question, answer = exchange(r)
-            messages += [{"role": "user", "content": ("And now " if turn else "") + question},
-                         {"role": "assistant", "content": answer}]
+            messages += [
+                {"role": "user", "content": ("And now " if turn else "") + question},
+                {"role": "assistant", "content": answer},
+            ]
         out.append({"messages": messages})
     return out
 
@@ -89,8 +104,14 @@ def write_tokenizer(folder: Path, template: str = TEMPLATE) -> Path:
     vocab = {w: i for i, w in enumerate(vocabulary())}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", additional_special_tokens=SPECIAL[4:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        additional_special_tokens=SPECIAL[4:],
+    )
     fast.chat_template = template
     fast.save_pretrained(str(folder))
     return folder
@@ -105,8 +126,13 @@ def write_model(folder: Path, seed: int = 0, **shape) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     write_tokenizer(folder)
     ids = {w: i for i, w in enumerate(vocabulary())}
-    config = LlamaConfig(vocab_size=len(ids), bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"],
-                         pad_token_id=ids["<pad>"], **{**LLAMA, **shape})
+    config = LlamaConfig(
+        vocab_size=len(ids),
+        bos_token_id=ids["<bos>"],
+        eos_token_id=ids["<eos>"],
+        pad_token_id=ids["<pad>"],
+        **{**LLAMA, **shape},
+    )
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(folder))
     return folder

@@ -46,8 +46,15 @@ KINDS = ("auto", "never", "archive", "concurrent", "shared_ckpt", "kill9")
 
 def launch(run_dir: Path, *overrides: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}", *BASE, *overrides]
-    return subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
@@ -73,7 +80,8 @@ def snapshot(run_dir: Path) -> tuple[dict, list[str]]:
                 continue
             manifest = json.loads((folder / "manifest.json").read_text())
             whole[(manifest["run_id"], manifest["step"])] = hashlib.sha256(
-                json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
+                json.dumps(manifest["files"], sort_keys=True).encode()
+            ).hexdigest()
         latest = read_latest(root)
         if latest is not None and not (root / latest[0] / "manifest.json").is_file():
             problems.append(f"{root}/latest names {latest[0]}, which is not a whole checkpoint")
@@ -97,7 +105,7 @@ class Ledger:
         self.ever |= set(now)
         for run_id in {r for r, _ in self.seen}:
             steps = sorted(s for r, s in self.seen if r == run_id)
-            kept = steps[-self.keep:]  # keep-K of its own run may delete the older ones
+            kept = steps[-self.keep :]  # keep-K of its own run may delete the older ones
             for step in kept:
                 if (run_id, step) not in now:
                     self.lost.append(f"run {run_id} step {step}")
@@ -151,16 +159,25 @@ def trial(kind: str, scratch: Path, rng: random.Random) -> dict:
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=60)
         deadline = time.monotonic() + 90  # the orphaned ranks save and stop (PR_SET_PDEATHSIG)
-        while time.monotonic() < deadline and subprocess.run(
-                ["pgrep", "-f", str(run)], capture_output=True).returncode == 0:
+        while (
+            time.monotonic() < deadline
+            and subprocess.run(["pgrep", "-f", str(run)], capture_output=True).returncode == 0
+        ):
             time.sleep(0.5)
         ledger.check(run)
         rc, out = finish(start(run, "train.steps=40"))
         codes += [-9, rc]
         ok = rc == 0
     ledger.check(run)
-    return {"kind": kind, "saving": saving, "ok": ok, "codes": codes, "lost": ledger.lost,
-            "corrupt": ledger.corrupt, "checkpoints_seen": len(ledger.ever)}
+    return {
+        "kind": kind,
+        "saving": saving,
+        "ok": ok,
+        "codes": codes,
+        "lost": ledger.lost,
+        "corrupt": ledger.corrupt,
+        "checkpoints_seen": len(ledger.ever),
+    }
 
 
 def main() -> int:
@@ -179,21 +196,28 @@ def main() -> int:
                 r = trial(kind, Path(tmp), rng)
                 results.append(r)
                 print(json.dumps(r), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    lines = ["# Trials: no launch loses a checkpoint", "",
-             f"`python scripts/trials_run_dir.py --rounds {args.rounds} --seed {args.seed}` on {platform.machine()}, "
-             f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, at {commit} (with uncommitted changes, if any); "
-             f"{(time.time() - t0) / 60:.0f} min.", "",
-             "| trial | runs (async) | as promised | exit codes | checkpoints seen whole | lost | corrupt |",
-             "|---|---|---|---|---|---|---|"]
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    lines = [
+        "# Trials: no launch loses a checkpoint",
+        "",
+        f"`python scripts/trials_run_dir.py --rounds {args.rounds} --seed {args.seed}` on {platform.machine()}, "
+        f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, at {commit} (with uncommitted changes, if any); "
+        f"{(time.time() - t0) / 60:.0f} min.",
+        "",
+        "| trial | runs (async) | as promised | exit codes | checkpoints seen whole | lost | corrupt |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for kind in args.kinds.split(","):
         rows = [r for r in results if r["kind"] == kind]
         codes = sorted({tuple(r["codes"]) for r in rows})
         asynchronous = sum(r["saving"] == "async" for r in rows)
-        lines.append(f"| {kind} | {len(rows)} ({asynchronous}) | {sum(r['ok'] for r in rows)} | "
-                     f"{', '.join('/'.join(map(str, c)) for c in codes)} | {sum(r['checkpoints_seen'] for r in rows)} | "
-                     f"{sum(len(r['lost']) for r in rows)} | {sum(len(r['corrupt']) for r in rows)} |")
+        lines.append(
+            f"| {kind} | {len(rows)} ({asynchronous}) | {sum(r['ok'] for r in rows)} | "
+            f"{', '.join('/'.join(map(str, c)) for c in codes)} | {sum(r['checkpoints_seen'] for r in rows)} | "
+            f"{sum(len(r['lost']) for r in rows)} | {sum(len(r['corrupt']) for r in rows)} |"
+        )
     lines += ["", "```", __doc__.split("\n\n", 2)[2].strip(), "```", ""]
     problems = [p for r in results for p in r["lost"] + r["corrupt"]]
     if problems:

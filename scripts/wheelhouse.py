@@ -22,8 +22,9 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 # Published as source only: built here into pure-Python wheels (py3-none-any).
@@ -77,8 +78,10 @@ def needed_without_torch(reqs: list[str], python: str, stop: tuple[str, ...] = (
         try:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
-            sys.exit(f"wheelhouse: {req} is needed on Python {python} but not installed here; "
-                     "run make setup (or install it) first, so its version is the tested one")
+            sys.exit(
+                f"wheelhouse: {req} is needed on Python {python} but not installed here; "
+                "run make setup (or install it) first, so its version is the tested one"
+            )
         seen[name] = dist.version
         for extra in sorted(req.extras):  # a requirement's own extras: their requirements too
             env_x = {**env, "extra": extra}
@@ -100,11 +103,19 @@ def requirement_lines(needed: dict[str, str], python: str) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(REPO / "wheelhouse"))
-    ap.add_argument("--python", default=f"{sys.version_info.major}.{sys.version_info.minor}",
-                    help="the nodes' Python, e.g. 3.12 (default: this one)")
-    ap.add_argument("--platform", default="manylinux2014_x86_64",
-                    help="the nodes' platform tag (manylinux2014_x86_64 also takes the newer manylinux wheels)")
-    ap.add_argument("--extras", default="dev,hf,tb,fp8", help="the project's extras to include, comma-separated ('' for none)")
+    ap.add_argument(
+        "--python",
+        default=f"{sys.version_info.major}.{sys.version_info.minor}",
+        help="the nodes' Python, e.g. 3.12 (default: this one)",
+    )
+    ap.add_argument(
+        "--platform",
+        default="manylinux2014_x86_64",
+        help="the nodes' platform tag (manylinux2014_x86_64 also takes the newer manylinux wheels)",
+    )
+    ap.add_argument(
+        "--extras", default="dev,hf,tb,fp8", help="the project's extras to include, comma-separated ('' for none)"
+    )
     args = ap.parse_args()
     if not re.fullmatch(r"3\.\d{1,2}", args.python):
         sys.exit(f"wheelhouse: --python {args.python!r}: expected a version such as 3.12")
@@ -123,13 +134,18 @@ def main() -> int:
     os.environ["DS_BUILD_OPS"] = "0"
     pip("wheel", "--quiet", "--no-deps", "--wheel-dir", str(out), *source)
     wanted = [f"{n}=={v}" for n, v in sorted(needed.items()) if n not in SOURCE_ONLY]
-    print(f"wheelhouse: downloading {len(wanted)} wheels for Python {args.python} on {args.platform} "
-          "(torch and what only it needs left out)", flush=True)
+    print(
+        f"wheelhouse: downloading {len(wanted)} wheels for Python {args.python} on {args.platform} "
+        "(torch and what only it needs left out)",
+        flush=True,
+    )
     pip("download", "--quiet", "--no-deps", "--dest", str(out), *target, *wanted)
     (out / "requirements.txt").write_text("".join(requirement_lines(needed, args.python)))
     size = sum(f.stat().st_size for f in out.glob("*.whl"))
-    print(f"wheelhouse: {len(needed)} packages, {size / 2**20:,.0f} MiB in {out}; on a node without network: "
-          f"make setup WHEELHOUSE={out} TORCH=system")
+    print(
+        f"wheelhouse: {len(needed)} packages, {size / 2**20:,.0f} MiB in {out}; on a node without network: "
+        f"make setup WHEELHOUSE={out} TORCH=system"
+    )
     return 0
 
 

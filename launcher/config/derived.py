@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 
 from launcher.config.enums import PPSchedule
-from launcher.config.recipe import ParallelConfig
 from launcher.config.model import ModelConfig
 from launcher.config.moe import moe_key
+from launcher.config.recipe import ParallelConfig
 from launcher.config.root import Config
 from launcher.config.train import OptimConfig
 

@@ -18,8 +18,9 @@ class ConfigError(ValueError):
 
 # Pipeline schedules. Declared functionally because "1f1b" is not a Python identifier;
 # the names are what the command line and config.yaml say (parallel.pp_schedule=1f1b).
-PPSchedule = enum.Enum("PPSchedule", {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved_1f1b"},
-                       type=str)
+PPSchedule = enum.Enum(
+    "PPSchedule", {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved_1f1b"}, type=str
+)
 
 
 PPSchedule.__doc__ = """gpipe: all forwards, then all backwards: simplest, but every micro-batch's

@@ -219,12 +219,13 @@ SOURCE_KEYS: dict[str, tuple[DataKind, ...]] = {
     **{k: (DataKind.memmap,) for k in ("path", "dtype")},
     "vocab_size": (DataKind.synthetic, DataKind.memmap),
     "text_field": (DataKind.hf_text,),
-    **{k: (DataKind.hf_text, DataKind.chat) for k in ("files", "format", "tokenizer", "num_proc", "shard_mb", "cache_dir",
-                                                      "document_masking")},
+    **{
+        k: (DataKind.hf_text, DataKind.chat)
+        for k in ("files", "format", "tokenizer", "num_proc", "shard_mb", "cache_dir", "document_masking")
+    },
     **{k: (DataKind.chat,) for k in ("chat_template", "train_on", "messages_field")},
 }
 """The data.* keys only some sources read (val_path, val_fraction and sources are checked with
 train.eval_every's held-out data). A run that sets one its data= does not read is refused
 (launcher/launch/checks/asked.py): `data.files=...` without data=hf_text would otherwise train on
 synthetic data, without a word."""
-

@@ -8,15 +8,22 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from launcher.config.recipe import ParallelConfig, RecipeConfig
 from launcher.config.model import DataConfig, ModelConfig
+from launcher.config.recipe import ParallelConfig, RecipeConfig
+from launcher.config.run import (
+    CheckpointConfig,
+    ClusterConfig,
+    DebugConfig,
+    ExportConfig,
+    LoggerConfig,
+    PlanConfig,
+    ProfileConfig,
+)
 from launcher.config.train import DistConfig, OptimConfig, PrecisionConfig, TrainConfig
-from launcher.config.run import (CheckpointConfig, ClusterConfig, DebugConfig, ExportConfig, LoggerConfig, PlanConfig,
-                                 ProfileConfig)
 
 
 @dataclass
@@ -73,12 +80,12 @@ resumes (command.sh, a requeued job, export)."""
 def to_typed(cfg_node) -> Config:
     """An OmegaConf node (composed or loaded) to dataclasses with Enums."""
     merged = OmegaConf.merge(OmegaConf.structured(Config), cfg_node)
-    return OmegaConf.to_object(merged)
+    return cast(Config, OmegaConf.to_object(merged))
 
 
 def read_frozen(path: Path):
     """RUN_DIR/config.yaml as an OmegaConf node, less the RETIRED keys."""
-    node = OmegaConf.load(path)
+    node = cast(DictConfig, OmegaConf.load(path))  # a YAML mapping
     for key in RETIRED:
         node.pop(key, None)
     return node
@@ -105,8 +112,9 @@ def to_yaml(cfg: Config) -> str:
     (a user's escaped `\\${...}`, a path that holds one) is escaped, so no reader of the file
     (the ranks, export, a relaunch) resolves it against its own environment. The project's
     own interpolations (hydra.run.dir's ${now:}) were resolved on the launch side before."""
-    return OmegaConf.to_yaml(OmegaConf.create(_escaped(OmegaConf.to_container(OmegaConf.structured(cfg),
-                                                                              enum_to_str=True))))
+    return OmegaConf.to_yaml(
+        OmegaConf.create(_escaped(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)))
+    )
 
 
 _INTERPOLATION = re.compile(r"(\\*)\$\{")
@@ -125,4 +133,4 @@ def _escaped(value):
 
 
 def to_dict(cfg: Config) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    return cast(dict, OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))

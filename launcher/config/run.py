@@ -7,8 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from launcher.config.enums import (ExportDtype, ExportFormat, FaultPoint, K8sKind, LoggerKind, OnExisting, Runner,
-                                   Scheduler, WandbMode)
+from launcher.config.enums import (
+    ExportDtype,
+    ExportFormat,
+    FaultPoint,
+    K8sKind,
+    LoggerKind,
+    OnExisting,
+    Runner,
+    Scheduler,
+    WandbMode,
+)
 
 
 @dataclass

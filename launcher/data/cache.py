@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.config import Config, ConfigError, DataConfig, DataKind
+from launcher.config import Config, ConfigError, DataConfig, DataKind, TextFormat
 from launcher.data import chat_units, shards, units
 from launcher.data.chat import settings as chat_settings
 from launcher.data.inputs import file_format, load_tokenizer, resolve_files, token_dtype
@@ -93,11 +93,16 @@ def describe(got: Prepared) -> str:
         return f"prepared data {got.dir} reused"
     if not got.processes:  # killed after its last unit, before index.json
         return f"prepared data {got.dir} finished in {got.seconds:.1f} s: all {got.units} units were done by an earlier launch"
-    rate = (f" ({count(got.built_bytes / got.seconds)}B/s, {count(got.built_tokens / got.seconds)} tokens/s)"
-            if got.seconds > 0 and got.built_bytes else "")
+    rate = (
+        f" ({count(got.built_bytes / got.seconds)}B/s, {count(got.built_tokens / got.seconds)} tokens/s)"
+        if got.seconds > 0 and got.built_bytes
+        else ""
+    )
     resumed = f"; {got.resumed} of {got.units} units were done by an earlier launch" if got.resumed else ""
-    return (f"prepared data {got.dir} built in {got.seconds:.1f} s by {got.processes} "
-            f"process{'es' if got.processes != 1 else ''}{rate}{resumed}")
+    return (
+        f"prepared data {got.dir} built in {got.seconds:.1f} s by {got.processes} "
+        f"process{'es' if got.processes != 1 else ''}{rate}{resumed}"
+    )
 
 
 @contextlib.contextmanager
@@ -121,7 +126,7 @@ def locked(path: Path, waiting=None):
 def _sha256(path: Path) -> str:
     try:
         with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()  # hashlib lets go of the GIL: threads hash in parallel
+            return shards.file_sha256(f)  # hashlib lets go of the GIL: threads hash in parallel
     except OSError as err:
         raise ConfigError("data.files", str(path), f"cannot be read ({err.strerror or err})") from err
 
@@ -141,14 +146,21 @@ def digests(root: Path, files: list[Path], threads: int, out=None) -> tuple[list
     known = memo()
     # size, mtime, ctime and inode: a rewrite in place, a copy with `cp -p` or `rsync -a` change one of them
     wanted = [(str(f), s.st_size, (s.st_mtime_ns, s.st_ctime_ns, s.st_ino)) for f, s in zip(files, stats)]
-    found = {p: known[p]["sha256"] for p, size, stamp in wanted
-             if isinstance(known.get(p), dict) and (known[p].get("size"), known[p].get("stamp")) == (size, list(stamp))}
+    found = {
+        p: known[p]["sha256"]
+        for p, size, stamp in wanted
+        if isinstance(known.get(p), dict) and (known[p].get("size"), known[p].get("stamp")) == (size, list(stamp))
+    }
     todo = [(p, size, stamp) for p, size, stamp in wanted if p not in found]
     hashed = sum(size for _, size, _ in todo)
     if todo:
         if hashed > LOUD_HASH:
-            print(f"data: hashing {len(todo)} file(s), {count(hashed)}B, for the cache key (once: remembered in "
-                  f"{memo_path})", file=out or sys.stdout, flush=True)
+            print(
+                f"data: hashing {len(todo)} file(s), {count(hashed)}B, for the cache key (once: remembered in "
+                f"{memo_path})",
+                file=out or sys.stdout,
+                flush=True,
+            )
         with ThreadPoolExecutor(max(1, min(threads, len(todo)))) as pool:
             found.update(zip((p for p, _, _ in todo), pool.map(lambda t: _sha256(Path(t[0])), todo)))
         try:  # a read-only shared cache: the next launch hashes again, nothing worse
@@ -157,14 +169,25 @@ def digests(root: Path, files: list[Path], threads: int, out=None) -> tuple[list
                 merged.update({p: {"size": size, "stamp": list(stamp), "sha256": found[p]} for p, size, stamp in todo})
                 units.write_json_atomic(memo_path, {"version": VERSION, "files": merged})
         except OSError as err:
-            print(f"data: could not remember the digests in {memo_path} ({err.strerror or err}); the next launch "
-                  "hashes these files again", file=out or sys.stdout, flush=True)
+            print(
+                f"data: could not remember the digests in {memo_path} ({err.strerror or err}); the next launch "
+                "hashes these files again",
+                file=out or sys.stdout,
+                flush=True,
+            )
     return [found[p] for p, _, _ in wanted], hashed
 
 
 def cache_key(sums: list[str], fmt: str, field: str, tok, extra: dict | None = None) -> str:
-    what = {"version": VERSION, "sources": sums, "format": fmt, "text_field": field, "tokenizer": tok.identity,
-            "eos": int(tok.eos_id), **(extra or {})}
+    what = {
+        "version": VERSION,
+        "sources": sums,
+        "format": fmt,
+        "text_field": field,
+        "tokenizer": tok.identity,
+        "eos": int(tok.eos_id),
+        **(extra or {}),
+    }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -188,24 +211,31 @@ def prepare(cfg: Config, unit_bytes: int | None = None, out=None) -> Prepared:
             return Prepared(folder, json.loads((folder / INDEX).read_text()), reused=True)
 
         def waiting() -> None:
-            print(f"data: another launch is preparing the same data into {folder}; waiting for it", file=out, flush=True)
+            print(
+                f"data: another launch is preparing the same data into {folder}; waiting for it", file=out, flush=True
+            )
 
         with locked(folder.with_name(folder.name + ".lock"), waiting) as fd:
             if whole(folder, out, nproc):  # made while this launch waited
                 return Prepared(folder, json.loads((folder / INDEX).read_text()), reused=True)
             return _build(cfg, folder, src, fd, nproc, unit_bytes or d.shard_mb << 20, out, t0)
     except OSError as err:
-        raise ConfigError("data.cache_dir", str(root), f"the prepared data could not be written ({err}); "
-                          "choose another data.cache_dir, or free space (the units done so far are kept for the "
-                          "next launch)") from err
+        raise ConfigError(
+            "data.cache_dir",
+            str(root),
+            f"the prepared data could not be written ({err}); "
+            "choose another data.cache_dir, or free space (the units done so far are kept for the "
+            "next launch)",
+        ) from err
 
 
 @dataclass
 class _Inputs:
     """What one preparation reads: the files (their format, their stat and digests when
     hashed), the tokenizer, data=chat's settings."""
+
     files: list[Path]
-    fmt: object
+    fmt: TextFormat
     stats: list[os.stat_result]
     sums: list[str]
     tok: object
@@ -223,10 +253,21 @@ def _build(cfg: Config, folder: Path, src: _Inputs, fd: int, nproc: int, unit_by
     plan = _plan(folder, files, src.fmt, sizes, unit_bytes)
     dtype = token_dtype(src.tok)
     done = _recorded(folder, len(plan), dtype.width)
-    jobs = [{"unit": k, "dir": str(folder), "format": src.fmt.value, "field": d.text_field,
-             "tokenizer": d.tokenizer, "dtype": dtype.value, "bytes": sum(map(units.piece_bytes, pieces)),
-             "pieces": [{**p, "path": str(files[p["file"]])} for p in pieces], **src.chat["job"]}
-            for k, pieces in enumerate(plan) if k not in done]
+    jobs = [
+        {
+            "unit": k,
+            "dir": str(folder),
+            "format": src.fmt.value,
+            "field": d.text_field,
+            "tokenizer": d.tokenizer,
+            "dtype": dtype.value,
+            "bytes": sum(map(units.piece_bytes, pieces)),
+            "pieces": [{**p, "path": str(files[p["file"]])} for p in pieces],
+            **src.chat["job"],
+        }
+        for k, pieces in enumerate(plan)
+        if k not in done
+    ]
     total = sum(units.piece_bytes(p) for pieces in plan for p in pieces)
     meter = Meter(total, total - sum(j["bytes"] for j in jobs), out)
     room(folder, sum(j["bytes"] for j in jobs), dtype.width, d.tokenizer == "byte", out)
@@ -237,25 +278,37 @@ def _build(cfg: Config, folder: Path, src: _Inputs, fd: int, nproc: int, unit_by
         shutil.rmtree(folder, ignore_errors=True)
         raise
     _unchanged(folder, files, src.stats)
-    index = _index(cfg, src.tok, dtype, src.fmt, files, sizes, src.sums, [done[k] for k in range(len(plan))],
-                   src.chat["key"])
+    index = _index(
+        cfg, src.tok, dtype, src.fmt, files, sizes, src.sums, [done[k] for k in range(len(plan))], src.chat["key"]
+    )
     index["shards"] = shards.with_digests(folder, index["shards"], nproc)  # checked at every reuse
     _fsync_dir(folder)  # every shard's and record's rename is on disk before the index says they are whole
     units.write_json_atomic(folder / INDEX, index)
     _fsync_dir(folder)
     _tidy(folder, index, len(plan))
-    return Prepared(folder, index, reused=False, seconds=time.perf_counter() - t0, processes=min(nproc, len(jobs)),
-                    units=len(plan), resumed=resumed, built_bytes=meter.bytes, built_tokens=meter.tokens)
+    return Prepared(
+        folder,
+        index,
+        reused=False,
+        seconds=time.perf_counter() - t0,
+        processes=min(nproc, len(jobs)),
+        units=len(plan),
+        resumed=resumed,
+        built_bytes=meter.bytes,
+        built_tokens=meter.tokens,
+    )
 
 
 def _unchanged(folder: Path, files: list[Path], stats: list[os.stat_result]) -> None:
     """What was read is what was hashed, else this key's content is not known: the folder goes."""
-    changed = [str(f) for f, s in zip(files, stats) if (f.stat().st_size, f.stat().st_mtime_ns) !=
-               (s.st_size, s.st_mtime_ns)]
+    changed = [
+        str(f) for f, s in zip(files, stats) if (f.stat().st_size, f.stat().st_mtime_ns) != (s.st_size, s.st_mtime_ns)
+    ]
     if changed:
         shutil.rmtree(folder, ignore_errors=True)
-        raise ConfigError("data.files", changed[0], "changed while it was prepared; launch again once the "
-                          "files stay as they are")
+        raise ConfigError(
+            "data.files", changed[0], "changed while it was prepared; launch again once the files stay as they are"
+        )
 
 
 def whole(folder: Path, out, threads: int = 1) -> bool:
@@ -290,8 +343,12 @@ def room(folder: Path, todo_bytes: int, width: int, byte_level: bool, out) -> No
     need = todo_bytes * width // (1 if byte_level else 3)
     free = shutil.disk_usage(folder).free
     if need > free:
-        print(f"data: about {count(need)}B of shards to write into {folder}, {count(free)}B free there; "
-              "a full disk stops the preparation (the units done are kept)", file=out, flush=True)
+        print(
+            f"data: about {count(need)}B of shards to write into {folder}, {count(free)}B free there; "
+            "a full disk stops the preparation (the units done are kept)",
+            file=out,
+            flush=True,
+        )
 
 
 def _plan(folder: Path, files: list[Path], fmt, sizes: list[int], unit_bytes: int) -> list[list[dict]]:
@@ -322,8 +379,11 @@ def _recorded(folder: Path, n: int, width: int) -> dict[int, dict]:
         shard = folder / record["file"] if record.get("file") else None
         whole = shard.is_file() and shard.stat().st_size == record["tokens"] * width if shard else record["tokens"] == 0
         sides = {"mask": record["tokens"], "lengths": record["documents"] * 4}  # data=chat's files beside it
-        if whole and all((folder / record[k]).is_file() and (folder / record[k]).stat().st_size == size
-                         for k, size in sides.items() if k in record):
+        if whole and all(
+            (folder / record[k]).is_file() and (folder / record[k]).stat().st_size == size
+            for k, size in sides.items()
+            if k in record
+        ):
             done[k] = record
     return done
 
@@ -342,8 +402,12 @@ def _run(jobs: list[dict], nproc: int, lock_fd: int, meter: Meter, work=None) ->
     ctx = mp.get_context("fork" if fork else "spawn")
     progress = ctx.Queue()
     workers = min(nproc, len(jobs))
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=units.init_worker,
-                               initargs=(progress, os.getpid(), lock_fd if fork else None))
+    pool = ProcessPoolExecutor(
+        workers,
+        mp_context=ctx,
+        initializer=units.init_worker,
+        initargs=(progress, os.getpid(), lock_fd if fork else None),
+    )
 
     def drain() -> None:
         while True:
@@ -365,9 +429,13 @@ def _run(jobs: list[dict], nproc: int, lock_fd: int, meter: Meter, work=None) ->
                     try:
                         record = future.result()
                     except BrokenProcessPool:
-                        raise ConfigError("data.num_proc", workers, "a tokenizing process died (killed, or out of "
-                                          "memory?); launch again to continue where it stopped, or lower "
-                                          "data.num_proc") from None
+                        raise ConfigError(
+                            "data.num_proc",
+                            workers,
+                            "a tokenizing process died (killed, or out of "
+                            "memory?); launch again to continue where it stopped, or lower "
+                            "data.num_proc",
+                        ) from None
                     if "error" in record:  # the content (the key can never complete), or the file's reading
                         raise (ConfigError if record.get("resumable") else InputError)(*record["error"])
                     records[unit] = record
@@ -382,17 +450,37 @@ def _run(jobs: list[dict], nproc: int, lock_fd: int, meter: Meter, work=None) ->
     return records
 
 
-def _index(cfg: Config, tok, dtype, fmt, files: list[Path], sizes: list[int], sums: list[str],
-           records: list[dict], chat: dict | None = None) -> dict:
+def _index(
+    cfg: Config,
+    tok,
+    dtype,
+    fmt,
+    files: list[Path],
+    sizes: list[int],
+    sums: list[str],
+    records: list[dict],
+    chat: dict | None = None,
+) -> dict:
     d = cfg.data
-    shards = [{k: r[k] for k in ("file", "tokens", "documents", "mask", "lengths") if k in r} for r in records
-              if r["tokens"]]
-    return {"format": FORMAT, "version": VERSION, "dtype": dtype.value,
-            "tokens": sum(r["tokens"] for r in records), "documents": sum(r["documents"] for r in records),
-            "shards": shards, "tokenizer": tok.identity, "tokenizer_spec": d.tokenizer, "vocab_size": tok.vocab_size,
-            "eos_id": int(tok.eos_id), "text_field": d.text_field, "source_format": fmt.value,
-            "sources": [{"path": str(f), "bytes": size, "sha256": s} for f, size, s in zip(files, sizes, sums)],
-            **({**chat, "counted": sum(r["counted"] for r in records)} if chat else {})}
+    shards = [
+        {k: r[k] for k in ("file", "tokens", "documents", "mask", "lengths") if k in r} for r in records if r["tokens"]
+    ]
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": dtype.value,
+        "tokens": sum(r["tokens"] for r in records),
+        "documents": sum(r["documents"] for r in records),
+        "shards": shards,
+        "tokenizer": tok.identity,
+        "tokenizer_spec": d.tokenizer,
+        "vocab_size": tok.vocab_size,
+        "eos_id": int(tok.eos_id),
+        "text_field": d.text_field,
+        "source_format": fmt.value,
+        "sources": [{"path": str(f), "bytes": size, "sha256": s} for f, size, s in zip(files, sizes, sums)],
+        **({**chat, "counted": sum(r["counted"] for r in records)} if chat else {}),
+    }
 
 
 def _tidy(folder: Path, index: dict, n: int) -> None:

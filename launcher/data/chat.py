@@ -73,21 +73,29 @@ def load_template(d: DataConfig, tok) -> Template:
     if d.chat_template:
         path = Path(d.chat_template).expanduser()
         if not path.is_file():
-            raise ConfigError("data.chat_template", d.chat_template, "no such file (a Jinja chat template, e.g. a "
-                              "chat_template.jinja), or null: the tokenizer's own")
+            raise ConfigError(
+                "data.chat_template",
+                d.chat_template,
+                "no such file (a Jinja chat template, e.g. a chat_template.jinja), or null: the tokenizer's own",
+            )
         template = Template(path.read_text(encoding="utf-8"), ("data.chat_template", d.chat_template))
     else:
         try:
             text = tok.get_chat_template()
         except ValueError as err:  # none, or several and no default
-            raise ConfigError("data.tokenizer", d.tokenizer, f"has no chat template to render conversations with "
-                              f"({first_line(err)[:120]}); name one: data.chat_template=<file.jinja>")
+            raise ConfigError(
+                "data.tokenizer",
+                d.tokenizer,
+                f"has no chat template to render conversations with "
+                f"({first_line(err)[:120]}); name one: data.chat_template=<file.jinja>",
+            )
         template = Template(text, ("data.tokenizer", d.tokenizer))
     try:
         texts(tok, template, [(PROBE, False)])
     except Exception as err:  # jinja2's TemplateError and whatever the template raises
-        raise ConfigError(*template.key, f"its chat template does not render a user and an assistant turn "
-                          f"({first_line(err)})")
+        raise ConfigError(
+            *template.key, f"its chat template does not render a user and an assistant turn ({first_line(err)})"
+        )
     return template
 
 
@@ -96,10 +104,22 @@ def settings(d: DataConfig, tok) -> dict:
     and the index: what changes the tokens or the mask besides the files and the
     tokenizer) and `job` (what each worker renders with)."""
     template = load_template(d, tok.tok)
-    return {"key": {"kind": "chat", "rendering": VERSION, "template_sha256": template.digest,
-                    "train_on": d.train_on.value, "messages_field": d.messages_field},
-            "job": {"kind": "chat", "template": template.text, "template_key": list(template.key),
-                    "train_on": d.train_on.value, "field": d.messages_field}}
+    return {
+        "key": {
+            "kind": "chat",
+            "rendering": VERSION,
+            "template_sha256": template.digest,
+            "train_on": d.train_on.value,
+            "messages_field": d.messages_field,
+        },
+        "job": {
+            "kind": "chat",
+            "template": template.text,
+            "template_key": list(template.key),
+            "train_on": d.train_on.value,
+            "field": d.messages_field,
+        },
+    }
 
 
 # ----------------------------------------------------------------------------- rows
@@ -111,8 +131,9 @@ def conversation(row, field: str, train_on: TrainOn) -> tuple[list[dict], list[i
     if row.get(field) is not None:
         messages = row[field]
     elif row.get("prompt") is not None and row.get("completion") is not None:
-        prompt, completion = (as_messages(row[k], role, k) for k, role in (("prompt", "user"),
-                                                                           ("completion", "assistant")))
+        prompt, completion = (
+            as_messages(row[k], role, k) for k, role in (("prompt", "user"), ("completion", "assistant"))
+        )
         messages, completion_at = prompt + completion, len(prompt)
     else:
         raise RowError(f"has no `{field}` field (data.messages_field), nor `prompt` and `completion`")
@@ -127,8 +148,10 @@ def conversation(row, field: str, train_on: TrainOn) -> tuple[list[dict], list[i
     if train_on == TrainOn.completion:
         turns = [i for i in turns if i >= completion_at] if completion_at is not None else turns[-1:]
     if not turns and train_on != TrainOn.all:
-        raise RowError(f"has no assistant turn to train on (data.train_on={train_on.value}); data.train_on=all "
-                       "trains on every token")
+        raise RowError(
+            f"has no assistant turn to train on (data.train_on={train_on.value}); data.train_on=all "
+            "trains on every token"
+        )
     return messages, turns
 
 
@@ -148,8 +171,12 @@ def texts(tok, template: Template, conversations: list[tuple[list[dict], bool]])
 
     out = []
     for messages, generation in conversations:
-        rendered, _ = render_jinja_template(conversations=[messages], chat_template=template.text,
-                                            add_generation_prompt=generation, **tok.special_tokens_map)
+        rendered, _ = render_jinja_template(
+            conversations=[messages],
+            chat_template=template.text,
+            add_generation_prompt=generation,
+            **tok.special_tokens_map,
+        )
         out.append(rendered[0])
     return out
 
@@ -159,8 +186,9 @@ def encode(tok, rendered: list[str]) -> list[list[int]]:
     return [tok(text, add_special_tokens=False)["input_ids"] for text in rendered]
 
 
-def render(tok, template: Template, messages: list[dict], turns: list[int], train_on: TrainOn,
-           by_prefix: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+def render(
+    tok, template: Template, messages: list[dict], turns: list[int], train_on: TrainOn, by_prefix: bool | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """A conversation's tokens and mask (COUNTS and START bits). `by_prefix`: how the
     assistant's tokens are found (None: transformers' mask where the template marks them)."""
     if by_prefix is None:
@@ -186,15 +214,16 @@ def render(tok, template: Template, messages: list[dict], turns: list[int], trai
 def generation_mask(tok, template: Template, messages: list[dict], turns: list[int]) -> tuple[list[int], np.ndarray]:
     """transformers' assistant mask; for a subset of the assistant turns (train_on=completion),
     only the part after the conversation before the first of them."""
-    out = tok.apply_chat_template(messages, chat_template=template.text, tokenize=True, return_dict=True,
-                                  return_assistant_tokens_mask=True)
+    out = tok.apply_chat_template(
+        messages, chat_template=template.text, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     ids, counts = list(out["input_ids"]), np.asarray(out["assistant_masks"], dtype=bool)
     everyone = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if turns != everyone:
-        before = encode(tok, texts(tok, template, [(messages[:turns[0]], False)]))[0]
-        if ids[:len(before)] != before:
+        before = encode(tok, texts(tok, template, [(messages[: turns[0]], False)]))[0]
+        if ids[: len(before)] != before:
             raise not_prefix(template, turns[0])
-        counts[:len(before)] = False
+        counts[: len(before)] = False
     return ids, counts
 
 
@@ -206,10 +235,10 @@ def prefix_mask(tok, template: Template, messages: list[dict], turns: list[int])
     tokenizer that merges a prompt's last character with the reply's first (ChatML's
     newlines under Qwen's pre-tokenizer) is no reason to refuse; a slow one compares the
     renderings' tokens, which must extend each other too."""
-    wanted = [(messages[:i], True) for i in turns] + [(messages[:i + 1], False) for i in turns] + [(messages, False)]
+    wanted = [(messages[:i], True) for i in turns] + [(messages[: i + 1], False) for i in turns] + [(messages, False)]
     rendered = texts(tok, template, wanted)
     n = len(turns)
-    chain = [x for pair in zip(rendered[:n], rendered[n:2 * n]) for x in pair] + [rendered[-1]]
+    chain = [x for pair in zip(rendered[:n], rendered[n : 2 * n]) for x in pair] + [rendered[-1]]
     for k in range(len(chain) - 1):
         if not chain[k + 1].startswith(chain[k]):
             raise not_prefix(template, turns[k // 2] + (k % 2))
@@ -217,22 +246,24 @@ def prefix_mask(tok, template: Template, messages: list[dict], turns: list[int])
         out = tok(rendered[-1], add_special_tokens=False, return_offsets_mapping=True)
         ids, starts = out["input_ids"], np.asarray([a for a, _ in out["offset_mapping"]])
         counts = np.zeros(len(ids), dtype=bool)
-        for start, end in zip(rendered[:n], rendered[n:2 * n]):
+        for start, end in zip(rendered[:n], rendered[n : 2 * n]):
             counts |= (starts >= len(start)) & (starts < len(end))
         return ids, counts
     encoded = encode(tok, rendered)
     ids, counts = encoded[-1], np.zeros(len(encoded[-1]), dtype=bool)
-    chain = [x for pair in zip(encoded[:n], encoded[n:2 * n]) for x in pair] + [ids]
-    for k in range(len(chain) - 1):
-        if chain[k + 1][:len(chain[k])] != chain[k]:
+    id_chain = [x for pair in zip(encoded[:n], encoded[n : 2 * n]) for x in pair] + [ids]
+    for k in range(len(id_chain) - 1):
+        if id_chain[k + 1][: len(id_chain[k])] != id_chain[k]:
             raise not_prefix(template, turns[k // 2] + (k % 2))
-    for start, end in zip(encoded[:n], encoded[n:2 * n]):
-        counts[len(start):len(end)] = True
+    for first, last in zip(encoded[:n], encoded[n : 2 * n]):
+        counts[len(first) : len(last)] = True
     return ids, counts
 
 
 def not_prefix(template: Template, turn: int) -> RowError:
-    return RowError(f"the template's tokens of the conversation through message {turn + 1} do not extend those of "
-                    "the messages before it (the template rewrites earlier turns), so the assistant's tokens cannot "
-                    "be told; a template that marks them with {% generation %} can (data.chat_template=<file>)",
-                    key=template.key)
+    return RowError(
+        f"the template's tokens of the conversation through message {turn + 1} do not extend those of "
+        "the messages before it (the template rewrites earlier turns), so the assistant's tokens cannot "
+        "be told; a template that marks them with {% generation %} can (data.chat_template=<file>)",
+        key=template.key,
+    )

@@ -27,7 +27,7 @@ MASK, LENGTHS = ".mask", ".len"
 
 def side_names(shard: str) -> dict[str, str]:
     """The mask and lengths files beside a shard, as its index entry names them."""
-    stem = shard[:-len(".bin")]
+    stem = shard[: -len(".bin")]
     return {"mask": stem + MASK, "lengths": stem + LENGTHS}
 
 
@@ -48,8 +48,9 @@ def rows(piece: dict, fmt: TextFormat, columns: list[str]):
         before = [sum(f.metadata.row_group(g).num_rows for g in range(k)) for k in piece["row_groups"]]
         present = [c for c in columns if c in f.schema_arrow.names]
         for group, size, first in zip(piece["row_groups"], piece["sizes"], before):
-            for batch in f.iter_batches(batch_size=units.BATCH_ROWS, row_groups=[group], columns=present,
-                                        use_threads=False):
+            for batch in f.iter_batches(
+                batch_size=units.BATCH_ROWS, row_groups=[group], columns=present, use_threads=False
+            ):
                 values = batch.to_pylist()
                 yield [(-(first + k + 1), v) for k, v in enumerate(values)], 0
                 first += len(values)
@@ -78,9 +79,13 @@ def tokenize_chat_unit(job: dict, report) -> dict:
     from launcher.data.inputs import load_tokenizer
 
     unit, folder, fmt = job["unit"], Path(job["dir"]), TextFormat(job["format"])
-    tok, dtype = load_tokenizer(job["tokenizer"]).tok, np.dtype(job["dtype"])
-    template, train_on, field = Template(job["template"], tuple(job["template_key"])), TrainOn(job["train_on"]), \
-        job["field"]
+    tok = load_tokenizer(job["tokenizer"]).tok  # type: ignore[union-attr]  # data=chat: data.tokenizer=byte is refused
+    dtype = np.dtype(job["dtype"])
+    template, train_on, field = (
+        Template(job["template"], tuple(job["template_key"])),
+        TrainOn(job["train_on"]),
+        job["field"],
+    )
     names = {"file": units.shard_name(unit), **side_names(units.shard_name(unit))}
     tmp = {k: folder / units.tmp_name(n) for k, n in names.items()}
     samples, tokens, counted, lengths = 0, 0, 0, []
@@ -114,9 +119,16 @@ def tokenize_chat_unit(job: dict, report) -> dict:
         for k in ("mask", "lengths", "file"):  # the shard last: a shard with its files beside it
             os.replace(tmp[k], folder / names[k])
     else:  # a unit without a row writes no shard
-        for f in tmp.values():
-            f.unlink()
-    record = {"unit": unit, "file": names["file"] if tokens else None, "tokens": tokens, "documents": samples,
-              "bytes": job["bytes"], "counted": counted, **({k: names[k] for k in ("mask", "lengths")} if tokens else {})}
+        for path in tmp.values():
+            path.unlink()
+    record = {
+        "unit": unit,
+        "file": names["file"] if tokens else None,
+        "tokens": tokens,
+        "documents": samples,
+        "bytes": job["bytes"],
+        "counted": counted,
+        **({k: names[k] for k in ("mask", "lengths")} if tokens else {}),
+    }
     units.write_json_atomic(folder / units.record_name(unit), record)
     return record

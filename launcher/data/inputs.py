@@ -22,8 +22,13 @@ BYTE_VOCAB = 256
 BYTE_EOS = 255
 """End of document for the byte tokenizer: 0xFF never occurs in UTF-8 text, so the
 vocabulary stays the project's 256 (scripts/prepare_data.py, the gpt configs' byte models)."""
-EXTENSIONS = {".jsonl": TextFormat.json, ".json": TextFormat.json, ".parquet": TextFormat.parquet,
-              ".txt": TextFormat.text, ".text": TextFormat.text}
+EXTENSIONS = {
+    ".jsonl": TextFormat.json,
+    ".json": TextFormat.json,
+    ".parquet": TextFormat.parquet,
+    ".txt": TextFormat.text,
+    ".text": TextFormat.text,
+}
 # A model folder holds the tokenizer beside the weights; the weights are not the tokenizer's identity.
 WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt"}
 
@@ -31,8 +36,9 @@ WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 # ----------------------------------------------------------------------------- files
 def patterns(d: DataConfig) -> list[str]:
     if d.files is None or d.files == "???":
-        raise ConfigError("data.files", None, f"missing: data={d.name.value} needs data.files='corpus/*.jsonl' (a glob or "
-                          "a list)")
+        raise ConfigError(
+            "data.files", None, f"missing: data={d.name.value} needs data.files='corpus/*.jsonl' (a glob or a list)"
+        )
     items = [d.files] if isinstance(d.files, str) else list(d.files) if isinstance(d.files, (list, tuple)) else None
     if not items or not all(isinstance(p, str) and p for p in items):
         raise ConfigError("data.files", d.files, "a glob or a list of globs of local files")
@@ -43,10 +49,13 @@ def resolve_files(d: DataConfig) -> list[Path]:
     """Every file the globs match, in sorted order per glob, each once."""
     files: list[Path] = []
     for pattern in patterns(d):
-        matched = sorted(Path(p).resolve() for p in glob.glob(os.path.expanduser(pattern), recursive=True)
-                         if Path(p).is_file())
+        matched = sorted(
+            Path(p).resolve() for p in glob.glob(os.path.expanduser(pattern), recursive=True) if Path(p).is_file()
+        )
         if not matched:
-            raise ConfigError("data.files", pattern, "matches no file (a glob of local .jsonl, .json, .parquet, .txt files)")
+            raise ConfigError(
+                "data.files", pattern, "matches no file (a glob of local .jsonl, .json, .parquet, .txt files)"
+            )
         files += [f for f in matched if f not in files]
     return files
 
@@ -57,11 +66,16 @@ def file_format(d: DataConfig, files: list[Path]) -> TextFormat:
     found = {f: EXTENSIONS.get(f.suffix.lower()) for f in files}
     unknown = [f for f, fmt in found.items() if fmt is None]
     if unknown:
-        raise ConfigError("data.format", "auto", f"cannot tell the format of {unknown[0]} from its extension; "
-                          f"name it: data.format=json|parquet|text")
+        raise ConfigError(
+            "data.format",
+            "auto",
+            f"cannot tell the format of {unknown[0]} from its extension; name it: data.format=json|parquet|text",
+        )
     kinds = sorted({fmt.value for fmt in found.values()})
     if len(kinds) > 1:
-        raise ConfigError("data.files", ",".join(patterns(d)), f"mixes formats ({', '.join(kinds)}); one format per run")
+        raise ConfigError(
+            "data.files", ",".join(patterns(d)), f"mixes formats ({', '.join(kinds)}); one format per run"
+        )
     return next(iter(found.values()))
 
 
@@ -84,8 +98,11 @@ def fields_of(path: Path, fmt: TextFormat) -> list[str] | None:
                 except json.JSONDecodeError:
                     row = None
                 if not isinstance(row, dict):
-                    raise ConfigError("data.files", str(path), f"line {number} is not a JSON object (JSON lines expected: "
-                                      "one object per line)")
+                    raise ConfigError(
+                        "data.files",
+                        str(path),
+                        f"line {number} is not a JSON object (JSON lines expected: one object per line)",
+                    )
                 return list(row)
     return None
 
@@ -121,14 +138,22 @@ class LocalTokenizer:
             self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         except Exception as err:  # transformers raises OSError, ValueError, KeyError... for a bad folder
             reason = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
-            raise ConfigError("data.tokenizer", str(path), f"not a tokenizer AutoTokenizer loads offline ({reason[:200]})")
+            raise ConfigError(
+                "data.tokenizer", str(path), f"not a tokenizer AutoTokenizer loads offline ({reason[:200]})"
+            )
         self.vocab_size = len(self.tok)
         self.eos_id = self.tok.eos_token_id
         if self.eos_id is None:
-            raise ConfigError("data.tokenizer", str(path), "the tokenizer has no eos_token to end documents with; "
-                              "set one in its tokenizer_config.json")
-        files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir()
-                       if p.is_file() and p.suffix not in WEIGHT_SUFFIXES)
+            raise ConfigError(
+                "data.tokenizer",
+                str(path),
+                "the tokenizer has no eos_token to end documents with; set one in its tokenizer_config.json",
+            )
+        files = sorted(
+            (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+            for p in path.iterdir()
+            if p.is_file() and p.suffix not in WEIGHT_SUFFIXES
+        )
         self.identity = {"path": str(path), "files": files}
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
@@ -138,8 +163,11 @@ class LocalTokenizer:
         ids = self.tok(texts, add_special_tokens=False)["input_ids"]
         eos = (self.eos_id,)
         count = sum(map(len, ids)) + len(ids)
-        return np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(zip(ids, itertools.repeat(eos)))),
-                           dtype=dtype, count=count)
+        return np.fromiter(
+            itertools.chain.from_iterable(itertools.chain.from_iterable(zip(ids, itertools.repeat(eos)))),
+            dtype=dtype,
+            count=count,
+        )
 
 
 @lru_cache(maxsize=4)

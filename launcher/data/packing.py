@@ -66,8 +66,9 @@ class Packed:
             real.append(tokens.astype(np.int32))
             self.samples += len(lengths)
             self.truncated += int(np.count_nonzero(lengths > size))
-        self.shard, self.start, self.real = (np.concatenate(a) if a else np.empty(0, np.int64)
-                                             for a in (shard, start, real))
+        self.shard, self.start, self.real = (
+            np.concatenate(a) if a else np.empty(0, np.int64) for a in (shard, start, real)
+        )
         self.windows = len(self.start)
 
     def efficiency(self) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 PLAIN_EVERY = 5.0
 """Seconds between two plain progress lines (stdout not a terminal)."""
@@ -35,7 +36,8 @@ class Meter:
         self.out = out or sys.stdout
         self.bytes = self.docs = self.tokens = 0
         self.t0 = self.last = time.monotonic()
-        self.bar = self.task = None
+        self.bar: Any = None
+        self.task: Any = None
 
     def __enter__(self) -> "Meter":
         from rich.console import Console
@@ -45,8 +47,16 @@ class Meter:
         if console.is_terminal:
             from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn("data"), BarColumn(), TaskProgressColumn(), TextColumn("{task.fields[rates]}"),
-                                TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=True)
+            self.bar = Progress(
+                TextColumn("data"),
+                BarColumn(),
+                TaskProgressColumn(),
+                TextColumn("{task.fields[rates]}"),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=console,
+                transient=True,
+            )
             self.bar.start()
             self.task = self.bar.add_task("tokenizing", total=self.total, completed=self.done, rates="")
         return self
@@ -68,8 +78,11 @@ class Meter:
     def show(self) -> None:
         docs_s, tokens_s, bytes_s = self.rates()
         if self.bar is not None:
-            self.bar.update(self.task, completed=self.done + self.bytes,
-                            rates=f"{count(docs_s)} documents/s  {count(tokens_s)} tokens/s")
+            self.bar.update(
+                self.task,
+                completed=self.done + self.bytes,
+                rates=f"{count(docs_s)} documents/s  {count(tokens_s)} tokens/s",
+            )
             return
         now = time.monotonic()
         if now - self.last < self.every:
@@ -77,5 +90,9 @@ class Meter:
         self.last = now
         left = self.total - self.done - self.bytes
         eta = duration(left / bytes_s) if bytes_s > 0 else "?"
-        print(f"data: {100 * (self.done + self.bytes) / self.total:.0f}% of {count(self.total)}B, "
-              f"{count(docs_s)} documents/s, {count(tokens_s)} tokens/s, ETA {eta}", file=self.out, flush=True)
+        print(
+            f"data: {100 * (self.done + self.bytes) / self.total:.0f}% of {count(self.total)}B, "
+            f"{count(docs_s)} documents/s, {count(tokens_s)} tokens/s, ETA {eta}",
+            file=self.out,
+            flush=True,
+        )

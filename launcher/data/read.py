@@ -107,7 +107,7 @@ class MarkovSource(Dataset):
             u[row] = g.random(self.seq_len + 1)
         ranks = np.minimum(np.searchsorted(self.base_cdf, u, side="right"), self.vocab - 1)
         for t in range(k, self.seq_len + 1):
-            out[:, t] = self.token_of[self._state(out[:, t - k:t]), ranks[:, t]]
+            out[:, t] = self.token_of[self._state(out[:, t - k : t]), ranks[:, t]]
         return out
 
     def prob(self, state: int, token: int) -> float:
@@ -134,8 +134,9 @@ class TokenFile(Dataset):
     file stays open, whatever the number of shards and sources, and the dataset pickles
     small into loader workers."""
 
-    def __init__(self, cfg: DataConfig, seq_len: int, seed: int, path: str | None = None, key: int = 0,
-                 eos_id: int | None = None):
+    def __init__(
+        self, cfg: DataConfig, seq_len: int, seed: int, path: str | None = None, key: int = 0, eos_id: int | None = None
+    ):
         where = path or cfg.path
         self.eos_id = eos_id  # data.document_masking: (3, T + 1) windows, positions restarting after each EOS
         self.stream = sources.stream("data.path", where, cfg.dtype)
@@ -147,8 +148,10 @@ class TokenFile(Dataset):
         self.held_out = held_out_windows(windows, cfg.val_fraction) if path is None else 0
         self.windows = windows - self.held_out
         if self.windows < 1:
-            raise ValueError(f"{where}: {windows} window(s) of train.seq_len={seq_len} tokens, "
-                             f"{self.held_out} held out by data.val_fraction={cfg.val_fraction}: none left to train on")
+            raise ValueError(
+                f"{where}: {windows} window(s) of train.seq_len={seq_len} tokens, "
+                f"{self.held_out} held out by data.val_fraction={cfg.val_fraction}: none left to train on"
+            )
 
     def _window(self, idx: int) -> int:
         epoch, pos = divmod(int(idx), self.windows)
@@ -190,8 +193,10 @@ class ChatFile(TokenFile):
         self.held_out = held_out_windows(self.packed.windows, val_fraction)
         self.windows = self.packed.windows - self.held_out
         if self.windows < 1:
-            raise ValueError(f"{folder}: {self.packed.windows} packed window(s), {self.held_out} held out by "
-                             f"data.val_fraction={val_fraction}: none left to train on")
+            raise ValueError(
+                f"{folder}: {self.packed.windows} packed window(s), {self.held_out} held out by "
+                f"data.val_fraction={val_fraction}: none left to train on"
+            )
 
     def window(self, w: int) -> torch.Tensor:
         return torch.from_numpy(self.packed.window(w, self.document_masking))
@@ -217,9 +222,15 @@ class Mixture(Dataset):
     def __init__(self, cfg: Config, seed: int):
         self.sources = sources.sources(cfg.data)
         # a source with a validation file of its own holds out none of its windows
-        self.streams = [TokenFile(dataclasses.replace(cfg.data, path=s.path, val_fraction=0.0 if s.val_path else
-                                                      cfg.data.val_fraction), cfg.train.seq_len, seed,
-                                  key=zlib.crc32(s.name.encode())) for s in self.sources]
+        self.streams = [
+            TokenFile(
+                dataclasses.replace(cfg.data, path=s.path, val_fraction=0.0 if s.val_path else cfg.data.val_fraction),
+                cfg.train.seq_len,
+                seed,
+                key=zlib.crc32(s.name.encode()),
+            )
+            for s in self.sources
+        ]
         self.which, self.rank, self.count = sources.blend([s.weight for s in self.sources])
         self.seq_len = cfg.train.seq_len
 
@@ -270,8 +281,10 @@ class SourceMeter:
         out = {}
         for name, drawn, epoch, windows in self._drawn(samples_seen):
             if epoch > self.epochs[name]:
-                self.say(f"data: {'source ' + name if self.mixed else 'the token data'} read to its end ({windows:,} "
-                         f"sequences an epoch) by step {step}: epoch {epoch + 1} runs in a fresh order")
+                self.say(
+                    f"data: {'source ' + name if self.mixed else 'the token data'} read to its end ({windows:,} "
+                    f"sequences an epoch) by step {step}: epoch {epoch + 1} runs in a fresh order"
+                )
                 self.epochs[name] = epoch
             if self.mixed:
                 out[f"data/{name}/tokens"] = drawn * self.dataset.seq_len
@@ -356,8 +369,9 @@ def build_dataset(cfg: Config, run_dir: Path | None = None) -> Dataset:
     return TokenFile(cfg.data, cfg.train.seq_len, cfg.train.seed)
 
 
-def build_loader(cfg: Config, dataset: Dataset, start: int, global_batch: int, dp_rank: int, dp_size: int,
-                 device: torch.device) -> DataLoader:
+def build_loader(
+    cfg: Config, dataset: Dataset, start: int, global_batch: int, dp_rank: int, dp_size: int, device: torch.device
+) -> DataLoader:
     workers = cfg.data.num_workers
     if workers is None:
         workers = 2 if device.type == "cuda" else 0

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -55,7 +56,18 @@ def bad_name(folder: Path, entry: dict) -> str | None:
 
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()  # lets go of the GIL: threads hash at once
+        return file_sha256(f)
+
+
+def file_sha256(f) -> str:
+    """An open binary file's sha256. hashlib lets go of the GIL (file_digest, or update on
+    large chunks): threads hash at once. file_digest is Python 3.11's; 3.10 reads in chunks."""
+    if sys.version_info >= (3, 11):
+        return hashlib.file_digest(f, "sha256").hexdigest()
+    h = hashlib.sha256()
+    while chunk := f.read(1 << 20):
+        h.update(chunk)
+    return h.hexdigest()
 
 
 def _stamp(path: Path) -> list[int]:

@@ -77,16 +77,28 @@ def stream(key: str, path: str, dtype: TokenDtype) -> Stream:
         found = sorted(f for f in glob.glob(os.path.expanduser(path)) if Path(f).is_file() and f.endswith(".bin"))
         prepared = next((f for f in found if (Path(f).parent / INDEX).is_file()), None)
         if prepared:
-            raise ConfigError(key, path, f"matches {prepared}, a shard of the prepared folder {Path(prepared).parent}: "
-                              "name that folder (its index.json holds the shards' order and dtype)")
+            raise ConfigError(
+                key,
+                path,
+                f"matches {prepared}, a shard of the prepared folder {Path(prepared).parent}: "
+                "name that folder (its index.json holds the shards' order and dtype)",
+            )
     if not found:
-        raise ConfigError(key, path, "no such file; allowed: a token file, a folder of *.bin shards or one "
-                          "`make data` prepared (index.json), or a glob")
+        raise ConfigError(
+            key,
+            path,
+            "no such file; allowed: a token file, a folder of *.bin shards or one "
+            "`make data` prepared (index.json), or a glob",
+        )
     sizes = [os.path.getsize(f) for f in found]
     cut = next((f"{f} has {size:,} bytes" for f, size in zip(found, sizes) if size % dtype.width), None)
     if cut:  # a copy that stopped half-way: its last token is half a token
-        raise ConfigError(key, path, f"{cut}, not a whole number of {dtype.value} tokens ({dtype.width} bytes "
-                          "each): a copy cut short, or another data.dtype? Copy it again whole")
+        raise ConfigError(
+            key,
+            path,
+            f"{cut}, not a whole number of {dtype.value} tokens ({dtype.width} bytes "
+            "each): a copy cut short, or another data.dtype? Copy it again whole",
+        )
     return Stream(tuple(found), tuple(size // dtype.width for size in sizes), dtype)
 
 
@@ -100,13 +112,17 @@ def indexed(key: str, path: str, index: Path) -> Stream:
         dtype = TokenDtype(meta["dtype"])
         shards = [(index.parent / s["file"], int(s["tokens"])) for s in meta["shards"]]
         # data=chat: a byte of mask per token and a uint32 length per sample beside each shard
-        sides = [(index.parent / s[k], int(s["tokens"] if k == "mask" else 4 * s["documents"]), 1)
-                 for s in meta["shards"] for k in ("mask", "lengths") if k in s]
+        sides = [
+            (index.parent / s[k], int(s["tokens"] if k == "mask" else 4 * s["documents"]), 1)
+            for s in meta["shards"]
+            for k in ("mask", "lengths")
+            if k in s
+        ]
     except KeyError as err:
         raise ConfigError(key, path, f"{index} has no {err} (not an index make data wrote)")
     except (ValueError, TypeError, AttributeError) as err:  # not JSON, a wrong type, an unknown dtype
         raise ConfigError(key, path, f"{index}: {err}")
-    from launcher.data.shards import bad_name, NotItsOwn
+    from launcher.data.shards import NotItsOwn, bad_name
 
     wrong = next((w for w in (bad_name(index.parent, s) for s in meta["shards"]) if w), None)
     if wrong:  # /etc/passwd, ../other/shard_000000.bin: never read
@@ -114,8 +130,12 @@ def indexed(key: str, path: str, index: Path) -> Stream:
     for f, tokens, width in [(f, t, dtype.width) for f, t in shards] + sides:
         size = f.stat().st_size if f.is_file() else None
         if size is None or size // width < tokens or size % width:
-            raise ConfigError(key, path, f"{index} names {f.name} with {tokens} {'tokens' if width > 1 else 'bytes'}; "
-                              + ("it is missing" if size is None else f"it holds {size // width}"))
+            raise ConfigError(
+                key,
+                path,
+                f"{index} names {f.name} with {tokens} {'tokens' if width > 1 else 'bytes'}; "
+                + ("it is missing" if size is None else f"it holds {size // width}"),
+            )
     return Stream(tuple(str(f) for f, _ in shards), tuple(t for _, t in shards), dtype)
 
 
@@ -124,8 +144,12 @@ def windows_of(key: str, path: str, dtype: TokenDtype, seq_len: int) -> int:
     s = stream(key, path, dtype)
     n = int(s.windows(seq_len).sum())
     if n < 1:
-        raise ConfigError(key, path, f"holds {sum(s.tokens)} tokens in {len(s.files)} file(s), none with a window of "
-                          f"train.seq_len + 1 = {seq_len + 1}")
+        raise ConfigError(
+            key,
+            path,
+            f"holds {sum(s.tokens)} tokens in {len(s.files)} file(s), none with a window of "
+            f"train.seq_len + 1 = {seq_len + 1}",
+        )
     return n
 
 
@@ -155,19 +179,27 @@ def sources(d: DataConfig) -> list[Source]:
         except (TypeError, ValueError):
             weight = float("nan")
         if not NAME.fullmatch(name):
-            raise ConfigError("data.sources", name, "a source's name: letters, digits, '_', '.', '-' (it names metrics)")
+            raise ConfigError(
+                "data.sources", name, "a source's name: letters, digits, '_', '.', '-' (it names metrics)"
+            )
         if not weight > 0 or weight == float("inf"):
             raise ConfigError("data.sources", item["weight"], f"source {name}'s weight must be a number > 0")
         out.append(Source(name, str(item["path"]), weight, item.get("val_path")))
     names = [s.name for s in out]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
-        raise ConfigError("data.sources", dup, "two sources share this name; name them: {name: ..., path: ..., weight: ...}")
+        raise ConfigError(
+            "data.sources", dup, "two sources share this name; name them: {name: ..., path: ..., weight: ...}"
+        )
     total = sum(s.weight for s in out)
     small = next((s for s in out if s.weight / total < 1 / BLEND_PERIOD), None)
     if small is not None:
-        raise ConfigError("data.sources", small.weight, f"source {small.name}'s share {small.weight / total:.2g} is below "
-                          f"the blend's resolution (1/{BLEND_PERIOD}): it would never be drawn")
+        raise ConfigError(
+            "data.sources",
+            small.weight,
+            f"source {small.name}'s share {small.weight / total:.2g} is below "
+            f"the blend's resolution (1/{BLEND_PERIOD}): it would never be drawn",
+        )
     return [Source(s.name, s.path, s.weight / total, s.val_path) for s in out]
 
 

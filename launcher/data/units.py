@@ -118,8 +118,10 @@ def row_group_sizes(path: Path) -> list[tuple[int, int]]:
         meta = pq.ParquetFile(path).metadata
     except Exception as err:  # pyarrow's own error types for a file that is not parquet
         raise ConfigError("data.files", str(path), f"not a parquet file ({str(err).splitlines()[0]})")
-    return [(g, max(1, sum(meta.row_group(g).column(c).total_compressed_size for c in range(meta.num_columns))))
-            for g in range(meta.num_row_groups)]
+    return [
+        (g, max(1, sum(meta.row_group(g).column(c).total_compressed_size for c in range(meta.num_columns))))
+        for g in range(meta.num_row_groups)
+    ]
 
 
 def line_end(f, at: int, size: int) -> int:
@@ -147,13 +149,22 @@ def documents(piece: dict, fmt: TextFormat, field: str):
             yield from _parquet(path, piece["row_groups"], piece["sizes"], field)
         else:
             for offset, chunk in _chunks(path, piece["start"], piece["end"]):
-                yield (_json_texts(chunk, field, path, offset) if fmt == TextFormat.json
-                       else _text_lines(chunk, path, offset)), len(chunk)
+                yield (
+                    (
+                        _json_texts(chunk, field, path, offset)
+                        if fmt == TextFormat.json
+                        else _text_lines(chunk, path, offset)
+                    ),
+                    len(chunk),
+                )
     except ConfigError:
         raise
     except OSError as err:  # the file, not its content: the units done are kept
-        raise Unreadable("data.files", str(path), f"could not be read ({str(err).strip()[:200]}); the units prepared "
-                         "so far are kept: launch again to go on")
+        raise Unreadable(
+            "data.files",
+            str(path),
+            f"could not be read ({str(err).strip()[:200]}); the units prepared so far are kept: launch again to go on",
+        )
     except Exception as err:  # pyarrow's errors on a malformed file
         raise ConfigError("data.files", str(path), f"cannot be read ({str(err).strip().splitlines()[0][:200]})")
 
@@ -179,10 +190,13 @@ def _json_texts(chunk: bytes, field: str, path: Path, offset: int) -> list:
     if not chunk.strip():
         return []
     try:  # pyarrow reads only the field, as text: 3x faster than json.loads on short documents
-        table = pj.read_json(io.BytesIO(chunk),
-                             read_options=pj.ReadOptions(use_threads=False, block_size=len(chunk) + 1),
-                             parse_options=pj.ParseOptions(explicit_schema=pa.schema([(field, pa.string())]),
-                                                           unexpected_field_behavior="ignore"))
+        table = pj.read_json(
+            io.BytesIO(chunk),
+            read_options=pj.ReadOptions(use_threads=False, block_size=len(chunk) + 1),
+            parse_options=pj.ParseOptions(
+                explicit_schema=pa.schema([(field, pa.string())]), unexpected_field_behavior="ignore"
+            ),
+        )
         return table.column(field).to_pylist()
     except (pa.ArrowInvalid, UnicodeDecodeError):  # json line by line: what is wrong, and where
         return _json_texts_slowly(chunk, field, path, offset)
@@ -199,8 +213,11 @@ def _json_texts_slowly(chunk: bytes, field: str, path: Path, offset: int) -> lis
         except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
             raise ConfigError("data.files", str(path), f"cannot be read (the line at byte {where}: {err})")
         if not isinstance(row, dict):
-            raise ConfigError("data.files", str(path), f"the line at byte {where} is not a JSON object (JSON lines "
-                              "expected: one object per line)")
+            raise ConfigError(
+                "data.files",
+                str(path),
+                f"the line at byte {where} is not a JSON object (JSON lines expected: one object per line)",
+            )
         text = row.get(field)
         if text is not None and not isinstance(text, str):
             raise ConfigError("data.text_field", field, f"{path} holds a {type(text).__name__} in it, not text")
@@ -225,11 +242,17 @@ def _parquet(path: Path, groups: list[int], sizes: list[int], field: str):
     for group, size in zip(groups, sizes):
         for batch in f.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], columns=[field], use_threads=False):
             column = batch.column(0)
-            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
-                    or pa.types.is_null(column.type) or str(column.type) == "string_view"):
+            if not (
+                pa.types.is_string(column.type)
+                or pa.types.is_large_string(column.type)
+                or pa.types.is_null(column.type)
+                or str(column.type) == "string_view"
+            ):
                 value = next((v for v in column.to_pylist() if v is not None), None)
                 if value is not None:
-                    raise ConfigError("data.text_field", field, f"{path} holds a {type(value).__name__} in it, not text")
+                    raise ConfigError(
+                        "data.text_field", field, f"{path} holds a {type(value).__name__} in it, not text"
+                    )
             yield column.to_pylist(), 0
         yield [], size
 
@@ -292,7 +315,7 @@ def tokenize_unit(job: dict, report) -> dict:
                     continue
                 batches = range(0, len(texts), BATCH_DOCS)
                 for n, first in enumerate(batches):
-                    batch = texts[first:first + BATCH_DOCS]
+                    batch = texts[first : first + BATCH_DOCS]
                     try:
                         ids = tok.pack(batch, dtype)
                     except Exception:  # a lone surrogate (JSON's "\ud800") is not UTF-8: U+FFFD for it, again
@@ -310,7 +333,12 @@ def tokenize_unit(job: dict, report) -> dict:
         os.replace(tmp, folder / name)
     else:  # a unit without a document writes no shard
         tmp.unlink()
-    record = {"unit": unit, "file": name if tokens else None, "tokens": tokens, "documents": docs,
-              "bytes": job["bytes"]}
+    record = {
+        "unit": unit,
+        "file": name if tokens else None,
+        "tokens": tokens,
+        "documents": docs,
+        "bytes": job["bytes"],
+    }
     write_json_atomic(folder / record_name(unit), record)
     return record

@@ -12,7 +12,6 @@ from hydra.errors import HydraException
 
 from launcher.launch.compose import UsageError
 
-
 COMMANDS = ("train", "export", "plan", "submit", "rehearse", "data")
 
 
@@ -27,7 +26,7 @@ USAGE = """usage: launcher train [key=value ...] [--dry-run] [-m|--multirun]
 
 ABOUT = {
     "train": "Compose conf/ with the overrides, validate, write the run directory and start the ranks here "
-             "(torchrun, deepspeed or accelerate launch: cluster.runner).",
+    "(torchrun, deepspeed or accelerate launch: cluster.runner).",
     "submit": "As train, as a Slurm job (cluster=slurm, the default) or as Kubernetes pods (cluster=k8s).",
     "plan": "The memory plan of the composed run: each layout and micro-batch on its cluster, and what fits.",
     "rehearse": "Ranks of the cluster's layout built here on the meta device, against the plan.",
@@ -59,11 +58,20 @@ def parse_args(argv: list[str]) -> Args:
         command, argv = argv[0], argv[1:]
         if command not in COMMANDS:
             raise UsageError(f"unknown command '{command}'; allowed: {', '.join(COMMANDS)}")
-    parser = _Parser(prog=f"launcher {command}", add_help=False, allow_abbrev=False, description=ABOUT[command],
-                     epilog="Overrides are Hydra's key=value on conf/ (model=gpt_350m optim.lr=3e-4; export: "
-                     "export.dtype=bf16); every option, its default and its allowed values: conf/ and README.md.")
-    parser.add_argument("overrides", nargs="*", metavar="RUN_DIR key=value" if command == "export" else "key=value",
-                        help="the run directory, then overrides" if command == "export" else "Hydra overrides")
+    parser = _Parser(
+        prog=f"launcher {command}",
+        add_help=False,
+        allow_abbrev=False,
+        description=ABOUT[command],
+        epilog="Overrides are Hydra's key=value on conf/ (model=gpt_350m optim.lr=3e-4; export: "
+        "export.dtype=bf16); every option, its default and its allowed values: conf/ and README.md.",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="RUN_DIR key=value" if command == "export" else "key=value",
+        help="the run directory, then overrides" if command == "export" else "Hydra overrides",
+    )
     parser.add_argument("-h", "--help", action="store_true", help="this text; nothing runs")
     if command in ("train", "submit"):
         parser.add_argument("--dry-run", action="store_true", help="print the run's files and command; start nothing")
@@ -71,21 +79,32 @@ def parse_args(argv: list[str]) -> Args:
     if command in ("plan", "rehearse"):
         parser.add_argument("--json", action="store_true", dest="as_json", help="the table as JSON")
     if command == "rehearse":
-        parser.add_argument("--ranks", default=None, help="comma-separated ranks (default: first, last, each stage's "
-                            "first, each tensor-parallel position)")
+        parser.add_argument(
+            "--ranks",
+            default=None,
+            help="comma-separated ranks (default: first, last, each stage's first, each tensor-parallel position)",
+        )
     parsed, unknown = parser.parse_known_intermixed_args(argv)
     if parsed.help:
         return Args(command, [], help=parser.format_help())
     if unknown:  # the command's own flags, as the parser has them, then -h/--help
         flags = sorted((a for a in parser._actions if a.option_strings), key=lambda a: a.dest == "help")
-        raise UsageError(f"unknown flag '{unknown[0]}' for {command}; allowed: "
-                         f"{', '.join('/'.join(a.option_strings) for a in flags)}, or key=value overrides")
-    args = Args(command, parsed.overrides, getattr(parsed, "dry_run", False), getattr(parsed, "multirun", False),
-                getattr(parsed, "as_json", False), getattr(parsed, "ranks", None))
-    parser = OverridesParser.create()
+        raise UsageError(
+            f"unknown flag '{unknown[0]}' for {command}; allowed: "
+            f"{', '.join('/'.join(a.option_strings) for a in flags)}, or key=value overrides"
+        )
+    args = Args(
+        command,
+        parsed.overrides,
+        getattr(parsed, "dry_run", False),
+        getattr(parsed, "multirun", False),
+        getattr(parsed, "as_json", False),
+        getattr(parsed, "ranks", None),
+    )
+    overrides_parser = OverridesParser.create()
     for o in args.overrides if command in ("train", "submit", "data") else []:
         try:
-            parser.parse_overrides([o])
+            overrides_parser.parse_overrides([o])
         except HydraException as e:
             raise UsageError(f"{o}: cannot parse ({str(e).splitlines()[0]}); overrides look like key=value")
     return args

@@ -20,10 +20,11 @@ from pathlib import Path
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from launcher import config as C, offline, ops, provenance, runlock
+from launcher import config as C
+from launcher import offline, ops, provenance, runlock
 from launcher.exits import EXIT_INTERRUPTED, OOM_MARKER
 from launcher.host import HostInfo
-from launcher.launch.args import parse_args, USAGE
+from launcher.launch.args import USAGE, parse_args
 from launcher.launch.checks import asked, fit, plaintext
 from launcher.launch.checks.levers import check_trainable
 from launcher.launch.checks.validate import validate
@@ -31,13 +32,24 @@ from launcher.launch.commands import sweep
 from launcher.launch.commands.data import cmd_data
 from launcher.launch.commands.export import cmd_export
 from launcher.launch.commands.plan import check_cpu_fit, cmd_plan, cmd_rehearse, planned_host, resolve_auto
-from launcher.launch.compose import compose_config, describe, expand_sweep, UsageError
+from launcher.launch.compose import UsageError, compose_config, describe, expand_sweep
 from launcher.launch.rundir import identity
-from launcher.launch.rundir.prepare import (check_checkpoint_space, check_resume_is_data, check_run_dir_name,
-                                            check_writable, exported_threads, make_plan, nothing_to_train, prepare_run,
-                                            run_files, schedule_change, write_run_dir, zero_config)
-from launcher.launch.start.argv import command_script, launch_argv, launch_env, LaunchPlan, sbatch_script, SLURM_STEPS
-from launcher.launch.start.rendezvous import check_master_addr, NodeRendezvous, RendezvousFailed
+from launcher.launch.rundir.prepare import (
+    check_checkpoint_space,
+    check_resume_is_data,
+    check_run_dir_name,
+    check_writable,
+    exported_threads,
+    make_plan,
+    nothing_to_train,
+    prepare_run,
+    run_files,
+    schedule_change,
+    write_run_dir,
+    zero_config,
+)
+from launcher.launch.start.argv import SLURM_STEPS, LaunchPlan, command_script, launch_argv, launch_env, sbatch_script
+from launcher.launch.start.rendezvous import NodeRendezvous, RendezvousFailed, check_master_addr
 from launcher.launch.start.supervise import interrupts_held, supervise
 from launcher.launch.submit import k8s, slurm
 from launcher.manifest import lock_folders, root_of
@@ -79,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def compose_jobs(command: str, overrides: list[str], multirun: bool,
-                 dry_run: bool = False) -> tuple[list[tuple[C.Config, Path, HostInfo, str | None]], list[str]]:
+def compose_jobs(
+    command: str, overrides: list[str], multirun: bool, dry_run: bool = False
+) -> tuple[list[tuple[C.Config, Path, HostInfo, str | None, dict | None]], list[str]]:
     """`train` and `submit` alike: compose and validate every point of a sweep first (bad
     input starts nothing and writes nothing); each point gets its own run directory. Returns
     the jobs and the warnings, which the command prints once nothing can refuse the launch
@@ -146,7 +159,8 @@ def planned_nodes(cfg: C.Config, here: HostInfo) -> tuple[HostInfo, str | None]:
     has = f"{here.gpus} GPU(s)" if here.cuda else "no GPU"
     return HostInfo(cuda=True, gpus=gpus, cpus=here.cpus), (
         f"checked as a plan for nodes of {gpus} GPUs (cluster.gpus_per_node={gpus}); this machine has {has}: "
-        f"the GPUs, their memory and the checkpoint disk are checked where it launches")
+        f"the GPUs, their memory and the checkpoint disk are checked where it launches"
+    )
 
 
 def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool) -> None:
@@ -156,23 +170,34 @@ def check_command(command: str, cfg: C.Config, point: list[str], multirun: bool)
     c = cfg.cluster
     kind = {C.Scheduler.slurm: "Slurm", C.Scheduler.k8s: "Kubernetes"}.get(c.scheduler)
     if command == "train" and kind:
-        raise C.ConfigError("cluster.scheduler", c.scheduler.value, f"cluster={c.name} is a {kind} config: submit it "
-                                                                    "with `make submit` (launcher submit), or train here with cluster=local")
+        raise C.ConfigError(
+            "cluster.scheduler",
+            c.scheduler.value,
+            f"cluster={c.name} is a {kind} config: submit it "
+            "with `make submit` (launcher submit), or train here with cluster=local",
+        )
     if command == "submit":
         if not kind:
-            raise C.ConfigError("cluster.scheduler", c.scheduler.value, f"cluster={c.name} is not a Slurm config; "
-                                                                        "submit needs one, e.g. cluster=slurm (or cluster=k8s)")
+            raise C.ConfigError(
+                "cluster.scheduler",
+                c.scheduler.value,
+                f"cluster={c.name} is not a Slurm config; submit needs one, e.g. cluster=slurm (or cluster=k8s)",
+            )
         if c.runner not in SLURM_STEPS:
-            raise C.ConfigError("cluster.runner", c.runner.value,
-                                f"submit supports: {', '.join(r.value for r in SLURM_STEPS)}")
+            raise C.ConfigError(
+                "cluster.runner", c.runner.value, f"submit supports: {', '.join(r.value for r in SLURM_STEPS)}"
+            )
     if command == "train" and c.runner == C.Runner.accelerate:
         check_accelerate(cfg)
     if command == "train" and c.nnodes > 1 and c.runner != C.Runner.deepspeed:  # deepspeed: one launch for all
         key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
         if not any(o.startswith(key + "=") for o in point):
-            raise C.ConfigError(key, "(default: a timestamp)",
-                                f"a run over cluster.nnodes={c.nnodes} nodes needs the same {key}=... on every node "
-                                "(a folder they share)")
+            raise C.ConfigError(
+                key,
+                "(default: a timestamp)",
+                f"a run over cluster.nnodes={c.nnodes} nodes needs the same {key}=... on every node "
+                "(a folder they share)",
+            )
 
         check_master_addr(cfg)
 
@@ -182,11 +207,19 @@ def check_accelerate(cfg: C.Config) -> None:
     and the nodes' launchers meet on it first: launcher/launch/start/rendezvous.py), and accelerate
     importable by this interpreter, which runs it (found, not imported: it imports torch)."""
     if cfg.cluster.nnodes > 1:
-        raise C.ConfigError("cluster.runner", "accelerate", f"accelerate launch starts one node's ranks here, not "
-                            f"cluster.nnodes={cfg.cluster.nnodes}: several nodes run with cluster.runner=torchrun")
+        raise C.ConfigError(
+            "cluster.runner",
+            "accelerate",
+            f"accelerate launch starts one node's ranks here, not "
+            f"cluster.nnodes={cfg.cluster.nnodes}: several nodes run with cluster.runner=torchrun",
+        )
     if importlib.util.find_spec("accelerate") is None:
-        raise C.ConfigError("cluster.runner", "accelerate", f"accelerate is not installed for {sys.executable} "
-                            "(pip install accelerate, or the project's hf extra); or use cluster.runner=torchrun")
+        raise C.ConfigError(
+            "cluster.runner",
+            "accelerate",
+            f"accelerate is not installed for {sys.executable} "
+            "(pip install accelerate, or the project's hf extra); or use cluster.runner=torchrun",
+        )
 
 
 def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> int:
@@ -209,14 +242,20 @@ def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> in
                 print(f"# {name}")
                 print(text, end="")
             print("# command")
-            print(command_script(launch_argv(cfg, str(run_dir), plan), launch_env(cfg, plan, str(run_dir)),
-                                 plan.workdir, str(run_dir)), end="")
+            print(
+                command_script(
+                    launch_argv(cfg, str(run_dir), plan),
+                    launch_env(cfg, plan, str(run_dir)),
+                    plan.workdir,
+                    str(run_dir),
+                ),
+                end="",
+            )
             continue
         if nothing_to_train(cfg, run_dir):
             points.append(sweep.Point(name, run_dir))
             continue
         if ds is not None:  # a DeepSpeed recipe: its ops compiled here, once per environment, not in the ranks
-
             ops.build(ops.needed(cfg, host.cuda))
         created = not run_dir.exists()
         with contextlib.ExitStack() as held:
@@ -239,8 +278,15 @@ def cmd_train(overrides: list[str], multirun: bool, dry_run: bool = False) -> in
     return rc
 
 
-def launch_job(cfg: C.Config, run_dir: Path, plan: LaunchPlan, files: dict[str, str], choice: str | None,
-               overrides: list[str], notes: list[str]) -> int:
+def launch_job(
+    cfg: C.Config,
+    run_dir: Path,
+    plan: LaunchPlan,
+    files: dict[str, str],
+    choice: str | None,
+    overrides: list[str],
+    notes: list[str],
+) -> int:
     """Write the run directory (and prepare its data), say the launch's warnings, and run the
     ranks under supervision; the exit code."""
     if cfg.cluster.node_rank == 0:  # the other nodes of a launch by hand run what node 0 settles
@@ -263,8 +309,14 @@ def launch_job(cfg: C.Config, run_dir: Path, plan: LaunchPlan, files: dict[str, 
         return run_node(cfg, run_dir, argv_run, {**os.environ, **env})
     if cfg.train.oom_backoff:
         return supervise_with_backoff(cfg, argv_run, {**os.environ, **env}, run_dir)
-    return supervise(argv_run, {**os.environ, **env}, run_dir, own_group=own_group,
-                     drain_s=cfg.cluster.shutdown_timeout_s, ckpt_root=root_of(cfg, run_dir))
+    return supervise(
+        argv_run,
+        {**os.environ, **env},
+        run_dir,
+        own_group=own_group,
+        drain_s=cfg.cluster.shutdown_timeout_s,
+        ckpt_root=root_of(cfg, run_dir),
+    )
 
 
 def wandb_reachable_or_offline(cfg: C.Config, run_dir: Path) -> C.Config:
@@ -280,8 +332,9 @@ def wandb_reachable_or_offline(cfg: C.Config, run_dir: Path) -> C.Config:
     if problem is None:
         return cfg
     if cfg.logger.mode == C.WandbMode.online:
-        raise C.ConfigError("logger.mode", "online", f"{problem}; use logger.mode=auto or offline "
-                                                     f"(wandb sync RUN_DIR/wandb later)")
+        raise C.ConfigError(
+            "logger.mode", "online", f"{problem}; use logger.mode=auto or offline (wandb sync RUN_DIR/wandb later)"
+        )
     print(f"W&B: {problem}; this run logs offline to {run_dir / 'wandb'} (wandb sync it later)", flush=True)
     return dataclasses.replace(cfg, logger=dataclasses.replace(cfg.logger, mode=C.WandbMode.offline))
 
@@ -301,15 +354,22 @@ def supervise_with_backoff(cfg: C.Config, argv: list[str], env: dict[str, str], 
         cfg = C.load_frozen(run_dir / "config.yaml")  # a rank may have backed off in place before
         smaller = back_off(cfg, oom["micro_batch"], oom["grad_accum"])
         if smaller is None:
-            print(f"out of memory on rank {oom['rank']} at step {oom['step']} with train.micro_batch=1: "
-                  f"nothing left to back off ({oom['error']})", file=sys.stderr, flush=True)
+            print(
+                f"out of memory on rank {oom['rank']} at step {oom['step']} with train.micro_batch=1: "
+                f"nothing left to back off ({oom['error']})",
+                file=sys.stderr,
+                flush=True,
+            )
             return rc
         C.write_frozen(run_dir, cfg)
         if (run_dir / ds_config.FILE).is_file():  # DeepSpeed's own accumulation: its file says it too
             ds_config.rebatch(run_dir, *smaller)
-        print(f"out of memory on rank {oom['rank']} at step {oom['step']} with micro-batch {oom['micro_batch']} x "
-              f"{oom['grad_accum']}: launching again from the last checkpoint with train.micro_batch={smaller[0]}, "
-              f"grad_accum {smaller[1]} (the global batch kept)", flush=True)
+        print(
+            f"out of memory on rank {oom['rank']} at step {oom['step']} with micro-batch {oom['micro_batch']} x "
+            f"{oom['grad_accum']}: launching again from the last checkpoint with train.micro_batch={smaller[0]}, "
+            f"grad_accum {smaller[1]} (the global batch kept)",
+            flush=True,
+        )
 
 
 def run_node(cfg: C.Config, run_dir: Path, argv: list[str], env: dict[str, str]) -> int:
@@ -317,8 +377,10 @@ def run_node(cfg: C.Config, run_dir: Path, argv: list[str], env: dict[str, str])
     first (a node that never comes is named), then supervise this node's torchrun."""
     try:
         with NodeRendezvous(cfg, run_dir) as meeting:
-            print(f"node {cfg.cluster.node_rank}: all {cfg.cluster.nnodes} nodes joined "
-                  f"({meeting.describe()})", flush=True)
+            print(
+                f"node {cfg.cluster.node_rank}: all {cfg.cluster.nnodes} nodes joined ({meeting.describe()})",
+                flush=True,
+            )
             return supervise(argv, env, run_dir, ckpt_root=root_of(cfg, run_dir))
     except RendezvousFailed as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -332,8 +394,14 @@ def slurm_plan(cfg: C.Config, host: HostInfo, code: str | None = None, python: s
     nproc = C.nproc_per_node(cfg, host)
     c = cfg.cluster
     threads = c.cpu_threads or (max(1, c.cpus_per_task // nproc) if c.cpus_per_task else 1)
-    return LaunchPlan(python=python, nproc_per_node=nproc, master_port=c.master_port or 0,
-                      threads_per_rank=threads, workdir=os.getcwd(), code=code)
+    return LaunchPlan(
+        python=python,
+        nproc_per_node=nproc,
+        master_port=c.master_port or 0,
+        threads_per_rank=threads,
+        workdir=os.getcwd(),
+        code=code,
+    )
 
 
 def cmd_submit(overrides: list[str], multirun: bool, dry_run: bool = False) -> int:
@@ -345,8 +413,11 @@ def cmd_submit(overrides: list[str], multirun: bool, dry_run: bool = False) -> i
     for cfg, run_dir, host, choice, ds in jobs:
         code, kube = slurm.code_dir(cfg, run_dir), cfg.cluster.scheduler == C.Scheduler.k8s
         name = k8s.MANIFEST if kube else slurm.SCRIPT  # the pods run the image's interpreter, the nodes ours
-        script = k8s.render(cfg, str(run_dir), slurm_plan(cfg, host, code, cfg.cluster.k8s.python)) if kube else \
-            sbatch_script(cfg, str(run_dir), slurm_plan(cfg, host, code))
+        script = (
+            k8s.render(cfg, str(run_dir), slurm_plan(cfg, host, code, cfg.cluster.k8s.python))
+            if kube
+            else sbatch_script(cfg, str(run_dir), slurm_plan(cfg, host, code))
+        )
         if dry_run:
             print(script, end="")
             continue
@@ -375,8 +446,12 @@ def cmd_submit(overrides: list[str], multirun: bool, dry_run: bool = False) -> i
             if created:
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
-        print(job_id if kube else f"submitted job {job_id}: run directory {run_dir}, log {slurm.log_path(run_dir, job_id)}",
-              flush=True)
+        print(
+            job_id
+            if kube
+            else f"submitted job {job_id}: run directory {run_dir}, log {slurm.log_path(run_dir, job_id)}",
+            flush=True,
+        )
         say(notes)  # about the job sbatch took, not one it refused
         notes = []
     return 0

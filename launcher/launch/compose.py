@@ -8,17 +8,22 @@ import contextlib
 import enum
 import re
 from pathlib import Path
+from typing import Any, cast
 
 from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import MissingConfigException
-from omegaconf import OmegaConf, open_dict
-from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException,
-                              ValidationError)
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 from launcher import config as C
-
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +35,7 @@ class UsageError(Exception):
     """Bad input that is not about one config key."""
 
 
-def compose_config(overrides: list[str]) -> tuple[C.Config, Path, dict]:
+def compose_config(overrides: list[str]) -> tuple[C.Config, Path, Any]:
     """Compose conf/ with the overrides; return the typed config, the run directory
     Hydra resolved (hydra.run.dir, ${now:} evaluated once, here) and Hydra's node."""
     C.register_configs()
@@ -62,7 +67,7 @@ def group_configs(group: str, names: set[str] | None = None) -> dict:
     out = {}
     for name in group_options(group):
         if names is None or name in names:
-            node = OmegaConf.load(CONF_DIR / group / f"{name}.yaml")
+            node = cast(DictConfig, OmegaConf.load(CONF_DIR / group / f"{name}.yaml"))
             node.pop("defaults", None)
             out[name] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(C.GROUPS[group]), node))
     return out

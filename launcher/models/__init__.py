@@ -9,11 +9,44 @@ and torch only by the functions that build or change a model: the launch side re
 project's decoder's shape (`model_shape`, `model_vocab_size`) without either.
 """
 
+from launcher.models.dispatch import (
+    after_step,
+    build,
+    cast_params,
+    decoder_layers,
+    flops_per_token,
+    init_buffers,
+    init_specs,
+    layout,
+    materialize,
+    model_layout,
+    model_shape,
+    model_vocab_size,
+    offloaded,
+    on_meta,
+    prepare,
+    set_activation_checkpointing,
+    skeleton,
+)
 from launcher.models.layout import Layout
-from launcher.models.dispatch import (after_step, build, cast_params, decoder_layers, flops_per_token, init_buffers,
-                                      init_specs, layout, materialize, model_layout, model_shape, model_vocab_size,
-                                      offloaded, on_meta, prepare, set_activation_checkpointing, skeleton)
 
-__all__ = ["Layout", "after_step", "build", "cast_params", "decoder_layers", "flops_per_token", "init_buffers",
-           "init_specs", "layout", "materialize", "model_layout", "model_shape", "model_vocab_size", "offloaded",
-           "on_meta", "prepare", "set_activation_checkpointing", "skeleton"]
+__all__ = [
+    "Layout",
+    "after_step",
+    "build",
+    "cast_params",
+    "decoder_layers",
+    "flops_per_token",
+    "init_buffers",
+    "init_specs",
+    "layout",
+    "materialize",
+    "model_layout",
+    "model_shape",
+    "model_vocab_size",
+    "offloaded",
+    "on_meta",
+    "prepare",
+    "set_activation_checkpointing",
+    "skeleton",
+]

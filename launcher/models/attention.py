@@ -49,8 +49,9 @@ def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     xf = x.float().reshape(*x.shape[:-1], -1, 2)
     if table.dim() == 4:
         if table.shape[:2] != x.shape[:2]:  # e.g. a sequence split (sequence parallel) the positions did not follow
-            raise ValueError(f"rotary positions of shape {tuple(table.shape[:2])} for a (batch, seq) of "
-                             f"{tuple(x.shape[:2])}")
+            raise ValueError(
+                f"rotary positions of shape {tuple(table.shape[:2])} for a (batch, seq) of {tuple(x.shape[:2])}"
+            )
         cos, sin = table[:, :, None, :, 0], table[:, :, None, :, 1]
     else:
         cos, sin = table[:t, None, :, 0], table[:t, None, :, 1]
@@ -100,7 +101,8 @@ class DocumentMask:
         if dtype not in self._additive:
             allowed = self.allowed()
             self._additive[dtype] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-                ~allowed, float("-inf"))
+                ~allowed, float("-inf")
+            )
         return self._additive[dtype]
 
     def block_mask(self):
@@ -114,15 +116,17 @@ class DocumentMask:
                 return (docs[b, q] == docs[b, k]) & (k <= q)
 
             b, t = docs.shape
-            self._block = create_block_mask(same_sample_causal, b, None, t, t, device=docs.device,
-                                            _compile=docs.is_cuda)
+            self._block = create_block_mask(
+                same_sample_causal, b, None, t, t, device=docs.device, _compile=docs.is_cuda
+            )
         return self._block
 
     def check(self, q: torch.Tensor) -> None:
         """q: (B, heads, T, head_dim). The mask must cover the sequence attention sees."""
         if (q.shape[0], q.shape[2]) != self.shape:
-            raise ValueError(f"positions of shape {self.shape} for attention over (batch, seq) "
-                             f"({q.shape[0]}, {q.shape[2]})")
+            raise ValueError(
+                f"positions of shape {self.shape} for attention over (batch, seq) ({q.shape[0]}, {q.shape[2]})"
+            )
 
 
 @functools.cache

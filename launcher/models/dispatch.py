@@ -71,8 +71,12 @@ def skeleton(cfg: Config, device: torch.device, dtype: torch.dtype | None = None
         if cfg.model.lora.rank > 0:  # adapters before any recipe parallelizes (launcher/models/lora.py)
             from launcher.models import lora
 
-            lora.inject(model, cfg.model.lora, model_layout(model).layers,
-                        lora.base_dtype(cfg) if torch.device(device).type == "meta" else None)
+            lora.inject(
+                model,
+                cfg.model.lora,
+                model_layout(model).layers,
+                lora.base_dtype(cfg) if torch.device(device).type == "meta" else None,
+            )
         return model
 
 
@@ -84,7 +88,8 @@ def materialize(model: nn.Module, cfg: Config, device: torch.device, storage: to
     model.pretrained (launcher/models/init.py). No collective."""
     from launcher.models import init
 
-    specs, fresh = init_specs(cfg), frozenset()
+    specs = init_specs(cfg)
+    fresh: dict = {}  # the LoRA adapters' specs
     if cfg.model.lora.rank > 0:  # the adapters are drawn, whatever the base is read from
         from launcher.models import lora
 
@@ -95,8 +100,17 @@ def materialize(model: nn.Module, cfg: Config, device: torch.device, storage: to
         from launcher.models import hf_adapter
 
         pretrained = hf_adapter.reader(cfg.model)
-    init.materialize(model, device, specs, cfg.train.seed, layout(cfg).tied_names(), init_buffers, pretrained,
-                     storage=storage, fresh=fresh)
+    init.materialize(
+        model,
+        device,
+        specs,
+        cfg.train.seed,
+        layout(cfg).tied_names(),
+        init_buffers,
+        pretrained,
+        storage=storage,
+        fresh=fresh,
+    )
     if cfg.model.lora.base_dtype.value == "nf4" and cfg.model.lora.rank > 0 and device.type != "meta":
         from launcher.models import lora
 
@@ -213,6 +227,7 @@ def model_shape(cfg: Config) -> ModelConfig:
 
         return gpt_shape(cfg.model)
     return cfg.model
+
 
 def model_vocab_size(cfg: Config) -> int:
     """Embedding rows of the configured model, read from its config without building it

@@ -45,14 +45,17 @@ class Experts(nn.Module):
         """Plain local shards (ddp under ep): leaf name -> (full shape, this rank's box), for the
         layout-independent init (launcher/models/init.py). DTensor shards report their own."""
 
-    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out (N, dim), rows dropped or None without a capacity) for x (N, dim), indices and
         weights (N, k)."""
         rows, order, counts = sort_by_expert(indices, self.num_experts)
         dropped = None
         if self.capacity_factor is not None:
-            keep = within_capacity(counts, capacity(x.size(0) * indices.size(1), self.num_experts, self.capacity_factor))
+            keep = within_capacity(
+                counts, capacity(x.size(0) * indices.size(1), self.num_experts, self.capacity_factor)
+            )
             dropped = (~keep).sum().float()
             order, rows = order[keep], rows[keep]
             counts = torch.bincount(indices.flatten()[order], minlength=self.num_experts)
@@ -93,7 +96,9 @@ def _expert_major(recv: torch.Tensor) -> torch.Tensor:
     flat = recv.flatten()
     starts = (torch.cumsum(flat, 0) - flat).view_as(recv).t().flatten()
     sizes = recv.t().flatten()
-    offsets = torch.arange(int(sizes.sum()), device=recv.device) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+    offsets = torch.arange(int(sizes.sum()), device=recv.device) - torch.repeat_interleave(
+        torch.cumsum(sizes, 0) - sizes, sizes
+    )
     return torch.repeat_interleave(starts, sizes) + offsets
 
 
@@ -136,13 +141,19 @@ def within_capacity(counts: torch.Tensor, cap: int) -> torch.Tensor:
     return position < cap
 
 
-def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-               counts: torch.Tensor) -> torch.Tensor:
+def expert_mlp(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
     """Rows x (sum(counts), dim), grouped by expert (counts[e] rows for expert e), through their
     expert's SwiGLU: w2 (silu(w1 x) * w3 x). Under autocast, in its dtype (the grouped path:
     bf16 matmuls, out in x's dtype)."""
-    if (x.is_cuda and hasattr(torch, "_grouped_mm") and x.size(0) > 0 and torch.is_autocast_enabled("cuda")
-            and torch.get_autocast_dtype("cuda") == torch.bfloat16):  # fp32 runs keep fp32 matmuls
+    if (
+        x.is_cuda
+        and hasattr(torch, "_grouped_mm")
+        and x.size(0) > 0
+        and torch.is_autocast_enabled("cuda")
+        and torch.get_autocast_dtype("cuda") == torch.bfloat16
+    ):  # fp32 runs keep fp32 matmuls
         return _SwiGLU.apply(x, w1, w2, w3, counts, True, torch.bfloat16).to(x.dtype)
     dev = x.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype

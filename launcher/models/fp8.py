@@ -22,7 +22,11 @@ def convert(model: nn.Module, cfg: Config, head: str) -> None:
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=cfg.precision.fp8_emulate)
 
     def qualifies(module: nn.Module, name: str) -> bool:
-        return (isinstance(module, nn.Linear) and name.split(".")[-1] != head.split(".")[-1]
-                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+        return (
+            isinstance(module, nn.Linear)
+            and name.split(".")[-1] != head.split(".")[-1]
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+        )
 
     convert_to_float8_training(model, config=config, module_filter_fn=qualifies)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-
 import math
 import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +22,8 @@ from torch.utils.checkpoint import checkpoint
 
 from launcher.config import ACMode, ModelConfig, head_dim, is_moe_block, matmul_params
 from launcher.models.attention import Attention, DocumentMask, rotary_at, rotary_table
-from launcher.models.layers import FeedForward, RMSNorm
 from launcher.models.init import InitSpec, init_skipped
+from launcher.models.layers import FeedForward, RMSNorm
 
 
 class Block(nn.Module):
@@ -57,13 +57,12 @@ class GPT(nn.Module):
         else:
             self.output = Head(cfg.dim, cfg.vocab_size, bias=False)
         # Not a parameter or persistent buffer: rebuilt on load, never checkpointed.
-        self.register_buffer("rope", rotary_table(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta),
-                             persistent=False)
+        self.register_buffer("rope", rotary_table(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta), persistent=False)
         self.checkpointed: set[int] = set()  # block indices recomputed in backward
         self.op_level = False  # activation_checkpointing=op: they keep their matmuls' outputs
         self.loss_chunks = 1  # train.loss_chunks (models.prepare): the loss over this many slices of the sequence
         self.offload_activations = False  # train.activation_offload (models.prepare)
-        self._offload = None  # its ActivationOffload, made at the first forward (on the device)
+        self._offload: Any = None  # its ActivationOffload, made at the first forward (on the device)
         # A GPT built on its own (tests, the hand-written bench loops) draws its weights from
         # torch's global RNG, as any nn.Module. The launcher builds it under skip_torch_init
         # on the meta device instead, and each rank fills only its part with values that do
@@ -95,8 +94,9 @@ class GPT(nn.Module):
             buffer.data = torch.zeros(buffer.shape, dtype=torch.float32, device=buffer.device)
 
     # -------------------------------------------------------------------------- forward
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits, or the mean cross-entropy over the counted targets (not -100) when
         targets are given. `positions` (B, T): packed samples (launcher/models/attention.py)."""
         h = self.tok_embeddings(tokens)
@@ -117,8 +117,9 @@ class GPT(nn.Module):
     def run_blocks(self, layers, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """(index, block) pairs in order: a pipeline stage's middle (launcher/parallel/cuts.py's Stage)."""
         mask = None if positions is None else DocumentMask(positions)
-        return run_layers(layers, h, rotary_at(self.rope, positions), self.checkpointed, self.op_level,
-                          self.offload(h), mask)
+        return run_layers(
+            layers, h, rotary_at(self.rope, positions), self.checkpointed, self.op_level, self.offload(h), mask
+        )
 
     def offload(self, h: torch.Tensor):
         """train.activation_offload: the hooks that move what the blocks save to the host."""
@@ -182,9 +183,15 @@ def init_specs(cfg: ModelConfig) -> dict[str, InitSpec]:
     return specs
 
 
-
-def run_layers(layers, h: torch.Tensor, rope: torch.Tensor, checkpointed: set[int], op_level: bool = False,
-               offload=None, mask: DocumentMask | None = None) -> torch.Tensor:
+def run_layers(
+    layers,
+    h: torch.Tensor,
+    rope: torch.Tensor,
+    checkpointed: set[int],
+    op_level: bool = False,
+    offload=None,
+    mask: DocumentMask | None = None,
+) -> torch.Tensor:
     """The blocks in order; (index, block) pairs. Blocks in `checkpointed` keep only their
     input and recompute the rest in backward (activation checkpointing); with `op_level`
     they keep attention's output and every other matmul's too (keep_matmuls). `offload`: saved
@@ -218,11 +225,23 @@ def _as_fsdp_casts(layer: nn.Module, rope: torch.Tensor, h: torch.Tensor) -> tor
 # torchtitan's op-level SAC): the outputs of attention and of every other matmul of a block
 # (the 1st, 3rd, 5th, 7th: wq, wv, w1, w2); the other matmuls (wk, wo, w3) and the
 # elementwise work between them (norms, SiLU, products, casts, rotary) run again in backward.
-MATMUL_OPS = frozenset(op for name in ("mm", "addmm", "bmm") if hasattr(torch.ops.aten, name)
-                       for op in [getattr(torch.ops.aten, name).default])
-ATTENTION_OPS = frozenset(op for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                                          "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-                          if hasattr(torch.ops.aten, name) for op in [getattr(torch.ops.aten, name).default])
+MATMUL_OPS = frozenset(
+    op
+    for name in ("mm", "addmm", "bmm")
+    if hasattr(torch.ops.aten, name)
+    for op in [getattr(torch.ops.aten, name).default]
+)
+ATTENTION_OPS = frozenset(
+    op
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(torch.ops.aten, name)
+    for op in [getattr(torch.ops.aten, name).default]
+)
 ATTENTION_OPS |= {torch.ops.higher_order.flex_attention} if hasattr(torch.ops.higher_order, "flex_attention") else set()
 
 
@@ -297,8 +316,13 @@ class Head(nn.Linear):
             return super().forward(h)
         if not torch.is_grad_enabled():  # an evaluation: the loss alone, slice by slice
             count = counted(targets)  # none counted: 0
-            return sum(F.cross_entropy(F.linear(a, self.weight).float().flatten(0, 1), b.flatten(), reduction="sum")
-                       for a, b in zip(h.chunk(chunks, 1), targets.chunk(chunks, 1))) / count
+            return (
+                sum(
+                    F.cross_entropy(F.linear(a, self.weight).float().flatten(0, 1), b.flatten(), reduction="sum")
+                    for a, b in zip(h.chunk(chunks, 1), targets.chunk(chunks, 1))
+                )
+                / count
+            )
         return SlicedLoss.apply(h, self.weight, targets, chunks)
 
 

@@ -30,14 +30,15 @@ import copy
 import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from launcher import offline
 from launcher.config import ACMode, Config, ConfigError, HFAttention, ModelConfig, ModelKind
-from launcher.models.layout import Layout
 from launcher.models.gpt import lm_loss
+from launcher.models.layout import Layout
 from launcher.remote_code import remote_code
 
 PP_PARTS = ("embed_tokens", "layers", "norm")  # base_model_pp_plan keys a pipeline can cut
@@ -49,19 +50,27 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise ConfigError("model", "hf", "needs transformers, the optional extra: pip install -e '.[hf]' "
-                          "(make setup installs it)") from None
+        raise ConfigError(
+            "model", "hf", "needs transformers, the optional extra: pip install -e '.[hf]' (make setup installs it)"
+        ) from None
     return transformers
 
 
 def source(m: ModelConfig) -> tuple[str, str]:
     """(key, path) of the model's files: model.config or model.pretrained, exactly one."""
     if m.config is None and m.pretrained is None:
-        raise ConfigError("model.config", None, "model=hf needs exactly one of model.config=<config.json or its "
-                          "folder> (random init) or model.pretrained=<folder with config.json and *.safetensors>")
+        raise ConfigError(
+            "model.config",
+            None,
+            "model=hf needs exactly one of model.config=<config.json or its "
+            "folder> (random init) or model.pretrained=<folder with config.json and *.safetensors>",
+        )
     if m.config is not None and m.pretrained is not None:
-        raise ConfigError("model.pretrained", m.pretrained, "model.config is set too: give exactly one of them "
-                          "(pretrained weights come with their own config.json)")
+        raise ConfigError(
+            "model.pretrained",
+            m.pretrained,
+            "model.config is set too: give exactly one of them (pretrained weights come with their own config.json)",
+        )
     return ("model.config", m.config) if m.config is not None else ("model.pretrained", m.pretrained)
 
 
@@ -72,8 +81,12 @@ def _config(key: str, path: str):
         if not p.is_dir():
             raise ConfigError(key, path, "no such folder (a local folder with config.json and *.safetensors)")
         if not any(p.glob("*.safetensors")):
-            raise ConfigError(key, path, "no *.safetensors weights in this folder (save_pretrained writes them; "
-                              "pickled .bin weights are not loaded)")
+            raise ConfigError(
+                key,
+                path,
+                "no *.safetensors weights in this folder (save_pretrained writes them; "
+                "pickled .bin weights are not loaded)",
+            )
     elif not p.exists():
         raise ConfigError(key, path, "no such file or folder (a config.json, or the folder holding one)")
     file = p / "config.json" if p.is_dir() else p
@@ -92,11 +105,19 @@ def _config(key: str, path: str):
 
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if model_type not in CONFIG_MAPPING:
-        raise ConfigError(key, path, f"model_type {model_type!r} is not a model transformers {tf.__version__} "
-                          "builds offline (no remote code); causal LMs include llama, mistral, qwen2, gpt2")
+        raise ConfigError(
+            key,
+            path,
+            f"model_type {model_type!r} is not a model transformers {tf.__version__} "
+            "builds offline (no remote code); causal LMs include llama, mistral, qwen2, gpt2",
+        )
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ConfigError(key, path, f"model_type {model_type!r} has no causal-LM class in transformers "
-                          "(AutoModelForCausalLM); pick a decoder such as llama")
+        raise ConfigError(
+            key,
+            path,
+            f"model_type {model_type!r} has no causal-LM class in transformers "
+            "(AutoModelForCausalLM); pick a decoder such as llama",
+        )
     try:
         return CONFIG_MAPPING[model_type].from_dict(raw)
     except Exception as e:  # the config class refuses its own fields
@@ -123,7 +144,6 @@ def build(m: ModelConfig, device: torch.device) -> "HFCausalLM":
     draws or reads the weights, each rank only its part), in fp32, in training mode."""
     offline()
     from transformers import AutoModelForCausalLM
-
     from transformers.initialization import no_init_weights
 
     from launcher.models.init import init_skipped
@@ -169,8 +189,9 @@ class HFCausalLM(nn.Module):
             self.add_module(name, child)
         self.layout = _layout_of(model)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits, or the mean loss over the counted targets. `positions` (B, T): packed
         samples, as position_ids (rotary angles restart at each sample) with the
         block-causal mask (`packed_mask`) in the dtype of the embedded tokens."""
@@ -178,8 +199,9 @@ class HFCausalLM(nn.Module):
             logits = self.hf(input_ids=tokens, use_cache=False).logits
         else:
             h = self.hf.get_input_embeddings()(tokens)
-            logits = self.hf(inputs_embeds=h, position_ids=positions, attention_mask=packed_mask(positions, h.dtype),
-                             use_cache=False).logits
+            logits = self.hf(
+                inputs_embeds=h, position_ids=positions, attention_mask=packed_mask(positions, h.dtype), use_cache=False
+            ).logits
         return logits if targets is None else lm_loss(logits, targets)
 
     def run_blocks(self, layers, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -192,8 +214,13 @@ class HFCausalLM(nn.Module):
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0) if positions is None else positions
         rotary = getattr(base, "rotary_emb", None)
         emb = rotary(h, position_ids=pos) if rotary is not None else None
-        mask = create_causal_mask(config=self.hf.config, inputs_embeds=h, past_key_values=None, position_ids=pos,
-                                  attention_mask=None if positions is None else packed_mask(positions, h.dtype))
+        mask = create_causal_mask(
+            config=self.hf.config,
+            inputs_embeds=h,
+            past_key_values=None,
+            position_ids=pos,
+            attention_mask=None if positions is None else packed_mask(positions, h.dtype),
+        )
         for _, layer in layers:
             h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=emb)
         return h
@@ -255,8 +282,14 @@ def _layout_of(model: nn.Module) -> Layout:
     names = {mod: name for name, mod in model.named_modules()}
     embed, head = names[model.get_input_embeddings()], names[model.get_output_embeddings()]
     units = set(getattr(model, "_no_split_modules", None) or ())
-    layers = next((name for name, mod in model.named_modules()
-                   if isinstance(mod, nn.ModuleList) and len(mod) and type(mod[0]).__name__ in units), "")
+    layers = next(
+        (
+            name
+            for name, mod in model.named_modules()
+            if isinstance(mod, nn.ModuleList) and len(mod) and type(mod[0]).__name__ in units
+        ),
+        "",
+    )
     prefix = model.base_model_prefix
     pp = list(getattr(model.config, "base_model_pp_plan", None) or {})
     norm = f"{prefix}.norm" if pp == list(PP_PARTS) and layers == f"{prefix}.layers" else ""
@@ -266,17 +299,33 @@ def _layout_of(model: nn.Module) -> Layout:
     colwise = tuple(k for k, v in split.items() if v == "colwise") if usable else ()
     rowwise = tuple(k for k, v in split.items() if v == "rowwise") if usable else ()
     layer0 = model.get_submodule(layers)[0] if layers else nn.Module()
-    norms = tuple(n for n, mod in layer0.named_modules() if n and n not in split
-                  and list(mod.parameters(recurse=False)) and not any(n.startswith(s + ".") for s in split))
+    norms = tuple(
+        n
+        for n, mod in layer0.named_modules()
+        if n
+        and n not in split
+        and list(mod.parameters(recurse=False))
+        and not any(n.startswith(s + ".") for s in split)
+    )
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    return Layout(embed=embed, layers=layers, norm=norm, head=head, tied=tied, colwise=colwise, rowwise=rowwise,
-                  norms=norms, attention=colwise[0].split(".")[0] if colwise else "",
-                  mlp=rowwise[-1].split(".")[0] if rowwise else "")
+    return Layout(
+        embed=embed,
+        layers=layers,
+        norm=norm,
+        head=head,
+        tied=tied,
+        colwise=colwise,
+        rowwise=rowwise,
+        norms=norms,
+        attention=colwise[0].split(".")[0] if colwise else "",
+        mlp=rowwise[-1].split(".")[0] if rowwise else "",
+    )
 
 
 @functools.lru_cache(maxsize=8)
 def _meta(key: str, path: str, attn: str) -> HFCausalLM:
-    m = ModelConfig(kind=ModelKind.hf, **{key.split(".")[1]: path}, attn_implementation=HFAttention(attn))
+    source: dict[str, Any] = {key.split(".")[1]: path}  # model.pretrained or model.hf_config
+    m = ModelConfig(kind=ModelKind.hf, **source, attn_implementation=HFAttention(attn))
     return build(m, torch.device("meta"))
 
 
@@ -295,12 +344,17 @@ def gpt_shape(m: ModelConfig) -> ModelConfig:
     balancing and the planner's formulas read. Exact for the Llama family."""
     c = hf_config(m)
     heads = c.num_attention_heads
-    return ModelConfig(name=f"hf:{c.model_type}", vocab_size=c.vocab_size, dim=c.hidden_size,
-                       n_layers=c.num_hidden_layers, n_heads=heads,
-                       n_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-                       ffn_dim=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size,
-                       max_seq_len=getattr(c, "max_position_embeddings", None) or 1 << 30,
-                       tie_embeddings=layout(m).tied)
+    return ModelConfig(
+        name=f"hf:{c.model_type}",
+        vocab_size=c.vocab_size,
+        dim=c.hidden_size,
+        n_layers=c.num_hidden_layers,
+        n_heads=heads,
+        n_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        ffn_dim=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size,
+        max_seq_len=getattr(c, "max_position_embeddings", None) or 1 << 30,
+        tie_embeddings=layout(m).tied,
+    )
 
 
 def is_llama_like(m: ModelConfig) -> bool:
@@ -308,8 +362,13 @@ def is_llama_like(m: ModelConfig) -> bool:
     plans), no biases, head_dim = hidden / heads, a gated MLP (3 matrices)."""
     c, lay = hf_config(m), layout(m)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return (bool(lay.norm and lay.colwise) and len(lay.colwise) == 5 and not getattr(c, "attention_bias", False)
-            and not getattr(c, "mlp_bias", False) and head_dim * c.num_attention_heads == c.hidden_size)
+    return (
+        bool(lay.norm and lay.colwise)
+        and len(lay.colwise) == 5
+        and not getattr(c, "attention_bias", False)
+        and not getattr(c, "mlp_bias", False)
+        and head_dim * c.num_attention_heads == c.hidden_size
+    )
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
@@ -332,7 +391,7 @@ def set_activation_checkpointing(model: HFCausalLM, mode: ACMode, every: int) ->
     if mode == ACMode.none:
         return
     n = every if mode == ACMode.selective else 1
-    kwargs = {"use_reentrant": False}
+    kwargs: dict[str, Any] = {"use_reentrant": False}
     if mode == ACMode.op:  # the layers keep attention's and every other matmul's outputs
         from launcher.models.gpt import keep_matmuls
 
@@ -354,24 +413,40 @@ def check(cfg: Config) -> None:
     lay = layout(m)
     shape = gpt_shape(m)
     if not lay.layers:
-        raise ConfigError(*source(m), f"model_type {c.model_type!r}: transformers names no decoder-layer class "
-                          "(_no_split_modules) to shard and checkpoint layer by layer")
+        raise ConfigError(
+            *source(m),
+            f"model_type {c.model_type!r}: transformers names no decoder-layer class "
+            "(_no_split_modules) to shard and checkpoint layer by layer",
+        )
     if cfg.train.seq_len > shape.max_seq_len:
-        raise ConfigError("train.seq_len", cfg.train.seq_len,
-                          f"must be <= the model's max_position_embeddings={shape.max_seq_len}")
+        raise ConfigError(
+            "train.seq_len", cfg.train.seq_len, f"must be <= the model's max_position_embeddings={shape.max_seq_len}"
+        )
     import recipes
 
     can = recipes.spec(cfg.recipe.strategy).parallelism
     if can.tp and p.tp > 1:
         if not lay.colwise:
-            raise ConfigError("parallel.tp", p.tp, f"model_type {c.model_type!r} has no Llama-style tensor-parallel plan "
-                              f"(transformers' base_model_tp_plan with {'/'.join(TP_STYLES)} only); use fsdp or pp")
+            raise ConfigError(
+                "parallel.tp",
+                p.tp,
+                f"model_type {c.model_type!r} has no Llama-style tensor-parallel plan "
+                f"(transformers' base_model_tp_plan with {'/'.join(TP_STYLES)} only); use fsdp or pp",
+            )
         if p.sequence_parallel:
-            raise ConfigError("parallel.sequence_parallel", "true", "not with model=hf: the model computes positions "
-                              "from the sequence it is given, a slice under sequence parallel")
+            raise ConfigError(
+                "parallel.sequence_parallel",
+                "true",
+                "not with model=hf: the model computes positions "
+                "from the sequence it is given, a slice under sequence parallel",
+            )
     if can.pp and p.pp > 1 and not lay.norm:
-        raise ConfigError("parallel.pp", p.pp, f"model_type {c.model_type!r} has no pipeline plan of embedding, "
-                          "layers and final norm (transformers' base_model_pp_plan); use fsdp or ZeRO")
+        raise ConfigError(
+            "parallel.pp",
+            p.pp,
+            f"model_type {c.model_type!r} has no pipeline plan of embedding, "
+            "layers and final norm (transformers' base_model_pp_plan); use fsdp or ZeRO",
+        )
     if m.pretrained is not None:
         check_weights(m)
 

@@ -64,8 +64,11 @@ def folder_config(path: str) -> dict:
         raise ConfigError(KEY, path, "config.json is not a JSON object")
     kind = raw.get("model_type")
     if kind not in TYPES:
-        raise ConfigError(KEY, path, f"model_type {kind!r} is not read into the project's decoder; "
-                          f"it reads {', '.join(TYPES)} folders")
+        raise ConfigError(
+            KEY,
+            path,
+            f"model_type {kind!r} is not read into the project's decoder; it reads {', '.join(TYPES)} folders",
+        )
     return raw
 
 
@@ -77,10 +80,15 @@ def converted(model_type: str) -> str | None:
 
     if not get_checkpoint_conversion_mapping(model_type):
         return None
-    where = (f"read it into the project's decoder: a model config of its shape ({EXAMPLES}...) with "
-             "model.pretrained=DIR" if model_type in TYPES else "neither model=hf nor the project's decoder reads it")
-    return (f"model_type {model_type!r}: transformers renames and fuses this folder's tensors at load (its "
-            f"conversion mapping, the MoE experts stored one by one), which model=hf does not apply; {where}")
+    where = (
+        f"read it into the project's decoder: a model config of its shape ({EXAMPLES}...) with model.pretrained=DIR"
+        if model_type in TYPES
+        else "neither model=hf nor the project's decoder reads it"
+    )
+    return (
+        f"model_type {model_type!r}: transformers renames and fuses this folder's tensors at load (its "
+        f"conversion mapping, the MoE experts stored one by one), which model=hf does not apply; {where}"
+    )
 
 
 def _same(a, b) -> bool:
@@ -100,15 +108,20 @@ def check_config(cfg: Config) -> dict:
             raise ConfigError(KEY, path, f"{file}: {what}")
     for key, value, theirs, want in pairs(m, raw):
         if not _same(value, want):
-            raise ConfigError(key, value, f"{file} has {theirs}: the decoder must have the folder's shape "
-                              f"(set {key}={want})")
+            raise ConfigError(
+                key, value, f"{file} has {theirs}: the decoder must have the folder's shape (set {key}={want})"
+            )
     if m.moe.experts:
         for key, value, want in router_wants(raw["model_type"], m):
             if value != want:
                 raise ConfigError(key, value, f"{raw['model_type']} ({file}) routes with {key.split('.')[-1]}={want}")
         if m.moe.top_k == 1 and m.moe.norm_topk:
-            raise ConfigError("model.moe.top_k", 1, f"{file}: {raw['model_type']} renormalizes a single expert's weight "
-                              "to 1, the decoder's router keeps its score (top_k >= 2, or norm_topk=false, match)")
+            raise ConfigError(
+                "model.moe.top_k",
+                1,
+                f"{file}: {raw['model_type']} renormalizes a single expert's weight "
+                "to 1, the decoder's router keeps its score (top_k >= 2, or norm_topk=false, match)",
+            )
     return raw
 
 
@@ -136,8 +149,10 @@ def check(cfg: Config) -> None:
             src = source(cfg.model, entries, name)
             if src.shape != tuple(p.shape):
                 first = src.entries[0]
-                raise weights.WeightsError(f"{first.name} in {first.file}: shape {src.shape} read as {name}, where "
-                                           f"the model has {tuple(p.shape)}")
+                raise weights.WeightsError(
+                    f"{first.name} in {first.file}: shape {src.shape} read as {name}, where "
+                    f"the model has {tuple(p.shape)}"
+                )
             used |= {e.name for e in src.entries}
         for name in sorted(set(entries) - used):
             if not name.endswith("rotary_emb.inv_freq") and not (tied and name == "lm_head.weight"):
@@ -147,13 +162,24 @@ def check(cfg: Config) -> None:
 
 
 # ----------------------------------------------------------------------------- the names
-PER_LAYER = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-             "attention.wo": "self_attn.o_proj", "attention.q_norm": "self_attn.q_norm",
-             "attention.k_norm": "self_attn.k_norm", "feed_forward.w1": "mlp.gate_proj",
-             "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
-             "ffn_norm": "post_attention_layernorm", "feed_forward.router": "block_sparse_moe.gate",
-             "feed_forward.shared.w1": "mlp.shared_expert.gate_proj", "feed_forward.shared.w3": "mlp.shared_expert.up_proj",
-             "feed_forward.shared.w2": "mlp.shared_expert.down_proj", "feed_forward.shared_gate": "mlp.shared_expert_gate"}
+PER_LAYER = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "attention.q_norm": "self_attn.q_norm",
+    "attention.k_norm": "self_attn.k_norm",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "feed_forward.router": "block_sparse_moe.gate",
+    "feed_forward.shared.w1": "mlp.shared_expert.gate_proj",
+    "feed_forward.shared.w3": "mlp.shared_expert.up_proj",
+    "feed_forward.shared.w2": "mlp.shared_expert.down_proj",
+    "feed_forward.shared_gate": "mlp.shared_expert_gate",
+}
 ROTARY = ("attention.wq.", "attention.wk.", "attention.q_norm.", "attention.k_norm.")
 """Parameters whose rows are per-head channels rotary permutes (weights, biases, per-head norms)."""
 EXPERT_LEAVES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -163,8 +189,11 @@ EXPERT_LEAVES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 def hf_name(key: str) -> str:
     """The folder's name of a project parameter that maps one to one (everything but the
     experts; q and k rows are permuted, not renamed)."""
-    top = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
+    top = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
     if key in top:
         return top[key]
     _, i, rest = key.split(".", 2)
@@ -197,8 +226,10 @@ def source(m: ModelConfig, entries: dict, key: str):
 
 def _moe_prefix(entries: dict, layer: str) -> str:
     """block_sparse_moe. (Mixtral's files) or mlp. (Qwen's, transformers' own names)."""
-    return next((layer + p for p in ("block_sparse_moe.", "mlp.") if layer + p + "gate.weight" in entries),
-                layer + "block_sparse_moe.")
+    return next(
+        (layer + p for p in ("block_sparse_moe.", "mlp.") if layer + p + "gate.weight" in entries),
+        layer + "block_sparse_moe.",
+    )
 
 
 def _entry(entries: dict, name: str):
@@ -206,8 +237,9 @@ def _entry(entries: dict, name: str):
 
     if name not in entries:
         folder = next(iter(entries.values())).file.parent if entries else "the folder"
-        raise WeightsError(f"{name}: missing from {folder} (the folder's *.safetensors hold {len(entries)} tensors)",
-                           name, None)
+        raise WeightsError(
+            f"{name}: missing from {folder} (the folder's *.safetensors hold {len(entries)} tensors)", name, None
+        )
     return entries[name]
 
 
@@ -224,6 +256,7 @@ def reader(m: ModelConfig):
             raise weights.WeightsError(f"{key}: the folder holds shape {src.shape}, the model {tuple(shape)}", key)
         if dst.numel():
             src.read_flat(flat[0], flat[1], dst) if flat is not None else src.read(box, dst)
+
     return read
 
 
@@ -240,7 +273,8 @@ def to_hf(m: ModelConfig, state: dict):
 
     offline()
     config = hf_config(m)  # refuses first
-    out, gate_up = {}, {}
+    out: dict = {}
+    gate_up: dict = {}
     for key, value in state.items():
         if key.endswith(".router.bias"):
             continue

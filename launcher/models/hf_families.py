@@ -39,41 +39,69 @@ def pairs(m: ModelConfig, raw: dict) -> list[tuple[str, object, str, object]]:
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     theta = float(rope.get("rope_theta", raw.get("rope_theta", 1e4)))
     hd = raw.get("head_dim") or (raw.get("hidden_size") or 0) // (heads or 1)
-    fields = [("model.vocab_size", m.vocab_size, "vocab_size", raw.get("vocab_size")),
-              ("model.dim", m.dim, "hidden_size", raw.get("hidden_size")),
-              ("model.n_layers", m.n_layers, "num_hidden_layers", raw.get("num_hidden_layers")),
-              ("model.n_heads", m.n_heads, "num_attention_heads", heads),
-              ("model.n_kv_heads", m.n_kv_heads or m.n_heads, "num_key_value_heads", raw.get("num_key_value_heads") or heads),
-              ("model.head_dim", head_dim(m), "head_dim", hd),
-              ("model.moe.experts", e.experts, "num_experts" if "num_experts" in raw else "num_local_experts",
-               experts_of(raw)),
-              ("model.rope_theta", m.rope_theta, "rope_theta", theta),
-              ("model.norm_eps", m.norm_eps, "rms_norm_eps", raw.get("rms_norm_eps")),
-              ("model.tie_embeddings", m.tie_embeddings, "tie_word_embeddings", bool(raw.get("tie_word_embeddings")))]
+    fields = [
+        ("model.vocab_size", m.vocab_size, "vocab_size", raw.get("vocab_size")),
+        ("model.dim", m.dim, "hidden_size", raw.get("hidden_size")),
+        ("model.n_layers", m.n_layers, "num_hidden_layers", raw.get("num_hidden_layers")),
+        ("model.n_heads", m.n_heads, "num_attention_heads", heads),
+        ("model.n_kv_heads", m.n_kv_heads or m.n_heads, "num_key_value_heads", raw.get("num_key_value_heads") or heads),
+        ("model.head_dim", head_dim(m), "head_dim", hd),
+        (
+            "model.moe.experts",
+            e.experts,
+            "num_experts" if "num_experts" in raw else "num_local_experts",
+            experts_of(raw),
+        ),
+        ("model.rope_theta", m.rope_theta, "rope_theta", theta),
+        ("model.norm_eps", m.norm_eps, "rms_norm_eps", raw.get("rms_norm_eps")),
+        ("model.tie_embeddings", m.tie_embeddings, "tie_word_embeddings", bool(raw.get("tie_word_embeddings"))),
+    ]
     if moe:
         fields.append(("model.moe.top_k", e.top_k, "num_experts_per_tok", raw.get("num_experts_per_tok")))
     qwen2, qwen3 = kind == "qwen2_moe", kind == "qwen3_moe"
-    fields.append(("model.qk_norm", m.qk_norm, f"model_type={kind} ({'q_norm, k_norm' if qwen3 else 'no q/k norms'})",
-                   qwen3))
+    fields.append(
+        ("model.qk_norm", m.qk_norm, f"model_type={kind} ({'q_norm, k_norm' if qwen3 else 'no q/k norms'})", qwen3)
+    )
     if kind in QWEN:
         dense = dense_layers(raw)
-        fields += [("model.moe.expert_dim", expert_dim(m), "moe_intermediate_size", raw.get("moe_intermediate_size")),
-                   ("model.moe.norm_topk", e.norm_topk, "norm_topk_prob", bool(raw.get("norm_topk_prob", False))),
-                   ("model.moe.first_dense", e.first_dense, "mlp_only_layers", len(dense))]
+        fields += [
+            ("model.moe.expert_dim", expert_dim(m), "moe_intermediate_size", raw.get("moe_intermediate_size")),
+            ("model.moe.norm_topk", e.norm_topk, "norm_topk_prob", bool(raw.get("norm_topk_prob", False))),
+            ("model.moe.first_dense", e.first_dense, "mlp_only_layers", len(dense)),
+        ]
         if dense:
             fields.append(("model.ffn_dim", ffn_dim(m), "intermediate_size", raw.get("intermediate_size")))
     else:
-        fields.append(("model.moe.expert_dim" if moe else "model.ffn_dim", expert_dim(m) if moe else ffn_dim(m),
-                       "intermediate_size", raw.get("intermediate_size")))
-    fields.append(("model.attn_bias", m.attn_bias, "qkv_bias" if qwen2 else f"model_type={kind} (no q/k/v biases)",
-                   bool(raw.get("qkv_bias", True)) if qwen2 else False))
+        fields.append(
+            (
+                "model.moe.expert_dim" if moe else "model.ffn_dim",
+                expert_dim(m) if moe else ffn_dim(m),
+                "intermediate_size",
+                raw.get("intermediate_size"),
+            )
+        )
+    fields.append(
+        (
+            "model.attn_bias",
+            m.attn_bias,
+            "qkv_bias" if qwen2 else f"model_type={kind} (no q/k/v biases)",
+            bool(raw.get("qkv_bias", True)) if qwen2 else False,
+        )
+    )
     if moe and qwen2:
-        fields += [("model.moe.shared_experts", min(e.shared_experts, 1), "model_type=qwen2_moe (a shared expert)", 1),
-                   ("model.moe.shared_dim", shared_dim(m), "shared_expert_intermediate_size",
-                    raw.get("shared_expert_intermediate_size")),
-                   ("model.moe.shared_gate", e.shared_gate, "model_type=qwen2_moe (shared_expert_gate)", True)]
-    return [(key, value, f"{theirs}={want}" if "=" not in theirs else theirs, want)
-            for key, value, theirs, want in fields]
+        fields += [
+            ("model.moe.shared_experts", min(e.shared_experts, 1), "model_type=qwen2_moe (a shared expert)", 1),
+            (
+                "model.moe.shared_dim",
+                shared_dim(m),
+                "shared_expert_intermediate_size",
+                raw.get("shared_expert_intermediate_size"),
+            ),
+            ("model.moe.shared_gate", e.shared_gate, "model_type=qwen2_moe (shared_expert_gate)", True),
+        ]
+    return [
+        (key, value, f"{theirs}={want}" if "=" not in theirs else theirs, want) for key, value, theirs, want in fields
+    ]
 
 
 def problems(raw: dict, seq_len: int, max_seq_len: int) -> list[tuple[bool, str]]:
@@ -84,27 +112,46 @@ def problems(raw: dict, seq_len: int, max_seq_len: int) -> list[tuple[bool, str]
     qwen = kind in QWEN
     window = raw.get("sliding_window") if not qwen or raw.get("use_sliding_window") else None
     dense = dense_layers(raw) if qwen else []
-    return [(raw.get("hidden_act", "silu") != "silu", f"hidden_act={raw.get('hidden_act')} (the decoder: silu)"),
-            (rope_type != "default", f"rope type {rope_type} (the decoder: default rotary)"),
-            (bool(raw.get("attention_bias") or raw.get("mlp_bias")),
-             "attention_bias/mlp_bias (the decoder biases q, k and v only: model.attn_bias)"),
-            (qwen and bool(raw.get("use_sliding_window")), f"use_sliding_window=true (sliding_window="
-             f"{raw.get('sliding_window')}; the decoder attends to the whole window)"),
-            ((window or seq_len) < seq_len, f"sliding_window={window} below train.seq_len={seq_len} "
-             "(the decoder attends to the whole window)"),
-            (dense != list(range(len(dense))), f"dense blocks {dense} (mlp_only_layers={raw.get('mlp_only_layers')}, "
-             f"decoder_sparse_step={raw.get('decoder_sparse_step')}): the decoder's dense blocks are the first "
-             "model.moe.first_dense"),
-            (bool(raw.get("router_jitter_noise")), f"router_jitter_noise={raw.get('router_jitter_noise')} "
-             "(the decoder's router has no noise)"),
-            ((raw.get("max_position_embeddings") or max_seq_len) < max_seq_len,
-             f"max_position_embeddings={raw.get('max_position_embeddings')} below model.max_seq_len={max_seq_len}")]
+    return [
+        (raw.get("hidden_act", "silu") != "silu", f"hidden_act={raw.get('hidden_act')} (the decoder: silu)"),
+        (rope_type != "default", f"rope type {rope_type} (the decoder: default rotary)"),
+        (
+            bool(raw.get("attention_bias") or raw.get("mlp_bias")),
+            "attention_bias/mlp_bias (the decoder biases q, k and v only: model.attn_bias)",
+        ),
+        (
+            qwen and bool(raw.get("use_sliding_window")),
+            f"use_sliding_window=true (sliding_window="
+            f"{raw.get('sliding_window')}; the decoder attends to the whole window)",
+        ),
+        (
+            (window or seq_len) < seq_len,
+            f"sliding_window={window} below train.seq_len={seq_len} (the decoder attends to the whole window)",
+        ),
+        (
+            dense != list(range(len(dense))),
+            f"dense blocks {dense} (mlp_only_layers={raw.get('mlp_only_layers')}, "
+            f"decoder_sparse_step={raw.get('decoder_sparse_step')}): the decoder's dense blocks are the first "
+            "model.moe.first_dense",
+        ),
+        (
+            bool(raw.get("router_jitter_noise")),
+            f"router_jitter_noise={raw.get('router_jitter_noise')} (the decoder's router has no noise)",
+        ),
+        (
+            (raw.get("max_position_embeddings") or max_seq_len) < max_seq_len,
+            f"max_position_embeddings={raw.get('max_position_embeddings')} below model.max_seq_len={max_seq_len}",
+        ),
+    ]
 
 
 def router_wants(kind: str, m: ModelConfig) -> list[tuple[str, object, object]]:
     """(key, its value, the value this model type routes with): what config.json does not name."""
     e = m.moe
-    wants = [("model.moe.score", e.score.value, MoEScore.softmax.value), ("model.moe.route_scale", e.route_scale, 1.0)]
+    wants: list[tuple[str, object, object]] = [
+        ("model.moe.score", e.score.value, MoEScore.softmax.value),
+        ("model.moe.route_scale", e.route_scale, 1.0),
+    ]
     if kind == "mixtral":
         wants += [("model.moe.norm_topk", e.norm_topk, True), ("model.moe.first_dense", e.first_dense, 0)]
     if kind != "qwen2_moe":
@@ -120,17 +167,29 @@ def export_type(m: ModelConfig) -> str:
         kind, why = "llama", [(not m.qk_norm, "q/k norms (model.qk_norm)"), (not m.attn_bias, "attention biases")]
     else:
         kind = "qwen3_moe" if m.qk_norm else "qwen2_moe" if e.shared_gate or m.attn_bias else "mixtral"
-        why = [(e.score == MoEScore.softmax, f"score={e.score.value}"), (e.route_scale == 1.0, f"route_scale={e.route_scale}"),
-               (e.balance != MoEBalance.bias, "balance=bias's biases"),
-               (e.top_k > 1 or not e.norm_topk, f"top_k=1 renormalized (transformers: weight 1, the decoder: its score)")]
-        why += {"mixtral": [(e.norm_topk, "norm_topk=false"), (e.shared_experts == 0, "shared experts without "
-                             "moe.shared_gate"), (e.first_dense == 0, "dense first blocks")],
-                "qwen3_moe": [(e.shared_experts == 0, "shared experts"), (not m.attn_bias, "attention biases")],
-                "qwen2_moe": [(e.shared_experts > 0 and e.shared_gate, "biases or a shared gate without a shared expert")]}[kind]
+        why = [
+            (e.score == MoEScore.softmax, f"score={e.score.value}"),
+            (e.route_scale == 1.0, f"route_scale={e.route_scale}"),
+            (e.balance != MoEBalance.bias, "balance=bias's biases"),
+            (e.top_k > 1 or not e.norm_topk, "top_k=1 renormalized (transformers: weight 1, the decoder: its score)"),
+        ]
+        why += {
+            "mixtral": [
+                (e.norm_topk, "norm_topk=false"),
+                (e.shared_experts == 0, "shared experts without moe.shared_gate"),
+                (e.first_dense == 0, "dense first blocks"),
+            ],
+            "qwen3_moe": [(e.shared_experts == 0, "shared experts"), (not m.attn_bias, "attention biases")],
+            "qwen2_moe": [(e.shared_experts > 0 and e.shared_gate, "biases or a shared gate without a shared expert")],
+        }[kind]
     for ok, what in why:
         if not ok:
-            raise ConfigError("export.format", "hf", f"the decoder has {what}, which {kind}'s layout (the closest "
-                              f"transformers model) has not; export.format=safetensors")
+            raise ConfigError(
+                "export.format",
+                "hf",
+                f"the decoder has {what}, which {kind}'s layout (the closest "
+                f"transformers model) has not; export.format=safetensors",
+            )
     return kind
 
 
@@ -139,21 +198,48 @@ def hf_config(m: ModelConfig):
     from transformers import AutoConfig
 
     kind, e = export_type(m), m.moe
-    fields = dict(vocab_size=m.vocab_size, hidden_size=m.dim, num_hidden_layers=m.n_layers,
-                  num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads or m.n_heads, head_dim=head_dim(m),
-                  max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                  rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-                  tie_word_embeddings=m.tie_embeddings, hidden_act="silu", bos_token_id=None, eos_token_id=None,
-                  pad_token_id=None)
+    fields = dict(
+        vocab_size=m.vocab_size,
+        hidden_size=m.dim,
+        num_hidden_layers=m.n_layers,
+        num_attention_heads=m.n_heads,
+        num_key_value_heads=m.n_kv_heads or m.n_heads,
+        head_dim=head_dim(m),
+        max_position_embeddings=m.max_seq_len,
+        rms_norm_eps=m.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+        tie_word_embeddings=m.tie_embeddings,
+        hidden_act="silu",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     if kind == "llama":
         fields |= dict(intermediate_size=ffn_dim(m), attention_bias=False, mlp_bias=False)
     elif kind == "mixtral":
-        fields |= dict(intermediate_size=expert_dim(m), num_local_experts=e.experts, num_experts_per_tok=e.top_k,
-                       router_aux_loss_coef=e.aux_loss_coef, router_jitter_noise=0.0, sliding_window=None)
+        fields |= dict(
+            intermediate_size=expert_dim(m),
+            num_local_experts=e.experts,
+            num_experts_per_tok=e.top_k,
+            router_aux_loss_coef=e.aux_loss_coef,
+            router_jitter_noise=0.0,
+            sliding_window=None,
+        )
     else:
-        fields |= dict(intermediate_size=ffn_dim(m), moe_intermediate_size=expert_dim(m), num_experts=e.experts,
-                       num_experts_per_tok=e.top_k, norm_topk_prob=e.norm_topk, router_aux_loss_coef=e.aux_loss_coef,
-                       decoder_sparse_step=1, mlp_only_layers=list(range(e.first_dense)), use_sliding_window=False)
-        fields |= (dict(qkv_bias=m.attn_bias, shared_expert_intermediate_size=shared_dim(m)) if kind == "qwen2_moe"
-                   else dict(attention_bias=False))
+        fields |= dict(
+            intermediate_size=ffn_dim(m),
+            moe_intermediate_size=expert_dim(m),
+            num_experts=e.experts,
+            num_experts_per_tok=e.top_k,
+            norm_topk_prob=e.norm_topk,
+            router_aux_loss_coef=e.aux_loss_coef,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(range(e.first_dense)),
+            use_sliding_window=False,
+        )
+        fields |= (
+            dict(qkv_bias=m.attn_bias, shared_expert_intermediate_size=shared_dim(m))
+            if kind == "qwen2_moe"
+            else dict(attention_bias=False)
+        )
     return AutoConfig.for_model(kind, **fields)

@@ -36,7 +36,7 @@ class Source:
         """Elements [start, stop) in row-major order into the 1-D `out`."""
         for box, at in flat_boxes(self.shape, start, stop):
             size = tuple(b - a for a, b in box)
-            self.read(box, out[at - start: at - start + math.prod(size)].view(size))
+            self.read(box, out[at - start : at - start + math.prod(size)].view(size))
 
 
 class Whole(Source):
@@ -84,7 +84,7 @@ class RotaryRows(Source):
             pairs = rows.view(2, hd // 2, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape)
             lo, hi = max(a, h * hd), min(b, (h + 1) * hd)
             with torch.no_grad():
-                out[lo - a:hi - a].copy_(pairs[lo - h * hd:hi - h * hd])
+                out[lo - a : hi - a].copy_(pairs[lo - h * hd : hi - h * hd])
 
 
 def flat_boxes(shape: tuple[int, ...], start: int, stop: int, at: int = 0) -> Iterator[tuple[Box, int]]:

@@ -61,8 +61,9 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
-def local_part(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[tuple[int, int], ...] | None,
-                                         tuple[int, int] | None]:
+def local_part(
+    p: torch.Tensor,
+) -> tuple[torch.Tensor, tuple[int, ...], tuple[tuple[int, int], ...] | None, tuple[int, int] | None]:
     """(the tensor this rank writes, the full shape, its box in the full tensor or None,
     its flat range in the full tensor or None). A DTensor (FSDP, TP, both) owns a box; a
     ZeRO-3 parameter owns a flat range of its padded partition; anything else is whole."""
@@ -130,8 +131,9 @@ def _draw(spec: InitSpec, seed: int, name: str, block: int, numel: int, device: 
     return torch.randn(numel, generator=g, device=device).mul_(spec.std)
 
 
-def fill(dst: torch.Tensor, shape: tuple[int, ...], box, flat, spec: InitSpec, seed: int, name: str,
-         device: torch.device) -> None:
+def fill(
+    dst: torch.Tensor, shape: tuple[int, ...], box, flat, spec: InitSpec, seed: int, name: str, device: torch.device
+) -> None:
     """Write the values of `name`'s region (a box, or a flat range) into `dst`."""
     rows_per, row = _rows_per_block(shape)
     n_rows = shape[0] if shape else 1
@@ -150,10 +152,10 @@ def fill(dst: torch.Tensor, shape: tuple[int, ...], box, flat, spec: InitSpec, s
             values.view(r1 - r0, row)[spec.zero_row - r0].zero_()
         if flat is not None:  # elements [a, b) of this block that fall in the range
             a, b = max(start, r0 * row), min(stop, r1 * row)
-            out[a - start:b - start].copy_(values[a - r0 * row:b - r0 * row])
+            out[a - start : b - start].copy_(values[a - r0 * row : b - r0 * row])
             continue
         a, b = max(first_row, r0), min(end_row, r1)  # rows of this block inside the box
-        piece = values.view(r1 - r0, *shape[1:])[a - r0:b - r0] if shape else values.view(())
+        piece = values.view(r1 - r0, *shape[1:])[a - r0 : b - r0] if shape else values.view(())
         for d, (lo, hi) in enumerate(box[1:], start=1):
             piece = piece.narrow(d, lo, hi - lo)
         target = out.narrow(0, a - first_row, b - a) if shape else out
@@ -233,6 +235,7 @@ def recorded_specs(model: nn.Module, hf: nn.Module) -> dict[str, InitSpec]:
                     if name in specs:
                         specs[name] = InitSpec(specs[name].kind, specs[name].std, zero_row=row)
             return tensor
+
         return call
 
     def constant(tensor, val):
@@ -252,8 +255,9 @@ def recorded_specs(model: nn.Module, hf: nn.Module) -> dict[str, InitSpec]:
     std = getattr(hf.config, "initializer_range", None) or 0.02
     for name, p in model.named_parameters(remove_duplicate=False):
         if name not in specs:
-            specs[name] = (InitSpec(std=std) if p.dim() >= 2 else
-                           InitSpec("ones" if name.endswith("weight") else "zeros"))
+            specs[name] = (
+                InitSpec(std=std) if p.dim() >= 2 else InitSpec("ones" if name.endswith("weight") else "zeros")
+            )
     return specs
 
 
@@ -263,9 +267,17 @@ def canonical(name: str, tied: tuple[str, str] | None) -> str:
     return tied[1] if tied is not None and name == tied[0] else name
 
 
-def materialize(model: nn.Module, device: torch.device, specs: dict[str, InitSpec], seed: int,
-                tied: tuple[str, str] | None, init_buffers, pretrained: str | Path | None = None,
-                storage: torch.device | None = None, fresh=frozenset()) -> nn.Module:
+def materialize(
+    model: nn.Module,
+    device: torch.device,
+    specs: dict[str, InitSpec],
+    seed: int,
+    tied: tuple[str, str] | None,
+    init_buffers,
+    pretrained: str | Path | None = None,
+    storage: torch.device | None = None,
+    fresh=frozenset(),
+) -> nn.Module:
     """Storage on `storage` (default `device`) for what this rank holds (`to_empty`:
     untouched memory), its buffers computed (`init_buffers(model, device)`), its
     parameters drawn on `device` from `specs` or read from `pretrained`. No collective:
@@ -323,15 +335,21 @@ part of the model cost, before the recipe adds its engine (optimizer set-up, buc
 def held_boxes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[tuple[int, int], ...]]]:
     """Parameter name -> (full shape, this rank's box) for the plain tensors that are a box
     of a larger one (ddp's experts under parallel.ep: `held_boxes` on their module)."""
-    return {f"{m_name}.{leaf}" if m_name else leaf: where for m_name, m in model.named_modules()
-            for leaf, where in getattr(m, "held_boxes", {}).items()}
+    return {
+        f"{m_name}.{leaf}" if m_name else leaf: where
+        for m_name, m in model.named_modules()
+        for leaf, where in getattr(m, "held_boxes", {}).items()
+    }
 
 
 def full_numel(model: nn.Module, trainable: bool = False) -> int:
     """Elements of the whole model's parameters (a shard counts as its full tensor)."""
     boxes = held_boxes(model)
-    return sum(math.prod(boxes[n][0]) if n in boxes else p.numel() for n, p in model.named_parameters()
-               if p.requires_grad or not trainable)
+    return sum(
+        math.prod(boxes[n][0]) if n in boxes else p.numel()
+        for n, p in model.named_parameters()
+        if p.requires_grad or not trainable
+    )
 
 
 def _read(entries, key: str, dst: torch.Tensor, shape, box, flat) -> None:
@@ -343,8 +361,9 @@ def _read(entries, key: str, dst: torch.Tensor, shape, box, flat) -> None:
     if entry is None:
         raise weights.WeightsError(f"{key}: missing from {next(iter(entries.values())).file.parent}", key, None)
     if tuple(entry.shape) != tuple(shape):
-        raise weights.WeightsError(f"{key} in {entry.file}: shape {tuple(entry.shape)} where the model has "
-                                   f"{tuple(shape)}", key, entry.file)
+        raise weights.WeightsError(
+            f"{key} in {entry.file}: shape {tuple(entry.shape)} where the model has {tuple(shape)}", key, entry.file
+        )
     if dst.numel() == 0:
         return
     if flat is not None:

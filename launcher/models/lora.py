@@ -69,9 +69,13 @@ def targets(model: nn.Module, layers: str, names: list | None) -> list[str]:
     """The full names of the linears to adapt: inside the decoder layers (`layers`, the
     Layout's ModuleList), every nn.Linear, or those whose last name part is in `names`."""
     wanted = None if names is None else {str(n) for n in names}
-    return [f"{layers}.{name}" for name, mod in model.get_submodule(layers).named_modules()
-            if isinstance(mod, nn.Linear) and not isinstance(mod, LoRALinear)
-            and (wanted is None or name.rsplit(".", 1)[-1] in wanted)]
+    return [
+        f"{layers}.{name}"
+        for name, mod in model.get_submodule(layers).named_modules()
+        if isinstance(mod, nn.Linear)
+        and not isinstance(mod, LoRALinear)
+        and (wanted is None or name.rsplit(".", 1)[-1] in wanted)
+    ]
 
 
 def inject(model: nn.Module, lora: LoraConfig, layers: str, base_dtype: torch.dtype | None) -> list[str]:
@@ -138,8 +142,11 @@ def init_specs(model: nn.Module, rank: int) -> dict:
     B zeros: the adapted model starts equal to its base."""
     from launcher.models.init import InitSpec
 
-    return {name: InitSpec(std=1.0 / rank) if ".lora_A." in f".{name}" else InitSpec("zeros")
-            for name, _ in model.named_parameters() if is_adapter(name)}
+    return {
+        name: InitSpec(std=1.0 / rank) if ".lora_A." in f".{name}" else InitSpec("zeros")
+        for name, _ in model.named_parameters()
+        if is_adapter(name)
+    }
 
 
 def adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -163,11 +170,22 @@ def peft_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def peft_config(cfg: Config, adapted: list[str]) -> dict:
     """adapter_config.json: what peft.PeftModel.from_pretrained reads."""
     lora = cfg.model.lora
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(cfg.model.pretrained),
-            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-            "target_modules": sorted({n.rsplit(".", 1)[-1] for n in adapted}), "bias": "none",
-            "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": "gaussian",
-            "modules_to_save": None, "use_rslora": False, "use_dora": False}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(cfg.model.pretrained),
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted({n.rsplit(".", 1)[-1] for n in adapted}),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": "gaussian",
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+    }
 
 
 def write_peft(cfg: Config, state: dict[str, torch.Tensor], out: Path, dtype: torch.dtype) -> Path:
@@ -175,8 +193,11 @@ def write_peft(cfg: Config, state: dict[str, torch.Tensor], out: Path, dtype: to
 
     adapted = sorted({k.rsplit(".lora_", 1)[0] for k in adapters(state)})
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(dtype) for k, v in peft_state(state).items()}, str(out / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.to(dtype) for k, v in peft_state(state).items()},
+        str(out / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (out / "adapter_config.json").write_text(json.dumps(peft_config(cfg, adapted), indent=2) + "\n")
     return out
 

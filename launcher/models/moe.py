@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launcher.config import MoEBalance, MoEConfig, MoEScore, ModelConfig, expert_dim, shared_dim
+from launcher.config import ModelConfig, MoEBalance, MoEConfig, MoEScore, expert_dim, shared_dim
 from launcher.models.experts import Experts
-from launcher.models.layers import FeedForward
 from launcher.models.init import InitSpec
+from launcher.models.layers import FeedForward
 
 _AUX: list[torch.Tensor] = []
 """The auxiliary losses the MoE blocks of the current forward recorded (GPT.forward takes them)."""
@@ -101,7 +101,9 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.moe.experts, cfg.dim, hidden, cfg.moe.capacity_factor)
         self.shared = FeedForward(cfg, shared_dim(cfg)) if cfg.moe.shared_experts else None
         # Qwen2-MoE: sigmoid(w . x) scales the shared expert's output per token
-        self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if self.shared is not None and cfg.moe.shared_gate else None
+        self.shared_gate = (
+            nn.Linear(cfg.dim, 1, bias=False) if self.shared is not None and cfg.moe.shared_gate else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.size(-1))
@@ -128,14 +130,22 @@ def take_aux() -> torch.Tensor | None:
 def init_specs(cfg: ModelConfig, prefix: str, std: float, resid: InitSpec) -> dict[str, InitSpec]:
     """An MoE feed-forward's init: the router and every expert's w1, w3 as the dense ones,
     w2 as a residual projection."""
-    specs = {f"{prefix}.router.weight": InitSpec(std=std), f"{prefix}.experts.w1": InitSpec(std=std),
-             f"{prefix}.experts.w3": InitSpec(std=std), f"{prefix}.experts.w2": resid}
+    specs = {
+        f"{prefix}.router.weight": InitSpec(std=std),
+        f"{prefix}.experts.w1": InitSpec(std=std),
+        f"{prefix}.experts.w3": InitSpec(std=std),
+        f"{prefix}.experts.w2": resid,
+    }
     if cfg.moe.shared_experts:
-        specs |= {f"{prefix}.shared.w1.weight": InitSpec(std=std), f"{prefix}.shared.w3.weight": InitSpec(std=std),
-                  f"{prefix}.shared.w2.weight": resid}
+        specs |= {
+            f"{prefix}.shared.w1.weight": InitSpec(std=std),
+            f"{prefix}.shared.w3.weight": InitSpec(std=std),
+            f"{prefix}.shared.w2.weight": resid,
+        }
         if cfg.moe.shared_gate:
             specs[f"{prefix}.shared_gate.weight"] = InitSpec(std=std)
     return specs
+
 
 def routers(model: nn.Module) -> list[tuple[str, Router]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Router)]
@@ -161,7 +171,7 @@ def after_step(model: nn.Module, group=None) -> dict:
         r.tokens.zero_()
         r.dropped.zero_()
     ratio = (loads.max(-1).values / mean.squeeze(-1).clamp(min=1e-9)).tolist()  # one host synchronisation
-    metrics = {"moe/dropped": float(flat[len(found) * experts:].sum())}
+    metrics = {"moe/dropped": float(flat[len(found) * experts :].sum())}
     for i, (name, r) in enumerate(found):
         block = _block(name, i)
         metrics[f"moe/load_max_over_mean/{block}"] = ratio[i]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -43,7 +44,8 @@ class Stored:
 
     def __init__(self, host: torch.Tensor, done):
         self.host, self.done = host, done
-        self.device = self.arrived = None
+        self.device: torch.Tensor | None = None
+        self.arrived: Any = None  # a torch.cuda.Event
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
@@ -77,8 +79,11 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self.order = [ref for ref in self.order if ref() is not None]
         if not self.order:  # no graph of an earlier forward alive: a new step, counted afresh
             self.offloaded_bytes = self.kept_bytes = 0
-        self.persistent = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())
-                           if type(t) in (torch.Tensor, nn.Parameter)}
+        self.persistent = {
+            t.untyped_storage().data_ptr()
+            for t in (*self.model.parameters(), *self.model.buffers())
+            if type(t) in (torch.Tensor, nn.Parameter)
+        }
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -137,7 +142,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self._fetch(stored)
         at = next((i for i in range(len(self.order) - 1, -1, -1) if self.order[i]() is stored), None)
         if at is not None:  # what backward asks for next: saved just before, in forward
-            for ref in self.order[max(0, at - PREFETCH):at]:
+            for ref in self.order[max(0, at - PREFETCH) : at]:
                 ahead = ref()
                 if ahead is not None:
                     self._fetch(ahead)
@@ -172,5 +177,9 @@ def _can_pin() -> bool:
 
 
 def _pageable(e: BaseException) -> None:
-    print(f"train.activation_offload: pinned host memory is not available ({str(e).splitlines()[0]}); "
-          "offloading to pageable memory (slower copies)", file=sys.stderr, flush=True)
+    print(
+        f"train.activation_offload: pinned host memory is not available ({str(e).splitlines()[0]}); "
+        "offloading to pageable memory (slower copies)",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -34,9 +34,18 @@ import torch
 if sys.byteorder != "little":  # safetensors data is little-endian; it is viewed as-is, never swapped
     raise ImportError("launcher.models.weights reads safetensors data as host order: needs a little-endian host")
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 INDEX = "model.safetensors.index.json"
 
 
@@ -90,8 +99,13 @@ def _header(path: Path) -> dict[str, Entry]:
             continue
         try:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-            ok = (isinstance(dtype, str) and isinstance(shape, list) and type(begin) is type(end) is int
-                  and 0 <= begin <= end and all(type(d) is int and d >= 0 for d in shape))
+            ok = (
+                isinstance(dtype, str)
+                and isinstance(shape, list)
+                and type(begin) is type(end) is int
+                and 0 <= begin <= end
+                and all(type(d) is int and d >= 0 for d in shape)
+            )
         except (TypeError, KeyError, ValueError):
             ok = False
         if not ok:
@@ -100,12 +114,15 @@ def _header(path: Path) -> dict[str, Entry]:
             raise _error(name, path, f"dtype {dtype} not handled (handled: {', '.join(DTYPES)})")
         want = math.prod(shape) * DTYPES[dtype].itemsize
         if end - begin != want:
-            raise _error(name, path, f"data_offsets [{begin}, {end}] hold {end - begin} bytes where {dtype} "
-                                     f"{tuple(shape)} needs {want}")
+            raise _error(
+                name,
+                path,
+                f"data_offsets [{begin}, {end}] hold {end - begin} bytes where {dtype} {tuple(shape)} needs {want}",
+            )
         entries[name] = Entry(name, path, DTYPES[dtype], tuple(shape), base + begin, base + end)
-    for e in sorted(entries.values(), key=lambda e: e.start):
-        if e.end > size:
-            raise _error(e.name, path, f"truncated: the file has {size} bytes, the data ends at byte {e.end}")
+    for entry in sorted(entries.values(), key=lambda x: x.start):
+        if entry.end > size:
+            raise _error(entry.name, path, f"truncated: the file has {size} bytes, the data ends at byte {entry.end}")
     return entries
 
 
@@ -164,8 +181,12 @@ def check(entries: dict[str, Entry], expected: dict[str, tuple[int, ...]], ignor
     for name in sorted(set(entries) | set(expected)):
         e = entries.get(name)
         if e is None:
-            raise WeightsError(f"{name}: missing from {folder or 'the folder'} (the folder's *.safetensors "
-                               f"hold {len(entries)} tensors)", name, folder)
+            raise WeightsError(
+                f"{name}: missing from {folder or 'the folder'} (the folder's *.safetensors "
+                f"hold {len(entries)} tensors)",
+                name,
+                folder,
+            )
         if name not in expected:
             if name not in ignore:
                 raise _error(name, e.file, "not a parameter of the model")
@@ -179,13 +200,24 @@ def _pread_into(fd: int, view: memoryview, offset: int, entry: Entry) -> None:
     while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)
         if n == 0:
-            raise _error(entry.name, entry.file, f"short read: the file ends at byte {offset + got}, the data "
-                                                 f"runs to {offset + len(view)} (truncated after indexing?)")
+            raise _error(
+                entry.name,
+                entry.file,
+                f"short read: the file ends at byte {offset + got}, the data "
+                f"runs to {offset + len(view)} (truncated after indexing?)",
+            )
         got += n
 
 
-def _copy(entry: Entry, first: int, count: int, inner: tuple[int, ...], cut: tuple[slice, ...], out: torch.Tensor,
-          max_chunk_bytes: int) -> torch.Tensor:
+def _copy(
+    entry: Entry,
+    first: int,
+    count: int,
+    inner: tuple[int, ...],
+    cut: tuple[slice, ...],
+    out: torch.Tensor,
+    max_chunk_bytes: int,
+) -> torch.Tensor:
     """Rows [first, first + count) of the tensor seen as rows of shape `inner`, each cut by
     `cut`, into `out`: straight into out's storage when its bytes are the file's, else
     through one buffer of at most max_chunk_bytes (at least one row), reused for each chunk."""
@@ -196,25 +228,33 @@ def _copy(entry: Entry, first: int, count: int, inner: tuple[int, ...], cut: tup
     except OSError as e:
         raise _error(entry.name, entry.file, f"unreadable: {e.strerror or e}") from None
     try:
-        if (all(c == slice(None) for c in cut) and out.device.type == "cpu" and out.dtype == entry.dtype
-                and out.is_contiguous()):
+        if (
+            all(c == slice(None) for c in cut)
+            and out.device.type == "cpu"
+            and out.dtype == entry.dtype
+            and out.is_contiguous()
+        ):
             _pread_into(fd, memoryview(out.detach().reshape(-1).view(torch.uint8).numpy()), offset, entry)
             return out
         per = min(count, max(1, max_chunk_bytes // unit_bytes))
         buf = bytearray(per * unit_bytes)
         for pos in range(0, count, per):
             n = min(per, count - pos)
-            _pread_into(fd, memoryview(buf)[:n * unit_bytes], offset + pos * unit_bytes, entry)
+            _pread_into(fd, memoryview(buf)[: n * unit_bytes], offset + pos * unit_bytes, entry)
             rows = torch.frombuffer(buf, dtype=entry.dtype, count=n * unit).view(n, *inner)
             with torch.no_grad():  # out may be a parameter
-                out[pos:pos + n].copy_(rows[(slice(None), *cut)])
+                out[pos : pos + n].copy_(rows[(slice(None),) + cut])
     finally:
         os.close(fd)
     return out
 
 
-def read(entry: Entry, box: Sequence[tuple[int, int]] | None = None, out: torch.Tensor | None = None,
-         max_chunk_bytes: int = 16 << 20) -> torch.Tensor:
+def read(
+    entry: Entry,
+    box: Sequence[tuple[int, int]] | None = None,
+    out: torch.Tensor | None = None,
+    max_chunk_bytes: int = 16 << 20,
+) -> torch.Tensor:
     """The region `box` (one (start, stop) per dimension; None: the whole tensor),
     converted to out's dtype and copied into `out` (the box's shape, any device, may be a
     non-contiguous view), or a new CPU tensor of the file's dtype when out is None.
@@ -236,8 +276,9 @@ def read(entry: Entry, box: Sequence[tuple[int, int]] | None = None, out: torch.
     return out
 
 
-def read_flat(entry: Entry, start: int, stop: int, out: torch.Tensor | None = None,
-              max_chunk_bytes: int = 16 << 20) -> torch.Tensor:
+def read_flat(
+    entry: Entry, start: int, stop: int, out: torch.Tensor | None = None, max_chunk_bytes: int = 16 << 20
+) -> torch.Tensor:
     """Elements [start, stop) of the tensor in row-major order, as a 1-D tensor (into
     `out`, 1-D, when given), in chunks as `read` (DeepSpeed ZeRO-3 partitions each
     parameter by such flat ranges)."""

@@ -16,8 +16,8 @@ validation); the optimizer classes are launcher/optim/classes.py, imported by `b
 from __future__ import annotations
 
 import importlib
-import math
 import importlib.util
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -78,18 +78,31 @@ def validate(cfg: OptimConfig, recipe: str, deepspeed: bool, fsdp_cpu_offload: b
     if cfg.name not in FAMILIES:
         raise ConfigError("optim.name", cfg.name, f"allowed: {', '.join(NAMES)}")
     if cfg.name.startswith("adamw") and cfg.name != "adamw" and importlib.util.find_spec("torchao") is None:
-        raise ConfigError("optim.name", cfg.name, "needs torchao's low-bit states, the fp8 extra (.venv/bin/pip install "
-                          "-e '.[fp8]'); adamw, adafactor and muon need none")
+        raise ConfigError(
+            "optim.name",
+            cfg.name,
+            "needs torchao's low-bit states, the fp8 extra (.venv/bin/pip install "
+            "-e '.[fp8]'); adamw, adafactor and muon need none",
+        )
     if deepspeed and cfg.name not in ZERO_TAKES:
-        raise ConfigError("optim.name", cfg.name, f"recipe={recipe} runs DeepSpeed's own AdamW on flat partitions; "
-                                                  f"{cfg.name} runs under recipe=ddp, fsdp, tp, tp_fsdp, pp or pp_fsdp")
+        raise ConfigError(
+            "optim.name",
+            cfg.name,
+            f"recipe={recipe} runs DeepSpeed's own AdamW on flat partitions; "
+            f"{cfg.name} runs under recipe=ddp, fsdp, tp, tp_fsdp, pp or pp_fsdp",
+        )
     if cfg.fused and cfg.name not in ("adamw", "muon"):
-        raise ConfigError("optim.fused", cfg.fused, f"fused is torch's AdamW kernel (adamw, muon); {cfg.name} has none: "
-                                                    f"use null")
+        raise ConfigError(
+            "optim.fused", cfg.fused, f"fused is torch's AdamW kernel (adamw, muon); {cfg.name} has none: use null"
+        )
     if fsdp_cpu_offload and cuda and cfg.name in ("adafactor", "muon"):
-        raise ConfigError("optim.name", cfg.name, f"{cfg.name} gathers each matrix on the device for its step; with "
-                                                  f"recipe.fsdp.cpu_offload=true the shards live in host memory: use "
-                                                  f"adamw, adamw8bit or adamw4bit")
+        raise ConfigError(
+            "optim.name",
+            cfg.name,
+            f"{cfg.name} gathers each matrix on the device for its step; with "
+            f"recipe.fsdp.cpu_offload=true the shards live in host memory: use "
+            f"adamw, adamw8bit or adamw4bit",
+        )
     family(cfg.name).validate(cfg)
     if not 0 <= cfg.min_lr_ratio <= 1:
         raise ConfigError("optim.min_lr_ratio", cfg.min_lr_ratio, "must be in [0, 1]")

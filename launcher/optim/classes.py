@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._adafactor import _single_tensor_adafactor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
+
 try:  # the fp8 extra; without it the launch side refuses optim=adamw8bit/4bit (launcher/optim/__init__.py)
     from torchao.optim import AdamW4bit, AdamW8bit
     from torchao.optim.adam import single_param_adam
@@ -77,9 +78,21 @@ class _Eager:
                     state["exp_avg"] = self._new_buffer(p, True)
                     state["exp_avg_sq"] = self._new_buffer(p, False)
                 state["step"] += 1
-                single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None,
-                                  group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"],
-                                  group["eps"], self.is_adamw, self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+                single_param_adam(
+                    p.detach(),
+                    p.grad,
+                    state["step"],
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    None,
+                    group["lr"],
+                    group["betas"][0],
+                    group["betas"][1],
+                    group["weight_decay"],
+                    group["eps"],
+                    self.is_adamw,
+                    self.bf16_stochastic_round and p.dtype is torch.bfloat16,
+                )
         return loss
 
 
@@ -91,8 +104,9 @@ def _quantized(t) -> bool:
 def _dequantize(t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, DTensor):
         return _values(t)
-    return DTensor.from_local(_values(t._local_tensor), t.device_mesh, t.placements, run_check=False,
-                              shape=t.shape, stride=t.stride())
+    return DTensor.from_local(
+        _values(t._local_tensor), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+    )
 
 
 def _values(q) -> torch.Tensor:
@@ -115,8 +129,9 @@ def _values(q) -> torch.Tensor:
 def _dequantized(optimizer, state_dict: dict) -> dict:
     """State-dict post hook: quantized moments as fp32 tensors (new dicts: the live state
     keeps its quantized tensors)."""
-    state_dict["state"] = {i: {k: _dequantize(v) if _quantized(v) else v for k, v in s.items()}
-                           for i, s in state_dict["state"].items()}
+    state_dict["state"] = {
+        i: {k: _dequantize(v) if _quantized(v) else v for k, v in s.items()} for i, s in state_dict["state"].items()
+    }
     return state_dict
 
 
@@ -169,11 +184,24 @@ class WholeAdafactor(torch.optim.Adafactor):
                         state["variance"] = torch.zeros_like(grad)
                 if param.device.type == "meta":  # make rehearse: the states' shapes, no arithmetic (it reads values)
                     continue
-                _single_tensor_adafactor([param], [grad], [state.get("row_var")], [state.get("col_var")],
-                                         [state.get("variance")], [state["step"]], None, None, d=group["d"],
-                                         lr=group["lr"], beta2_decay=group["beta2_decay"],
-                                         weight_decay=group["weight_decay"], eps1=eps1, eps2=eps2,
-                                         maximize=group["maximize"], has_complex=False)
+                _single_tensor_adafactor(
+                    [param],
+                    [grad],
+                    [state.get("row_var")],
+                    [state.get("col_var")],
+                    [state.get("variance")],
+                    [state["step"]],
+                    None,
+                    None,
+                    d=group["d"],
+                    lr=group["lr"],
+                    beta2_decay=group["beta2_decay"],
+                    weight_decay=group["weight_decay"],
+                    eps1=eps1,
+                    eps2=eps2,
+                    maximize=group["maximize"],
+                    has_complex=False,
+                )
                 if isinstance(p, DTensor):
                     p._local_tensor.copy_(own_part(param, p)._local_tensor)
         return loss
@@ -229,6 +257,8 @@ class MuonAdamW(torch.optim.AdamW):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - momentum)
             update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            ortho = _zeropower_via_newtonschulz(whole(update), (DEFAULT_A, DEFAULT_B, DEFAULT_C), group["ns_steps"], EPS)
+            ortho = _zeropower_via_newtonschulz(
+                whole(update), (DEFAULT_A, DEFAULT_B, DEFAULT_C), group["ns_steps"], EPS
+            )
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(own_part(ortho, p), alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))

@@ -39,7 +39,12 @@ def build(groups: list[dict], model, cfg: OptimConfig, device):
     from launcher.optim.classes import MuonAdamW, muon_groups  # torch: ranks only
 
     fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
-    extra = dict(momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
-                 adjust_lr_fn=cfg.muon_adjust_lr)
-    return MuonAdamW(muon_groups(groups, model, extra), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                     fused=fused or None)
+    extra = dict(
+        momentum=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov,
+        ns_steps=cfg.muon_ns_steps,
+        adjust_lr_fn=cfg.muon_adjust_lr,
+    )
+    return MuonAdamW(
+        muon_groups(groups, model, extra), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
+    )

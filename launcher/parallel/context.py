@@ -77,4 +77,4 @@ def attach(model: torch.nn.Module, group: dist.ProcessGroup) -> int:
 def local_positions(tokens: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
     """This rank's T/cp consecutive positions of a (b, T) batch (inputs or targets)."""
     t = tokens.shape[1] // cp
-    return tokens[:, cp_rank * t:(cp_rank + 1) * t]
+    return tokens[:, cp_rank * t : (cp_rank + 1) * t]

@@ -14,8 +14,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from launcher.config import ModelConfig, block_matmul_params
 from launcher.models import Layout, model_layout
@@ -36,8 +42,9 @@ class Replicated(ParallelStyle):
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for p_name, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(p_name, nn.Parameter(DTensor.from_local(param, mesh, [Replicate()],
-                                                                              run_check=False)))
+            module.register_parameter(
+                p_name, nn.Parameter(DTensor.from_local(param, mesh, [Replicate()], run_check=False))
+            )
 
     def _input(self, module, inputs, mesh):
         x = inputs[0]
@@ -68,18 +75,22 @@ def tp_plan(layout: Layout, sequence_parallel: bool) -> tuple[dict[str, Parallel
     if layout.tied:
         root = {layout.embed: Replicated(output_layout=stream), layout.head: Replicated(input_layout=stream)}
     else:
-        root = {layout.embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-                layout.head: ColwiseParallel(input_layouts=stream, output_layouts=Replicate())}
+        root = {
+            layout.embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+            layout.head: ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+        }
     root[layout.norm] = norm
     block: dict[str, ParallelStyle] = {name: norm for name in layout.norms}
     block.update({name: ColwiseParallel() for name in layout.colwise})
     block.update({name: RowwiseParallel(output_layouts=stream) for name in layout.rowwise})
     if sequence_parallel:  # gather the sequence before the matmuls that need all of it
-        gather = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
-                                    use_local_output=True)
+        gather = PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
+        )
         block[layout.attention] = gather
-        block[layout.mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                               use_local_output=True)
+        block[layout.mlp] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
     return root, block
 
 

@@ -26,19 +26,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from launcher.config import Config
-from launcher.rank.engine import param_groups, set_lrs, trained_state
 from launcher import models
+from launcher.config import Config
 from launcher.parallel.experts import join_expert_files
+from launcher.rank.engine import param_groups, set_lrs, trained_state
 
 OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)  # keys "state.<fqn>.<exp_avg|...>"
 
@@ -47,13 +51,15 @@ def _canonical_key(key: str, tied: tuple[str, str] | None, prefix: str = "") -> 
     if tied is None:
         return key
     head, embed = prefix + tied[0], prefix + tied[1]
-    return embed + key[len(head):] if key.startswith(head) else key
+    return embed + key[len(head) :] if key.startswith(head) else key
 
 
-def _canonical(state: dict[str, torch.Tensor], tied: tuple[str, str] | None, prefix: str = "") -> dict[str, torch.Tensor]:
+def _canonical(
+    state: dict[str, torch.Tensor], tied: tuple[str, str] | None, prefix: str = ""
+) -> dict[str, torch.Tensor]:
     """The same tensors, a tied head under the embedding's name (once). `tied`: the
     (head, embedding) weight names of a tied model (Layout.tied_names), or None."""
-    out = {}
+    out: dict = {}
     for key, value in state.items():
         out.setdefault(_canonical_key(key, tied, prefix), value)
     return out
@@ -72,13 +78,14 @@ def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer, tied: tuple[str
     tensors (DCP loads in place into them), the third is their canonical, tensor-only view."""
     model_sd = get_model_state_dict(model, options=model_options(model))
     optim_sd = get_optimizer_state_dict(model, optimizer, options=OPTIM)  # initialises Adam's state if empty
-    saved = {"model": _canonical(model_sd, tied),
-             "optim": _canonical({k: v for k, v in optim_sd.items() if k.startswith("state.")}, tied, "state.")}
+    saved = {
+        "model": _canonical(model_sd, tied),
+        "optim": _canonical({k: v for k, v in optim_sd.items() if k.startswith("state.")}, tied, "state."),
+    }
     return model_sd, optim_sd, saved
 
 
-def save(path: Path, model: nn.Module, optimizer, scheduler, tied: tuple[str, str] | None, rank: int,
-         staging=None):
+def save(path: Path, model: nn.Module, optimizer, scheduler, tied: tuple[str, str] | None, rank: int, staging=None):
     """Called on every rank. `tied`: Layout.tied_names() of the model. With `staging` (the
     Checkpointer of a checkpoint.async_save): DCP's async_save copies this rank's shards
     into host memory and writes them on a thread of its own, its collectives on the
@@ -89,8 +96,9 @@ def save(path: Path, model: nn.Module, optimizer, scheduler, tied: tuple[str, st
         dcp.save(saved, checkpoint_id=str(path))
         written = None
     else:
-        written = dcp.async_save(saved, checkpoint_id=str(path), process_group=staging.group,
-                                 async_stager=staging.stager())
+        written = dcp.async_save(
+            saved, checkpoint_id=str(path), process_group=staging.group, async_stager=staging.stager()
+        )
 
     def finish() -> None:
         if written is not None:
@@ -159,8 +167,7 @@ def consolidate(cfg: Config, engine_dir: Path) -> dict[str, torch.Tensor]:
     state = trained_state(model)  # model.lora: the adapters alone
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": no_dist=True says so
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": _canonical(state, layout.tied_names())}, storage_reader=SafeReader(engine_dir),
-                 no_dist=True)
+        dcp.load({"model": _canonical(state, layout.tied_names())}, storage_reader=SafeReader(engine_dir), no_dist=True)
     return {k: v.float() for k, v in state.items()}
 
 
@@ -171,10 +178,16 @@ class CheckpointRefused(ValueError):
 
 # What DCP (torch 2.13) pickles into .metadata; nothing else may be constructed.
 _METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                              "ChunkStorageMetadata",
-                                              "StorageMeta", "MetadataIndex", "TensorProperties",
-                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "StorageMeta",
+        "MetadataIndex",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
@@ -200,21 +213,32 @@ def read_metadata(folder: Path) -> Metadata:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except CheckpointRefused as e:
-        raise CheckpointRefused(f"{path} would construct {e}, which DCP metadata never contains: refusing to load "
-                                f"it (a checkpoint must never run code)") from None
+        raise CheckpointRefused(
+            f"{path} would construct {e}, which DCP metadata never contains: refusing to load "
+            f"it (a checkpoint must never run code)"
+        ) from None
     except Exception as e:  # truncated or not a pickle at all
         raise CheckpointRefused(f"{path} is not readable DCP metadata ({e.__class__.__name__}: {e})") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
-            or not isinstance(metadata.storage_data or {}, dict):
+    if (
+        not isinstance(metadata, Metadata)
+        or not isinstance(metadata.state_dict_metadata, dict)
+        or not isinstance(metadata.storage_data or {}, dict)
+    ):
         raise CheckpointRefused(f"{path} holds a {type(metadata).__name__} that is not DCP metadata")
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointRefused(f"{path}: entry {key!r} is not a tensor ({type(entry).__name__}); DCP would "
-                                    f"unpickle it with weights_only=False: refusing to load it")
+            raise CheckpointRefused(
+                f"{path}: entry {key!r} is not a tensor ({type(entry).__name__}); DCP would "
+                f"unpickle it with weights_only=False: refusing to load it"
+            )
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
-        if not isinstance(info, _StorageInfo) or not isinstance(name, str) or Path(name).name != name \
-                or name in ("", ".", ".."):
+        if (
+            not isinstance(info, _StorageInfo)
+            or not isinstance(name, str)
+            or Path(name).name != name
+            or name in ("", ".", "..")
+        ):
             raise CheckpointRefused(f"{path} points at data outside its folder ({name!r}): refusing to load it")
     return metadata
 

@@ -28,15 +28,15 @@ import collections.abc
 import contextlib
 import copy
 import json
-import os
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from launcher import config as C
-from launcher.parallel import degrees as D
 from launcher.models import model_shape
+from launcher.parallel import degrees as D
 
 FILE = "ds_config.json"
 
@@ -109,22 +109,32 @@ def deepspeed_config(cfg: C.Config, world_size: int, cuda: bool) -> dict[str, An
         "zero_optimization": zero_section(cfg, m.dim * m.dim),
     }
     if p.name == C.Precision.fp16:
-        out["fp16"].update({
-            "loss_scale": 0,  # dynamic
-            "initial_scale_power": int(math.log2(p.initial_scale)),
-            "loss_scale_window": p.growth_interval,
-            "min_loss_scale": p.min_scale,
-            "hysteresis": 1,  # halve on the first overflow, as torch's GradScaler does
-        })
+        out["fp16"].update(
+            {
+                "loss_scale": 0,  # dynamic
+                "initial_scale_power": int(math.log2(p.initial_scale)),
+                "loss_scale_window": p.growth_interval,
+                "min_loss_scale": p.min_scale,
+                "hysteresis": 1,  # halve on the first overflow, as torch's GradScaler does
+            }
+        )
     if t.activation_checkpointing != C.ACMode.none:
         # The model recomputes blocks with torch.utils.checkpoint (launcher/models/gpt.py);
         # DeepSpeed's own activation partitioning and CPU checkpointing act only on its
         # checkpoint function, which the model does not use: recorded here as off.
-        blocks = m.n_layers if t.activation_checkpointing in (C.ACMode.full, C.ACMode.op) else \
-            len(range(0, m.n_layers, t.ac_every))
-        out["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
-                                           "contiguous_memory_optimization": False, "number_checkpoints": blocks,
-                                           "synchronize_checkpoint_boundary": False, "profile": False}
+        blocks = (
+            m.n_layers
+            if t.activation_checkpointing in (C.ACMode.full, C.ACMode.op)
+            else len(range(0, m.n_layers, t.ac_every))
+        )
+        out["activation_checkpointing"] = {
+            "partition_activations": False,
+            "cpu_checkpointing": False,
+            "contiguous_memory_optimization": False,
+            "number_checkpoints": blocks,
+            "synchronize_checkpoint_boundary": False,
+            "profile": False,
+        }
     return out
 
 
@@ -142,12 +152,14 @@ def zero_section(cfg: C.Config, dim2: int) -> dict[str, Any]:
         "allgather_bucket_size": z.allgather_bucket_size or dim2,
     }
     if z.stage == 3:
-        zero.update({
-            "stage3_prefetch_bucket_size": prefetch_bucket(cfg),
-            "stage3_param_persistence_threshold": persistence_threshold(cfg),
-            "stage3_max_live_parameters": z.max_live_parameters,
-            "stage3_max_reuse_distance": z.max_reuse_distance,
-        })
+        zero.update(
+            {
+                "stage3_prefetch_bucket_size": prefetch_bucket(cfg),
+                "stage3_param_persistence_threshold": persistence_threshold(cfg),
+                "stage3_max_live_parameters": z.max_live_parameters,
+                "stage3_max_reuse_distance": z.max_reuse_distance,
+            }
+        )
     # Written even when off ("none"), so an extra key cannot switch offload on behind the recipe.
     for key in ("offload_optimizer", "offload_param"):
         device = getattr(z, key)
@@ -190,16 +202,19 @@ def merge_extra(generated: dict, extra: dict, prefix: str = "") -> dict:
     for key, value in extra.items():
         path = f"{prefix}{key}"
         if not prefix and key in OWNED_ABSENT:
-            raise C.ConfigError(f"recipe.zero.extra.{path}", _show(value),
-                                f"set by the Hydra config, not here: {_owner(path)}")
+            raise C.ConfigError(
+                f"recipe.zero.extra.{path}", _show(value), f"set by the Hydra config, not here: {_owner(path)}"
+            )
         if key not in out:
             out[key] = copy.deepcopy(value)
         elif isinstance(out[key], dict) and isinstance(value, dict):
             out[key] = merge_extra(out[key], value, f"{path}.")
         elif out[key] != value:
-            raise C.ConfigError(f"recipe.zero.extra.{path}", _show(value),
-                                f"contradicts the Hydra config, which sets {_show(out[key])} from "
-                                f"{_owner(path)}: change it there")
+            raise C.ConfigError(
+                f"recipe.zero.extra.{path}",
+                _show(value),
+                f"contradicts the Hydra config, which sets {_show(out[key])} from {_owner(path)}: change it there",
+            )
     return out
 
 
@@ -214,8 +229,9 @@ class _Seen(dict):
     itself). `__iter__` is overridden so that `**section` goes through keys()/__getitem__."""
 
     def __init__(self, data: dict, seen: set, whole: set, prefix: str = ""):
-        super().__init__({k: _Seen(v, seen, whole, f"{prefix}{k}.") if isinstance(v, dict) else v
-                          for k, v in data.items()})
+        super().__init__(
+            {k: _Seen(v, seen, whole, f"{prefix}{k}.") if isinstance(v, dict) else v for k, v in data.items()}
+        )
         self._seen, self._whole, self._prefix = seen, whole, prefix
 
     def _mark(self, key) -> None:
@@ -316,7 +332,9 @@ def check(merged: dict, extra: dict, world_size: int) -> None:
             value = _get(extra, path.split("."))
         except (KeyError, TypeError):
             value = err.get("input")
-        raise C.ConfigError(f"recipe.zero.extra.{path}", _show(value), f"DeepSpeed refuses it: {err.get('msg')}") from None
+        raise C.ConfigError(
+            f"recipe.zero.extra.{path}", _show(value), f"DeepSpeed refuses it: {err.get('msg')}"
+        ) from None
     except Exception as e:  # DeepSpeed's parser asserts and raises plain errors
         text = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
         raise C.ConfigError("recipe.zero.extra", _show(extra), f"DeepSpeed refuses the merged config: {text}") from None
@@ -326,8 +344,11 @@ def check(merged: dict, extra: dict, world_size: int) -> None:
         parts = leaf.split(".")
         handed_over = any(".".join(parts[:n]) + "." in whole for n in range(1, len(parts)))
         if leaf not in seen and not handed_over:
-            raise C.ConfigError(f"recipe.zero.extra.{leaf}", _show(_get(extra, parts)),
-                                "DeepSpeed does not know this key (its config parser never reads it)")
+            raise C.ConfigError(
+                f"recipe.zero.extra.{leaf}",
+                _show(_get(extra, parts)),
+                "DeepSpeed does not know this key (its config parser never reads it)",
+            )
     _check_optimizer_params(merged, extra)
 
 
@@ -339,10 +360,13 @@ def _get(d: dict, parts: list[str]):
 
 def _section_of(model_title: str, extra: dict) -> str:
     """The section a pydantic error came from (pydantic names the model, not the key)."""
-    sections = {"DeepSpeedZeroConfig": "zero_optimization",
-                "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
-                "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param",
-                "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16"}
+    sections = {
+        "DeepSpeedZeroConfig": "zero_optimization",
+        "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
+        "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param",
+        "DeepSpeedBF16Config": "bf16",
+        "DeepSpeedFP16Config": "fp16",
+    }
     return sections.get(model_title, next(iter(extra), "?"))
 
 
@@ -364,8 +388,11 @@ def _check_optimizer_params(merged: dict, extra: dict) -> None:
 
         takes = set(inspect.signature(DeepSpeedCPUAdam).parameters) | {"fp32_optimizer_states", "adam_w_mode"}
     for key in sorted(added - takes):
-        raise C.ConfigError(f"recipe.zero.extra.optimizer.params.{key}", _show(extra["optimizer"]["params"][key]),
-                            f"the optimizer does not take it; allowed: {', '.join(sorted(takes - {'params'}))}")
+        raise C.ConfigError(
+            f"recipe.zero.extra.optimizer.params.{key}",
+            _show(extra["optimizer"]["params"][key]),
+            f"the optimizer does not take it; allowed: {', '.join(sorted(takes - {'params'}))}",
+        )
 
 
 # ----------------------------------------------------------------------------- launch / ranks
@@ -384,13 +411,17 @@ def read(run_dir: Path, world_size: int) -> dict:
     """The rank side: RUN_DIR/ds_config.json as the launch side wrote it, for this world size."""
     path = run_dir / FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: start ZeRO runs with `launcher train` (it writes the file), "
-                                f"or write it with launcher.parallel.ds_config.launch_config")
+        raise FileNotFoundError(
+            f"{path} is missing: start ZeRO runs with `launcher train` (it writes the file), "
+            f"or write it with launcher.parallel.ds_config.launch_config"
+        )
     config = json.loads(path.read_text())
     micro, accum = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
     if config["train_batch_size"] != micro * accum * world_size:
-        raise RuntimeError(f"{path} was written for another world size: train_batch_size "
-                           f"{config['train_batch_size']} != {micro} x {accum} x {world_size} ranks")
+        raise RuntimeError(
+            f"{path} was written for another world size: train_batch_size "
+            f"{config['train_batch_size']} != {micro} x {accum} x {world_size} ranks"
+        )
     return config
 
 
@@ -400,8 +431,10 @@ def rebatch(run_dir: Path, micro_batch: int, grad_accum: int) -> None:
     path = run_dir / FILE
     config = json.loads(path.read_text())
     if micro_batch * grad_accum != config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]:
-        raise ValueError(f"{path}: {micro_batch} x {grad_accum} would change the batch of "
-                         f"{config['train_micro_batch_size_per_gpu']} x {config['gradient_accumulation_steps']}")
+        raise ValueError(
+            f"{path}: {micro_batch} x {grad_accum} would change the batch of "
+            f"{config['train_micro_batch_size_per_gpu']} x {config['gradient_accumulation_steps']}"
+        )
     config.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=grad_accum)
     tmp = path.with_name(FILE + ".tmp")
     tmp.write_text(text(config))

@@ -54,9 +54,15 @@ def shard_as_dtensors(model: nn.Module, ep_mesh) -> None:
         for w in WEIGHTS:
             p = getattr(m, w)
             n = p.size(0) // ep
-            local = p.detach()[r * n:(r + 1) * n]
-            setattr(m, w, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
-                                                          shape=p.shape, stride=p.stride()), p.requires_grad))
+            local = p.detach()[r * n : (r + 1) * n]
+            setattr(
+                m,
+                w,
+                nn.Parameter(
+                    DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()),
+                    p.requires_grad,
+                ),
+            )
         m.ep_group = ep_mesh.get_group()
 
 
@@ -70,7 +76,7 @@ def shard_locally(model: nn.Module, group: dist.ProcessGroup) -> None:
             n = p.size(0) // ep
             box = ((r * n, (r + 1) * n), *((0, d) for d in p.shape[1:]))
             m.held_boxes[w] = (tuple(p.shape), box)
-            setattr(m, w, nn.Parameter(p.detach()[r * n:(r + 1) * n].clone(), p.requires_grad))
+            setattr(m, w, nn.Parameter(p.detach()[r * n : (r + 1) * n].clone(), p.requires_grad))
         m.ep_group = group
 
 
@@ -116,7 +122,7 @@ def join_expert_files(folder, model: dict, states: dict | None = None) -> None:
         return
     for name in parts[0]["model"]:
         model[name] = torch.cat([p["model"][name] for p in parts])
-    for pid, first in (parts[0]["optim"].items() if states is not None else ()):
+    for pid, first in parts[0]["optim"].items() if states is not None else ():
         states[pid] = {k: torch.cat([p["optim"][pid][k] for p in parts]) if v.dim() else v for k, v in first.items()}
 
 
@@ -125,4 +131,4 @@ def own_rows(t: torch.Tensor, ep: int, rank: int) -> torch.Tensor:
     if not t.dim():
         return t
     n = t.size(0) // ep
-    return t[rank * n:(rank + 1) * n].clone()
+    return t[rank * n : (rank + 1) * n].clone()

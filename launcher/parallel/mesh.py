@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor
 
 import recipes
 from launcher import config as C
-from launcher.parallel import degrees as D
 from launcher.device import autocast_dtype
-from launcher.rank.engine import local_shard
+from launcher.parallel import degrees as D
 from launcher.parallel.cuts import apply_tp, held_blocks
+from launcher.rank.engine import local_shard
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -30,8 +30,11 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 def build_mesh(deg: D.Degrees, device: torch.device) -> DeviceMesh:
     """The mesh on the ranks' device type; a rehearsal's model lives on meta, under a fake
     process group that serves the host's (launcher/planner/rehearse.py)."""
-    mesh = init_device_mesh("cpu" if device.type == "meta" else device.type,
-                            (deg.pp, deg.dp_replicate, deg.dp_shard, deg.cp, deg.tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(
+        "cpu" if device.type == "meta" else device.type,
+        (deg.pp, deg.dp_replicate, deg.dp_shard, deg.cp, deg.tp),
+        mesh_dim_names=MESH_DIMS,
+    )
     # The data slice (rank/entry.py) and the mesh must agree on who is who.
     assert tuple(mesh.get_coordinate()) == deg.coords(dist.get_rank()), (mesh.get_coordinate(), deg)
     return mesh
@@ -75,8 +78,14 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, deg: D.Degrees, cfg: C
         experts = split_mesh(dense_shard_mesh(mesh, deg), deg.ep)
         shard_as_dtensors(model, experts["ep"])
     if recipes.spec(cfg.recipe.strategy).parallelism.shards:
-        apply_fsdp(model, data_parallel_mesh(mesh, deg), cfg, mesh.device_type,
-                   experts["efsdp"] if experts is not None else None, deg.dp_shard * deg.cp)
+        apply_fsdp(
+            model,
+            data_parallel_mesh(mesh, deg),
+            cfg,
+            mesh.device_type,
+            experts["efsdp"] if experts is not None else None,
+            deg.dp_shard * deg.cp,
+        )
 
 
 def dense_shard_mesh(mesh: DeviceMesh, deg: D.Degrees) -> DeviceMesh:
@@ -85,8 +94,14 @@ def dense_shard_mesh(mesh: DeviceMesh, deg: D.Degrees) -> DeviceMesh:
     return mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp") if deg.cp > 1 else mesh["dp_shard"]
 
 
-def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, cfg: C.Config, device_type: str,
-               efsdp: DeviceMesh | None = None, shards: int = 1) -> None:
+def apply_fsdp(
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    cfg: C.Config,
+    device_type: str,
+    efsdp: DeviceMesh | None = None,
+    shards: int = 1,
+) -> None:
     """FSDP2: bf16 parameters for compute (fp32 kept sharded for the optimizer), gradients
     reduced in fp32 (a sum over many ranks in bf16 loses bits). The blocks reshard after
     forward as recipe.fsdp.reshard_after_forward says; the root (embedding, final norm,
@@ -160,8 +175,11 @@ def clip_grad_norm(params, max_norm: float, copies=lambda p: 1, stages: int = 1)
         if n and isinstance(g, DTensor):
             assert not any(pl.is_partial() for pl in g.placements), g.placements
             mesh = g.device_mesh
-            n = (world // (stages * mesh.size())
-                 * math.prod(mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate()))
+            n = (
+                world
+                // (stages * mesh.size())
+                * math.prod(mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
+            )
         grads.append(local_shard(g))
         weights.append(1.0 / n if n else 0.0)
     device = grads[0].device if grads else torch.device("cpu")

@@ -23,11 +23,12 @@ from __future__ import annotations
 import math
 
 from launcher.config import Config
-from launcher.planner import gathered as G, lora
+from launcher.planner import gathered as G
+from launcher.planner import lora
 from launcher.planner.footprint import Layout, ds_weight_bytes, param_share
 
 
-def counted(count: int, nbytes: int) -> dict[str, int]:
+def counted(count: float, nbytes: float) -> dict[str, int]:
     return {"count": int(count), "bytes": int(nbytes)}
 
 
@@ -45,17 +46,26 @@ def per_step(cfg: Config, layout: Layout) -> dict[str, dict[str, int]]:
         return fsdp(cfg, layout, P, T, accum)
     if layout.shard == "zero3":
         z = cfg.recipe.zero
-        passes = G.gathers(cfg.model, z.max_live_parameters, ds_config.prefetch_bucket(cfg), z.max_reuse_distance,
-                           ds_config.persistence_threshold(cfg))
+        passes = G.gathers(
+            cfg.model,
+            z.max_live_parameters,
+            ds_config.prefetch_bucket(cfg),
+            z.max_reuse_distance,
+            ds_config.persistence_threshold(cfg),
+        )
         n, elements = passes[True][0] + passes[False][0], passes[True][1] + passes[False][1]
         rs = math.ceil(T / ds_config.reduce_bucket(cfg))
-        return {"all_gather": counted(accum * n, accum * w * elements),
-                "reduce_scatter": counted(accum * rs, accum * w * T)}
+        return {
+            "all_gather": counted(accum * n, accum * w * elements),
+            "reduce_scatter": counted(accum * rs, accum * w * T),
+        }
     if layout.shard in ("zero1", "zero2"):
         times = accum if layout.shard == "zero2" else 1
-        gather = cfg.recipe.zero.allgather_bucket_size or cfg.model.dim ** 2
-        return {"reduce_scatter": counted(times * math.ceil(T / ds_config.reduce_bucket(cfg)), times * w * T),
-                "all_gather": counted(math.ceil(T / gather), w * T)}
+        gather = cfg.recipe.zero.allgather_bucket_size or cfg.model.dim**2
+        return {
+            "reduce_scatter": counted(times * math.ceil(T / ds_config.reduce_bucket(cfg)), times * w * T),
+            "all_gather": counted(math.ceil(T / gather), w * T),
+        }
     return {"all_reduce": counted(math.ceil(4 * T / (cfg.recipe.ddp.bucket_cap_mb * 2**20)), 4 * T)}
 
 
@@ -67,5 +77,7 @@ def fsdp(cfg: Config, layout: Layout, P: int, T: int, accum: int) -> dict[str, d
     again = m.n_layers if cfg.recipe.fsdp.reshard_after_forward else 0
     block = (P - m.vocab_size * m.dim * (1 if m.tie_embeddings else 2)) / m.n_layers  # a block's share of P
     w = ds_weight_bytes(cfg)
-    return {"all_gather": counted(accum * (units + again), accum * w * (P + again * block)),
-            "reduce_scatter": counted(accum * units, accum * 4 * T)}
+    return {
+        "all_gather": counted(accum * (units + again), accum * w * (P + again * block)),
+        "reduce_scatter": counted(accum * units, accum * 4 * T),
+    }

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from launcher.config import ACMode, Config, block_matmul_params, ffn_dim, head_dim, matmul_params
 from launcher.models.gpt import flops_per_token
-from launcher.planner import lora, memory as M, moe
+from launcher.planner import lora, moe
+from launcher.planner import memory as M
 from launcher.planner.footprint import Layout, activations, numerics, param_share
 
 OP_RECOMPUTE = 0.1
@@ -60,11 +61,18 @@ def step_time(cfg: Config, hw, layout: Layout, ac: ACMode, b: int) -> tuple[floa
         comm += accum * m.n_layers / layout.pp * 8 * ((layout.cp - 1) / layout.cp) * act / bandwidth(layout.cp, False)
     if layout.tp > 1:  # 4 all-reduces of b*s*h activations per layer per micro-batch
         act = b * layout.seq(s) * m.dim * numerics(cfg.precision.name, layout).compute
-        comm += accum * m.n_layers / layout.pp * 4 * (2 * (layout.tp - 1) / layout.tp) * act / bandwidth(layout.tp, False)
+        comm += (
+            accum * m.n_layers / layout.pp * 4 * (2 * (layout.tp - 1) / layout.tp) * act / bandwidth(layout.tp, False)
+        )
     if layout.ep > 1:  # model.moe: dispatch and combine, forward, backward and recomputation
-        comm += accum * moe.all_to_all_seconds(m, b * layout.seq(s), numerics(cfg.precision.name, layout).compute, layout.ep,
-                                               M.recomputed(m.n_layers, ac, cfg.train.ac_every),
-                                               bandwidth(layout.ep, layout.ep > hw.gpus_per_node))
+        comm += accum * moe.all_to_all_seconds(
+            m,
+            b * layout.seq(s),
+            numerics(cfg.precision.name, layout).compute,
+            layout.ep,
+            M.recomputed(m.n_layers, ac, cfg.train.ac_every),
+            bandwidth(layout.ep, layout.ep > hw.gpus_per_node),
+        )
     if layout.pp > 1:  # activations forward and gradients back across each boundary
         comm += accum * 2 * b * s * m.dim * numerics(cfg.precision.name, layout).compute / bandwidth(2, dp_spans)
     offload = 0.0

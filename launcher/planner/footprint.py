@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from launcher.parallel import ds_config
-from launcher.planner import lora, memory as M, moe, zero as Z
-from launcher.planner.optimizer import optimizer_states
 from launcher.config import ACMode, Config, ModelConfig, Precision, loss_chunks, sliceable_loss
+from launcher.parallel import ds_config
+from launcher.planner import lora, moe
+from launcher.planner import memory as M
+from launcher.planner import zero as Z
+from launcher.planner.optimizer import optimizer_states
 
 
 @dataclass(frozen=True)
@@ -40,13 +42,17 @@ class Layout:
 
     @property
     def label(self) -> str:
-        degrees = ([f"dp{self.dp}"] + [f"{k}{v}" for k, v in (("cp", self.cp), ("tp", self.tp), ("pp", self.pp),
-                                                                 ("ep", self.ep)) if v > 1])
+        degrees = [f"dp{self.dp}"] + [
+            f"{k}{v}" for k, v in (("cp", self.cp), ("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v > 1
+        ]
         return f"{self.recipe} ({' '.join(degrees)})"
 
     def overrides(self) -> list[str]:
-        return [f"recipe={self.recipe}"] + [f"parallel.{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp),
-                                                                            ("cp", self.cp), ("ep", self.ep)) if v > 1]
+        return [f"recipe={self.recipe}"] + [
+            f"parallel.{k}={v}"
+            for k, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep))
+            if v > 1
+        ]
 
     @property
     def shard_ranks(self) -> int:
@@ -83,8 +89,7 @@ def stage_ranks(cfg: Config, layout: Layout) -> list[list[tuple[int, int, bool, 
     _, virtual, _, split = pipeline(cfg)
     n_stages = layout.pp * virtual
     bounds = stage_bounds(cfg.model, n_stages, split)
-    return [[(*bounds[s], s == 0, s == n_stages - 1) for s in range(r, n_stages, layout.pp)]
-            for r in range(layout.pp)]
+    return [[(*bounds[s], s == 0, s == n_stages - 1) for s in range(r, n_stages, layout.pp)] for r in range(layout.pp)]
 
 
 def param_share(cfg: Config, layout: Layout, pp_rank: int | None = None) -> int:
@@ -102,16 +107,22 @@ def param_share(cfg: Config, layout: Layout, pp_rank: int | None = None) -> int:
     if layout.pp > 1:
         # The first stage holds the embedding, the last the final norm and the head (a
         # tied head is a copy there).
-        shares = [sum(sum(blocks[first:end]) + (embed if emb else 0) + (head + c.final_norm if last else 0)
-                      for first, end, emb, last in stages) for stages in stage_ranks(cfg, layout)]
+        shares = [
+            sum(
+                sum(blocks[first:end]) + (embed if emb else 0) + (head + c.final_norm if last else 0)
+                for first, end, emb, last in stages
+            )
+            for stages in stage_ranks(cfg, layout)
+        ]
         return max(shares) if pp_rank is None else shares[pp_rank]
     if t > 1:
         return sum(blocks) + c.final_norm + (embed if m.tie_embeddings else embed + head)
     return moe.rank_params(m, layout.ep)  # model.moe: E/ep of each block's experts
 
 
-def model_states(cfg: Config, layout: Layout, pp_rank: int | None = None,
-                 shard_rank: int = 0) -> tuple[int, int, int, dict[str, str], dict[str, int]]:
+def model_states(
+    cfg: Config, layout: Layout, pp_rank: int | None = None, shard_rank: int = 0
+) -> tuple[int, int, int, dict[str, str], dict[str, int]]:
     """(params, grads, optimizer) bytes on one rank, where each lives (device, cpu or
     device+cpu) and how many of them are in host memory (offload).
 
@@ -128,14 +139,27 @@ def model_states(cfg: Config, layout: Layout, pp_rank: int | None = None,
     where = {"params": "device", "grads": "device", "optim": "device"}
     host = {"params": 0, "grads": 0, "optim": 0}
     if lora.enabled(cfg.model):  # adapters train, the base is frozen (launcher/planner/lora.py)
-        return (*lora.states(cfg.model, cfg.precision.name, layout.shard, n, layout.fsdp, ds_weight_bytes(cfg),
-                             lambda t: zero_terms(cfg, layout, t), lambda t, k: optimizer_states(cfg, t, k),
-                             ds_config.persistence_threshold(cfg)),
-                where, host)
+        return (
+            *lora.states(
+                cfg.model,
+                cfg.precision.name,
+                layout.shard,
+                n,
+                layout.fsdp,
+                ds_weight_bytes(cfg),
+                lambda t: zero_terms(cfg, layout, t),
+                lambda t, k: optimizer_states(cfg, t, k),
+                ds_config.persistence_threshold(cfg),
+            ),
+            where,
+            host,
+        )
     if layout.shard == "none":
         params, grads, optim = 4 * P, 4 * P, optimizer_states(cfg, P, 1)
     elif layout.fsdp:  # model.moe: the experts over their own ranks, on dim 0 or 1 (moe.fsdp_elements)
-        S = moe.fsdp_elements(cfg.model, n, layout.ep, shard_rank) * n if moe.enabled(cfg.model) else P  # n x the rank's
+        S = (
+            moe.fsdp_elements(cfg.model, n, layout.ep, shard_rank) * n if moe.enabled(cfg.model) else P
+        )  # n x the rank's
         params, grads, optim = 4 * S // n, 4 * S // n, optimizer_states(cfg, S, n)
     else:
         parts = zero_terms(cfg, layout, P)
@@ -149,13 +173,21 @@ def model_states(cfg: Config, layout: Layout, pp_rank: int | None = None,
 def zero_terms(cfg: Config, layout: Layout, P: int) -> dict[str, tuple[float, float]]:
     """DeepSpeed's model states for P trained parameters on one rank (zero.zero_states)."""
     n = layout.shard_ranks
-    return Z.zero_states(int(layout.shard[-1]), P, n, cfg.train.grad_accum, layout.offload_optim,
-                         layout.offload_params, largest_param=Z.largest_param(cfg.model),
-                         weight_bytes=ds_weight_bytes(cfg), straddle=Z.straddling(cfg.model, n),
-                         kept_whole=Z.persistent(cfg.model, ds_config.persistence_threshold(cfg))
-                         + lora.persistent(cfg.model, ds_config.persistence_threshold(cfg)),
-                         bucket=ds_config.reduce_bucket(cfg), sub_group=Z.sub_group(cfg, layout.shard_ranks, P))
-
+    return Z.zero_states(
+        int(layout.shard[-1]),
+        P,
+        n,
+        cfg.train.grad_accum,
+        layout.offload_optim,
+        layout.offload_params,
+        largest_param=Z.largest_param(cfg.model),
+        weight_bytes=ds_weight_bytes(cfg),
+        straddle=Z.straddling(cfg.model, n),
+        kept_whole=Z.persistent(cfg.model, ds_config.persistence_threshold(cfg))
+        + lora.persistent(cfg.model, ds_config.persistence_threshold(cfg)),
+        bucket=ds_config.reduce_bucket(cfg),
+        sub_group=Z.sub_group(cfg, layout.shard_ranks, P),
+    )
 
 
 def trained_share(cfg: Config, layout: Layout) -> int:
@@ -265,13 +297,15 @@ def numerics(precision: Precision, layout: Layout) -> M.Numerics:
     if layout.shard.startswith("zero") and not layout.fsdp:
         return M.Numerics.of(precision.value, low_precision_params=True)
     if layout.fsdp:
-        return dataclasses.replace(M.Numerics.of(precision.value, low_precision_params=True), gathered_head=True,
-                                   gathered_blocks=layout.pp > 1)
+        return dataclasses.replace(
+            M.Numerics.of(precision.value, low_precision_params=True), gathered_head=True, gathered_blocks=layout.pp > 1
+        )
     return M.Numerics.of(precision.value)
 
 
-def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | None = None,
-                where: str = "device") -> int:
+def activations(
+    cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | None = None, where: str = "device"
+) -> int:
     """Saved activations on pipeline rank `pp_rank`, or the worst rank.
 
     A pipeline cuts each data-parallel rank's batch (b x grad_accum sequences) into
@@ -294,18 +328,39 @@ def activations(cfg: Config, layout: Layout, ac: ACMode, b: int, pp_rank: int | 
             for k, (first, end, emb, last) in enumerate(stages):
                 stage = r + k * layout.pp
                 in_flight = n_mb if schedule == "gpipe" else min(n_mb, n_stages - stage)
-                total += _split(where, cfg, M.activation_bytes(m, mb, s, n, ac, every, layers=end - first, tp=layout.tp,
-                                                               with_head=last, with_embedding=emb, in_flight=in_flight,
-                                                               first_layer=first, sp=sp),
-                                _offloaded(m, mb, s, n, ac, every, end - first, layout.tp, in_flight, first, sp=sp))
+                total += _split(
+                    where,
+                    cfg,
+                    M.activation_bytes(
+                        m,
+                        mb,
+                        s,
+                        n,
+                        ac,
+                        every,
+                        layers=end - first,
+                        tp=layout.tp,
+                        with_head=last,
+                        with_embedding=emb,
+                        in_flight=in_flight,
+                        first_layer=first,
+                        sp=sp,
+                    ),
+                    _offloaded(m, mb, s, n, ac, every, end - first, layout.tp, in_flight, first, sp=sp),
+                )
                 total += in_flight * M.document_mask(cfg, mb, s, n) if where == "device" else 0
             per_rank.append(total)
         return max(per_rank) if pp_rank is None else per_rank[pp_rank]
-    return _split(where, cfg, M.activation_bytes(m, b, s, n, ac, every, tp=layout.tp, loss_chunks=loss_slices(cfg, layout, b),
-                                                 cp=layout.cp, sp=sp) + lora_activations(cfg, layout, ac, b, n)
-                  + moe.activation_delta(m, M.Shape.of(m, b, s), n, ac, every, layout.ep),
-                  _offloaded(m, b, s, n, ac, every, m.n_layers, layout.tp, 1, 0, layout.cp, sp)) + (
-        M.document_mask(cfg, b, s, n) if where == "device" else 0)
+    return _split(
+        where,
+        cfg,
+        M.activation_bytes(
+            m, b, s, n, ac, every, tp=layout.tp, loss_chunks=loss_slices(cfg, layout, b), cp=layout.cp, sp=sp
+        )
+        + lora_activations(cfg, layout, ac, b, n)
+        + moe.activation_delta(m, M.Shape.of(m, b, s), n, ac, every, layout.ep),
+        _offloaded(m, b, s, n, ac, every, m.n_layers, layout.tp, 1, 0, layout.cp, sp),
+    ) + (M.document_mask(cfg, b, s, n) if where == "device" else 0)
 
 
 def lora_activations(cfg: Config, layout: Layout, ac: ACMode, b: int, n: M.Numerics) -> int:
@@ -329,8 +384,20 @@ def sequence_parallel(cfg: Config, layout: Layout) -> bool:
     return layout.tp > 1 and cfg.parallel.sequence_parallel
 
 
-def _offloaded(m: ModelConfig, b: int, s: int, n, ac: ACMode, every: int, layers: int, tp: int, in_flight: int,
-               first: int, cp: int = 1, sp: bool = False) -> int:
+def _offloaded(
+    m: ModelConfig,
+    b: int,
+    s: int,
+    n,
+    ac: ACMode,
+    every: int,
+    layers: int,
+    tp: int,
+    in_flight: int,
+    first: int,
+    cp: int = 1,
+    sp: bool = False,
+) -> int:
     """What train.activation_offload moves: the kept blocks' activations and the recomputed
     blocks' inputs (checkpoint saves them through autograd too), for each micro-batch in
     flight, and the kept blocks' weight copies (made once a step). Not op-level
@@ -348,8 +415,18 @@ def loss_slices(cfg: Config, layout: Layout, b: int) -> int:
     return loss_chunks(cfg, cfg.model.vocab_size, b, sliceable_loss(cfg, layout.pp, layout.tp))
 
 
-def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode, ac_every: int, b: int, s: int,
-                loss_chunks: int = 1, sp: bool = False, gathered: int | None = None) -> int:
+def temporaries(
+    m: ModelConfig,
+    precision: Precision,
+    layout: Layout,
+    ac: ACMode,
+    ac_every: int,
+    b: int,
+    s: int,
+    loss_chunks: int = 1,
+    sp: bool = False,
+    gathered: int | None = None,
+) -> int:
     """Transient buffers at the step's peak: the logits while the loss runs (whole, or one
     slice of `loss_chunks`: M.loss_temporaries; whole on every tensor-parallel rank), one block's activations while it is recomputed,
     ZeRO-3/FSDP's gathered layers (the current and the prefetched one, bf16), and under
@@ -361,8 +438,11 @@ def temporaries(m: ModelConfig, precision: Precision, layout: Layout, ac: ACMode
     # Tensor parallel gathers the head's output (launcher/parallel/cuts.py: ColwiseParallel to
     # Replicate): every rank holds the whole vocabulary's logits, not a 1/tp slice.
     logits = M.loss_temporaries(x, n, loss_chunks)
-    recompute = (M.block_activations(x, n, layout.tp, layout.cp, sp) + moe.recompute_delta(m, x, n, layout.ep)
-                 if M.recomputed(x.L, ac, ac_every) else 0)
+    recompute = (
+        M.block_activations(x, n, layout.tp, layout.cp, sp) + moe.recompute_delta(m, x, n, layout.ep)
+        if M.recomputed(x.L, ac, ac_every)
+        else 0
+    )
     # (a pipeline's FSDP stages hold all their layers gathered: pipeline_unsharded; model.moe: the largest block)
     # (DeepSpeed: `gathered` elements, zero.gathered: its prefetch and max-live settings)
     block = x.block_params + moe.largest_block_delta(m, layout.ep)
@@ -389,7 +469,9 @@ def pipeline_unsharded(cfg: Config, layout: Layout, ac: ACMode, pp_rank: int | N
     n, x, every = numerics(cfg.precision.name, layout), M.Shape.of(cfg.model, 1, cfg.train.seq_len), cfg.train.ac_every
     per_rank = []
     for r, stages in enumerate(stage_ranks(cfg, layout)):
-        saved = sum(M.weight_copies(x, n, (end - first) - M.recomputed(end - first, ac, every, first), last, layout.tp)
-                    for first, end, _, last in stages)
+        saved = sum(
+            M.weight_copies(x, n, (end - first) - M.recomputed(end - first, ac, every, first), last, layout.tp)
+            for first, end, _, last in stages
+        )
         per_rank.append((n.compute + 4) * param_share(cfg, layout, r) - saved)
     return max(per_rank) if pp_rank is None else per_rank[pp_rank]

@@ -49,6 +49,7 @@ from launcher.config import ModelConfig, ffn_dim, from_shape_key, shape_key
 @dataclass(frozen=True)
 class WorkingSet:
     """Elements (compute dtype) one rank holds gathered, beyond its shards and persistent parameters."""
+
     forward: int
     """At forward's peak."""
     backward: int
@@ -65,12 +66,36 @@ class WorkingSet:
         return max(self.forward, self.backward)
 
 
-FORWARD = ("", "attention_norm", "attention", "attention.wq", "attention.wk", "attention.wv", "attention.wo",
-           "ffn_norm", "feed_forward", "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
+FORWARD = (
+    "",
+    "attention_norm",
+    "attention",
+    "attention.wq",
+    "attention.wk",
+    "attention.wv",
+    "attention.wo",
+    "ffn_norm",
+    "feed_forward",
+    "feed_forward.w1",
+    "feed_forward.w3",
+    "feed_forward.w2",
+)
 """A block's modules in the order their forward hooks run (launcher/models/gpt.py Block,
 Attention, FeedForward); "" is the block itself."""
-BACKWARD = ("", "feed_forward", "feed_forward.w2", "feed_forward.w3", "feed_forward.w1", "ffn_norm", "attention",
-            "attention.wo", "attention.wv", "attention.wk", "attention.wq", "attention_norm")
+BACKWARD = (
+    "",
+    "feed_forward",
+    "feed_forward.w2",
+    "feed_forward.w3",
+    "feed_forward.w1",
+    "ffn_norm",
+    "attention",
+    "attention.wo",
+    "attention.wv",
+    "attention.wk",
+    "attention.wq",
+    "attention_norm",
+)
 """The order their backward hooks run (autograd takes the later-made of two ready nodes first: w3 before w1)."""
 
 
@@ -80,8 +105,15 @@ def trace(m: ModelConfig, threshold: int = 0) -> list[tuple[str, bool, tuple[tup
     the persistence `threshold`, (name, elements)). A tied head's parameter is the embedding's."""
     kv = (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
     f, h, vh = ffn_dim(m), m.dim, m.vocab_size * m.dim
-    sizes = {"attention.wq": h * h, "attention.wk": h * kv, "attention.wv": h * kv, "attention.wo": h * h,
-             "feed_forward.w1": h * f, "feed_forward.w3": h * f, "feed_forward.w2": f * h}
+    sizes = {
+        "attention.wq": h * h,
+        "attention.wk": h * kv,
+        "attention.wv": h * kv,
+        "attention.wo": h * h,
+        "feed_forward.w1": h * f,
+        "feed_forward.w3": h * f,
+        "feed_forward.w2": f * h,
+    }
 
     def block(i: int, order: tuple[str, ...], forward: bool) -> list:
         name = lambda k: f"layers.{i}" + (f".{k}" if k else "")  # noqa: E731
@@ -90,7 +122,13 @@ def trace(m: ModelConfig, threshold: int = 0) -> list[tuple[str, bool, tuple[tup
     head = ("output", (("tok_embeddings" if m.tie_embeddings else "output", vh),))
     out = [("", True, ()), ("tok_embeddings", True, (("tok_embeddings", vh),))]
     out += [s for i in range(m.n_layers) for s in block(i, FORWARD, True)]
-    out += [("norm", True, ()), (*head[:1], True, head[1]), ("", False, ()), (*head[:1], False, head[1]), ("norm", False, ())]
+    out += [
+        ("norm", True, ()),
+        (*head[:1], True, head[1]),
+        ("", False, ()),
+        (*head[:1], False, head[1]),
+        ("norm", False, ()),
+    ]
     out += [s for i in reversed(range(m.n_layers)) for s in block(i, BACKWARD, False)]
     out.append(("tok_embeddings", False, (("tok_embeddings", vh),)))
     return [(name, fwd, tuple(p for p in ps if p[1] > threshold)) for name, fwd, ps in out]
@@ -98,6 +136,7 @@ def trace(m: ModelConfig, threshold: int = 0) -> list[tuple[str, bool, tuple[tup
 
 class Step(NamedTuple):
     """One module's hook in `replay`, after its fetch and prefetch, before its release."""
+
     module: str
     forward: bool
     held: int
@@ -132,8 +171,13 @@ def of_config(cfg) -> WorkingSet:
     from launcher.parallel import ds_config
 
     z = cfg.recipe.zero
-    return _cached(shape_key(cfg.model), z.max_live_parameters, ds_config.prefetch_bucket(cfg), z.max_reuse_distance,
-                   ds_config.persistence_threshold(cfg))
+    return _cached(
+        shape_key(cfg.model),
+        z.max_live_parameters,
+        ds_config.prefetch_bucket(cfg),
+        z.max_reuse_distance,
+        ds_config.persistence_threshold(cfg),
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -148,11 +192,18 @@ def deepspeed(m: ModelConfig, max_live: int, prefetch: int, reuse: int, threshol
     numel = {p: n for _, _, ps in trace(m, threshold) for p, n in ps}
     for s in replay(m, max_live, prefetch, reuse, threshold):
         if s.held + s.grad > peak[s.forward][0]:
-            peak[s.forward] = (s.held + s.grad, f"{s.module} ({'forward' if s.forward else 'backward'}): "
-                               + _names(s.gathered, numel))
+            peak[s.forward] = (
+                s.held + s.grad,
+                f"{s.module} ({'forward' if s.forward else 'backward'}): " + _names(s.gathered, numel),
+            )
     top = peak[True] if peak[True][0] >= peak[False][0] else peak[False]
-    return WorkingSet(forward=peak[True][0], backward=peak[False][0], head=0 if m.tie_embeddings else m.vocab_size * m.dim,
-                      head_grad=m.vocab_size * m.dim, at_peak=top[1])
+    return WorkingSet(
+        forward=peak[True][0],
+        backward=peak[False][0],
+        head=0 if m.tie_embeddings else m.vocab_size * m.dim,
+        head_grad=m.vocab_size * m.dim,
+        at_peak=top[1],
+    )
 
 
 def replay(m: ModelConfig, max_live: int, prefetch: int, reuse: int, threshold: int):
@@ -172,8 +223,15 @@ def replay(m: ModelConfig, max_live: int, prefetch: int, reuse: int, threshold: 
         _pop(queue, recent, {p for p in mine if recent.get(p, -1) < i})
         ahead = _prefetch(queue, recent, avail, numel, min(max_live - sum(numel[p] for p in avail), prefetch))
         avail |= ahead
-        yield Step(name, forward, sum(numel[p] for p in avail), 0 if forward else sum(numel[p] for p in mine),
-                   frozenset(avail), fetched, sum(numel[p] for p in ahead))
+        yield Step(
+            name,
+            forward,
+            sum(numel[p] for p in avail),
+            0 if forward else sum(numel[p] for p in mine),
+            frozenset(avail),
+            fetched,
+            sum(numel[p] for p in ahead),
+        )
         avail -= _released(steps, numel, recent, mine, i + 1, reuse)
 
 
@@ -227,8 +285,12 @@ def _names(avail: set, numel: dict) -> str:
     blocks = collections.Counter(p.split(".")[1] for p in avail if p.startswith("layers."))
     whole = sum(1 for b, k in blocks.items() if k == 7)
     parts = sorted(p for p in avail if p.startswith("layers.") and blocks[p.split(".")[1]] < 7)
-    named = ["head" if "output" in avail else "", "embedding" if "tok_embeddings" in avail else "",
-             f"{whole} whole block(s)" if whole else "", " ".join(parts[:6]) + (" ..." if len(parts) > 6 else "")]
+    named = [
+        "head" if "output" in avail else "",
+        "embedding" if "tok_embeddings" in avail else "",
+        f"{whole} whole block(s)" if whole else "",
+        " ".join(parts[:6]) + (" ..." if len(parts) > 6 else ""),
+    ]
     return ", ".join(x for x in named if x) + f" = {sum(numel[p] for p in avail) / 1e9:.2f}e9 elements"
 
 
@@ -239,6 +301,13 @@ def fsdp(m: ModelConfig, block: int, reshard_after_forward: bool, tp: int = 1) -
     head = 0 if m.tie_embeddings else m.vocab_size * m.dim
     root = m.vocab_size * m.dim + head
     blocks = 2 if reshard_after_forward else m.n_layers
-    words = "root (embedding, head), " + ("two blocks" if reshard_after_forward else f"all {m.n_layers} blocks at the turn")
-    return WorkingSet(forward=(root + 2 * block) // tp, backward=(root + blocks * block + m.vocab_size * m.dim) // tp,
-                      head=head // tp, head_grad=m.vocab_size * m.dim // tp, at_peak=words)
+    words = "root (embedding, head), " + (
+        "two blocks" if reshard_after_forward else f"all {m.n_layers} blocks at the turn"
+    )
+    return WorkingSet(
+        forward=(root + 2 * block) // tp,
+        backward=(root + blocks * block + m.vocab_size * m.dim) // tp,
+        head=head // tp,
+        head_grad=m.vocab_size * m.dim // tp,
+        at_peak=words,
+    )

@@ -25,8 +25,15 @@ from dataclasses import dataclass
 from launcher.config import LoraBase, ModelConfig, Precision, ffn_dim, from_shape_key, head_dim, shape_key
 from launcher.planner import memory as M
 
-HF_NAMES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w1", "up_proj": "w3",
-            "down_proj": "w2"}
+HF_NAMES = {
+    "q_proj": "wq",
+    "k_proj": "wk",
+    "v_proj": "wv",
+    "o_proj": "wo",
+    "gate_proj": "w1",
+    "up_proj": "w3",
+    "down_proj": "w2",
+}
 """The Llama family's projection names (model=hf) on the project decoder's (the plan's shape)."""
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 """torchao's NF4 tensor: 4-bit codes, an int8 scale per block of 64, an fp32 factor per 256 scales."""
@@ -48,14 +55,22 @@ def projections(m: ModelConfig) -> dict[str, tuple[int, int]]:
     """Each linear of a block: (in, out)."""
     head = head_dim(m)
     q, kv, f = m.n_heads * head, (m.n_kv_heads or m.n_heads) * head, ffn_dim(m)
-    return {"wq": (m.dim, q), "wk": (m.dim, kv), "wv": (m.dim, kv), "wo": (q, m.dim),
-            "w1": (m.dim, f), "w3": (m.dim, f), "w2": (f, m.dim)}
+    return {
+        "wq": (m.dim, q),
+        "wk": (m.dim, kv),
+        "wv": (m.dim, kv),
+        "wo": (q, m.dim),
+        "w1": (m.dim, f),
+        "w3": (m.dim, f),
+        "w2": (f, m.dim),
+    }
 
 
 def counts(m: ModelConfig) -> Counts:
     lora = m.lora
-    return _counts(shape_key(m), lora.rank,
-                   None if lora.targets is None else tuple(sorted(str(t) for t in lora.targets)))
+    return _counts(
+        shape_key(m), lora.rank, None if lora.targets is None else tuple(sorted(str(t) for t in lora.targets))
+    )
 
 
 @functools.lru_cache(maxsize=32)
@@ -63,8 +78,12 @@ def _counts(key: tuple, rank: int, targets: tuple | None) -> Counts:
     m = from_shape_key(key)
     wanted = None if targets is None else {HF_NAMES.get(t, t) for t in targets}
     chosen = [io for name, io in projections(m).items() if wanted is None or name in wanted]
-    return Counts(trainable=m.n_layers * sum(rank * (i + o) for i, o in chosen), frozen=M.ParamCounts.of(m).total,
-                  adapted=m.n_layers * sum(i * o for i, o in chosen), projections=m.n_layers * len(chosen))
+    return Counts(
+        trainable=m.n_layers * sum(rank * (i + o) for i, o in chosen),
+        frozen=M.ParamCounts.of(m).total,
+        adapted=m.n_layers * sum(i * o for i, o in chosen),
+        projections=m.n_layers * len(chosen),
+    )
 
 
 ENGINES = ("ddp", "fsdp", "zero")
@@ -75,8 +94,12 @@ def adapter_tensors(m: ModelConfig) -> tuple[tuple[tuple[int, ...], bool], ...]:
     """(shape, False) of every adapter matrix: A (r x in) and B (out x r) per projection."""
     wanted = None if m.lora.targets is None else {HF_NAMES.get(str(t), str(t)) for t in m.lora.targets}
     r = m.lora.rank
-    one = [shape for name, (i, o) in projections(m).items() if wanted is None or name in wanted
-           for shape in ((r, i), (o, r))]
+    one = [
+        shape
+        for name, (i, o) in projections(m).items()
+        if wanted is None or name in wanted
+        for shape in ((r, i), (o, r))
+    ]
     return tuple(((shape, False) for shape in one)) * m.n_layers
 
 
@@ -103,15 +126,25 @@ def runs_under(m: ModelConfig, strategy: str, tp: int, pp: int) -> bool:
 def base_bytes(m: ModelConfig, precision: Precision) -> int:
     """Bytes of the frozen base on one unsharded rank (launcher/models/lora.py's base_dtype)."""
     c = counts(m)
-    b = {LoraBase.fp32: 4, LoraBase.bf16: 2}.get(m.lora.base_dtype, 2 if precision in (Precision.bf16, Precision.fp16)
-                                                 else 4)
+    b = {LoraBase.fp32: 4, LoraBase.bf16: 2}.get(
+        m.lora.base_dtype, 2 if precision in (Precision.bf16, Precision.fp16) else 4
+    )
     if m.lora.base_dtype == LoraBase.nf4:
         return int((c.frozen - c.adapted) * b + c.adapted * NF4_BYTES)
     return c.frozen * b
 
 
-def states(m: ModelConfig, precision: Precision, shard: str, n: int, fsdp: bool, w: int,
-           zero_terms, optimizer, threshold: int = 0) -> tuple[int, int, int]:
+def states(
+    m: ModelConfig,
+    precision: Precision,
+    shard: str,
+    n: int,
+    fsdp: bool,
+    w: int,
+    zero_terms,
+    optimizer,
+    threshold: int = 0,
+) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes on one rank (module docstring). `zero_terms(T)`:
     DeepSpeed's {"params"|"grads"|"optim": (device, host)} for T trainable parameters;
     `optimizer(T, n)`: optim.name's state bytes for T adapters over n ranks (8T/n: adamw);
@@ -130,8 +163,7 @@ def states(m: ModelConfig, precision: Precision, shard: str, n: int, fsdp: bool,
     return params + frozen, grads, optim
 
 
-def start_up(m: ModelConfig, precision: Precision, shard: str, n: int, fsdp: bool, grad_buckets: bool,
-             w: int) -> int:
+def start_up(m: ModelConfig, precision: Precision, shard: str, n: int, fsdp: bool, grad_buckets: bool, w: int) -> int:
     """Device bytes at start-up: the base materialized in its dtype before nf4 quantizes it
     (2 bytes a parameter under bf16), the adapters as a full run's parameters, ddp's buckets
     of them; DeepSpeed's set-up (its fp32 master and gradient shards) of the adapters."""
@@ -146,8 +178,9 @@ def start_up(m: ModelConfig, precision: Precision, shard: str, n: int, fsdp: boo
     return w * c.frozen // (n if shard == "zero3" else 1) + w * t + 8 * t // n
 
 
-def activation_delta(m: ModelConfig, precision: Precision, b: int, s: int, n: M.Numerics, kept: int,
-                     copies: int) -> int:
+def activation_delta(
+    m: ModelConfig, precision: Precision, b: int, s: int, n: M.Numerics, kept: int, copies: int
+) -> int:
     """What the adapters change in the activations of the `kept` blocks that keep theirs:
     their own (activations()), less autocast's weight copies (`copies`), which a base held
     in the compute dtype never makes."""

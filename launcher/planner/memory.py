@@ -19,8 +19,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from launcher.config import (ACMode, ModelConfig, ModelKind, block_matmul_params, ffn_dim, from_shape_key, head_dim, is_moe_block,
-                             num_params, shape_key)
+from launcher.config import (
+    ACMode,
+    ModelConfig,
+    ModelKind,
+    block_matmul_params,
+    ffn_dim,
+    from_shape_key,
+    head_dim,
+    is_moe_block,
+    num_params,
+    shape_key,
+)
 
 
 @dataclass(frozen=True)
@@ -44,10 +54,19 @@ class Shape:
     @staticmethod
     def of(m: ModelConfig, micro_batch: int, seq_len: int) -> "Shape":
         head = head_dim(m)
-        return Shape(b=micro_batch, s=seq_len, h=m.dim, a=m.n_heads, h_kv=(m.n_kv_heads or m.n_heads) * head,
-                     h_q=m.n_heads * head,
-                     f=ffn_dim(m), V=m.vocab_size, L=m.n_layers, max_seq=m.max_seq_len,
-                     block_params=block_matmul_params(m))
+        return Shape(
+            b=micro_batch,
+            s=seq_len,
+            h=m.dim,
+            a=m.n_heads,
+            h_kv=(m.n_kv_heads or m.n_heads) * head,
+            h_q=m.n_heads * head,
+            f=ffn_dim(m),
+            V=m.vocab_size,
+            L=m.n_layers,
+            max_seq=m.max_seq_len,
+            block_params=block_matmul_params(m),
+        )
 
 
 @dataclass(frozen=True)
@@ -103,31 +122,45 @@ def _param_counts(key: tuple) -> ParamCounts:
     model = _meta_gpt(m)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
     experts = [getattr(layer.feed_forward, "experts", None) for layer in model.layers]
-    return ParamCounts(embed=count(model.tok_embeddings), head=0 if m.tie_embeddings else count(model.output),
-                       blocks=tuple(count(layer) for layer in model.layers), final_norm=count(model.norm),
-                       experts=tuple(count(e) if e is not None else 0 for e in experts))
+    return ParamCounts(
+        embed=count(model.tok_embeddings),
+        head=0 if m.tie_embeddings else count(model.output),
+        blocks=tuple(count(layer) for layer in model.layers),
+        final_norm=count(model.norm),
+        experts=tuple(count(e) if e is not None else 0 for e in experts),
+    )
 
 
 def param_summary(m: ModelConfig) -> dict:
     """What `make plan` shows of the model: its total parameters, the active ones (a token's:
     an MoE's top k experts of E, launcher.config.num_params), and each run of like blocks
     (kind dense or moe, how many, parameters each, of them routed experts)."""
-    c, runs = ParamCounts.of(m), []
+    c, runs = ParamCounts.of(m), list[dict]()
     for i, (block, experts) in enumerate(zip(c.blocks, c.experts)):
         kind = "moe" if is_moe_block(m, i) else "dense"
         if runs and (runs[-1]["kind"], runs[-1]["params"]) == (kind, block):
             runs[-1]["count"] += 1
         else:
             runs.append({"kind": kind, "count": 1, "params": block, "experts": experts})
-    return {"total": c.total, "active": num_params(m, active=True), "embed": c.embed, "head": c.head,
-            "final_norm": c.final_norm, "experts": c.expert_total, "blocks": runs}
+    return {
+        "total": c.total,
+        "active": num_params(m, active=True),
+        "embed": c.embed,
+        "head": c.head,
+        "final_norm": c.final_norm,
+        "experts": c.expert_total,
+        "blocks": runs,
+    }
 
 
 def param_line(m: ModelConfig) -> str:
     """param_summary in one line."""
     p, g = param_summary(m), lambda n: f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"  # noqa: E731
-    blocks = ", ".join(f"{r['count']} {r['kind']} x {g(r['params'])}" + (f" (routed experts {g(r['experts'])})"
-                                                                        if r["experts"] else "") for r in p["blocks"])
+    blocks = ", ".join(
+        f"{r['count']} {r['kind']} x {g(r['params'])}"
+        + (f" (routed experts {g(r['experts'])})" if r["experts"] else "")
+        for r in p["blocks"]
+    )
     return f"{m.name}: {g(p['total'])} parameters, {g(p['active'])} active per token; blocks: {blocks}"
 
 
@@ -264,10 +297,23 @@ def recomputed(L: int, ac: ACMode, every: int, first: int = 0) -> int:
     return 0
 
 
-def activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, n: Numerics, ac: ACMode,
-                     ac_every: int = 2, layers: int | None = None, tp: int = 1, with_head: bool = True,
-                     with_embedding: bool = True, in_flight: int = 1, first_layer: int = 0,
-                     loss_chunks: int = 1, cp: int = 1, sp: bool = False) -> int:
+def activation_bytes(
+    m: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    n: Numerics,
+    ac: ACMode,
+    ac_every: int = 2,
+    layers: int | None = None,
+    tp: int = 1,
+    with_head: bool = True,
+    with_embedding: bool = True,
+    in_flight: int = 1,
+    first_layer: int = 0,
+    loss_chunks: int = 1,
+    cp: int = 1,
+    sp: bool = False,
+) -> int:
     """What autograd holds on one rank at the end of forward: `in_flight` micro-batches'
     activations (a pipeline stage holds several), plus the rotary table and weight copies.
 
@@ -280,10 +326,12 @@ def activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, n: Numerics
     r = recomputed(n_layers, ac, ac_every, first_layer)
     kept = op_kept(x, n, tp) if ac == ACMode.op else 0
     split = tp if sp else 1  # sequence parallel: the residual stream between blocks is split too
-    per_micro_batch = (r * (n.residual * x.b * x.s * x.h // split + kept)
-                       + (n_layers - r) * block_activations(x, n, tp, cp, sp)
-                       + (head_activations(x, n, loss_chunks, split) if with_head else 0)
-                       + (token_ids(x) if with_embedding else 0))
+    per_micro_batch = (
+        r * (n.residual * x.b * x.s * x.h // split + kept)
+        + (n_layers - r) * block_activations(x, n, tp, cp, sp)
+        + (head_activations(x, n, loss_chunks, split) if with_head else 0)
+        + (token_ids(x) if with_embedding else 0)
+    )
     once = (rope_table(x, n) if n_layers else 0) + weight_copies(x, n, n_layers - r, with_head, tp, loss_chunks)
     return in_flight * per_micro_batch + once
 

@@ -84,7 +84,9 @@ def rows(m: ModelConfig, tokens: int, ep: int = 1, worst: bool = False) -> int:
     e = m.moe
     balanced = tokens * e.top_k
     if e.capacity_factor is not None:
-        return min(ep * tokens * min(e.top_k, e.experts // ep), e.experts * math.ceil(e.capacity_factor * balanced / e.experts))
+        return min(
+            ep * tokens * min(e.top_k, e.experts // ep), e.experts * math.ceil(e.capacity_factor * balanced / e.experts)
+        )
     return ep * tokens * min(e.top_k, e.experts // ep) if worst else balanced
 
 
@@ -192,8 +194,9 @@ def worst_extra(m: ModelConfig, x: M.Shape, n: M.Numerics, ac: ACMode, every: in
 
 
 # ----------------------------------------------------------------------------- step time
-def all_to_all_seconds(m: ModelConfig, tokens: int, compute_bytes: int, ep: int, recomputed: int,
-                       bandwidth: float) -> float:
+def all_to_all_seconds(
+    m: ModelConfig, tokens: int, compute_bytes: int, ep: int, recomputed: int, bandwidth: float
+) -> float:
     """Expert parallel's all-to-alls for one micro-batch of `tokens` tokens a rank: per MoE
     block two forward (dispatch, combine) and two backward, and two more in each recomputed
     MoE block; each moves tokens x k x dim x bytes, (ep-1)/ep of it off the rank."""
@@ -215,8 +218,7 @@ def ep_degrees(cfg, world: int, gpus_per_node: int, can: bool) -> tuple[int, ...
         return (1,)
     if asked > 1:
         return (asked,) if m.moe.experts % asked == 0 and world % asked == 0 else ()
-    best = max(d for d in range(1, min(gpus_per_node, m.moe.experts) + 1)
-               if m.moe.experts % d == 0 and world % d == 0)
+    best = max(d for d in range(1, min(gpus_per_node, m.moe.experts) + 1) if m.moe.experts % d == 0 and world % d == 0)
     return (1, best) if best > 1 else (1,)
 
 
@@ -225,9 +227,17 @@ def dispatch_line(m: ModelConfig, seq_len: int, rows_: list, best=None) -> str:
     rank's experts run per micro-batch, balanced, at the capacity, at the worst imbalance."""
     row, e = best or rows_[0], m.moe
     ep, N = row.layout.ep, row.micro_batch * row.layout.seq(seq_len)
-    cap = (f"; capacity_factor {e.capacity_factor:g} bounds them at {rows(m, N, ep):,}" if e.capacity_factor is not None
-           else f"; at the worst imbalance the router allows {rows(m, N, ep, worst=True):,}"
-           + (f" (+{row.dispatch_worst / 2**30:.2f} GiB a rank, not in total: model.moe.capacity_factor bounds it)"
-              if ep > 1 else " (the same bytes at ep=1)"))
-    return (f"MoE: {e.experts} experts, top-{e.top_k}; on {row.layout.label}, micro-batch {row.micro_batch}: "
-            f"{N * e.top_k:,} rows a rank's experts run when balanced ({N:,} tokens x {e.top_k}){cap}")
+    cap = (
+        f"; capacity_factor {e.capacity_factor:g} bounds them at {rows(m, N, ep):,}"
+        if e.capacity_factor is not None
+        else f"; at the worst imbalance the router allows {rows(m, N, ep, worst=True):,}"
+        + (
+            f" (+{row.dispatch_worst / 2**30:.2f} GiB a rank, not in total: model.moe.capacity_factor bounds it)"
+            if ep > 1
+            else " (the same bytes at ep=1)"
+        )
+    )
+    return (
+        f"MoE: {e.experts} experts, top-{e.top_k}; on {row.layout.label}, micro-batch {row.micro_batch}: "
+        f"{N * e.top_k:,} rows a rank's experts run when balanced ({N:,} tokens x {e.top_k}){cap}"
+    )

@@ -8,7 +8,8 @@ import math
 
 from launcher import optim as O
 from launcher.config import Config, ModelConfig, from_shape_key, shape_key
-from launcher.planner import lora, memory as M
+from launcher.planner import lora
+from launcher.planner import memory as M
 
 
 def optimizer_states(cfg: Config, P: int, n: int) -> int:
@@ -37,4 +38,6 @@ def trainable_tensors(m: ModelConfig) -> tuple[tuple[tuple[int, ...], bool], ...
 @functools.lru_cache(maxsize=32)
 def _trainable(key: tuple) -> tuple[tuple[tuple[int, ...], bool], ...]:
     model = M._meta_gpt(from_shape_key(key))
-    return tuple((tuple(p.shape), name.startswith(("tok_embeddings.", "output."))) for name, p in model.named_parameters())
+    return tuple(
+        (tuple(p.shape), name.startswith(("tok_embeddings.", "output."))) for name, p in model.named_parameters()
+    )

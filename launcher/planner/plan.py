@@ -13,12 +13,26 @@ import math
 from dataclasses import asdict, dataclass
 
 from launcher import jsonout
-from launcher.planner import collectives, gathered as G, lora, memory as M, moe, zero as Z
 from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig
+from launcher.planner import collectives, lora, moe
+from launcher.planner import gathered as G
+from launcher.planner import memory as M
+from launcher.planner import zero as Z
 from launcher.planner.cost import step_time
-from launcher.planner.footprint import (Layout, activations, grads_at_peak, grads_kept, loss_slices, model_states,
-                                       numerics, pipeline, pipeline_unsharded, sequence_parallel, start_up, temporaries)
-
+from launcher.planner.footprint import (
+    Layout,
+    activations,
+    grads_at_peak,
+    grads_kept,
+    loss_slices,
+    model_states,
+    numerics,
+    pipeline,
+    pipeline_unsharded,
+    sequence_parallel,
+    start_up,
+    temporaries,
+)
 
 GiB = 2**30
 DEFAULT_TFLOPS = 989.0  # H100 SXM dense bf16
@@ -73,8 +87,16 @@ class Row:
     @property
     def total(self) -> int:
         kept, beyond = self.grads_split
-        return (self.params + self.optim - self.host.get("params", 0) - self.host.get("optim", 0) + kept
-                + self.activations + beyond + self.temp)
+        return (
+            self.params
+            + self.optim
+            - self.host.get("params", 0)
+            - self.host.get("optim", 0)
+            + kept
+            + self.activations
+            + beyond
+            + self.temp
+        )
 
     @property
     def peak(self) -> int:
@@ -132,20 +154,33 @@ def candidates(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig]) ->
         if cfg.train.seq_len % cp or world % cp:
             continue
         if not (can.tp or can.pp) and m.n_heads % cp == 0:
-            out += [((0, 0, 0, *order, ep), Layout(name, dp=world // cp, cp=cp, ep=ep, **held))
-                    for ep in moe.ep_degrees(cfg, hw.world, hw.gpus_per_node, can.ep)]
+            out += [
+                ((0, 0, 0, *order, ep), Layout(name, dp=world // cp, cp=cp, ep=ep, **held))
+                for ep in moe.ep_degrees(cfg, hw.world, hw.gpus_per_node, can.ep)
+            ]
         tps = ((1,) if "tp" not in can.required else ()) + (TP_DEGREES if can.tp else ())
         pps = ((1,) if "pp" not in can.required else ()) + (PP_DEGREES if can.pp else ())
         for pp in pps:
             for t in tps:
-                if t == pp == 1 or world % (t * pp * cp) or t > hw.gpus_per_node or m.n_heads % t or kv % t or moe.enabled(m):
+                if (
+                    t == pp == 1
+                    or world % (t * pp * cp)
+                    or t > hw.gpus_per_node
+                    or m.n_heads % t
+                    or kv % t
+                    or moe.enabled(m)
+                ):
                     continue
                 if (m.n_heads // t) % cp:
                     continue
                 if pp > m.n_layers or (pp > 1 and h.fsdp and world // (t * pp) == 1):
                     continue  # a pipeline whose stages have no ranks to shard over is recipe=pp
-                out.append(((1 if pp == 1 else 2, pp, t, *order, 1),
-                            Layout(name, dp=world // (t * pp * cp), tp=t, pp=pp, cp=cp, **held)))
+                out.append(
+                    (
+                        (1 if pp == 1 else 2, pp, t, *order, 1),
+                        Layout(name, dp=world // (t * pp * cp), tp=t, pp=pp, cp=cp, **held),
+                    )
+                )
     return [layout for _, layout in sorted(out, key=lambda kv_: kv_[0])]
 
 
@@ -154,15 +189,22 @@ def holding(rc: RecipeConfig) -> dict:
     import recipes
 
     h = recipes.spec(rc.strategy).holds(rc)
-    return dict(shard=h.shard, fsdp=h.fsdp, offload_optim=h.offload_optim, offload_params=h.offload_params,
-                grad_buckets=h.grad_buckets, grads_freed=h.grads_freed)
+    return dict(
+        shard=h.shard,
+        fsdp=h.fsdp,
+        offload_optim=h.offload_optim,
+        offload_params=h.offload_params,
+        grad_buckets=h.grad_buckets,
+        grads_freed=h.grads_freed,
+    )
 
 
 def layout_of(cfg: Config, deg) -> Layout:
     """The layout of a composed config at resolved degrees (launcher.parallel.degrees):
     any degree the recipe allows, not only those `make plan` compares (make rehearse)."""
-    return Layout(cfg.recipe.name, dp=deg.dp, tp=deg.tp, pp=deg.pp, cp=deg.cp, ep=getattr(deg, "ep", 1),
-                  **holding(cfg.recipe))  # (Degrees.ep: with expert parallel in the recipes)
+    return Layout(
+        cfg.recipe.name, dp=deg.dp, tp=deg.tp, pp=deg.pp, cp=deg.cp, ep=getattr(deg, "ep", 1), **holding(cfg.recipe)
+    )  # (Degrees.ep: with expert parallel in the recipes)
 
 
 def layout_for(cfg: Config, world: int) -> Layout:
@@ -180,18 +222,45 @@ def memory_row(cfg: Config, layout: Layout, ac: ACMode, b: int, hw: Hardware | N
     # A pipeline runs the loss and a recomputation on one of its micro-batches at a time
     # (b x grad_accum sequences cut into parallel.pp_microbatches), the others on b.
     at_once = b if layout.pp == 1 else max(1, b * cfg.train.grad_accum // pipeline(cfg)[0])
-    tmp = (temporaries(cfg.model, cfg.precision.name, layout, ac, cfg.train.ac_every, at_once, layout.seq(cfg.train.seq_len),
-                       loss_slices(cfg, layout, b), sequence_parallel(cfg, layout), deepspeed_gathered(cfg, layout))
-           + pipeline_unsharded(cfg, layout, ac))
+    tmp = temporaries(
+        cfg.model,
+        cfg.precision.name,
+        layout,
+        ac,
+        cfg.train.ac_every,
+        at_once,
+        layout.seq(cfg.train.seq_len),
+        loss_slices(cfg, layout, b),
+        sequence_parallel(cfg, layout),
+        deepspeed_gathered(cfg, layout),
+    ) + pipeline_unsharded(cfg, layout, ac)
     device, host_rank = start_up(cfg, layout)
     per_node = min(hw.gpus_per_node, hw.world) if hw is not None else 1
-    return Row(layout=layout, ac=ac, micro_batch=b, fits=False, params=params, grads=grads, optim=optim,
-               activations=act, temp=tmp, where=where, host=host, startup=device,
-               startup_host_node=host_rank * per_node,
-               grads_kept=grads_kept(cfg, layout, grads - host["grads"]),
-               grads_peak=grads_at_peak(cfg, layout, grads - host["grads"]), dispatch_worst=moe.worst_extra(
-                   cfg.model, M.Shape.of(cfg.model, b, layout.seq(cfg.train.seq_len)),
-                   numerics(cfg.precision.name, layout), ac, cfg.train.ac_every, layout.ep))
+    return Row(
+        layout=layout,
+        ac=ac,
+        micro_batch=b,
+        fits=False,
+        params=params,
+        grads=grads,
+        optim=optim,
+        activations=act,
+        temp=tmp,
+        where=where,
+        host=host,
+        startup=device,
+        startup_host_node=host_rank * per_node,
+        grads_kept=grads_kept(cfg, layout, grads - host["grads"]),
+        grads_peak=grads_at_peak(cfg, layout, grads - host["grads"]),
+        dispatch_worst=moe.worst_extra(
+            cfg.model,
+            M.Shape.of(cfg.model, b, layout.seq(cfg.train.seq_len)),
+            numerics(cfg.precision.name, layout),
+            ac,
+            cfg.train.ac_every,
+            layout.ep,
+        ),
+    )
 
 
 def deepspeed_gathered(cfg: Config, layout: Layout) -> int | None:
@@ -209,16 +278,22 @@ def deepspeed_gathered(cfg: Config, layout: Layout) -> int | None:
 def fits(cfg: Config, hw: Hardware, row: Row) -> bool:
     """The step and the start-up both fit the GPU (less plan.reserve_gb), and start-up fits
     the node's host memory when it is known: a layout that cannot start never fits."""
-    return headroom(row, hw, cfg.plan.reserve_gb) >= 0 and (hw.host_bytes is None or host_per_node(row, hw) <= hw.host_bytes)
+    return headroom(row, hw, cfg.plan.reserve_gb) >= 0 and (
+        hw.host_bytes is None or host_per_node(row, hw) <= hw.host_bytes
+    )
 
 
 def why_not(cfg: Config, hw: Hardware, row: Row) -> str:
     """The reason a row does not fit: the device's memory, the node's host memory, or both."""
     out = []
     if headroom(row, hw, cfg.plan.reserve_gb) < 0:
-        out.append(f"{row.peak / GiB:.1f} GiB per {hw.unit} + {cfg.plan.reserve_gb:g} reserve over {hw.gpu_bytes / GiB:.0f}")
+        out.append(
+            f"{row.peak / GiB:.1f} GiB per {hw.unit} + {cfg.plan.reserve_gb:g} reserve over {hw.gpu_bytes / GiB:.0f}"
+        )
     if hw.host_bytes is not None and host_per_node(row, hw) > hw.host_bytes:
-        out.append(f"host memory {host_per_node(row, hw) / GiB:.1f} GiB per node over plan.host_memory_gb={hw.host_bytes / GiB:g}")
+        out.append(
+            f"host memory {host_per_node(row, hw) / GiB:.1f} GiB per node over plan.host_memory_gb={hw.host_bytes / GiB:g}"
+        )
     return "; ".join(out)
 
 
@@ -240,7 +315,9 @@ def at_batch(cfg: Config, layout: Layout, b: int) -> Config:
     g = cfg.train.global_batch
     if g is None or g % (b * layout.dp):
         return cfg
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=b, grad_accum=g // (b * layout.dp)))
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, micro_batch=b, grad_accum=g // (b * layout.dp))
+    )
 
 
 def largest_dividing(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode) -> Row:
@@ -291,8 +368,9 @@ def plan(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig], micro_ba
             else:
                 row = memory_row(at_batch(cfg, layout, micro_batch), layout, ac, micro_batch, hw)
                 row.fits = fits(cfg, hw, row)
-            row.step_time_s, row.tokens_per_step = step_time(at_batch(cfg, layout, row.micro_batch), hw, layout, ac,
-                                                             row.micro_batch)
+            row.step_time_s, row.tokens_per_step = step_time(
+                at_batch(cfg, layout, row.micro_batch), hw, layout, ac, row.micro_batch
+            )
             row.collectives = collectives.per_step(at_batch(cfg, layout, row.micro_batch), layout)
             row.gathered = G.of_layout(cfg, layout)
             row.why_not = "" if row.fits else why_not(cfg, hw, row)
@@ -319,8 +397,12 @@ def planned_model(cfg: Config) -> Config:
     shape = hf.gpt_shape(cfg.model)
     params = hf.structure(cfg.model).num_params()
     if not hf.is_llama_like(cfg.model) or M.ParamCounts.of(shape).total != params:
-        raise ConfigError("model", f"hf ({shape.name})", f"not a Llama-layout decoder ({params:,} parameters): the "
-                          "planner's memory formulas (docs/memory.md) do not apply; choose the recipe and micro-batch by hand")
+        raise ConfigError(
+            "model",
+            f"hf ({shape.name})",
+            f"not a Llama-layout decoder ({params:,} parameters): the "
+            "planner's memory formulas (docs/memory.md) do not apply; choose the recipe and micro-batch by hand",
+        )
     return dataclasses.replace(cfg, model=dataclasses.replace(shape, lora=cfg.model.lora))
 
 
@@ -346,18 +428,26 @@ def no_fit_message(rows: list[Row], hw: Hardware, reserve_gb: float) -> str:
     smallest = min(rows, key=lambda r: r.peak)
     need = smallest.peak / GiB + reserve_gb
     what = "at start-up" if smallest.startup > smallest.total else "at micro-batch 1"
-    more = (f"{math.ceil(need)} GiB per process: a machine with more memory, fewer processes "
-            "(cluster.nproc_per_node)" if hw.cpu else f"GPUs with at least {math.ceil(need)} GiB, or more GPUs")
-    return (f"nothing fits in {hw.gpu_bytes / GiB:.0f} GiB per {hw.unit} on {where}: the smallest is "
-            f"{smallest.layout.label} with activation checkpointing {smallest.ac.value} {what}, "
-            f"{smallest.peak / GiB:.1f} GiB + {reserve_gb:g} GiB reserve (plan.reserve_gb); it needs {more}, "
-            "or a shorter train.seq_len")
+    more = (
+        f"{math.ceil(need)} GiB per process: a machine with more memory, fewer processes (cluster.nproc_per_node)"
+        if hw.cpu
+        else f"GPUs with at least {math.ceil(need)} GiB, or more GPUs"
+    )
+    return (
+        f"nothing fits in {hw.gpu_bytes / GiB:.0f} GiB per {hw.unit} on {where}: the smallest is "
+        f"{smallest.layout.label} with activation checkpointing {smallest.ac.value} {what}, "
+        f"{smallest.peak / GiB:.1f} GiB + {reserve_gb:g} GiB reserve (plan.reserve_gb); it needs {more}, "
+        "or a shorter train.seq_len"
+    )
 
 
 # ----------------------------------------------------------------------------- output
-def to_json(rows: list[Row], hw: Hardware, reserve_gb: float, command: str | None = None, params: dict | None = None) -> str:
+def to_json(
+    rows: list[Row], hw: Hardware, reserve_gb: float, command: str | None = None, params: dict | None = None
+) -> str:
     """The rows (headroom as the table's: less plan.reserve_gb), `command`, the recommended
     `make train ...` line (None when nothing fits), and `params` (memory.param_summary)."""
+
     def row(r: Row) -> dict:
         d = asdict(r)
         d["layout"] = asdict(r.layout) | {"label": r.layout.label, "overrides": r.layout.overrides()}
@@ -367,34 +457,71 @@ def to_json(rows: list[Row], hw: Hardware, reserve_gb: float, command: str | Non
         d["headroom"] = headroom(r, hw, reserve_gb)
         return d
 
-    return jsonout.dumps({"gpu_bytes": hw.gpu_bytes, "reserve_bytes": int(reserve_gb * GiB), "per": hw.unit,
-                          "world": hw.world, "recommended_command": command, "params": params,
-                          "rows": [row(r) for r in rows]}, indent=1)
+    return jsonout.dumps(
+        {
+            "gpu_bytes": hw.gpu_bytes,
+            "reserve_bytes": int(reserve_gb * GiB),
+            "per": hw.unit,
+            "world": hw.world,
+            "recommended_command": command,
+            "params": params,
+            "rows": [row(r) for r in rows],
+        },
+        indent=1,
+    )
 
 
 def table(rows: list[Row], hw: Hardware, title: str, reserve_gb: float):
     from rich.table import Table
 
     t = Table(title=title, show_lines=False)
-    for col in ("", "layout", "AC", "micro-batch", "params", "grads", "optim", "activations", "temp", "total",
-                "start-up", "host/node", "headroom", "cost"):
+    for col in (
+        "",
+        "layout",
+        "AC",
+        "micro-batch",
+        "params",
+        "grads",
+        "optim",
+        "activations",
+        "temp",
+        "total",
+        "start-up",
+        "host/node",
+        "headroom",
+        "cost",
+    ):
         t.add_column(col, justify="left" if col in ("layout", "AC", "") else "right")
     gb = lambda v: f"{v / GiB:,.2f}"  # noqa: E731
     for r in rows:
         mark = "★" if r.recommended else ("" if r.fits else "✗")
         place = lambda k, v: gb(v) + ("*" if r.host.get(k) else "")  # noqa: E731
-        t.add_row(mark, r.layout.label, r.ac.value, str(r.micro_batch) if r.fits else "-",
-                  place("params", r.params), place("grads", r.grads), place("optim", r.optim), place("activations", r.activations),
-                  gb(r.temp), gb(r.total), gb(r.startup), gb(host_per_node(r, hw)), gb(headroom(r, hw, reserve_gb)),
-                  f"{r.cost:.2f}" if r.fits else "-",
-                  style="bold green" if r.recommended else (None if r.fits else "dim"))
+        t.add_row(
+            mark,
+            r.layout.label,
+            r.ac.value,
+            str(r.micro_batch) if r.fits else "-",
+            place("params", r.params),
+            place("grads", r.grads),
+            place("optim", r.optim),
+            place("activations", r.activations),
+            gb(r.temp),
+            gb(r.total),
+            gb(r.startup),
+            gb(host_per_node(r, hw)),
+            gb(headroom(r, hw, reserve_gb)),
+            f"{r.cost:.2f}" if r.fits else "-",
+            style="bold green" if r.recommended else (None if r.fits else "dim"),
+        )
     memory = "a process's share of this machine's memory" if hw.cpu else "GPU memory"
     why = "" if hw.cpu else ": the CUDA context, kernels' workspace, fragmentation"
-    t.caption = (f"GiB per {hw.unit}. * = (partly) in host memory (offload); the host part is not counted in total. "
-                 "start-up = held when the engine is ready, before step 1; host/node = host memory of one node's ranks, "
-                 "at start-up or in the step (offloaded states and activations), the larger; "
-                 f"headroom = {memory} less plan.reserve_gb ({reserve_gb:g} GiB held back{why}) less the larger of "
-                 "total and start-up. cost = time per token relative to ★, the recommended row (the cheapest that "
-                 "fits). ✗ = does not fit even at micro-batch 1 (headroom below 0), or cannot start (host/node over "
-                 "the node's host memory).")
+    t.caption = (
+        f"GiB per {hw.unit}. * = (partly) in host memory (offload); the host part is not counted in total. "
+        "start-up = held when the engine is ready, before step 1; host/node = host memory of one node's ranks, "
+        "at start-up or in the step (offloaded states and activations), the larger; "
+        f"headroom = {memory} less plan.reserve_gb ({reserve_gb:g} GiB held back{why}) less the larger of "
+        "total and start-up. cost = time per token relative to ★, the recommended row (the cheapest that "
+        "fits). ✗ = does not fit even at micro-batch 1 (headroom below 0), or cannot start (host/node over "
+        "the node's host memory)."
+    )
     return t

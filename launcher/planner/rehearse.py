@@ -93,11 +93,19 @@ def rehearsable(cfg: C.Config) -> None:
 
     if not (on_meta(cfg) or partitioned(cfg)):
         on = [n for n, s in recipes.specs().items() if s.builds_on_meta]
-        raise C.ConfigError("recipe", cfg.recipe.name, "not rehearsed: it holds the whole model on every rank (make "
-                            f"plan gives its figures); rehearsed: {', '.join(on)}, and zero3, zero3_offload")
+        raise C.ConfigError(
+            "recipe",
+            cfg.recipe.name,
+            "not rehearsed: it holds the whole model on every rank (make "
+            f"plan gives its figures); rehearsed: {', '.join(on)}, and zero3, zero3_offload",
+        )
     if recipes.spec(cfg.recipe.strategy).parallelism.shards and cfg.parallel.dp_replicate > 1:
-        raise C.ConfigError("parallel.dp_replicate", cfg.parallel.dp_replicate, "not rehearsed with a sharding recipe: "
-                            "the planner divides by every data-parallel rank, FSDP shards over dp_shard alone (HSDP)")
+        raise C.ConfigError(
+            "parallel.dp_replicate",
+            cfg.parallel.dp_replicate,
+            "not rehearsed with a sharding recipe: "
+            "the planner divides by every data-parallel rank, FSDP shards over dp_shard alone (HSDP)",
+        )
     planned_model(cfg)  # model=hf: a Llama-layout decoder, or the planner's formulas do not apply
 
 
@@ -121,7 +129,9 @@ def chosen_ranks(deg: D.Degrees) -> list[int]:
     expert-parallel group (other experts than rank 0's, at the same place among the ranks
     FSDP shards them over; ep neighbours of the data-parallel ranks, tp x apart)."""
     per_stage = deg.world // deg.pp
-    return sorted({0, deg.world - 1, (deg.ep - 1) * deg.tp} | {s * per_stage for s in range(deg.pp)} | set(range(deg.tp)))
+    return sorted(
+        {0, deg.world - 1, (deg.ep - 1) * deg.tp} | {s * per_stage for s in range(deg.pp)} | set(range(deg.tp))
+    )
 
 
 def rehearse_rank(cfg: C.Config, world: int, rank: int, local_rank: int) -> RankReport:
@@ -152,23 +162,28 @@ def rehearse_rank(cfg: C.Config, world: int, rank: int, local_rank: int) -> Rank
 
                 (Path(scratch) / ds_config.FILE).write_text(ds_config.text(ds_config.launch_config(cfg, world, False)))
             device = torch.device("cpu" if zero3 else "meta")
-            engine = build_engine(cfg, models.prepare(models.on_meta(cfg), cfg), device, rank, world, local_rank,
-                                  Path(scratch))
+            engine = build_engine(
+                cfg, models.prepare(models.on_meta(cfg), cfg), device, rank, world, local_rank, Path(scratch)
+            )
             startup = engine.state_bytes().total
             params = list(dict.fromkeys(p for p in engine.model.parameters() if p.requires_grad))
             if zero3:
                 held = engine.state_bytes()
                 grads = held.grads
-                shards = group_shards((name, tuple(p.ds_shape), (p.ds_tensor.numel(),), f"partition {rank} of {world}")
-                                      for name, p in engine.model.named_parameters())
+                shards = group_shards(
+                    (name, tuple(p.ds_shape), (p.ds_tensor.numel(),), f"partition {rank} of {world}")
+                    for name, p in engine.model.named_parameters()
+                )
             else:
                 for p in params:  # the gradients the engines hold at the optimizer step: each parameter's layout
                     p.grad = torch.zeros_like(p)
                 grads = tensor_bytes(p.grad for p in params)
-                engine.optimizer.step()
+                engine.optimizer.step()  # type: ignore[attr-defined]  # every recipe's engine holds one
                 held = engine.state_bytes()
-                shards = group_shards((name, tuple(p.shape), tuple(local_shard(p).shape), placements(p))
-                                      for name, p in engine.model.named_parameters())
+                shards = group_shards(
+                    (name, tuple(p.shape), tuple(local_shard(p).shape), placements(p))
+                    for name, p in engine.model.named_parameters()
+                )
         finally:
             del engine, params
             if zero3:
@@ -176,11 +191,18 @@ def rehearse_rank(cfg: C.Config, world: int, rank: int, local_rank: int) -> Rank
             leave_group(zero3)
     p_, g_, o_, _, _ = footprint.model_states(planned_model(cfg), layout, pp_rank, dp_shard * deg.cp + cp_rank)
     planned = {"params": p_, "grads": g_, "optim": o_, "model_states": p_ + g_ + o_}
-    return RankReport(rank=rank, coords={"pp": pp_rank, "dp_replicate": dp_replicate, "dp_shard": dp_shard,
-                                         "cp": cp_rank, "tp": tp_rank},
-                      params=held.params, grads=grads, optim=held.optim, startup=startup, planned=planned,
-                      seconds=time.perf_counter() - started, shards=shards,
-                      compared="params" if zero3 else "model_states")
+    return RankReport(
+        rank=rank,
+        coords={"pp": pp_rank, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp_rank, "tp": tp_rank},
+        params=held.params,
+        grads=grads,
+        optim=held.optim,
+        startup=startup,
+        planned=planned,
+        seconds=time.perf_counter() - started,
+        shards=shards,
+        compared="params" if zero3 else "model_states",
+    )
 
 
 def leave_group(zero3: bool) -> None:
@@ -215,8 +237,12 @@ def as_rank(rank: int, world: int, local_rank: int, zero3: bool):
         from deepspeed.accelerator import get_accelerator
 
         if get_accelerator().device_name() != "cpu":
-            raise C.ConfigError("recipe", "zero3", "a ZeRO-3 rehearsal builds on the host, but DeepSpeed was already "
-                                f"set to {get_accelerator().device_name()} in this process; run make rehearse alone")
+            raise C.ConfigError(
+                "recipe",
+                "zero3",
+                "a ZeRO-3 rehearsal builds on the host, but DeepSpeed was already "
+                f"set to {get_accelerator().device_name()} in this process; run make rehearse alone",
+            )
         yield
     finally:
         for k, v in before.items():
@@ -267,16 +293,24 @@ class Rehearsal:
         return max(self.ranks, key=lambda r: abs(r.difference))
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "layout": {**asdict(self.layout), "label": self.layout.label},
-                "world": self.world, "nnodes": self.nnodes, "precision": self.precision,
-                "planned_startup": self.planned_startup, "fits": self.fits, "peak": self.peak,
-                "gpu_bytes": self.gpu_bytes,
-                "ranks": [{**asdict(r), "total": r.total, "difference": r.difference} for r in self.ranks],
-                "worst": {"rank": self.worst.rank, "difference": self.worst.difference}}
+        return {
+            "model": self.model,
+            "layout": {**asdict(self.layout), "label": self.layout.label},
+            "world": self.world,
+            "nnodes": self.nnodes,
+            "precision": self.precision,
+            "planned_startup": self.planned_startup,
+            "fits": self.fits,
+            "peak": self.peak,
+            "gpu_bytes": self.gpu_bytes,
+            "ranks": [{**asdict(r), "total": r.total, "difference": r.difference} for r in self.ranks],
+            "worst": {"rank": self.worst.rank, "difference": self.worst.difference},
+        }
 
 
-def rehearse(cfg: C.Config, world: int, gpus_per_node: int, gpu_bytes: int | None,
-             ranks: list[int] | None = None, progress=None) -> Rehearsal:
+def rehearse(
+    cfg: C.Config, world: int, gpus_per_node: int, gpu_bytes: int | None, ranks: list[int] | None = None, progress=None
+) -> Rehearsal:
     """Rehearse `ranks` (default chosen_ranks) of the configured layout on `world` ranks;
     the plan's verdict for `gpu_bytes` devices (and plan.host_memory_gb of host memory a
     node, when given), as `make plan` gives it."""
@@ -292,15 +326,28 @@ def rehearse(cfg: C.Config, world: int, gpus_per_node: int, gpu_bytes: int | Non
     fits = peak = None
     if gpu_bytes is not None:
         host = int(cfg.plan.host_memory_gb * GiB) if cfg.plan.host_memory_gb else None
-        hw = planner.Hardware(gpu_bytes=gpu_bytes, gpus_per_node=gpus_per_node, nnodes=world // gpus_per_node,
-                              tflops=planner.DEFAULT_TFLOPS, host_bytes=host)
+        hw = planner.Hardware(
+            gpu_bytes=gpu_bytes,
+            gpus_per_node=gpus_per_node,
+            nnodes=world // gpus_per_node,
+            tflops=planner.DEFAULT_TFLOPS,
+            host_bytes=host,
+        )
         shaped = planned_model(cfg)
         row = planner.memory_row(shaped, layout, cfg.train.activation_checkpointing, cfg.train.micro_batch, hw)
         fits, peak = planner.fits(shaped, hw, row), row.peak
-    return Rehearsal(model=cfg.model.name, layout=layout, world=world, nnodes=world // gpus_per_node,
-                     precision=cfg.precision.name.value, ranks=reports,
-                     planned_startup=footprint.start_up(planned_model(cfg), layout)[0], fits=fits, peak=peak,
-                     gpu_bytes=gpu_bytes)
+    return Rehearsal(
+        model=cfg.model.name,
+        layout=layout,
+        world=world,
+        nnodes=world // gpus_per_node,
+        precision=cfg.precision.name.value,
+        ranks=reports,
+        planned_startup=footprint.start_up(planned_model(cfg), layout)[0],
+        fits=fits,
+        peak=peak,
+        gpu_bytes=gpu_bytes,
+    )
 
 
 # ----------------------------------------------------------------------------- report
@@ -311,14 +358,18 @@ def gib(b: int) -> str:
 def rank_lines(r: RankReport) -> list[str]:
     where = " ".join(f"{k} {v}" for k, v in r.coords.items())
     if r.compared == "params":
-        out = [f"rank {r.rank} ({where}), built in {r.seconds:.1f} s: parameter partition {gib(r.params)}, planned "
-               f"{gib(r.planned['params'])} ({100 * r.difference:+.2f}%); as built (DeepSpeed takes no step on a fake "
-               f"group): gradient partitions {gib(r.grads)}, optimizer {gib(r.optim)}"]
+        out = [
+            f"rank {r.rank} ({where}), built in {r.seconds:.1f} s: parameter partition {gib(r.params)}, planned "
+            f"{gib(r.planned['params'])} ({100 * r.difference:+.2f}%); as built (DeepSpeed takes no step on a fake "
+            f"group): gradient partitions {gib(r.grads)}, optimizer {gib(r.optim)}"
+        ]
     else:
-        out = [f"rank {r.rank} ({where}), built in {r.seconds:.1f} s: model states {gib(r.total)} "
-               f"(params {gib(r.params)}, grads {gib(r.grads)}, optimizer {gib(r.optim)}); planned "
-               f"{gib(r.planned['model_states'])} ({100 * r.difference:+.2f}%); held when the engine is ready "
-               f"{gib(r.startup)}"]
+        out = [
+            f"rank {r.rank} ({where}), built in {r.seconds:.1f} s: model states {gib(r.total)} "
+            f"(params {gib(r.params)}, grads {gib(r.grads)}, optimizer {gib(r.optim)}); planned "
+            f"{gib(r.planned['model_states'])} ({100 * r.difference:+.2f}%); held when the engine is ready "
+            f"{gib(r.startup)}"
+        ]
     for s in r.shards:
         count = f" x{s.count}" if s.count > 1 else ""
         out.append(f"    {s.name}{count}: {list(s.shape)} -> {list(s.local)}  [{s.placements}]")
@@ -330,14 +381,20 @@ def summary_lines(h: Rehearsal) -> list[str]:
     if h.fits is not None:
         verdict = "fits" if h.fits else "does not fit"
         started = max(r.startup for r in h.ranks)
-        rehearsed = (f"the engines held {gib(started)} when ready (largest rank)"
-                     if all(r.compared == "model_states" for r in h.ranks)
-                     else "DeepSpeed's set-up peak is measured on real ranks (tests/e2e/test_startup.py)")
-        out.append(f"plan: the step {verdict} {h.gpu_bytes / GiB:.0f} GiB devices (peak {gib(h.peak)} a rank); "
-                   f"start-up planned {gib(h.planned_startup)}, {rehearsed}")
+        rehearsed = (
+            f"the engines held {gib(started)} when ready (largest rank)"
+            if all(r.compared == "model_states" for r in h.ranks)
+            else "DeepSpeed's set-up peak is measured on real ranks (tests/e2e/test_startup.py)"
+        )
+        out.append(
+            f"plan: the step {verdict} {h.gpu_bytes / GiB:.0f} GiB devices (peak {gib(h.peak)} a rank); "
+            f"start-up planned {gib(h.planned_startup)}, {rehearsed}"
+        )
     w = h.worst
     ok = "within" if abs(w.difference) <= TOLERANCE else "outside"
     what = "model states" if w.compared == "model_states" else "parameter partition"
-    out.append(f"largest difference: {100 * w.difference:+.2f}% on rank {w.rank} of {h.layout.label} "
-               f"({h.world} ranks): the planner's {what} {ok} {100 * TOLERANCE:.0f}% of the rehearsal")
+    out.append(
+        f"largest difference: {100 * w.difference:+.2f}% on rank {w.rank} of {h.layout.label} "
+        f"({h.world} ranks): the planner's {what} {ok} {100 * TOLERANCE:.0f}% of the rehearsal"
+    )
     return out

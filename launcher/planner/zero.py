@@ -63,7 +63,6 @@ def largest_param(m: ModelConfig) -> int:
     return max(max(sizes, default=0) for sizes in _group_sizes(shape_key(m)))
 
 
-
 # ----------------------------------------------------------------------------- ZeRO model states
 def zero_paper_bytes(stage: int, psi: float, world: int) -> float:
     """The ZeRO paper's model states per rank for mixed-precision Adam (Rajbhandari et al.,
@@ -72,10 +71,20 @@ def zero_paper_bytes(stage: int, psi: float, world: int) -> float:
     return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
 
 
-def zero_states(stage: int, psi: float, world: int, grad_accum: int = 1, offload_optimizer: bool = False,
-                offload_param: bool = False, largest_param: int = 0,
-                weight_bytes: int = 2, straddle: int = 0, kept_whole: int = 0,
-                bucket: int = 0, sub_group: float | None = None) -> dict[str, tuple[float, float]]:
+def zero_states(
+    stage: int,
+    psi: float,
+    world: int,
+    grad_accum: int = 1,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    largest_param: int = 0,
+    weight_bytes: int = 2,
+    straddle: int = 0,
+    kept_whole: int = 0,
+    bucket: int = 0,
+    sub_group: float | None = None,
+) -> dict[str, tuple[float, float]]:
     """What DeepSpeed 0.19 really holds per rank at the peak of a step with Adam:
     {"params" | "grads" | "optim": (device bytes, host bytes)}. w = weight_bytes: 2 for
     bf16/fp16 weights, 4 in fp32. Measured in every cell by tests/e2e/test_plan_runs.py (the
@@ -112,8 +121,20 @@ def zero_states(stage: int, psi: float, world: int, grad_accum: int = 1, offload
     return {"params": (params + kept, 0.0), "grads": (grads, 0.0), "optim": (12 * p / n, 0.0)}
 
 
-def _offloaded(stage: int, p: float, n: int, w: int, grad_accum: int, offload_param: bool, largest_param: int,
-               edges: float, kept: float, buckets: float, whole: float, params: float) -> dict[str, tuple[float, float]]:
+def _offloaded(
+    stage: int,
+    p: float,
+    n: int,
+    w: int,
+    grad_accum: int,
+    offload_param: bool,
+    largest_param: int,
+    edges: float,
+    kept: float,
+    buckets: float,
+    whole: float,
+    params: float,
+) -> dict[str, tuple[float, float]]:
     """Optimizer offload: moves the fp32 master, the moments and the fp32 gradient shard to host memory.
     Stage 1/2 keep a copy of the own weight shard for the upload (wΨ/N, counted with the
     weights) in host memory: `temp_buffer_bit16` is made on the fp32 master shard's device,
@@ -137,10 +158,16 @@ def _offloaded(stage: int, p: float, n: int, w: int, grad_accum: int, offload_pa
     if stage in (1, 2):
         copy = w * largest_param
         accumulated = w * p / n + edges if grad_accum > 1 else 0.0
-        return {"params": (params, w * p / n), "grads": (whole + copy, 4 * p / n + accumulated + copy),
-                "optim": (0.0, optim)}
-    return {"params": (kept, params) if offload_param else (params + kept, 0.0), "grads": (buckets, (w + 4) * p / n),
-            "optim": (0.0, optim)}
+        return {
+            "params": (params, w * p / n),
+            "grads": (whole + copy, 4 * p / n + accumulated + copy),
+            "optim": (0.0, optim),
+        }
+    return {
+        "params": (kept, params) if offload_param else (params + kept, 0.0),
+        "grads": (buckets, (w + 4) * p / n),
+        "optim": (0.0, optim),
+    }
 
 
 def sub_group(cfg, n: int, P: int) -> int:

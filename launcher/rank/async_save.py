@@ -39,8 +39,11 @@ class Saver:
 
         if self._stager is None:
             cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+                )
+            )
         return self._stager
 
     def staged(self, state):
@@ -94,7 +97,8 @@ class StagedFiles:
     `write` (on the writer thread) hands each to DeepSpeed's own engine."""
 
     def __init__(self, own, saver: Saver):
-        self.own, self.saver, self.files = own, saver, []
+        self.own, self.saver = own, saver
+        self.files: list = []
 
     def __getattr__(self, name):  # everything but save: DeepSpeed's engine
         return getattr(self.own, name)

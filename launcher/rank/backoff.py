@@ -49,8 +49,12 @@ def can_retry(job, engine) -> bool:
     leaves the others inside a collective of the step), an engine that can drop a half-done
     step (`Engine.can_discard_step`: not after its optimizer step began, when some
     parameters may have moved), and a smaller micro-batch left."""
-    return (job.cfg.train.oom_backoff and job.world_size == 1 and engine.can_discard_step()
-            and backed_off(job.cfg.train.micro_batch, job.grad_accum) is not None)
+    return (
+        job.cfg.train.oom_backoff
+        and job.world_size == 1
+        and engine.can_discard_step()
+        and backed_off(job.cfg.train.micro_batch, job.grad_accum) is not None
+    )
 
 
 def retry(job, engine, step: int, why: str, log) -> None:
@@ -66,8 +70,10 @@ def retry(job, engine, step: int, why: str, log) -> None:
     job.grad_accum = back_off(cfg, *before)[1]
     C.write_frozen(job.run_dir, cfg)
     log.config_changed(cfg)
-    log.print(f"out of memory at step {step} with micro-batch {before[0]} x {before[1]} ({why}): retrying the step "
-              f"with train.micro_batch={cfg.train.micro_batch}, grad_accum {job.grad_accum} (the global batch kept)")
+    log.print(
+        f"out of memory at step {step} with micro-batch {before[0]} x {before[1]} ({why}): retrying the step "
+        f"with train.micro_batch={cfg.train.micro_batch}, grad_accum {job.grad_accum} (the global batch kept)"
+    )
 
 
 def first_line(err: BaseException) -> str:
@@ -84,6 +90,15 @@ def split(micro_batches: list, micro_batch: int) -> list:
 def record(job, step: int, err: BaseException) -> None:
     """RUN_DIR/oom.json for the launcher: where, and the micro-batch and accumulation it
     had (train.oom_backoff launches again with a smaller one)."""
-    (job.run_dir / OOM_MARKER).write_text(json.dumps(
-        {"rank": job.rank, "step": step, "micro_batch": job.cfg.train.micro_batch, "grad_accum": job.grad_accum,
-         "error": first_line(err)}) + "\n")
+    (job.run_dir / OOM_MARKER).write_text(
+        json.dumps(
+            {
+                "rank": job.rank,
+                "step": step,
+                "micro_batch": job.cfg.train.micro_batch,
+                "grad_accum": job.grad_accum,
+                "error": first_line(err),
+            }
+        )
+        + "\n"
+    )

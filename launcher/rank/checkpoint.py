@@ -36,8 +36,20 @@ import torch
 import torch.distributed as dist
 
 from launcher.config import FaultPoint
-from launcher.manifest import (TrainerState, _fsync_dir, belongs, complete_checkpoints, digests, read_latest, set_aside,
-                               step_name, step_of, verify, write_latest, write_manifest)
+from launcher.manifest import (
+    TrainerState,
+    _fsync_dir,
+    belongs,
+    complete_checkpoints,
+    digests,
+    read_latest,
+    set_aside,
+    step_name,
+    step_of,
+    verify,
+    write_latest,
+    write_manifest,
+)
 from launcher.rank.async_save import Saver
 from launcher.rank.faults import strike
 
@@ -67,8 +79,18 @@ def set_rng_state(state: dict) -> None:
 class Checkpointer:
     """Owns CKPT_DIR for one job. Every method is called on every rank."""
 
-    def __init__(self, root: Path, keep: int, rank: int, world_size: int, debug=None, run_id: str | None = None,
-                 about: dict | None = None, async_save: bool = False, timeout: timedelta | None = None):
+    def __init__(
+        self,
+        root: Path,
+        keep: int,
+        rank: int,
+        world_size: int,
+        debug=None,
+        run_id: str | None = None,
+        about: dict | None = None,
+        async_save: bool = False,
+        timeout: timedelta | None = None,
+    ):
         self.root, self.keep, self.rank, self.world_size = root, keep, rank, world_size
         self.run_id = run_id
         self.about = about  # rank 0: the model that writes (launcher/manifest.py::describe), into every manifest
@@ -99,8 +121,13 @@ class Checkpointer:
         dist.barrier()
         t0 = time.perf_counter()
         write = engine.save(tmp / "engine", self.saver)
-        trainer = {"step": step, "samples_seen": samples_seen, "world_size": self.world_size, "rng": rng_state(),
-                   "data": self.data}
+        trainer = {
+            "step": step,
+            "samples_seen": samples_seen,
+            "world_size": self.world_size,
+            "rng": rng_state(),
+            "data": self.data,
+        }
         mine = tmp / "trainer" / f"rank_{self.rank:05d}.pt"
         if self.saver is None:
             torch.save(trainer, mine)
@@ -117,8 +144,11 @@ class Checkpointer:
             write()
             torch.save(trainer, mine)
             dist.barrier(group=self.saver.group)  # every rank's files are on disk
-            self.timing = {**self.timing, "write_s": time.perf_counter() - t0,
-                           **self._publish(step, tmp, final, self.saver.group)}
+            self.timing = {
+                **self.timing,
+                "write_s": time.perf_counter() - t0,
+                **self._publish(step, tmp, final, self.saver.group),
+            }
 
         self.saver.start(step, finish)
         return final
@@ -157,7 +187,7 @@ class Checkpointer:
         this launch's lineage (a resume sets aside the ones failing their digests): never
         counted, never deleted here."""
         older = [f for f in complete_checkpoints(self.root, self.run_id or "") if step_of(f) < step]
-        return older[:max(0, len(older) - (self.keep - 1))]
+        return older[: max(0, len(older) - (self.keep - 1))]
 
     def discard_partial(self, step: int) -> None:
         """After a failed save: remove its temporary folder (best effort, rank 0)."""
@@ -213,8 +243,11 @@ class Checkpointer:
             (self.root / "latest").unlink()
             _fsync_dir(self.root)
         for folder in failed:
-            print(f"checkpoint {folder} fails its check: set aside as {set_aside(folder).name} (never resumed or "
-                  f"deleted by checkpoint.keep)", flush=True)
+            print(
+                f"checkpoint {folder} fails its check: set aside as {set_aside(folder).name} (never resumed or "
+                f"deleted by checkpoint.keep)",
+                flush=True,
+            )
 
     def load(self, folder: Path, engine) -> TrainerState:
         engine.load(folder / "engine")
@@ -224,9 +257,12 @@ class Checkpointer:
         state = torch.load(mine, map_location="cpu", weights_only=True)
         set_rng_state(state["rng"])
         if self.rank == 0 and state.get("data") != self.data and self.data is not None:
-            print(f"data: {folder} was saved reading {state.get('data') or 'data whose order it does not record'}; "
-                  f"this launch reads {self.data}: from sample {int(state['samples_seen']):,} on, the order is not the "
-                  "one the run trained with (samples may repeat or be skipped)", flush=True)
+            print(
+                f"data: {folder} was saved reading {state.get('data') or 'data whose order it does not record'}; "
+                f"this launch reads {self.data}: from sample {int(state['samples_seen']):,} on, the order is not the "
+                "one the run trained with (samples may repeat or be skipped)",
+                flush=True,
+            )
         return TrainerState(step=int(state["step"]), samples_seen=int(state["samples_seen"]), data=state.get("data"))
 
 
@@ -257,5 +293,7 @@ def is_write_failure(err: BaseException) -> bool:
     """A failed file write: an OSError, or torch's zip writer reporting one (it turns a
     full disk into a RuntimeError such as "unexpected pos 64 vs 0")."""
     text = str(err)
-    return isinstance(err, OSError) or any(s in text for s in (
-        "PytorchStreamWriter", "inline_container", "file write failed", "No space left", "unexpected pos"))
+    return isinstance(err, OSError) or any(
+        s in text
+        for s in ("PytorchStreamWriter", "inline_container", "file write failed", "No space left", "unexpected pos")
+    )

@@ -23,7 +23,6 @@ from launcher import optim
 from launcher.config import Config, OptimConfig, lr_factor
 from launcher.models.init import is_dtensor
 
-
 # (inputs, targets), each (micro_batch, seq_len) int64, targets -100 where a token is not
 # counted in the loss; with data.document_masking a third, positions, restarting at 0 where
 # each packed sample starts: model(*batch) takes them all.
@@ -96,8 +95,10 @@ class StepGuard(Protocol):
     """What an engine asks during its step (train.max_bad_steps, train.spike_factor): the
     loop's LossGuard (launcher/rank/guard.py), or UNGUARDED."""
 
-    on: bool
     scaler_owns_nonfinite: bool
+
+    @property
+    def on(self) -> bool: ...  # LossGuard's is a property
 
     def admit(self, loss: torch.Tensor, owner: bool, grad_norm: torch.Tensor) -> bool: ...
 
@@ -209,8 +210,10 @@ def check(cls: type) -> list[str]:
         if isinstance(declared, property) != isinstance(actual, property):
             problems.append(f"{cls.__name__}.{name}: a property in the contract, not here, or the reverse")
         elif not isinstance(declared, property) and _parameters(actual) != _parameters(declared):
-            problems.append(f"{cls.__name__}.{name}{inspect.signature(actual)}: the contract says "
-                            f"{name}{inspect.signature(declared)}")
+            problems.append(
+                f"{cls.__name__}.{name}{inspect.signature(actual)}: the contract says "
+                f"{name}{inspect.signature(declared)}"
+            )
     return problems
 
 
@@ -221,7 +224,8 @@ def _parameters(fn) -> list[tuple[str, object, bool]]:
 # ----------------------------------------------------------------------------- helpers
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices (weights, embeddings); not vectors (norms, biases)."""
-    decay, no_decay = [], []
+    decay: list = []
+    no_decay: list = []
     seen = set()
     for p in model.parameters():
         if not p.requires_grad or id(p) in seen:
@@ -230,7 +234,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         # A ZeRO-3 partitioned parameter's tensor is a flat placeholder: its shape is ds_shape.
         (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]  # model.lora's adapters are all matrices: no empty group (DCP trips on one)
+    return [
+        g for g in groups if g["params"]
+    ]  # model.lora's adapters are all matrices: no empty group (DCP trips on one)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -266,8 +272,13 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def evaluate(model: nn.Module, micro_batches: list[Batch], device: torch.device, dtype: torch.dtype | None,
-             loss_owner: bool = True) -> StepResult:
+def evaluate(
+    model: nn.Module,
+    micro_batches: list[Batch],
+    device: torch.device,
+    dtype: torch.dtype | None,
+    loss_owner: bool = True,
+) -> StepResult:
     """train.eval_every: the mean loss over `micro_batches`, forward only (no gradients, the
     model in eval mode), in the training's autocast; an engine's eval_step for a model that
     takes (inputs, targets[, positions]) and returns the loss. Sharded and replicated models alike:
@@ -298,8 +309,11 @@ def owners_sum(loss: torch.Tensor, owner: bool, device: torch.device) -> torch.T
 def parameter_leaves(root: nn.Module) -> list[nn.Module]:
     """The modules under `root` with no children that hold parameters of their own: the
     linears, embeddings and norms, where a forward's FLOPs are."""
-    return [m for m in root.modules()
-            if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is not None]
+    return [
+        m
+        for m in root.modules()
+        if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is not None
+    ]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -336,8 +350,10 @@ def load_trained(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     if unexpected or set(missing) - frozen:
-        raise RuntimeError(f"checkpoint does not match the model: missing {sorted(set(missing) - frozen)[:3]}, "
-                           f"unexpected {sorted(unexpected)[:3]}")
+        raise RuntimeError(
+            f"checkpoint does not match the model: missing {sorted(set(missing) - frozen)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}"
+        )
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

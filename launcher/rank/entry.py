@@ -24,15 +24,15 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import recipes
 from launcher import config as C
-from launcher.parallel import degrees as D
 from launcher import models, offline, provenance, runlock
-from launcher.exits import COMM_TRACE
-from launcher.manifest import describe, lock_folders, manifest_step, root_of
-from launcher.rank.checkpoint import Checkpointer
-from launcher.models import init
 from launcher.data.read import build_dataset
-from launcher.host import current_rss, process_start_time
 from launcher.device import autocast_dtype, backend_for, local_device, returned_to_the_os, startup_peaks, use_tf32
+from launcher.exits import COMM_TRACE
+from launcher.host import current_rss, process_start_time
+from launcher.manifest import describe, lock_folders, manifest_step, root_of
+from launcher.models import init
+from launcher.parallel import degrees as D
+from launcher.rank.checkpoint import Checkpointer
 from launcher.rank.engine import BuildContext, Engine
 from launcher.rank.loop import Job, run
 from launcher.rank.preempt import Preemption
@@ -49,31 +49,48 @@ def _single_process_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
-def build_engine(cfg: C.Config, model: torch.nn.Module, device: torch.device, rank: int, world_size: int,
-                 local_rank: int, run_dir: Path) -> Engine:
+def build_engine(
+    cfg: C.Config,
+    model: torch.nn.Module,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    run_dir: Path,
+) -> Engine:
     """The model's structure on the meta device (no storage; models.on_meta, prepared),
     handed to the recipe's engine: the recipe parallelizes it, then materializes only this
     rank's part (launcher/models/init.py: the same initial weights at every layout, no
     broadcast)."""
-    engine = recipes.build(BuildContext(cfg=cfg, model=model, device=device, rank=rank, world_size=world_size,
-                                        local_rank=local_rank, grad_accum=D.grad_accum(cfg, world_size),
-                                        run_dir=run_dir))
+    engine = recipes.build(
+        BuildContext(
+            cfg=cfg,
+            model=model,
+            device=device,
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            grad_accum=D.grad_accum(cfg, world_size),
+            run_dir=run_dir,
+        )
+    )
     if not isinstance(engine, Engine):  # the loop relies on the contract's hooks and defaults
-        raise TypeError(f"recipe.strategy={cfg.recipe.strategy}: its build() returned a {type(engine).__name__}, "
-                        "not a launcher.rank.engine.Engine")
+        raise TypeError(
+            f"recipe.strategy={cfg.recipe.strategy}: its build() returned a {type(engine).__name__}, "
+            "not a launcher.rank.engine.Engine"
+        )
     return engine
 
 
-def start(cfg: C.Config, device: torch.device, rank: int, world_size: int, local_rank: int, run_dir: Path,
-          started: float):
+def start(
+    cfg: C.Config, device: torch.device, rank: int, world_size: int, local_rank: int, run_dir: Path, started: float
+):
     """From a process group to a ready engine: (engine, this rank's start-up figures,
     launcher.device.startup_peaks). scripts/bench_startup.py measures start-up through here."""
     spec = recipes.spec(cfg.recipe.strategy)
@@ -108,7 +125,7 @@ def consolidated_digest(engine) -> str:
 
 
 @record
-def main(argv: list[str] | None = None, early: list[int] = ()) -> int:
+def main(argv: list[str] | None = None, early: tuple[int, ...] | list[int] = ()) -> int:
     """One rank, start to end; `early`: the stop signals recorded while it imported
     (launcher/rank/__main__.py). Returns the exit code."""
     started = process_start_time()
@@ -153,21 +170,37 @@ def run_rank(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemptio
     backstop = cfg.dist.timeout_s + max(30, cfg.dist.timeout_s // 2)
     if backend == "nccl" and cfg.dist.flight_recorder:  # where NCCL's own timeout dump goes (launch/start/argv.py)
         (run_dir / COMM_TRACE).mkdir(exist_ok=True)
-    dist.init_process_group(backend, store=job_store(rank, world_size, backstop), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=backstop),
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        store=job_store(rank, world_size, backstop),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=backstop),
+        device_id=device if device.type == "cuda" else None,
+    )
     if backend != "gloo":  # stop-signal agreement runs on the CPU, never syncing the GPU
         preemption.group = dist.new_group(backend="gloo")
     try:
-        ckpt = Checkpointer(root_of(cfg, run_dir), cfg.checkpoint.keep, rank, world_size, debug=cfg.debug,
-                            run_id=cfg.checkpoint.run_id, about=describe(cfg) if rank == 0 else None,
-                            async_save=cfg.checkpoint.async_save, timeout=timedelta(seconds=backstop))
+        ckpt = Checkpointer(
+            root_of(cfg, run_dir),
+            cfg.checkpoint.keep,
+            rank,
+            world_size,
+            debug=cfg.debug,
+            run_id=cfg.checkpoint.run_id,
+            about=describe(cfg) if rank == 0 else None,
+            async_save=cfg.checkpoint.async_save,
+            timeout=timedelta(seconds=backstop),
+        )
         start_from = ckpt.resolve(cfg.checkpoint.resume)
         if start_from is not None and manifest_step(start_from) >= cfg.train.steps:
             # command.sh run again, a requeued job of a finished run: nothing is built or written
             if rank == 0:
-                print(f"nothing to train: {start_from} is at step {manifest_step(start_from)} of "
-                      f"train.steps={cfg.train.steps}; raise train.steps to train on", flush=True)
+                print(
+                    f"nothing to train: {start_from} is at step {manifest_step(start_from)} of "
+                    f"train.steps={cfg.train.steps}; raise train.steps to train on",
+                    flush=True,
+                )
             return 0
         provenance.record_hosts(run_dir, rank, world_size, preemption.group)  # which hosts, which code
         engine, startup = start(cfg, device, rank, world_size, local_rank, run_dir, started)
@@ -175,11 +208,24 @@ def run_rank(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemptio
         dp_size = D.data_parallel_size(cfg, world_size)
         dataset = build_dataset(cfg, run_dir)
         ckpt.data = dataset.fingerprint() if hasattr(dataset, "fingerprint") else None  # compared at resume
-        job = Job(cfg=cfg, run_dir=run_dir, engine=engine, dataset=dataset, device=device, rank=rank,
-                  world_size=world_size, dp_rank=D.degrees(cfg, world_size).dp_rank(rank), dp_size=dp_size,
-                  grad_accum=accum, flops_per_token=models.flops_per_token(cfg, cfg.train.seq_len),
-                  compute_dtype=autocast_dtype(cfg.precision.name.value), preemption=preemption, startup=startup,
-                  checkpointer=ckpt, start_from=start_from)
+        job = Job(
+            cfg=cfg,
+            run_dir=run_dir,
+            engine=engine,
+            dataset=dataset,
+            device=device,
+            rank=rank,
+            world_size=world_size,
+            dp_rank=D.degrees(cfg, world_size).dp_rank(rank),
+            dp_size=dp_size,
+            grad_accum=accum,
+            flops_per_token=models.flops_per_token(cfg, cfg.train.seq_len),
+            compute_dtype=autocast_dtype(cfg.precision.name.value),
+            preemption=preemption,
+            startup=startup,
+            checkpointer=ckpt,
+            start_from=start_from,
+        )
         code = run(job)
     finally:
         # gloo aborts at exit without this, and schedulers then mark the job failed.

@@ -44,10 +44,11 @@ class HeldOut:
         return val
 
 
-def held_out_batches(job, cp: int, cp_rank: int) -> list[tuple[str, float, list]]:
+def held_out_batches(job, cp: int, cp_rank: int) -> list[tuple[str, float, list, float | None]]:
     """train.eval_every's micro-batches of this data-parallel rank, on its device, made once:
     the same held-out samples at every evaluation (launcher/data/read.py::val_sets); per
-    source of a mixture, train.eval_samples each: (name, weight, micro-batches)."""
+    source of a mixture, train.eval_samples each: (name, weight, micro-batches, their counted
+    targets, None under context parallel)."""
     cfg, mb = job.cfg, job.cfg.train.micro_batch
     n = cfg.train.eval_samples // (job.dp_size * mb)  # whole micro-batches (launch/checks/data.py)
     first = job.dp_rank * n * mb
@@ -80,7 +81,7 @@ def held_out_loss(job, batches: list) -> StepResult:
     """The engine's forward-only loss over the held-out micro-batches, a step's worth
     (grad_accum micro-batches: a pipeline's schedule splits that whole) at a time."""
     g = job.grad_accum
-    parts = [(job.engine.eval_step(batches[i:i + g]), len(batches[i:i + g])) for i in range(0, len(batches), g)]
+    parts = [(job.engine.eval_step(batches[i : i + g]), len(batches[i : i + g])) for i in range(0, len(batches), g)]
     loss = sum(r.loss * n for r, n in parts) / len(batches)
     return StepResult(loss=loss, grad_norm=parts[0][0].grad_norm, loss_owner=parts[0][0].loss_owner)
 

@@ -72,8 +72,12 @@ def poisoned(debug: DebugConfig | None, step: int, rank: int, model):
     activations or logits) times NaN or 1000 on this rank; slow: the first layer holding
     parameters of `model` sleeps debug.slow_s after each forward on this rank (inside the
     span train.straggler_factor times). At steps fault_step to fault_step + fault_steps - 1."""
-    if (debug is None or debug.fault not in (*POISON, FaultPoint.slow) or debug.fault_rank != rank
-            or not debug.fault_step <= step < debug.fault_step + debug.fault_steps):
+    if (
+        debug is None
+        or debug.fault not in (*POISON, FaultPoint.slow)
+        or debug.fault_rank != rank
+        or not debug.fault_step <= step < debug.fault_step + debug.fault_steps
+    ):
         yield
         return
     print(f"rank {rank}: injected fault {debug.fault.value} at step {step}", file=sys.stderr, flush=True)

@@ -28,8 +28,9 @@ class Feed:
 
     def _loader(self):
         job = self.job
-        return iter(build_loader(job.cfg, job.dataset, self.samples, self.global_batch, job.dp_rank, job.dp_size,
-                                 job.device))
+        return iter(
+            build_loader(job.cfg, job.dataset, self.samples, self.global_batch, job.dp_rank, job.dp_size, job.device)
+        )
 
     def take(self) -> list:
         """The next step's micro-batches (job.grad_accum of them); `counted` and `fetched` say

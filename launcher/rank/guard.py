@@ -88,8 +88,9 @@ class LossGuard:
             return
         self.in_row += 1
         self.skipped += 1
-        self.say(f"loss guard: step {self.step} skipped ({why}); {self.in_row} in a row, "
-                 f"train.max_bad_steps={self.limit}")
+        self.say(
+            f"loss guard: step {self.step} skipped ({why}); {self.in_row} in a row, train.max_bad_steps={self.limit}"
+        )
 
     def _mean_loss(self, loss: torch.Tensor, owner: bool) -> torch.Tensor | None:
         """The step's loss over the ranks (one scalar all-reduce), only for spike_factor."""
@@ -105,8 +106,10 @@ class LossGuard:
         if len(self.recent) >= WARM:
             mean = sum(self.recent) / len(self.recent)
             if loss > self.factor * mean:
-                return (f"loss {loss:.4g} is {loss / mean:.1f}x the mean of the last {len(self.recent)} steps, "
-                        f"above train.spike_factor={self.factor:g}")
+                return (
+                    f"loss {loss:.4g} is {loss / mean:.1f}x the mean of the last {len(self.recent)} steps, "
+                    f"above train.spike_factor={self.factor:g}"
+                )
         return None
 
     def metrics(self) -> dict:
@@ -139,12 +142,16 @@ class LossGuard:
         with pause():
             newest = checkpointer.newest_whole(checkpointer.run_id)
         if newest is None:
-            return (f"loss guard: {self.in_row} bad steps in a row at step {self.step} and no checkpoint "
-                    "to go back to; stopping (lower optim.lr, or save sooner with checkpoint.every)")
+            return (
+                f"loss guard: {self.in_row} bad steps in a row at step {self.step} and no checkpoint "
+                "to go back to; stopping (lower optim.lr, or save sooner with checkpoint.every)"
+            )
         self._futile = self._futile + 1 if self.applied_since_rollback == 0 else 1
         if self._futile > FUTILE:
-            return (f"loss guard: {FUTILE} rollbacks in a row, each followed by {self.limit} bad steps and no good "
-                    f"one; stopping at step {self.step} (the data is not the cause: lower optim.lr)")
+            return (
+                f"loss guard: {FUTILE} rollbacks in a row, each followed by {self.limit} bad steps and no good "
+                f"one; stopping at step {self.step} (the data is not the cause: lower optim.lr)"
+            )
         scheduler = engine.scheduler
         schedule = scheduler.state_dict()
         with pause():
@@ -154,6 +161,8 @@ class LossGuard:
         set_lrs(scheduler)
         self.in_row = self.applied_since_rollback = 0
         self.rollbacks += 1
-        self.say(f"loss guard: {self.limit} bad step{'s' * (self.limit > 1)} in a row; weights and optimizer state back to {newest} "
-                 f"(step {state.step}), going on from step {self.step + 1} with the data after the bad batches")
+        self.say(
+            f"loss guard: {self.limit} bad step{'s' * (self.limit > 1)} in a row; weights and optimizer state back to {newest} "
+            f"(step {state.step}), going on from step {self.step + 1} with the data after the bad batches"
+        )
         return None

@@ -23,6 +23,7 @@ from launcher.parallel.degrees import degrees
 from launcher.rank import faults
 from launcher.rank.checkpoint import Checkpointer
 from launcher.rank.engine import Engine, StepResult, local_shard, owners_sum
+from launcher.rank.evaluate import HeldOut, val_metrics
 from launcher.rank.feed import Feed
 from launcher.rank.guard import LossGuard
 from launcher.rank.metrics import RankZeroLogger, Throughput
@@ -31,7 +32,6 @@ from launcher.rank.profiler import StepProfiler
 from launcher.rank.saves import Saves
 from launcher.rank.step import Stepper
 from launcher.rank.straggler import Stragglers
-from launcher.rank.evaluate import HeldOut, val_metrics
 from launcher.rank.watchdog import Watchdog
 
 
@@ -121,17 +121,23 @@ def announce(job: Job, log: RankZeroLogger, step: int, samples_seen: int) -> Non
     cfg = job.cfg
     if job.start_from is not None:
         log.print(f"resumed from {job.start_from} at step {step} ({samples_seen:,} samples seen)")
-    log.print(f"{cfg.recipe.name}: {job.world_size} rank(s) on {job.device.type}, global batch {job.global_batch} "
-              f"({cfg.train.micro_batch} x {job.grad_accum} accum x {job.dp_size} dp), "
-              f"{job.global_batch * cfg.train.seq_len:,} tokens/step")
+    log.print(
+        f"{cfg.recipe.name}: {job.world_size} rank(s) on {job.device.type}, global batch {job.global_batch} "
+        f"({cfg.train.micro_batch} x {job.grad_accum} accum x {job.dp_size} dp), "
+        f"{job.global_batch * cfg.train.seq_len:,} tokens/step"
+    )
     d = degrees(cfg, job.world_size)
     if job.dp_size != job.world_size or recipes.spec(cfg.recipe.strategy).meshed:
-        log.print(f"mesh: pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp} x tp {d.tp}"
-                  + (f"; experts over ep {d.ep} x efsdp {job.world_size // d.ep}" if d.ep > 1 else ""))
+        log.print(
+            f"mesh: pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp} x tp {d.tp}"
+            + (f"; experts over ep {d.ep} x efsdp {job.world_size // d.ep}" if d.ep > 1 else "")
+        )
     if cfg.precision.fp8:
         n = sum(type(m).__name__ == "Float8Linear" for m in job.engine.model.modules())
-        log.print(f"precision=fp8: {n} linear layers in float8 (torchao, rowwise scales"
-                  f"{'; emulated' if cfg.precision.fp8_emulate else ''}), the rest in bf16")
+        log.print(
+            f"precision=fp8: {n} linear layers in float8 (torchao, rowwise scales"
+            f"{'; emulated' if cfg.precision.fp8_emulate else ''}), the rest in bf16"
+        )
 
 
 def throughput(job: Job, log: RankZeroLogger) -> Throughput:
@@ -140,8 +146,9 @@ def throughput(job: Job, log: RankZeroLogger) -> Throughput:
     peak, guessed = peak_flops(job.device, job.compute_dtype, job.cfg.cluster.peak_tflops)
     if guessed:
         log.print(guessed)
-    meter = Throughput(job.global_batch * job.cfg.train.seq_len, job.global_batch, job.flops_per_token,
-                       peak and peak * job.world_size)
+    meter = Throughput(
+        job.global_batch * job.cfg.train.seq_len, job.global_batch, job.flops_per_token, peak and peak * job.world_size
+    )
     reset_peak_memory(job.device)
     return meter
 
@@ -151,8 +158,10 @@ def last_step(cfg: Config, step: int, log: RankZeroLogger) -> int:
     if cfg.train.stop_at is not None and step < cfg.train.stop_at:
         return min(cfg.train.steps, cfg.train.stop_at)
     if cfg.train.stop_at is not None:  # command.sh run again, a requeue: the stop is behind
-        log.print(f"train.stop_at={cfg.train.stop_at} is behind the checkpoint (step {step}): "
-                  f"training on to train.steps={cfg.train.steps}")
+        log.print(
+            f"train.stop_at={cfg.train.stop_at} is behind the checkpoint (step {step}): "
+            f"training on to train.steps={cfg.train.steps}"
+        )
     return cfg.train.steps
 
 
@@ -164,30 +173,57 @@ def step_metrics(job: Job, step: int, result: StepResult, val: dict | None, step
     loss = owners_sum(result.loss, result.loss_owner, device)  # summed over the owners, divided by the slices
     scaled = result.loss_scale is not None
     # One host synchronisation for every scalar, before the rates (it waits for the device).
-    read = host_values(device, loss, result.grad_norm, *((result.loss_scale, stepper.skipped) if scaled else ()),
-                       *(val.values() if val is not None else ()))
-    metrics = {"step": step, "loss": read[0] / slices, "lr": engine.lr(), "grad_norm": read[1],
-               **stepper.meter.rates(), **memory_stats(device), **engine.state_bytes().as_metrics(),
-               **stepper.activations.metrics, **stepper.guard.metrics(), **stepper.stragglers.report(step),
-               **stepper.feed.metrics(step)}
+    read = host_values(
+        device,
+        loss,
+        result.grad_norm,
+        *((result.loss_scale, stepper.skipped) if scaled else ()),
+        *(val.values() if val is not None else ()),
+    )
+    metrics = {
+        "step": step,
+        "loss": read[0] / slices,
+        "lr": engine.lr(),
+        "grad_norm": read[1],
+        **stepper.meter.rates(),
+        **memory_stats(device),
+        **engine.state_bytes().as_metrics(),
+        **stepper.activations.metrics,
+        **stepper.guard.metrics(),
+        **stepper.stragglers.report(step),
+        **stepper.feed.metrics(step),
+    }
     if scaled:
         metrics["loss_scale"] = read[2]
         metrics["skipped_steps"] = int(read[3])
     if val is not None:
-        metrics |= val_metrics(dict(zip(val, read[-len(val):])), slices)
+        metrics |= val_metrics(dict(zip(val, read[-len(val) :])), slices)
     return metrics
 
 
-def finish(job: Job, log: RankZeroLogger, saves: Saves, watchdog: Watchdog, profiler: StepProfiler,
-           stepper: Stepper, steps_run: int, preempted: bool) -> int:
+def finish(
+    job: Job,
+    log: RankZeroLogger,
+    saves: Saves,
+    watchdog: Watchdog,
+    profiler: StepProfiler,
+    stepper: Stepper,
+    steps_run: int,
+    preempted: bool,
+) -> int:
     """The last async save published, summary.json written; the rank's exit code."""
     cfg = job.cfg
     if not saves.settle():  # the last async save, published before the run ends
         return EXIT_CHECKPOINT_FAILED
     watchdog.stop()
     profiler.finish()  # stopped inside the window (preempted, train.stop_at): keep what was recorded
-    summary = summarize(job, log.history, steps_run, digest=cfg.debug.final_digest and not preempted,
-                        skipped_steps=int(stepper.skipped) if cfg.precision.name.value == "fp16" else None)
+    summary = summarize(
+        job,
+        log.history,
+        steps_run,
+        digest=cfg.debug.final_digest and not preempted,
+        skipped_steps=int(stepper.skipped) if cfg.precision.name.value == "fp16" else None,
+    )
     summary["preempted"] = preempted
     summary.update({k.replace("/", "_"): v for k, v in stepper.guard.metrics().items()})  # guard_skipped_steps, ...
     log.finish(summary)
@@ -195,13 +231,14 @@ def finish(job: Job, log: RankZeroLogger, saves: Saves, watchdog: Watchdog, prof
     return EXIT_PREEMPTED if preempted and not job.preemption.interrupted else 0
 
 
-def summarize(job: Job, history: list[dict], steps_run: int, digest: bool = False,
-              skipped_steps: int | None = None) -> dict:
+def summarize(
+    job: Job, history: list[dict], steps_run: int, digest: bool = False, skipped_steps: int | None = None
+) -> dict:
     """Final figures (rank 0's view), every rank's start-up figures and, with `digest`
     (debug.final_digest, and never when the job is being stopped: reading every weight
     would eat the grace period; the checkpoint's manifest holds digests), a digest of each
     rank's weights."""
-    gathered = [None] * job.world_size  # one collective: (digest, start-up figures) of every rank
+    gathered: list = [None] * job.world_size  # one collective: (digest, start-up figures) of every rank
     dist.all_gather_object(gathered, (weights_digest(job.engine) if digest else None, job.startup))
     digests, startups = [g[0] for g in gathered], [g[1] for g in gathered]
     if job.rank != 0:

@@ -31,9 +31,21 @@ from launcher.config import Config, LoggerKind, WandbMode, to_dict
 # The names users, dashboards and tests rely on. Keep them stable. `mfu` joins them where
 # the device's peak is known (launcher/device.py::peak_flops), never above 1.
 STEP_METRICS = (
-    "step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "samples_per_s",
-    "data_wait_frac", "mem/peak_bytes", "mem/reserved_bytes", "mem/params_bytes", "mem/grads_bytes",
-    "mem/optim_bytes", "mem/model_state_bytes", "mem/host_bytes",
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "step_time_s",
+    "tokens_per_s",
+    "samples_per_s",
+    "data_wait_frac",
+    "mem/peak_bytes",
+    "mem/reserved_bytes",
+    "mem/params_bytes",
+    "mem/grads_bytes",
+    "mem/optim_bytes",
+    "mem/model_state_bytes",
+    "mem/host_bytes",
 )
 
 
@@ -109,8 +121,11 @@ class PackMeter:
         counted = torch.tensor([self.counted], dtype=torch.int64)
         dist.all_reduce(counted, group=self.group)  # every rank logs at the same steps
         n, size = samples_seen - self.seen, self.dataset.seq_len
-        out = {"data/tokens_seen": n * size, "data/tokens_trained": int(counted) // self.replicas,
-               "data/packing_efficiency": self.dataset.real_tokens(self.seen, samples_seen) / (n * (size + 1))}
+        out = {
+            "data/tokens_seen": n * size,
+            "data/tokens_trained": int(counted) // self.replicas,
+            "data/packing_efficiency": self.dataset.real_tokens(self.seen, samples_seen) / (n * (size + 1)),
+        }
         self.seen, self.counted = samples_seen, 0
         return out
 
@@ -155,8 +170,14 @@ class RankZeroLogger:
         keep_rows_up_to(run_dir / "metrics.jsonl", start_step)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if self.console.is_terminal:
-            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console)
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
             self.progress.start()
         if LoggerKind.wandb in sinks(cfg):
@@ -185,12 +206,14 @@ class RankZeroLogger:
             for k, v in metrics.items():
                 if k != "step":
                     self.tb.add_scalar(k, v, metrics["step"], new_style=True, double_precision=True)
-        line = (f"step {metrics['step']:>6}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  "
-                f"gnorm {metrics['grad_norm']:.3f}  {metrics['tokens_per_s']:,.0f} tok/s  "
-                + (f"mfu {100 * metrics['mfu']:.1f}%  " if "mfu" in metrics else "")
-                + f"peak {metrics['mem/peak_bytes'] / 2**20:,.0f} MiB"
-                + (f"  skipped {metrics['skipped_steps']} (fp16 overflow)" if metrics.get("skipped_steps") else "")
-                + (f"  val {metrics['val/loss']:.4f}" if "val/loss" in metrics else ""))
+        line = (
+            f"step {metrics['step']:>6}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  "
+            f"gnorm {metrics['grad_norm']:.3f}  {metrics['tokens_per_s']:,.0f} tok/s  "
+            + (f"mfu {100 * metrics['mfu']:.1f}%  " if "mfu" in metrics else "")
+            + f"peak {metrics['mem/peak_bytes'] / 2**20:,.0f} MiB"
+            + (f"  skipped {metrics['skipped_steps']} (fp16 overflow)" if metrics.get("skipped_steps") else "")
+            + (f"  val {metrics['val/loss']:.4f}" if "val/loss" in metrics else "")
+        )
         if self.progress is not None:
             self.progress.update(self.task, completed=metrics["step"], info=f"loss {metrics['loss']:.4f}")
             self.progress.console.print(line, markup=False)
@@ -205,7 +228,9 @@ class RankZeroLogger:
         try:
             self.jsonl.write(json.dumps(metrics) + "\n")
         except OSError as err:
-            print(f"metrics.jsonl: {err.strerror or err}; later rows go to the console only", file=sys.stderr, flush=True)
+            print(
+                f"metrics.jsonl: {err.strerror or err}; later rows go to the console only", file=sys.stderr, flush=True
+            )
             with contextlib.suppress(OSError):
                 self.jsonl.close()
             self.jsonl = None
@@ -224,7 +249,11 @@ class RankZeroLogger:
         try:
             (self.run_dir / "summary.json").write_text(jsonout.dumps(summary, indent=1) + "\n")
         except OSError as err:
-            print(f"summary.json: {err.strerror or err}; the summary above is the run's record", file=sys.stderr, flush=True)
+            print(
+                f"summary.json: {err.strerror or err}; the summary above is the run's record",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.jsonl is not None:
             with contextlib.suppress(OSError):
                 self.jsonl.close()
@@ -275,8 +304,9 @@ def _init_tensorboard(run_dir: Path, start_step: int):
     every 10 s (torch's default is 120): a crash loses little of what metrics.jsonl kept."""
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None,
-                         flush_secs=10)
+    return SummaryWriter(
+        log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None, flush_secs=10
+    )
 
 
 WANDB_INIT_TIMEOUT_S = 30  # online: wandb's default is 90 s of retries before it gives up
@@ -351,12 +381,18 @@ def _init_wandb(cfg: Config, run_dir: Path):
             resume="allow",
             dir=str(run_dir),
             config={**to_dict(cfg), "provenance": provenance.for_wandb(run_dir)},
-            mode=mode,
-            settings=wandb.Settings(console="off", silent=True, disable_git=True, save_code=False,
-                                    x_save_requirements=False, init_timeout=timeout_s,
-                                    # system metrics (GPUs by NVML): W&B's service samples them
-                                    x_disable_stats=cfg.logger.system_metrics_s <= 0,
-                                    x_stats_sampling_interval=max(cfg.logger.system_metrics_s, 0.1)),
+            mode=mode,  # type: ignore[arg-type]  # one of wandb's modes (logger.mode)
+            settings=wandb.Settings(
+                console="off",
+                silent=True,
+                disable_git=True,
+                save_code=False,
+                x_save_requirements=False,
+                init_timeout=timeout_s,
+                # system metrics (GPUs by NVML): W&B's service samples them
+                x_disable_stats=cfg.logger.system_metrics_s <= 0,
+                x_stats_sampling_interval=max(cfg.logger.system_metrics_s, 0.1),
+            ),
         )
 
     mode = wandb_mode(cfg)
@@ -367,12 +403,18 @@ def _init_wandb(cfg: Config, run_dir: Path):
         if mode != "online":
             print(f"W&B could not start ({why}); this run goes on without W&B", file=sys.stderr, flush=True)
             return None
-        print(f"W&B could not start online ({why}); logging offline to {run_dir / 'wandb'} "
-              f"(wandb sync it later)", file=sys.stderr, flush=True)
+        print(
+            f"W&B could not start online ({why}); logging offline to {run_dir / 'wandb'} (wandb sync it later)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         wandb.teardown()  # the failed start still holds the run id in W&B's service process
         return start("offline")
     except Exception as e:  # noqa: BLE001
-        print(f"W&B could not start offline either ({e.__class__.__name__}); this run goes on without W&B",
-              file=sys.stderr, flush=True)
+        print(
+            f"W&B could not start offline either ({e.__class__.__name__}); this run goes on without W&B",
+            file=sys.stderr,
+            flush=True,
+        )
         return None

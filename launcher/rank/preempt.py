@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from launcher import runlock
-from launcher.exits import EXIT_INTERRUPTED, EXIT_PREEMPTED, PREEMPTED_MARKER as MARKER
+from launcher.exits import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from launcher.exits import PREEMPTED_MARKER as MARKER
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 AGAIN_S = 1.0
@@ -50,7 +51,7 @@ class Preemption:
         self.next_check: int | None = None  # the step after which the ranks next agree
         self.checked: tuple[int, float] | None = None  # (step, time.perf_counter()) of the last check
 
-    def install(self, early: list[int] = ()) -> "Preemption":
+    def install(self, early: tuple[int, ...] | list[int] = ()) -> "Preemption":
         """The handlers; `early`: stop signals recorded before this (launcher/rank/__main__.py::EARLY_STOPS).
 
         Before the first step a stop signal ends the rank at once (`_stop_before_training`):
@@ -71,8 +72,8 @@ class Preemption:
                     self._stop_before_training(data[0])
 
         threading.Thread(target=woken, name="stop-signals", daemon=True).start()
-        for sig in early:
-            self._handler(sig, None)
+        for early_sig in early:
+            self._handler(early_sig, None)
         self.watch_launcher()
         return self
 
@@ -154,8 +155,17 @@ class Preemption:
     def write_marker(self, run_dir: Path, step: int | None, checkpoint: Path | None) -> None:
         """preempted.json; no step (and no checkpoint) when the stop came before the first step."""
         name = signal.Signals(self.signal).name if self.signal else "unknown"
-        (run_dir / MARKER).write_text(json.dumps({"step": step, "signal": name, "time": time.time(),
-                                                  "checkpoint": str(checkpoint) if checkpoint else None}) + "\n")
+        (run_dir / MARKER).write_text(
+            json.dumps(
+                {
+                    "step": step,
+                    "signal": name,
+                    "time": time.time(),
+                    "checkpoint": str(checkpoint) if checkpoint else None,
+                }
+            )
+            + "\n"
+        )
 
 
 def next_check_in(step_us: int) -> int:

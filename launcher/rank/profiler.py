@@ -55,8 +55,12 @@ class StepProfiler:
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self.folder.mkdir(parents=True, exist_ok=True)
         self.memory = record_memory_history(self.device)
-        self.prof = profile(activities=profiler_activities(self.device), record_shapes=self.cfg.record_shapes,
-                            profile_memory=self.cfg.profile_memory, with_stack=self.cfg.with_stack)
+        self.prof = profile(
+            activities=profiler_activities(self.device),
+            record_shapes=self.cfg.record_shapes,
+            profile_memory=self.cfg.profile_memory,
+            with_stack=self.cfg.with_stack,
+        )
         before = torch.empty(16) if self.cfg.profile_memory else None  # a block the profiler did not see allocated
         self.prof.start()
         if before is not None:

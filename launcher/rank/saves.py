@@ -31,8 +31,10 @@ class Saves:
         if self.ckpt.saver is None or step != self.first + 1:
             return
         warmed = self.ckpt.saver.warm(self.job.engine)
-        self.log.print(f"checkpoint.async_save: {warmed[0] / 2**20:,.0f} MiB of host memory staged in "
-                       f"{warmed[1]:.1f} s on rank 0 (each save copies into it, then writes in the background)")
+        self.log.print(
+            f"checkpoint.async_save: {warmed[0] / 2**20:,.0f} MiB of host memory staged in "
+            f"{warmed[1]:.1f} s on rank 0 (each save copies into it, then writes in the background)"
+        )
         self.meter.start += warmed[1]
 
     def poll(self) -> int | None:
@@ -67,8 +69,10 @@ class Saves:
             job.preemption.write_marker(job.run_dir, step, self.saved_at)
         dist.barrier()
         how = "Ctrl-C" if job.preemption.interrupted else "stop signal"
-        self.log.print(f"{how}: saved {self.saved_at} after step {step}; "
-                       f"exiting as {'interrupted' if job.preemption.interrupted else 'preempted'}")
+        self.log.print(
+            f"{how}: saved {self.saved_at} after step {step}; "
+            f"exiting as {'interrupted' if job.preemption.interrupted else 'preempted'}"
+        )
         return None
 
     def save(self, step: int, samples_seen: int) -> Path | None:
@@ -80,11 +84,14 @@ class Saves:
             with self.watchdog.paused():
                 saved = self.ckpt.save(step, samples_seen, self.job.engine)
         except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            return self.failed(err, step)
+            self.failed(err, step)
+            return None
         t = self.ckpt.timing
         if self.ckpt.saver is None:
-            self.log.print(f"checkpoint {saved} (write {t['write_s']:.1f} s, digests {t['digests_s']:.1f} s, "
-                           f"publish {t['publish_s']:.1f} s)")
+            self.log.print(
+                f"checkpoint {saved} (write {t['write_s']:.1f} s, digests {t['digests_s']:.1f} s, "
+                f"publish {t['publish_s']:.1f} s)"
+            )
         else:
             self.log.print(f"checkpoint {saved}: staged in {t['stage_s']:.1f} s, writing in the background")
         self.saved_at = saved
@@ -105,8 +112,10 @@ class Saves:
             return False
         if finished is not None:
             t = self.ckpt.timing
-            self.log.print(f"checkpoint {self.ckpt.root / step_name(finished)} written in the background (write "
-                           f"{t['write_s']:.1f} s, digests {t['digests_s']:.1f} s, publish {t['publish_s']:.1f} s)")
+            self.log.print(
+                f"checkpoint {self.ckpt.root / step_name(finished)} written in the background (write "
+                f"{t['write_s']:.1f} s, digests {t['digests_s']:.1f} s, publish {t['publish_s']:.1f} s)"
+            )
         return True
 
     def failed(self, err: BaseException, step: int) -> None:
@@ -119,14 +128,17 @@ class Saves:
         ckpt, job = self.ckpt, self.job
         cause = write_failure_cause(write, ckpt.root)
         last = (whole(ckpt.root, ckpt.run_id) or [None])[-1]
-        message = (f"checkpoint at step {step} could not be written on rank {job.rank}: {cause}; stopping. "
-                   + (f"The last complete checkpoint, {last}, is untouched." if last else
-                      "No complete checkpoint was written before it, so there is nothing to resume."))
+        message = f"checkpoint at step {step} could not be written on rank {job.rank}: {cause}; stopping. " + (
+            f"The last complete checkpoint, {last}, is untouched."
+            if last
+            else "No complete checkpoint was written before it, so there is nothing to resume."
+        )
         print(message, file=sys.stderr, flush=True)
         ckpt.discard_partial(step)
         try:  # the launcher reads it; on a full disk it may stay empty, and the launcher copes
             (job.run_dir / CHECKPOINT_FAILED_MARKER).write_text(
-                json.dumps({"message": message, "cause": cause, "step": step}) + "\n")
+                json.dumps({"message": message, "cause": cause, "step": step}) + "\n"
+            )
         except OSError:
             pass  # the run directory may be on the same full disk: the message above stands
         self.watchdog.stop()

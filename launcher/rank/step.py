@@ -16,7 +16,14 @@ from launcher.rank.engine import StepResult
 class Stepper:
     def __init__(self, job, feed, meter, watchdog, guard, stragglers, log, first: int, last: int):
         self.job, self.feed, self.meter, self.watchdog, self.guard, self.stragglers, self.log = (
-            job, feed, meter, watchdog, guard, stragglers, log)
+            job,
+            feed,
+            meter,
+            watchdog,
+            guard,
+            stragglers,
+            log,
+        )
         self.activations = Activations(job.cfg.train.measure_activations, first, last)
         self.skipped = 0  # fp16: steps the loss scaler skipped on overflow, this launch
 
@@ -30,8 +37,11 @@ class Stepper:
         self.guard.step = step
 
         def attempt(batches: list) -> StepResult:
-            with (self.stragglers.timed(logged, feed.fetched), counting(per_call(feed.counted, job, len(batches))),
-                  self.activations.measured(step, job.engine)):
+            with (
+                self.stragglers.timed(logged, feed.fetched),
+                counting(per_call(feed.counted, job, len(batches))),
+                self.activations.measured(step, job.engine),
+            ):
                 return job.engine.train_step(batches)
 
         result = backoff.stepped(job, step, micro_batches, attempt, feed.restart, self.log)

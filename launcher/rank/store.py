@@ -20,6 +20,13 @@ def job_store(rank: int | None, world_size: int, timeout_s: float) -> dist.Store
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     host = rank == 0 and not agent_hosts
-    base = dist.TCPStore(addr, port, world_size if host else None, is_master=host,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False, multi_tenant=host)
+    base = dist.TCPStore(
+        addr,
+        port,
+        world_size if host else None,
+        is_master=host,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        multi_tenant=host,
+    )
     return dist.PrefixStore(f"launcher/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", base)

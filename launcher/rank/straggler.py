@@ -57,7 +57,12 @@ class Stragglers:
 
     def __init__(self, cfg, engine, device: torch.device, rank: int, world_size: int, say):
         self.factor, self.rank, self.world, self.say, self.device = (
-            cfg.train.straggler_factor, rank, world_size, say, device)
+            cfg.train.straggler_factor,
+            rank,
+            world_size,
+            say,
+            device,
+        )
         d = degrees(cfg, world_size)
         self.on = bool(self.factor) and world_size > d.pp  # some stage has two ranks to compare
         self.stage = d.coords(rank)[0]
@@ -102,8 +107,7 @@ class Stragglers:
             else:
                 span[1] = time.perf_counter()
 
-        handles = [h for m in self.modules
-                   for h in (m.register_forward_pre_hook(start), m.register_forward_hook(end))]
+        handles = [h for m in self.modules for h in (m.register_forward_pre_hook(start), m.register_forward_hook(end))]
         try:
             yield
         finally:
@@ -136,12 +140,19 @@ class Stragglers:
         ratio = work / median if median > 0 else float("inf")
         peers = sum(row[2] == rows[r][2] for row in rows) - 1
         if ratio > self.factor:
-            self.say(f"straggler: rank {r} (host {self.hosts[r]}) at step {step}: {work * 1e3:,.1f} ms of forward "
-                     f"compute and data wait, {ratio:.2f}x the median {median * 1e3:,.1f} ms of the {peers} other "
-                     f"rank(s) doing its work (train.straggler_factor={self.factor:g})")
-        return {"rank/slowest": r, "rank/slowest_lag_s": work - median, "rank/slowest_ratio": ratio,
-                "rank/compute_s_median": statistics.median(row[0] for row in rows),
-                "rank/compute_s_max": max(row[0] for row in rows), "rank/data_s_max": max(row[1] for row in rows)}
+            self.say(
+                f"straggler: rank {r} (host {self.hosts[r]}) at step {step}: {work * 1e3:,.1f} ms of forward "
+                f"compute and data wait, {ratio:.2f}x the median {median * 1e3:,.1f} ms of the {peers} other "
+                f"rank(s) doing its work (train.straggler_factor={self.factor:g})"
+            )
+        return {
+            "rank/slowest": r,
+            "rank/slowest_lag_s": work - median,
+            "rank/slowest_ratio": ratio,
+            "rank/compute_s_median": statistics.median(row[0] for row in rows),
+            "rank/compute_s_max": max(row[0] for row in rows),
+            "rank/data_s_max": max(row[1] for row in rows),
+        }
 
 
 def slowest(rows: list[list[float]]) -> tuple[int, float, float] | None:

@@ -34,6 +34,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from launcher.exits import COMM_TRACE, EXIT_HANG, HANG_MARKER, HANG_STACKS
 
@@ -47,7 +48,7 @@ class Watchdog:
         self.last_progress = time.monotonic()
         self.active = False  # only between steps of the loop: not during start-up or saves
         self.prefix = "launcher/progress/"
-        self._store = None
+        self._store: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="launcher-watchdog", daemon=True)
 
@@ -93,9 +94,18 @@ class Watchdog:
 
     def _publish(self, stalled: float) -> None:
         try:
-            self._store.set(f"{self.prefix}{self.rank}", json.dumps(
-                {"step": self.step, "phase": self.phase, "stalled": stalled, "at": time.time(),
-                 "collectives": collectives_entered()}))
+            self._store.set(
+                f"{self.prefix}{self.rank}",
+                json.dumps(
+                    {
+                        "step": self.step,
+                        "phase": self.phase,
+                        "stalled": stalled,
+                        "at": time.time(),
+                        "collectives": collectives_entered(),
+                    }
+                ),
+            )
         except Exception:  # the store's host may be gone: nothing to publish to
             pass
 
@@ -125,15 +135,28 @@ class Watchdog:
         if self.rank == 0:
             dumped = self._await_stacks(set(range(self.world_size)) - set(verdict["frozen"]), fired)
             if stacks is not None:
-                message += (f"; Python stacks of rank(s) {', '.join(map(str, dumped))} in {stacks.parent}/rank<N>.txt"
-                            + (f" (none from the stopped rank(s) {', '.join(map(str, verdict['frozen']))})"
-                               if verdict["frozen"] else ""))
+                message += (
+                    f"; Python stacks of rank(s) {', '.join(map(str, dumped))} in {stacks.parent}/rank<N>.txt"
+                    + (
+                        f" (none from the stopped rank(s) {', '.join(map(str, verdict['frozen']))})"
+                        if verdict["frozen"]
+                        else ""
+                    )
+                )
             print(message, file=sys.stderr, flush=True)
             try:
-                (self.run_dir / HANG_MARKER).write_text(json.dumps(
-                    {"message": message, "step": self.step + 1, **{k: v for k, v in verdict.items() if k != "text"},
-                     "comm_trace": str(trace.parent) if trace else None,
-                     "stacks": str(stacks.parent) if stacks else None}) + "\n")
+                (self.run_dir / HANG_MARKER).write_text(
+                    json.dumps(
+                        {
+                            "message": message,
+                            "step": self.step + 1,
+                            **{k: v for k, v in verdict.items() if k != "text"},
+                            "comm_trace": str(trace.parent) if trace else None,
+                            "stacks": str(stacks.parent) if stacks else None,
+                        }
+                    )
+                    + "\n"
+                )
             except OSError:
                 pass
         else:
@@ -144,7 +167,6 @@ class Watchdog:
             while not _written_since(self.run_dir / HANG_MARKER, fired - 60) and time.monotonic() < deadline:
                 time.sleep(0.1)
         os._exit(EXIT_HANG)
-
 
     def _await_stacks(self, running: set[int], fired: float) -> list[int]:
         """Rank 0, before it ends the job: the ranks whose stacks are written for this hang,
@@ -198,21 +220,34 @@ def diagnose(table: dict[int, dict], step: int, world_size: int, now: float, sta
     lagging = [r for r, p in position.items() if p == behind] if len(set(position.values())) > 1 else []
     waiting, short = collective_positions({r: t.get("collectives") for r, t in table.items() if r not in frozen})
     silent = sorted(set(frozen) | set(lagging) | set(short))
-    where = {r: f"{'waiting for data after' if p[1] == 0 else 'inside the step after'} step {p[0]}"
-             for r, p in position.items()}
+    where = {
+        r: f"{'waiting for data after' if p[1] == 0 else 'inside the step after'} step {p[0]}"
+        for r, p in position.items()
+    }
     for r, (group, entered, top) in short.items():
         where[r] += f", has entered {entered} collectives of process group {group}, the others {top}"
     for r, (group, pending) in waiting.items():
         if r not in short:
             where[r] += f", waiting in collective {pending} of process group {group}"
     for r in frozen:  # its process does not run (stopped, swapped out, gone): not merely behind
-        where[r] = (f"no heartbeat for {now - table[r]['at']:.0f}s (process stopped or gone; last: {where[r]})"
-                    if r in where else "no heartbeat ever (process stopped or gone before its first)")
-    who = (f"rank(s) {', '.join(map(str, silent))}" if silent
-           else f"none behind: all {world_size} ranks are stuck inside step {behind[0] + 1}")
+        where[r] = (
+            f"no heartbeat for {now - table[r]['at']:.0f}s (process stopped or gone; last: {where[r]})"
+            if r in where
+            else "no heartbeat ever (process stopped or gone before its first)"
+        )
+    who = (
+        f"rank(s) {', '.join(map(str, silent))}"
+        if silent
+        else f"none behind: all {world_size} ranks are stuck inside step {behind[0] + 1}"
+    )
     text = f"silent: {who}; " + "; ".join(f"rank {r} {w}" for r, w in sorted(where.items()))
-    return {"silent": silent, "frozen": sorted(frozen), "behind": lagging,
-            "behind_in_collectives": sorted(short), "text": text}
+    return {
+        "silent": silent,
+        "frozen": sorted(frozen),
+        "behind": lagging,
+        "behind_in_collectives": sorted(short),
+        "text": text,
+    }
 
 
 def collective_positions(counts: dict[int, dict | None]) -> tuple[dict[int, tuple], dict[int, tuple]]:
@@ -240,11 +275,12 @@ def collectives_entered() -> dict[str, list[int]] | None:
     """{process group id: [collectives entered, collectives completed]} on this rank, from
     torch's flight recorder (0.2 ms); None when it is off or this torch has none."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]  # private, checked
 
         status = json.loads(_dump_fr_trace_json(includeCollectives=False)).get("pg_status") or {}
-        return {g: [int(s["last_enqueued_collective"]), int(s["last_completed_collective"])]
-                for g, s in status.items()} or None
+        return {
+            g: [int(s["last_enqueued_collective"]), int(s["last_completed_collective"])] for g, s in status.items()
+        } or None
     except Exception:  # no recorder in this build, or a format this code does not know
         return None
 
@@ -255,7 +291,7 @@ def write_flight_record(run_dir: Path, rank: int) -> Path | None:
     NCCL's own timeout dump, which `python -m torch.distributed.flight_recorder.fr_trace
     RUN_DIR/comm_trace` reads. Written for the user's tools; the launcher never loads it."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace
+        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]  # private, checked
 
         if not collectives_entered():
             return None

@@ -7,6 +7,12 @@ gradients 4Ψ, Adam moments 8Ψ: 16Ψ bytes, the same on every rank.
 
 from recipes import Holding, Parallelism, RecipeSpec
 
-SPEC = RecipeSpec(Parallelism(cp=True, ep=True), engine="recipes.ddp.engine", reads=("ddp", "dcp"), fp16=True,
-                  fp8=True, holds=lambda recipe: Holding(grad_buckets=True))
+SPEC = RecipeSpec(
+    Parallelism(cp=True, ep=True),
+    engine="recipes.ddp.engine",
+    reads=("ddp", "dcp"),
+    fp16=True,
+    fp8=True,
+    holds=lambda recipe: Holding(grad_buckets=True),
+)
 """Replicated: the whole model, its gradients and optimizer states on every rank."""

@@ -15,12 +15,23 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher import models
-from launcher.parallel import degrees as D
 from launcher.device import autocast_dtype
+from launcher.parallel import degrees as D
 from launcher.parallel.experts import expert_param_names, join_expert_files, own_rows
-from launcher.rank.engine import (BuildContext, Engine, MemoryBreakdown, StepResult, autocast, build_optimizer,
-                                  build_scheduler, evaluate, load_trained, optimizer_state_bytes, tensor_bytes,
-                                  trained_state)
+from launcher.rank.engine import (
+    BuildContext,
+    Engine,
+    MemoryBreakdown,
+    StepResult,
+    autocast,
+    build_optimizer,
+    build_scheduler,
+    evaluate,
+    load_trained,
+    optimizer_state_bytes,
+    tensor_bytes,
+    trained_state,
+)
 
 
 def no_buffer_sync() -> dict:
@@ -125,7 +136,9 @@ class DDPEngine(Engine):
         from launcher.parallel.mesh import clip_grad_norm
 
         experts = {id(p) for p in self.experts}
-        return clip_grad_norm(self.params, self.clip, lambda p: self.world // self.ep if id(p) in experts else self.world)
+        return clip_grad_norm(
+            self.params, self.clip, lambda p: self.world // self.ep if id(p) in experts else self.world
+        )
 
     def _wrap(self) -> DDP:
         opts = self.cfg.recipe.ddp
@@ -188,8 +201,9 @@ class DDPEngine(Engine):
         """This rank's files: rank 0 the model (less the experts under ep) and the optimizer;
         under ep, the holders of each ep rank's experts (the first group) those experts and
         their optimizer states (`experts_file`). `meta`: only the names."""
-        names = (["model.pt", "optim.pt"] if self.rank == 0 else []) + \
-            ([experts_file(self.ep_rank, self.ep)] if self.expert_group is not None and self.expert_holder else [])
+        names = (["model.pt", "optim.pt"] if self.rank == 0 else []) + (
+            [experts_file(self.ep_rank, self.ep)] if self.expert_group is not None and self.expert_holder else []
+        )
         if meta or not names:
             return dict.fromkeys(names)
         experts = set(expert_param_names(self.module)) if self.expert_group is not None else set()
@@ -198,13 +212,19 @@ class DDPEngine(Engine):
         if self.rank == 0:
             model = {k: v for k, v in trained_state(self.module).items() if k not in experts}
             files["model.pt"] = model
-            files["optim.pt"] = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
-                                 "scaler": self.scaler.state_dict() if self.scaler else None}
+            files["optim.pt"] = {
+                "optimizer": optimizer,
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler else None,
+            }
         if len(names) > len(files):
             index = self._param_index()
-            files[names[-1]] = {"model": {n: self.module.get_parameter(n).detach() for n in sorted(experts)},
-                                "optim": {index[n]: optimizer["state"][index[n]] for n in sorted(experts)
-                                          if index[n] in optimizer["state"]}}
+            files[names[-1]] = {
+                "model": {n: self.module.get_parameter(n).detach() for n in sorted(experts)},
+                "optim": {
+                    index[n]: optimizer["state"][index[n]] for n in sorted(experts) if index[n] in optimizer["state"]
+                },
+            }
         return files
 
     def _param_index(self) -> dict[str, int]:
@@ -222,8 +242,10 @@ class DDPEngine(Engine):
             from launcher.parallel import dcp
 
             if self.expert_group is not None:
-                raise RuntimeError(f"{path} is a DCP checkpoint: ddp reads it at parallel.ep=1 only (its experts whole); "
-                                   f"resume it with recipe=fsdp at any ep")
+                raise RuntimeError(
+                    f"{path} is a DCP checkpoint: ddp reads it at parallel.ep=1 only (its experts whole); "
+                    f"resume it with recipe=fsdp at any ep"
+                )
 
             dcp.load(path, self.module, self.optimizer, self.scheduler, self.cfg)
             dist.barrier()
@@ -238,7 +260,9 @@ class DDPEngine(Engine):
                 model[name] = own_rows(model[name], self.ep, self.ep_rank)
                 if index[name] in state["optimizer"]["state"]:
                     mine = state["optimizer"]["state"][index[name]]
-                    state["optimizer"]["state"][index[name]] = {k: own_rows(v, self.ep, self.ep_rank) for k, v in mine.items()}
+                    state["optimizer"]["state"][index[name]] = {
+                        k: own_rows(v, self.ep, self.ep_rank) for k, v in mine.items()
+                    }
         load_trained(self.module, model)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -19,9 +19,21 @@ def fsdp_holds(recipe) -> Holding:
     """The planner's formula: parameters, gradients and Adam states sharded over the
     data-parallel ranks (16Ψ/N); recipe.fsdp.cpu_offload keeps them on the host. Its
     engine frees the gradients after each step (Holding.grads_freed)."""
-    return Holding(shard="zero3", fsdp=True, offload_optim=recipe.fsdp.cpu_offload,
-                   offload_params=recipe.fsdp.cpu_offload, grads_freed=True)
+    return Holding(
+        shard="zero3",
+        fsdp=True,
+        offload_optim=recipe.fsdp.cpu_offload,
+        offload_params=recipe.fsdp.cpu_offload,
+        grads_freed=True,
+    )
 
 
-SPEC = RecipeSpec(Parallelism(shards=True, cp=True, ep=True), engine="recipes.fsdp.engine", builds_on_meta=True, writes="dcp",
-                  reads=("ddp", "dcp"), fp8=True, holds=fsdp_holds)
+SPEC = RecipeSpec(
+    Parallelism(shards=True, cp=True, ep=True),
+    engine="recipes.fsdp.engine",
+    builds_on_meta=True,
+    writes="dcp",
+    reads=("ddp", "dcp"),
+    fp8=True,
+    holds=fsdp_holds,
+)

@@ -12,14 +12,24 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import recipes
-from launcher.parallel import degrees as D
-from launcher.parallel import dcp
 from launcher import models
 from launcher.device import autocast_dtype
 from launcher.models import model_layout
-from launcher.rank.engine import (BuildContext, Engine, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
-                                  evaluate, optimizer_state_bytes, tensor_bytes)
-from launcher.parallel.mesh import allreduce_grads, build_mesh, clip_grad_norm, parallelize, match_grad_layouts
+from launcher.parallel import dcp
+from launcher.parallel import degrees as D
+from launcher.parallel.mesh import allreduce_grads, build_mesh, clip_grad_norm, match_grad_layouts, parallelize
+from launcher.rank.engine import (
+    BuildContext,
+    Engine,
+    MemoryBreakdown,
+    StepResult,
+    autocast,
+    build_optimizer,
+    build_scheduler,
+    evaluate,
+    optimizer_state_bytes,
+    tensor_bytes,
+)
 
 
 class ShardedEngine(Engine):
@@ -83,12 +93,18 @@ class ShardedEngine(Engine):
     def state_bytes(self) -> MemoryBreakdown:
         """This rank's shards: parameters, the gradients as they stood at the last
         optimizer step (freed after it), and the optimizer states."""
-        return MemoryBreakdown(params=tensor_bytes(self.params) + tensor_bytes(self.frozen), grads=self.grad_bytes,
-                               optim=optimizer_state_bytes(self.optimizer), where=dict(self.where))
+        return MemoryBreakdown(
+            params=tensor_bytes(self.params) + tensor_bytes(self.frozen),
+            grads=self.grad_bytes,
+            optim=optimizer_state_bytes(self.optimizer),
+            where=dict(self.where),
+        )
 
     # -------------------------------------------------------------------------- state
     def save(self, path: Path, staging=None):
-        return dcp.save(path, self.model, self.optimizer, self.scheduler, model_layout(self.model).tied_names(), self.rank, staging)
+        return dcp.save(
+            path, self.model, self.optimizer, self.scheduler, model_layout(self.model).tied_names(), self.rank, staging
+        )
 
     def warm(self, staging):
         return dcp.warm(self.model, self.optimizer, model_layout(self.model).tied_names(), staging)

@@ -26,7 +26,12 @@ head), its matrices divided by tp.
 
 from recipes import Parallelism, RecipeSpec
 
-SPEC = RecipeSpec(Parallelism(tp=True, pp=True, required=("pp",)), engine="recipes.pp.engine", builds_on_meta=True,
-                  writes="dcp", reads=("ddp", "dcp"))
+SPEC = RecipeSpec(
+    Parallelism(tp=True, pp=True, required=("pp",)),
+    engine="recipes.pp.engine",
+    builds_on_meta=True,
+    writes="dcp",
+    reads=("ddp", "dcp"),
+)
 """Each pipeline rank holds its stages' layers (the planner's param_share by stage), split
 tp ways where parallel.tp > 1."""

@@ -11,23 +11,32 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-import recipes
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+import recipes
 from launcher import config as C
-from launcher.parallel import degrees as D
-from launcher.parallel import dcp
 from launcher import models
 from launcher.device import autocast_dtype
-from launcher.rank.engine import (BuildContext, Engine, MemoryBreakdown, StepResult, autocast, build_optimizer, build_scheduler,
-                                  local_shard, optimizer_state_bytes, tensor_bytes)
 from launcher.models import Layout, model_layout, model_shape
 from launcher.models.gpt import lm_loss
 from launcher.models.init import is_dtensor
+from launcher.parallel import dcp
+from launcher.parallel import degrees as D
 from launcher.parallel.cuts import Stage, apply_tp, stage_bounds
 from launcher.parallel.mesh import allreduce_grads, apply_fsdp, build_mesh, clip_grad_norm, match_grad_layouts
+from launcher.rank.engine import (
+    BuildContext,
+    Engine,
+    MemoryBreakdown,
+    StepResult,
+    autocast,
+    build_optimizer,
+    build_scheduler,
+    local_shard,
+    optimizer_state_bytes,
+    tensor_bytes,
+)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -59,8 +68,10 @@ class PipelineEngine(Engine):
             if self.sharded:
                 apply_fsdp(chunk, mesh["dp_shard"], cfg, mesh.device_type)
         models.materialize(full, cfg, ctx.device)
-        self.stages = [PipelineStage(chunk, s, n_stages, ctx.device, group=mesh["pp"].get_group())
-                       for chunk, s in zip(chunks, mine)]
+        self.stages = [
+            PipelineStage(chunk, s, n_stages, ctx.device, group=mesh["pp"].get_group())
+            for chunk, s in zip(chunks, mine)
+        ]
 
         schedule = SCHEDULES[p.pp_schedule.value]
         target = self.stages if schedule is ScheduleInterleaved1F1B else self.stages[0]
@@ -132,8 +143,9 @@ class PipelineEngine(Engine):
             allreduce_grads(self.params, self.dp_group, self.deg.dp_replicate)
         # A stage's plain tensors are held by its dp replicas (DTensors say their own
         # copies); the head copy is counted on the first stage.
-        grad_norm = clip_grad_norm(self.params, self.clip, stages=self.deg.pp,
-                                   copies=lambda q: 0 if q is self.head_copy else self.deg.dp)
+        grad_norm = clip_grad_norm(
+            self.params, self.clip, stages=self.deg.pp, copies=lambda q: 0 if q is self.head_copy else self.deg.dp
+        )
         self.grad_bytes = tensor_bytes(q.grad for q in self.params)
         loss = torch.stack([v.detach() for v in losses]).mean() if self.last else torch.zeros((), device=self.device)
         if self.guard.admit(loss, self.loss_owner, grad_norm):  # train.max_bad_steps
@@ -162,8 +174,9 @@ class PipelineEngine(Engine):
     def state_bytes(self) -> MemoryBreakdown:
         """This rank's stage(s): parameters, the gradients as they stood at the last
         optimizer step, the Adam states."""
-        return MemoryBreakdown(params=tensor_bytes(self.params), grads=self.grad_bytes,
-                               optim=optimizer_state_bytes(self.optimizer))
+        return MemoryBreakdown(
+            params=tensor_bytes(self.params), grads=self.grad_bytes, optim=optimizer_state_bytes(self.optimizer)
+        )
 
     # -------------------------------------------------------------------------- state
     def save(self, path: Path, staging=None):
@@ -178,9 +191,11 @@ class PipelineEngine(Engine):
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         # Each stage's shards gathered within the stage (every rank of it walks the same
         # names in the same order), then the stages' tensors joined.
-        mine = {k: (v.full_tensor() if is_dtensor(v) else v).detach().float().cpu()
-                for k, v in self.model.state_dict().items()}
-        parts = [None] * dist.get_world_size()
+        mine = {
+            k: (v.full_tensor() if is_dtensor(v) else v).detach().float().cpu()
+            for k, v in self.model.state_dict().items()
+        }
+        parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
         full = {k: v for part in parts for k, v in part.items()}
         if self.layout.tied:

@@ -39,9 +39,20 @@ def holds(recipe) -> Holding:
     and keeps only the buffers launcher.planner.footprint.grads_kept counts."""
     z = recipe.zero
     offload = z.offload_optimizer.value != "none"
-    return Holding(shard=f"zero{z.stage}" if z.stage else "none", offload_optim=offload,
-                   offload_params=z.offload_param.value != "none", grads_freed=z.stage > 0 and not offload)
+    return Holding(
+        shard=f"zero{z.stage}" if z.stage else "none",
+        offload_optim=offload,
+        offload_params=z.offload_param.value != "none",
+        grads_freed=z.stage > 0 and not offload,
+    )
 
 
-SPEC = RecipeSpec(engine="recipes.zero.engine", writes="deepspeed", reads=("deepspeed",), holds=holds, fp16=True,
-                  deepspeed=True, preload=import_deepspeed)
+SPEC = RecipeSpec(
+    engine="recipes.zero.engine",
+    writes="deepspeed",
+    reads=("deepspeed",),
+    holds=holds,
+    fp16=True,
+    deepspeed=True,
+    preload=import_deepspeed,
+)

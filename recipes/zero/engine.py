@@ -17,12 +17,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from launcher import models
 from launcher.manifest import root_of
 from launcher.parallel import ds_config
-from launcher import models
-from launcher.rank.engine import (BuildContext, Engine, MemoryBreakdown, StepResult, build_scheduler, evaluate,
-                                  param_groups)
 from launcher.planner.zero import zero_states
+from launcher.rank.engine import (
+    BuildContext,
+    Engine,
+    MemoryBreakdown,
+    StepResult,
+    build_scheduler,
+    evaluate,
+    param_groups,
+)
 from launcher.untrusted import weights_only_loads
 from recipes.zero import import_deepspeed
 
@@ -71,7 +78,13 @@ class ZeroEngine(Engine):
         # it). On a CPU it builds a shared-memory op and prints so on stdout, once per rank.
         with contextlib.redirect_stdout(io.StringIO()):
             deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
-        low = torch.bfloat16 if self.config["bf16"]["enabled"] else torch.float16 if self.config["fp16"]["enabled"] else None
+        low = (
+            torch.bfloat16
+            if self.config["bf16"]["enabled"]
+            else torch.float16
+            if self.config["fp16"]["enabled"]
+            else None
+        )
         if self.stage == 3:  # partitioned as it is built: no rank ever holds the whole model
             with deepspeed.zero.Init(config_dict_or_path=self.config):  # made in the dtype it keeps
                 model = models.prepare(models.skeleton(cfg, ctx.device, low), cfg)
@@ -126,8 +139,7 @@ class ZeroEngine(Engine):
         if self.config["fp16"]["enabled"]:
             scale = float(self.optimizer.loss_scale)  # fp16 (CUDA only): the dynamic loss scale after this step
             skipped = not self.engine.was_step_applied()
-        return StepResult(loss=total / len(micro_batches), grad_norm=grad_norm, skipped=bool(skipped),
-                          loss_scale=scale)
+        return StepResult(loss=total / len(micro_batches), grad_norm=grad_norm, skipped=bool(skipped), loss_scale=scale)
 
     def _guarded(self, why: str | None, loss: float | None) -> None:
         """train.max_bad_steps: what DeepSpeed did with the step, to the guard. A step it
@@ -169,13 +181,15 @@ class ZeroEngine(Engine):
         held = StagedFiles(own, staging) if staging is not None else None
         self.engine.checkpoint_engine = held or own
         try:
-            self.engine.save_checkpoint(str(path), tag=TAG, client_state=dict(UNIVERSAL_INFO), save_latest=False,
-                                        exclude_frozen_parameters=True)  # model.lora: the base is model.pretrained
+            self.engine.save_checkpoint(
+                str(path), tag=TAG, client_state=dict(UNIVERSAL_INFO), save_latest=False, exclude_frozen_parameters=True
+            )  # model.lora: the base is model.pretrained
         finally:
             self.engine.checkpoint_engine = own
         if self.rank == 0:
-            (path / META).write_text(json.dumps({"world_size": self.world_size, "stage": self.stage,
-                                                 "tag": TAG}) + "\n")
+            (path / META).write_text(
+                json.dumps({"world_size": self.world_size, "stage": self.stage, "tag": TAG}) + "\n"
+            )
         return held.write if held is not None else None
 
     def warm(self, staging):
@@ -207,8 +221,11 @@ class ZeroEngine(Engine):
             shutil.rmtree(scratch, ignore_errors=True)
             scratch.mkdir(parents=True)
             to_universal(path / TAG, scratch / TAG)
-            print(f"resharding a checkpoint of {saved_world} rank(s) onto {self.world_size} "
-                  f"(DeepSpeed universal checkpoint in {scratch})", flush=True)
+            print(
+                f"resharding a checkpoint of {saved_world} rank(s) onto {self.world_size} "
+                f"(DeepSpeed universal checkpoint in {scratch})",
+                flush=True,
+            )
         dist.barrier()
         self.engine._config.load_universal_checkpoint = True  # for this one load only
         try:
@@ -225,8 +242,10 @@ class ZeroEngine(Engine):
         """Full fp32 master weights on every rank (a collective under stage 3)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        return {name: safe_get_full_fp32_param(p).detach().float().cpu()
-                for name, p in self.model.named_parameters(remove_duplicate=False)}
+        return {
+            name: safe_get_full_fp32_param(p).detach().float().cpu()
+            for name, p in self.model.named_parameters(remove_duplicate=False)
+        }
 
 
 def to_universal(checkpoint: Path, out: Path) -> None:
@@ -234,8 +253,15 @@ def to_universal(checkpoint: Path, out: Path) -> None:
     import_deepspeed()
     from deepspeed.checkpoint import ds_to_universal
 
-    args = argparse.Namespace(input_folder=str(checkpoint), output_folder=str(out), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+    args = argparse.Namespace(
+        input_folder=str(checkpoint),
+        output_folder=str(out),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
+    )
     log = io.StringIO()
     with weights_only_loads(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         ds_to_universal.main(args)
@@ -263,8 +289,15 @@ def consolidate(cfg, engine_dir: Path) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- memory
-def model_state_bytes(stage: int, psi: float, world: int, grad_accum: int = 1, offload_optimizer: bool = False,
-                      offload_param: bool = False, largest_param: int = 0) -> dict[str, float]:
+def model_state_bytes(
+    stage: int,
+    psi: float,
+    world: int,
+    grad_accum: int = 1,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    largest_param: int = 0,
+) -> dict[str, float]:
     """{"device": bytes, "cpu": bytes} per rank: launcher.planner.zero.zero_states, summed."""
     parts = zero_states(stage, psi, world, grad_accum, offload_optimizer, offload_param, largest_param)
     return {"device": sum(d for d, _ in parts.values()), "cpu": sum(h for _, h in parts.values())}
@@ -344,32 +377,55 @@ def terms_held(opt, model) -> list[tuple[str, str, str, list]]:
         params = [p for group in opt.bit16_groups for p in group]
         return [
             ("params", "device", "weights, whole model (bf16, or fp32 in fp32 runs)", opt.bit16_groups_flat),
-            ("params", home, "copy of the own weight shard for the upload (offload: pinned host memory)",
-             getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None)),
-            ("params", "device", "frozen weights, whole (model.lora's base: no optimizer group holds them)",
-             [p.data for p in model.parameters() if not p.requires_grad]),
+            (
+                "params",
+                home,
+                "copy of the own weight shard for the upload (offload: pinned host memory)",
+                getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None),
+            ),
+            (
+                "params",
+                "device",
+                "frozen weights, whole (model.lora's base: no optimizer group holds them)",
+                [p.data for p in model.parameters() if not p.requires_grad],
+            ),
             ("optim", home, "fp32 master shard", opt.single_partition_of_fp32_groups),
             ("optim", home, "Adam moments of the shard", state),
-            ("grads", "device", "bf16 gradients, whole model (accumulated between micro-batches)",
-             [p.grad for p in params]),
+            (
+                "grads",
+                "device",
+                "bf16 gradients, whole model (accumulated between micro-batches)",
+                [p.grad for p in params],
+            ),
             ("grads", "device", "bf16 gradient shard", [opt.averaged_gradients, opt.all_grad_tensors]),
             ("grads", "device", "reduce buckets", buckets),
             ("grads", home, "fp32 gradient shard for the update", _grads(opt.single_partition_of_fp32_groups)),
-            ("grads", "cpu", "bf16 gradient shard accumulated in host memory (offload)",
-             getattr(opt, "accumulated_grads_in_cpu", None)),
+            (
+                "grads",
+                "cpu",
+                "bf16 gradient shard accumulated in host memory (offload)",
+                getattr(opt, "accumulated_grads_in_cpu", None),
+            ),
             ("grads", "cpu", "host copy buffer (offload)", getattr(opt, "temp_grad_buffer_for_cpu_offload", None)),
-            ("grads", "device", "device copy buffer (offload)",
-             getattr(opt, "temp_grad_buffer_for_gpu_offload", None)),
+            ("grads", "device", "device copy buffer (offload)", getattr(opt, "temp_grad_buffer_for_gpu_offload", None)),
         ]
     # stage 3: DeepSpeedZeroOptimizer_Stage3
     home = "cpu" if opt.offload_optimizer else "device"
     param_home = "cpu" if opt.offload_param else "device"
     return [
         ("params", param_home, "weight shard", opt.fp16_partitioned_groups_flat),
-        ("params", "device", "whole weights: persistent small parameters and any gathered now",
-         [p.data for p in model.parameters() if p.data.numel()]),
-        ("params", param_home, "frozen weights' partitions (model.lora's base: no optimizer group holds them)",
-         [p.ds_tensor for p in model.parameters() if not p.requires_grad]),
+        (
+            "params",
+            "device",
+            "whole weights: persistent small parameters and any gathered now",
+            [p.data for p in model.parameters() if p.data.numel()],
+        ),
+        (
+            "params",
+            param_home,
+            "frozen weights' partitions (model.lora's base: no optimizer group holds them)",
+            [p.ds_tensor for p in model.parameters() if not p.requires_grad],
+        ),
         ("optim", home, "fp32 master shard", opt.fp32_partitioned_groups_flat),
         ("optim", home, "Adam moments of the shard", state),
         ("grads", home, "bf16 gradient shard", [opt.grad_partitions_flat_buffer, opt.averaged_gradients]),

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from chat_data import EXAMPLE, chat_model
 from runs import launch, read_metrics
 
@@ -30,11 +29,26 @@ pytestmark = pytest.mark.slow
 def run(tmp_path_factory):
     model = chat_model()
     run_dir = tmp_path_factory.mktemp("chat") / "run"
-    proc = launch("recipe=ddp", "model=hf", f"model.pretrained={model}", "data=chat", f"data.files={EXAMPLE}",
-                  f"data.tokenizer={model}", "data.document_masking=false", "data.val_fraction=0.05",
-                  f"train.seq_len={SEQ}", f"train.micro_batch={MB}", f"train.global_batch={G}", "train.steps=3",
-                  "optim.warmup_steps=1", "train.eval_every=3", "train.eval_samples=8", "logger=none",
-                  "logger.log_every=1", run_dir=run_dir)
+    proc = launch(
+        "recipe=ddp",
+        "model=hf",
+        f"model.pretrained={model}",
+        "data=chat",
+        f"data.files={EXAMPLE}",
+        f"data.tokenizer={model}",
+        "data.document_masking=false",
+        "data.val_fraction=0.05",
+        f"train.seq_len={SEQ}",
+        f"train.micro_batch={MB}",
+        f"train.global_batch={G}",
+        "train.steps=3",
+        "optim.warmup_steps=1",
+        "train.eval_every=3",
+        "train.eval_samples=8",
+        "logger=none",
+        "logger.log_every=1",
+        run_dir=run_dir,
+    )
     return run_dir, model, proc.stdout
 
 
@@ -44,8 +58,11 @@ def masked_loss(model, batch: torch.Tensor) -> tuple[float, int, float]:
     inputs, targets = micro_batch(batch, document_masking=False)
     with torch.no_grad():
         logits = model(input_ids=inputs).logits.float().flatten(0, 1)
-    return (torch.nn.functional.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction="sum").item(),
-            int((targets != IGNORE).sum()), torch.nn.functional.cross_entropy(logits, batch[:, 0, 1:].flatten()).item())
+    return (
+        torch.nn.functional.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction="sum").item(),
+        int((targets != IGNORE).sum()),
+        torch.nn.functional.cross_entropy(logits, batch[:, 0, 1:].flatten()).item(),
+    )
 
 
 def per_rank(model, batches: list[torch.Tensor]) -> tuple[float, float]:
@@ -96,11 +113,27 @@ def test_the_step_is_the_mean_over_its_counted_tokens_whatever_the_micro_batch(r
     not by its own micro-batch's (which weights a micro-batch of few counted tokens up)."""
     run_dir, model, _ = run
     other = tmp_path / "half"
-    launch("recipe=ddp", "model=hf", f"model.pretrained={model}", "data=chat", f"data.files={EXAMPLE}",
-           f"data.tokenizer={model}", "data.document_masking=false", "data.val_fraction=0.05", f"train.seq_len={SEQ}",
-           f"train.micro_batch={MB // 2}", f"train.global_batch={G}", "train.steps=3", "optim.warmup_steps=1",
-           "train.eval_every=3", "train.eval_samples=8", "logger=none", "logger.log_every=1", "checkpoint.every=0",
-           run_dir=other)
+    launch(
+        "recipe=ddp",
+        "model=hf",
+        f"model.pretrained={model}",
+        "data=chat",
+        f"data.files={EXAMPLE}",
+        f"data.tokenizer={model}",
+        "data.document_masking=false",
+        "data.val_fraction=0.05",
+        f"train.seq_len={SEQ}",
+        f"train.micro_batch={MB // 2}",
+        f"train.global_batch={G}",
+        "train.steps=3",
+        "optim.warmup_steps=1",
+        "train.eval_every=3",
+        "train.eval_samples=8",
+        "logger=none",
+        "logger.log_every=1",
+        "checkpoint.every=0",
+        run_dir=other,
+    )
     a, b = read_metrics(run_dir), read_metrics(other)
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5)
     assert [r["grad_norm"] for r in b] == pytest.approx([r["grad_norm"] for r in a], rel=1e-4)

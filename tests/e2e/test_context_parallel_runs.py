@@ -3,18 +3,28 @@ sequence does (loss and gradient norm to fp32 rounding), under fsdp, ddp and tp_
 and without recomputation, grouped-query attention included (key/value heads that split
 over cp and heads that do not); and the activation bytes a rank saves are the planner's,
 half the cp=1 rank's."""
+
 from __future__ import annotations
 
 import pytest
-
 from runs import launch, read_metrics
+
 from launcher.launch import cli
 from launcher.planner import plan as planner
 from launcher.planner.footprint import activations
 
 # gpt_tiny with 2 key/value heads for its 4 query heads; the same 16 sequences a step everywhere
-COMMON = ("model=gpt_tiny", "model.n_kv_heads=2", "train.seq_len=128", "train.global_batch=16", "train.steps=3",
-          "optim.warmup_steps=1", "logger=none", "logger.log_every=1", "checkpoint.save_final=false")
+COMMON = (
+    "model=gpt_tiny",
+    "model.n_kv_heads=2",
+    "train.seq_len=128",
+    "train.global_batch=16",
+    "train.steps=3",
+    "optim.warmup_steps=1",
+    "logger=none",
+    "logger.log_every=1",
+    "checkpoint.save_final=false",
+)
 MEASURED = ("train.measure_activations=true", "train.activation_checkpointing=none")
 
 
@@ -36,8 +46,10 @@ def test_context_parallel_trains_as_the_whole_sequence_and_saves_half_the_activa
         "fsdp_cp2": ((*COMMON, "recipe=fsdp", "parallel.cp=2", "train.micro_batch=8", *MEASURED), 2),
         "ddp_cp2_op": ((*COMMON, "recipe=ddp", "parallel.cp=2", "train.activation_checkpointing=op"), 2),
         # kv heads per tensor-parallel rank (1) do not split over cp=2: repeated before the all-to-all
-        "tp_fsdp_tp2_cp2": ((*COMMON, "recipe=tp_fsdp", "parallel.tp=2", "parallel.cp=2",
-                             "cluster.nproc_per_node=4"), 4),
+        "tp_fsdp_tp2_cp2": (
+            (*COMMON, "recipe=tp_fsdp", "parallel.tp=2", "parallel.cp=2", "cluster.nproc_per_node=4"),
+            4,
+        ),
     }
     for name, (overrides, _) in runs.items():
         out = launch(*overrides, run_dir=tmp_path / name).stdout

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import wandb_file
 from runs import launch, read_metrics
 
@@ -18,12 +17,24 @@ SEQ = 64
 def test_two_sources_mixed_by_weight_on_two_ranks(run_dir, tmp_path):
     (np.arange(800 * SEQ + 1) % 200).astype(np.uint16).tofile(tmp_path / "web.bin")
     (np.arange(40 * SEQ + 1) % 50 + 200).astype(np.uint16).tofile(tmp_path / "code.bin")  # 40 windows, 36 trained
-    proc = launch("data=memmap", f"data.sources='70 {tmp_path / 'web.bin'} 30 {tmp_path / 'code.bin'}'",
-                  f"train.seq_len={SEQ}", "train.steps=8", "optim.warmup_steps=1", "logger.log_every=4",
-                  "logger.mode=offline", "logger.system_metrics_s=0", "data.val_fraction=0.1", "train.eval_every=8",
-                  "train.eval_samples=16", run_dir=run_dir)
-    assert "data: source code read to its end (36 sequences an epoch) by step 8: epoch 2 runs in a fresh order" \
-        in proc.stdout, proc.stdout[-3000:]
+    proc = launch(
+        "data=memmap",
+        f"data.sources='70 {tmp_path / 'web.bin'} 30 {tmp_path / 'code.bin'}'",
+        f"train.seq_len={SEQ}",
+        "train.steps=8",
+        "optim.warmup_steps=1",
+        "logger.log_every=4",
+        "logger.mode=offline",
+        "logger.system_metrics_s=0",
+        "data.val_fraction=0.1",
+        "train.eval_every=8",
+        "train.eval_samples=16",
+        run_dir=run_dir,
+    )
+    assert (
+        "data: source code read to its end (36 sequences an epoch) by step 8: epoch 2 runs in a fresh order"
+        in proc.stdout
+    ), proc.stdout[-3000:]
     rows = {r["step"]: r for r in read_metrics(run_dir)}
     for step in (4, 8):
         web, code = rows[step]["data/web/tokens"], rows[step]["data/code/tokens"]
@@ -35,14 +46,31 @@ def test_two_sources_mixed_by_weight_on_two_ranks(run_dir, tmp_path):
     assert rows[8]["val/loss"] == pytest.approx(0.7 * web + 0.3 * code, rel=1e-6)
     (run,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     history = {h["_step"]: h for h in wandb_file.history(run)}
-    assert [history[s]["data/code/tokens"] for s in (4, 8)] == [rows[4]["data/code/tokens"], rows[8]["data/code/tokens"]]
+    assert [history[s]["data/code/tokens"] for s in (4, 8)] == [
+        rows[4]["data/code/tokens"],
+        rows[8]["data/code/tokens"],
+    ]
 
     # Resumed with other weights: the checkpoint recorded the blend it trained with, so the
     # change in order is said, not silent.
-    proc = launch("data=memmap", f"data.sources='60 {tmp_path / 'web.bin'} 40 {tmp_path / 'code.bin'}'",
-                  f"train.seq_len={SEQ}", "train.steps=9", "optim.warmup_steps=1", "logger.log_every=4",
-                  "logger.mode=offline", "logger.system_metrics_s=0", "data.val_fraction=0.1", run_dir=run_dir)
+    proc = launch(
+        "data=memmap",
+        f"data.sources='60 {tmp_path / 'web.bin'} 40 {tmp_path / 'code.bin'}'",
+        f"train.seq_len={SEQ}",
+        "train.steps=9",
+        "optim.warmup_steps=1",
+        "logger.log_every=4",
+        "logger.mode=offline",
+        "logger.system_metrics_s=0",
+        "data.val_fraction=0.1",
+        run_dir=run_dir,
+    )
     said = next(line for line in proc.stdout.splitlines() if line.startswith("data: "))
-    assert said.startswith(f"data: {run_dir / 'checkpoints' / 'step_00000008'} was saved reading web 0.7: feistel "
-                           "720+80 windows of 64 in 1 file(s); code 0.3: feistel 36+4 windows") and \
-        "this launch reads web 0.6: " in said and "from sample 128 on, the order is not the one the run trained" in said
+    assert (
+        said.startswith(
+            f"data: {run_dir / 'checkpoints' / 'step_00000008'} was saved reading web 0.7: feistel "
+            "720+80 windows of 64 in 1 file(s); code 0.3: feistel 36+4 windows"
+        )
+        and "this launch reads web 0.6: " in said
+        and "from sample 128 on, the order is not the one the run trained" in said
+    )

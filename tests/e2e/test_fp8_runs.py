@@ -2,14 +2,23 @@
 two gloo ranks trains with torchao's Float8Linear in every block and stays within a small
 distance of the same run in bf16. The speed and the loss over hundreds of steps need a GPU
 with float8 tensor cores (tests/gpu/test_gpu.py)."""
+
 from __future__ import annotations
 
 import pytest
-
 from runs import launch, read_metrics
 
-RUN = ("model=gpt_tiny", "recipe=fsdp", "cluster.nproc_per_node=2", "train.seq_len=64", "train.micro_batch=4",
-       "train.steps=6", "optim.warmup_steps=1", "logger.log_every=1", "logger=none")
+RUN = (
+    "model=gpt_tiny",
+    "recipe=fsdp",
+    "cluster.nproc_per_node=2",
+    "train.seq_len=64",
+    "train.micro_batch=4",
+    "train.steps=6",
+    "optim.warmup_steps=1",
+    "logger.log_every=1",
+    "logger=none",
+)
 
 
 @pytest.mark.slow

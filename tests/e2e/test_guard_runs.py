@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import wandb_file
 from runs import launch, read_metrics
 
@@ -32,14 +31,25 @@ def test_nan_steps_are_skipped_then_the_weights_go_back_to_the_last_checkpoint(r
     """ddp, 12 steps, checkpoints every 4; rank 1's loss is NaN at steps 7 and 8. Both are
     skipped; after the second the weights and optimizer state go back to step 4's, so the
     checkpoint saved at step 8 holds step 4's weights, with the data position of step 8."""
-    proc = launch(*SHORT, "train.steps=12", "checkpoint.every=4", "logger.mode=offline",
-                  "logger.system_metrics_s=0", "debug.fault=nan_loss", "debug.fault_rank=1", "debug.fault_step=7",
-                  "debug.fault_steps=2", run_dir=run_dir)
+    proc = launch(
+        *SHORT,
+        "train.steps=12",
+        "checkpoint.every=4",
+        "logger.mode=offline",
+        "logger.system_metrics_s=0",
+        "debug.fault=nan_loss",
+        "debug.fault_rank=1",
+        "debug.fault_step=7",
+        "debug.fault_steps=2",
+        run_dir=run_dir,
+    )
     out = proc.stdout
     assert "loss guard: step 7 skipped (gradient norm nan); 1 in a row" in out, out[-3000:]
     assert "loss guard: step 8 skipped (gradient norm nan); 2 in a row" in out
-    assert (f"loss guard: 2 bad steps in a row; weights and optimizer state back to "
-            f"{run_dir / 'checkpoints' / 'step_00000004'} (step 4), going on from step 9") in out
+    assert (
+        f"loss guard: 2 bad steps in a row; weights and optimizer state back to "
+        f"{run_dir / 'checkpoints' / 'step_00000004'} (step 4), going on from step 9"
+    ) in out
 
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 13))  # the step number goes on
@@ -53,8 +63,9 @@ def test_nan_steps_are_skipped_then_the_weights_go_back_to_the_last_checkpoint(r
     at4 = torch.load(ckpts / "step_00000004" / "engine" / "model.pt", weights_only=True)
     at8 = torch.load(ckpts / "step_00000008" / "engine" / "model.pt", weights_only=True)
     assert same(at4, at8), "step 8's checkpoint does not hold step 4's weights"
-    opt4, opt8 = (torch.load(ckpts / f"step_0000000{s}" / "engine" / "optim.pt", weights_only=True)["optimizer"]
-                  for s in (4, 8))
+    opt4, opt8 = (
+        torch.load(ckpts / f"step_0000000{s}" / "engine" / "optim.pt", weights_only=True)["optimizer"] for s in (4, 8)
+    )
     assert same(opt4["state"], opt8["state"]), "step 8's checkpoint does not hold step 4's Adam state"
     # ... but the learning rate the schedule gives step 8, not step 4's that the optimizer's state brought back
     assert [g["lr"] for g in opt8["param_groups"]] == [rows[7]["lr"]] * len(opt8["param_groups"])
@@ -80,12 +91,16 @@ def zero_state(step: Path) -> dict:
 
     with weights_only_loads():
         model = torch.load(step / "engine" / "ds" / "mp_rank_00_model_states.pt", weights_only=True)["module"]
-        optim = [torch.load(f, weights_only=True)["optimizer_state_dict"]
-                 for f in sorted((step / "engine" / "ds").glob("zero_pp_rank_*_optim_states.pt"))]
+        optim = [
+            torch.load(f, weights_only=True)["optimizer_state_dict"]
+            for f in sorted((step / "engine" / "ds").glob("zero_pp_rank_*_optim_states.pt"))
+        ]
     # each rank's Adam state and fp32 master partition (not the learning rate, which goes
     # on, nor DeepSpeed's overflow flag, which records the skip)
-    return {"model": model, "optim": [(o["base_optimizer_state"]["state"], o["single_partition_of_fp32_groups"])
-                                      for o in optim]}
+    return {
+        "model": model,
+        "optim": [(o["base_optimizer_state"]["state"], o["single_partition_of_fp32_groups"]) for o in optim],
+    }
 
 
 def dcp_state(step: Path, tmp: Path) -> dict:
@@ -104,11 +119,22 @@ def test_a_spike_is_skipped_without_an_update_under_deepspeed_and_a_pipeline(rec
     spike against the mean of the 9 steps before, skipped. DeepSpeed skips it through the
     NaN the guard puts into the last backward, the pipeline before its optimizer step: the
     checkpoints of steps 9 and 10 hold the same weights and optimizer state."""
-    proc = launch(*SHORT, f"recipe={recipe}", "train.steps=10", "checkpoint.every=1", "checkpoint.keep=2",
-                  "train.spike_factor=3", "logger=none", "debug.fault=spike", "debug.fault_rank=1",
-                  "debug.fault_step=10", run_dir=run_dir)
-    assert "loss guard: step 10 skipped (loss " in proc.stdout and "above train.spike_factor=3" in proc.stdout, \
+    proc = launch(
+        *SHORT,
+        f"recipe={recipe}",
+        "train.steps=10",
+        "checkpoint.every=1",
+        "checkpoint.keep=2",
+        "train.spike_factor=3",
+        "logger=none",
+        "debug.fault=spike",
+        "debug.fault_rank=1",
+        "debug.fault_step=10",
+        run_dir=run_dir,
+    )
+    assert "loss guard: step 10 skipped (loss " in proc.stdout and "above train.spike_factor=3" in proc.stdout, (
         proc.stdout[-3000:]
+    )
     rows = read_metrics(run_dir)
     assert rows[-1]["loss"] > 50 * rows[-2]["loss"]
     assert (rows[-1]["guard/skipped_steps"], rows[-1]["guard/rollbacks"]) == (1, 0)

@@ -17,22 +17,31 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from runs import launch, read_metrics
 from hf_models import TINY_LLAMA, tiny_llama_config
-from launcher.launch import cli
-from launcher.parallel import degrees as D
-from launcher import models
-from launcher import config as C
-from launcher.data.read import build_dataset
-from launcher.models.gpt import lm_loss
+from runs import launch, read_metrics
 
+from launcher import config as C
+from launcher import models
+from launcher.data.read import build_dataset
+from launcher.launch import cli
+from launcher.models.gpt import lm_loss
+from launcher.parallel import degrees as D
 
 REL = 1e-4  # fp32: the order of reductions is all that differs between layouts
 
 
-COMMON = ["model=hf", "train.steps=4", "optim.warmup_steps=1", "train.seq_len=32", "train.micro_batch=2",
-          "train.global_batch=8", "precision=fp32", "logger=none", "logger.log_every=1", "checkpoint.every=2"]
+COMMON = [
+    "model=hf",
+    "train.steps=4",
+    "optim.warmup_steps=1",
+    "train.seq_len=32",
+    "train.micro_batch=2",
+    "train.global_batch=8",
+    "precision=fp32",
+    "logger=none",
+    "logger.log_every=1",
+    "checkpoint.every=2",
+]
 
 
 STEP2, STEP4 = "checkpoints/step_00000002", "checkpoints/step_00000004"
@@ -47,8 +56,10 @@ RUNS = {
     "zero3": (["recipe=zero3"], "pretrained"),
     # step 1 only: the same pretrained folder under the other recipes, and random init of its config
     "ddp_pretrained": (["recipe=ddp", "train.stop_at=1", "checkpoint.every=0"], "pretrained"),
-    "tp_fsdp_pretrained": (["recipe=tp_fsdp", "cluster.nproc_per_node=4", "train.stop_at=1", "checkpoint.every=0"],
-                           "pretrained"),
+    "tp_fsdp_pretrained": (
+        ["recipe=tp_fsdp", "cluster.nproc_per_node=4", "train.stop_at=1", "checkpoint.every=0"],
+        "pretrained",
+    ),
 }
 
 
@@ -88,7 +99,7 @@ def runs(tmp_path_factory, saved):
 
 def losses(run: Path) -> list[float]:
     rows = read_metrics(run)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4][:len(rows)] and rows, rows
+    assert [r["step"] for r in rows] == [1, 2, 3, 4][: len(rows)] and rows, rows
     return [r["loss"] for r in rows]
 
 
@@ -127,8 +138,10 @@ def test_pretrained_weights_give_the_saved_models_own_loss_under_every_recipe(ru
     # The same config drawn from train.seed instead (the values every rank draws, at any
     # layout: launcher/models/init.py) is another model.
     cfg = C.load_frozen(runs("ddp_pretrained"))
-    drawn = models.build(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None,
-                                                                             config=str(saved))), torch.device("cpu"))
+    drawn = models.build(
+        dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None, config=str(saved))),
+        torch.device("cpu"),
+    )
     with torch.no_grad():
         random = lm_loss(drawn(x), y).item()
     assert abs(random - want) > 1e-2, (random, want)
@@ -156,8 +169,13 @@ def test_resume_from_step_2_is_bit_identical(runs, tmp_path):
     overrides, _ = RUNS["ddp"]
     cfg = C.load_frozen(straight)
     resumed = tmp_path / "resumed"
-    proc = launch(*COMMON, f"model.config={cfg.model.config}", *overrides,
-                  f"checkpoint.resume={straight / STEP2}", run_dir=resumed)
+    proc = launch(
+        *COMMON,
+        f"model.config={cfg.model.config}",
+        *overrides,
+        f"checkpoint.resume={straight / STEP2}",
+        run_dir=resumed,
+    )
     assert "resumed from" in proc.stdout
     got = read_metrics(resumed)
     want = read_metrics(straight)
@@ -206,5 +224,7 @@ def test_export_hf_loads_with_from_pretrained_and_gives_the_trained_logits(runs,
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=x).logits, reference(x))
     # bf16 exports halve the file and say so in the config
-    assert cli.main(["export", str(run), "export.format=hf", "export.dtype=bf16", f"export.out={tmp_path / 'bf16'}"]) == 0
+    assert (
+        cli.main(["export", str(run), "export.format=hf", "export.dtype=bf16", f"export.out={tmp_path / 'bf16'}"]) == 0
+    )
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"

@@ -14,17 +14,28 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from hf_models import mixtral_args, tiny_mixtral
 from runs import here, launch, read_metrics
+
 from launcher import config as C
 from launcher.data.read import build_dataset
 from launcher.launch.commands.export import load_exported
 from launcher.models.gpt import lm_loss
 
-ARGS = ["recipe=fsdp", "cluster.nproc_per_node=2", "train.steps=2", "optim.warmup_steps=1", "train.seq_len=32",
-        "train.micro_batch=2", "train.global_batch=8", "precision=fp32", "logger=none", "logger.log_every=1",
-        "checkpoint.every=2", "model.moe.balance=none"]
+ARGS = [
+    "recipe=fsdp",
+    "cluster.nproc_per_node=2",
+    "train.steps=2",
+    "optim.warmup_steps=1",
+    "train.seq_len=32",
+    "train.micro_batch=2",
+    "train.global_batch=8",
+    "precision=fp32",
+    "logger=none",
+    "logger.log_every=1",
+    "checkpoint.every=2",
+    "model.moe.balance=none",
+]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from corpus import WORDS, cached_tokens, documents, make_tokenizer, write_jsonl, write_parquet
 from runs import assert_same_training, launch, read_metrics
 
@@ -47,8 +46,11 @@ def profiled_steps(trace: Path) -> tuple[list[int], int]:
     """The train_step ranges in a trace, and how many aten::mm ran inside them (every
     aten::mm must: nothing outside the window is recorded)."""
     events = json.loads(trace.read_text())["traceEvents"]
-    spans = {int(e["name"].split()[1]): (e["ts"], e["ts"] + e["dur"]) for e in events
-             if e.get("ph") == "X" and e.get("name", "").startswith("train_step ")}
+    spans = {
+        int(e["name"].split()[1]): (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("ph") == "X" and e.get("name", "").startswith("train_step ")
+    }
     mms = [e for e in events if e.get("name") == "aten::mm"]
     inside = {s: sum(a <= e["ts"] <= b for e in mms) for s, (a, b) in spans.items()}
     assert all(inside.values()), inside  # every profiled step ran matmuls
@@ -66,10 +68,19 @@ def test_ddp_hf_text_resumes_bit_identically_with_tensorboard_and_profile(tmp_pa
     docs = documents(400, seed=1)
     write_jsonl(corpus / "part0.jsonl", docs[:200])
     write_jsonl(corpus / "part1.jsonl", docs[200:])
-    common = ["data=hf_text", f"data.files={corpus}/*.jsonl", f"data.cache_dir={tmp_path / 'cache'}",
-              "train.steps=8", "optim.warmup_steps=2",
-              "logger=tensorboard", "logger.log_every=1", "checkpoint.every=4", "train.seq_len=64",
-              "profile.enabled=true", "profile.steps=[3,5]"]
+    common = [
+        "data=hf_text",
+        f"data.files={corpus}/*.jsonl",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "train.steps=8",
+        "optim.warmup_steps=2",
+        "logger=tensorboard",
+        "logger.log_every=1",
+        "checkpoint.every=4",
+        "train.seq_len=64",
+        "profile.enabled=true",
+        "profile.steps=[3,5]",
+    ]
     straight, split = tmp_path / "straight", tmp_path / "split"
     first = launch(*common, run_dir=straight)
     assert "data: 400 documents" in first.stdout and "built" in first.stdout
@@ -87,7 +98,7 @@ def test_ddp_hf_text_resumes_bit_identically_with_tensorboard_and_profile(tmp_pa
     # The ranks read the prepared shards: the documents' bytes, each followed by EOS.
     tokens, meta = cached_tokens(straight)
     assert meta["tokens"] == sum(len(d.encode()) + 1 for d in docs) == len(tokens)
-    assert bytes(tokens[:len(docs[0].encode())].astype(np.uint8)).decode() == docs[0]
+    assert bytes(tokens[: len(docs[0].encode())].astype(np.uint8)).decode() == docs[0]
 
     for run in (straight, split):  # the resumed run's TensorBoard continues, each step once
         assert_tensorboard_is_metrics(run)
@@ -114,11 +125,22 @@ def test_fsdp_hf_text_parquet_with_a_local_tokenizer(tmp_path):
     write_parquet(tmp_path / "pq" / "b.parquet", docs[300:])
     tok_dir = make_tokenizer(tmp_path / "tok", WORDS + docs[1].split())
     run = tmp_path / "run"
-    proc = launch("recipe=fsdp", "data=hf_text", f"data.files={tmp_path}/pq/*.parquet", "data.text_field=body",
-                  f"data.tokenizer={tok_dir}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=10",
-                  "optim.warmup_steps=2", "train.seq_len=32",
-                  "logger=wandb", "logger.mode=offline", "logger.also=[tensorboard]", "logger.log_every=1",
-                  run_dir=run)
+    proc = launch(
+        "recipe=fsdp",
+        "data=hf_text",
+        f"data.files={tmp_path}/pq/*.parquet",
+        "data.text_field=body",
+        f"data.tokenizer={tok_dir}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "train.steps=10",
+        "optim.warmup_steps=2",
+        "train.seq_len=32",
+        "logger=wandb",
+        "logger.mode=offline",
+        "logger.also=[tensorboard]",
+        "logger.log_every=1",
+        run_dir=run,
+    )
     assert "data: 600 documents" in proc.stdout and "mesh:" in proc.stdout
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 11))

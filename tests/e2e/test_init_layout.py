@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from runs import REPO
 
 pytestmark = pytest.mark.slow  # a process per rank
@@ -52,14 +51,22 @@ dist.destroy_process_group()
 def run(rows: int, cols: int, dp: int, tp: int) -> None:
     import torch
 
-    seen = {"0.weight": torch.zeros(rows, cols, dtype=torch.int64), "1.weight": torch.zeros(cols, rows, dtype=torch.int64)}
+    seen = {
+        "0.weight": torch.zeros(rows, cols, dtype=torch.int64),
+        "1.weight": torch.zeros(cols, rows, dtype=torch.int64),
+    }
     for rank in range(dp * tp):
-        proc = subprocess.run([sys.executable, "-c", SCRIPT, *map(str, (rows, cols, dp, tp, rank))], cwd=REPO,
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-c", SCRIPT, *map(str, (rows, cols, dp, tp, rank))],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         for line in proc.stdout.splitlines():
             name, a0, b0, a1, b1 = line.split()
-            seen[name][int(a0):int(b0), int(a1):int(b1)] += 1
+            seen[name][int(a0) : int(b0), int(a1) : int(b1)] += 1
     for name, count in seen.items():  # every element is held, by each tensor-parallel replica at most once
         assert int(count.min()) >= 1 and int(count.max()) <= tp, (name, int(count.min()), int(count.max()))
 

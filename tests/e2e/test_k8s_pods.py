@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from runs import launch, read_metrics
 
 pytestmark = pytest.mark.slow
@@ -29,7 +28,9 @@ pytestmark = pytest.mark.slow
 
 def namespaces_allowed() -> bool:
     """Private mount, UTS and PID namespaces (root, or a user namespace-capable kernel)."""
-    probe = subprocess.run(["unshare", "--mount", "--uts", "--pid", "--fork", "--kill-child", "true"], capture_output=True)
+    probe = subprocess.run(
+        ["unshare", "--mount", "--uts", "--pid", "--fork", "--kill-child", "true"], capture_output=True
+    )
     return probe.returncode == 0
 
 
@@ -48,14 +49,23 @@ def pods(run: Path) -> tuple[str, list[str], dict[str, str]]:
     return job["metadata"]["name"], [a.replace("$$", "$") for a in container["command"]], env
 
 
-def start_pod(name: str, index: int, command: list[str], env: dict[str, str], hosts: Path, log: Path) -> subprocess.Popen:
+def start_pod(
+    name: str, index: int, command: list[str], env: dict[str, str], hosts: Path, log: Path
+) -> subprocess.Popen:
     setup = f"mount --bind {hosts} /etc/hosts && hostname {name}-{index} && exec {shlex.join(command)}"
     # A PID namespace too, as a container has: when the pod is killed (unshare, which then
     # kills the namespace's first process), every process in it goes, the ranks included.
-    return subprocess.Popen(["unshare", "--mount", "--uts", "--pid", "--fork", "--kill-child", "bash", "-c", setup],
-                            stdout=open(log, "a"), stderr=subprocess.STDOUT,
-                            env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), **env,
-                                 "JOB_COMPLETION_INDEX": str(index)})
+    return subprocess.Popen(
+        ["unshare", "--mount", "--uts", "--pid", "--fork", "--kill-child", "bash", "-c", setup],
+        stdout=open(log, "a"),
+        stderr=subprocess.STDOUT,
+        env={
+            "PATH": os.environ["PATH"],
+            "HOME": os.environ.get("HOME", "/root"),
+            **env,
+            "JOB_COMPLETION_INDEX": str(index),
+        },
+    )
 
 
 def wait_steps(run: Path, step: int, procs, timeout: float = 240) -> None:
@@ -74,18 +84,32 @@ def test_two_pods_rendezvous_by_dns_train_and_a_killed_pod_resumes(tmp_path):
     shared = tmp_path / "shared"
     run = shared / "runs" / "a"
     port = free_port()
-    proc = launch("cluster=k8s", "cluster.nnodes=2", "cluster.nproc_per_node=1", f"cluster.master_port={port}",
-                  "cluster.k8s.image=local/train:1", f"cluster.k8s.python={sys.executable}",
-                  "cluster.k8s.volume_claim=shared-runs", f"cluster.k8s.mount_path={shared}", "train.steps=20",
-                  "optim.warmup_steps=2", "checkpoint.every=5", "logger=none", "logger.log_every=1",
-                  run_dir=run, command="submit")
+    proc = launch(
+        "cluster=k8s",
+        "cluster.nnodes=2",
+        "cluster.nproc_per_node=1",
+        f"cluster.master_port={port}",
+        "cluster.k8s.image=local/train:1",
+        f"cluster.k8s.python={sys.executable}",
+        "cluster.k8s.volume_claim=shared-runs",
+        f"cluster.k8s.mount_path={shared}",
+        "train.steps=20",
+        "optim.warmup_steps=2",
+        "checkpoint.every=5",
+        "logger=none",
+        "logger.log_every=1",
+        run_dir=run,
+        command="submit",
+    )
     assert f"apply it with: kubectl apply -f {run / 'job.yaml'}" in proc.stdout, proc.stdout
     name, command, env = pods(run)
-    assert env["PYTHONPATH"] == str(run / "code") and "--node-rank=\"$JOB_COMPLETION_INDEX\"" in command[2]
+    assert env["PYTHONPATH"] == str(run / "code") and '--node-rank="$JOB_COMPLETION_INDEX"' in command[2]
     hosts = tmp_path / "hosts"
     # Each pod its own address, as on a cluster (all of 127/8 is this machine's loopback):
     # torchrun tells the nodes apart by the name their address reverses to.
-    hosts.write_text("127.0.0.1 localhost\n" + "".join(f"127.0.0.{2 + i} {name}-{i}.{name} {name}-{i}\n" for i in (0, 1)))
+    hosts.write_text(
+        "127.0.0.1 localhost\n" + "".join(f"127.0.0.{2 + i} {name}-{i}.{name} {name}-{i}\n" for i in (0, 1))
+    )
     logs = [tmp_path / f"pod{i}.log" for i in (0, 1)]
 
     first = [start_pod(name, i, command, env, hosts, logs[i]) for i in (0, 1)]

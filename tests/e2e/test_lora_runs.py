@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from runs import assert_refused, launch, read_metrics
 from hf_models import TINY_LLAMA
+from runs import assert_refused, launch, read_metrics
+
 from launcher import config as C
 from launcher import models
 from launcher.launch import cli
@@ -28,9 +28,20 @@ from launcher.rank.engine import load_trained
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["model=hf", "model.lora.rank=4", "model.lora.alpha=8", "train.steps=4", "optim.warmup_steps=1",
-          "train.seq_len=32", "train.micro_batch=2", "train.global_batch=8", "logger=none", "logger.log_every=1",
-          "checkpoint.every=2", "data.vocab_size=256"]
+COMMON = [
+    "model=hf",
+    "model.lora.rank=4",
+    "model.lora.alpha=8",
+    "train.steps=4",
+    "optim.warmup_steps=1",
+    "train.seq_len=32",
+    "train.micro_batch=2",
+    "train.global_batch=8",
+    "logger=none",
+    "logger.log_every=1",
+    "checkpoint.every=2",
+    "data.vocab_size=256",
+]
 RUNS = {"ddp": [], "fsdp": ["train.stop_at=2"], "zero2": [], "zero3": ["train.stop_at=2"]}
 """recipe: what its first launch adds (the resumed ones then train on to step 4)."""
 
@@ -42,8 +53,9 @@ def base(tmp_path_factory) -> Path:
 
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("lora-base") / "llama"
-    AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in TINY_LLAMA.items()
-                                                    if k != "model_type"})).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(
+        LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"})
+    ).save_pretrained(folder)
     return folder
 
 
@@ -76,8 +88,9 @@ def test_a_checkpoint_holds_the_adapters_and_the_base_digest(runs, base):
     state = torch.load(ddp / "engine/model.pt", weights_only=True)
     assert state and all(lora.is_adapter(k) for k in state), sorted(state)[:5]
     assert len(state) == 2 * 7 * TINY_LLAMA["num_hidden_layers"]  # A and B of every projection
-    assert sum(v.numel() for v in state.values()) < 0.1 * sum(p.numel() for p in models.on_meta(
-        C.load_frozen(runs["ddp"] / "config.yaml")).parameters())
+    assert sum(v.numel() for v in state.values()) < 0.1 * sum(
+        p.numel() for p in models.on_meta(C.load_frozen(runs["ddp"] / "config.yaml")).parameters()
+    )
     for run in runs.values():
         manifest = json.loads((run / "checkpoints/step_00000004/manifest.json").read_text())
         assert manifest["model"]["lora"]["base_digest"] == base_digest(str(base), base.parent)
@@ -96,8 +109,19 @@ def test_a_resume_or_a_merge_onto_another_base_is_refused(runs, base, tmp_path):
     shutil.copytree(runs["ddp"], run)
     proc = launch("recipe=ddp", f"model.pretrained={other}", *COMMON, "train.steps=6", run_dir=run, check=False)
     assert_refused(proc.returncode, proc.stdout, proc.stderr, ["model.pretrained", "another base"])
-    assert cli.main(["export", str(run), "export.format=hf", "export.merge_lora=true", f"model.pretrained={other}",
-                     f"export.out={tmp_path / 'merged'}"]) == 2  # merged into another base: refused too
+    assert (
+        cli.main(
+            [
+                "export",
+                str(run),
+                "export.format=hf",
+                "export.merge_lora=true",
+                f"model.pretrained={other}",
+                f"export.out={tmp_path / 'merged'}",
+            ]
+        )
+        == 2
+    )  # merged into another base: refused too
     assert not (tmp_path / "merged").exists()
 
 
@@ -136,8 +160,15 @@ def test_qlora_holds_the_base_in_4_bits(runs, base, tmp_path):
     0.52 bytes a parameter), the rest as in the ddp run's fp32 base; the same first loss
     within the 4-bit weights' error."""
     nf4 = tmp_path / "nf4"
-    launch("recipe=ddp", f"model.pretrained={base}", *COMMON, "train.steps=1", "checkpoint.every=0",
-           "model.lora.base_dtype=nf4", run_dir=nf4)
+    launch(
+        "recipe=ddp",
+        f"model.pretrained={base}",
+        *COMMON,
+        "train.steps=1",
+        "checkpoint.every=0",
+        "model.lora.base_dtype=nf4",
+        run_dir=nf4,
+    )
     a, b = read_metrics(runs["ddp"])[0], read_metrics(nf4)[0]
     cfg = C.load_frozen(nf4 / "config.yaml")
     projections = sum(m.weight.numel() for m in models.on_meta(cfg).modules() if isinstance(m, lora.LoRALinear))
@@ -168,14 +199,31 @@ def test_100_lora_steps_on_the_shipped_chat_data_learn(tmp_path):
     100 steps lower the held-out assistant loss by at least 10% from the base model's own
     (computed here on the same held-out windows)."""
     from chat_data import EXAMPLE, chat_model
+
     from launcher.data.read import Held, build_dataset, micro_batch
     from launcher.rank.engine import evaluate
 
     folder, run = chat_model(), tmp_path / "chat"
-    launch("recipe=ddp", "model=hf", f"model.pretrained={folder}", "data=chat", f"data.files={EXAMPLE}",
-           f"data.tokenizer={folder}", "model.lora.rank=16", "train.seq_len=128", "train.micro_batch=8",
-           "train.steps=100", "optim.lr=1e-2", "optim.warmup_steps=10", "data.val_fraction=0.05",
-           "train.eval_every=100", "train.eval_samples=16", "checkpoint.every=0", "logger=none", run_dir=run)
+    launch(
+        "recipe=ddp",
+        "model=hf",
+        f"model.pretrained={folder}",
+        "data=chat",
+        f"data.files={EXAMPLE}",
+        f"data.tokenizer={folder}",
+        "model.lora.rank=16",
+        "train.seq_len=128",
+        "train.micro_batch=8",
+        "train.steps=100",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=10",
+        "data.val_fraction=0.05",
+        "train.eval_every=100",
+        "train.eval_samples=16",
+        "checkpoint.every=0",
+        "logger=none",
+        run_dir=run,
+    )
     cfg = C.load_frozen(run)
     data = build_dataset(cfg, run)
     held = Held(data, data.windows, data.held_out)

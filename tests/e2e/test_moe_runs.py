@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from runs import here, launch, read_metrics
+
 from launcher import config as C
 from launcher.models.gpt import GPT
 
@@ -22,9 +22,19 @@ pytestmark = pytest.mark.slow
 
 REL = 1e-4  # fp32, reduction order only (measured: below 1e-6 on the loss over 6 steps)
 STEPS, HALF = 6, 3
-COMMON = ["model=moe_tiny", f"train.steps={STEPS}", "optim.warmup_steps=2", "train.seq_len=64", "train.micro_batch=2",
-          "train.global_batch=8", "logger=none", "logger.log_every=1", "debug.startup_digest=true", "precision=fp32",
-          "cluster.cpu_threads=1"]  # one thread a rank: one process with two spins on a busy machine
+COMMON = [
+    "model=moe_tiny",
+    f"train.steps={STEPS}",
+    "optim.warmup_steps=2",
+    "train.seq_len=64",
+    "train.micro_batch=2",
+    "train.global_batch=8",
+    "logger=none",
+    "logger.log_every=1",
+    "debug.startup_digest=true",
+    "precision=fp32",
+    "cluster.cpu_threads=1",
+]  # one thread a rank: one process with two spins on a busy machine
 STEP_HALF = f"checkpoints/step_{HALF:08d}"
 CAP = ["model.moe.capacity_factor=1.0", f"train.stop_at={HALF}", "checkpoint.save_final=false"]
 
@@ -33,8 +43,11 @@ RUNS = {
     "one": (["recipe=ddp", "cluster.nproc_per_node=1"], None),
     "fsdp": (["recipe=fsdp"], None),
     # stopped at HALF with a checkpoint, then the run directory relaunched: it resumes itself
-    "fsdp_ep2": (["recipe=fsdp", "parallel.ep=2", f"checkpoint.every={HALF}", f"train.stop_at={HALF}"], None,
-                 ["recipe=fsdp", "parallel.ep=2"]),
+    "fsdp_ep2": (
+        ["recipe=fsdp", "parallel.ep=2", f"checkpoint.every={HALF}", f"train.stop_at={HALF}"],
+        None,
+        ["recipe=fsdp", "parallel.ep=2"],
+    ),
     "ddp_ep2": (["recipe=ddp", "parallel.ep=2", f"checkpoint.every={HALF}"], None),
     "ddp_ep2_resumed": (["recipe=ddp", "parallel.ep=2"], "ddp_ep2"),
     # ddp's expert files at another ep: joined and cut again (ddp), read whole into DTensor shards (fsdp)
@@ -67,6 +80,7 @@ def runs(tmp_path_factory):
                 (root / name / f"stdout{i}.txt").write_text(proc.stdout)
             done[name] = root / name
         return done[name]
+
     return run
 
 
@@ -109,8 +123,10 @@ def test_experts_cut_on_dimension_1_train_as_one_process(runs, name):
 def test_initial_weights_do_not_depend_on_ep(runs):
     """The experts' shards are drawn at their global place (a DTensor's offset under fsdp,
     the box ddp's plain shards record): ep=2 starts from ep=1's weights, bytewise."""
-    digests = {name: json.loads((runs(name) / "summary.json").read_text())["startup"]["weights_digest"]
-               for name in ("one", "fsdp", "ddp_ep2", "fsdp4_ep2")}
+    digests = {
+        name: json.loads((runs(name) / "summary.json").read_text())["startup"]["weights_digest"]
+        for name in ("one", "fsdp", "ddp_ep2", "fsdp4_ep2")
+    }
     assert len({d for ds in digests.values() for d in ds}) == 1, digests
 
 
@@ -123,7 +139,10 @@ def test_resume_under_ep_continues_the_run(runs):
     resumed, source = runs("ddp_ep2_resumed"), runs("ddp_ep2")
     assert f"resumed from {source / STEP_HALF} at step {HALF}" in (resumed / "stdout1.txt").read_text()
     engine = source / STEP_HALF / "engine"
-    assert sorted(p.name for p in engine.glob("experts-*")) == ["experts-00000-of-00002.pt", "experts-00001-of-00002.pt"]
+    assert sorted(p.name for p in engine.glob("experts-*")) == [
+        "experts-00000-of-00002.pt",
+        "experts-00001-of-00002.pt",
+    ]
     assert worst(resumed, source, range(HALF + 1, STEPS + 1), "loss") < 1e-6  # the same layout: the same sums
     for name in ("one_from_ddp_ep2", "fsdp_ep2_from_ddp_ep2"):  # at another ep, another engine
         assert worst(runs(name), runs("one"), range(HALF + 1, STEPS + 1), "loss") < REL, name

@@ -13,21 +13,40 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from runs import REPO, assert_same_training, in_fp32, launch
+
 from launcher.launch.rundir.prepare import free_port
 
-
 # Same work either way: world size 2, one thread per rank (thread counts change float sums).
-COMMON = in_fp32(["train.steps=10", "optim.warmup_steps=2", "logger=none", "logger.log_every=1",
-                  "checkpoint.every=1000", "cluster.cpu_threads=1"])
+COMMON = in_fp32(
+    [
+        "train.steps=10",
+        "optim.warmup_steps=2",
+        "logger=none",
+        "logger.log_every=1",
+        "checkpoint.every=1000",
+        "cluster.cpu_threads=1",
+    ]
+)
 
 
-def start_node(run_dir: Path, rank: int, port: int, *extra: str, addr: str = "127.0.0.1",
-               netns: str | None = None) -> subprocess.Popen:
-    argv = (["ip", "netns", "exec", netns] if netns else []) + [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}", *COMMON, "cluster.nnodes=2",
-            f"cluster.node_rank={rank}", f"cluster.master_addr={addr}", f"cluster.master_port={port}",
-            "cluster.nproc_per_node=1", *extra]
+def start_node(
+    run_dir: Path, rank: int, port: int, *extra: str, addr: str = "127.0.0.1", netns: str | None = None
+) -> subprocess.Popen:
+    argv = (["ip", "netns", "exec", netns] if netns else []) + [
+        sys.executable,
+        "-m",
+        "launcher",
+        "train",
+        f"hydra.run.dir={run_dir}",
+        *COMMON,
+        "cluster.nnodes=2",
+        f"cluster.node_rank={rank}",
+        f"cluster.master_addr={addr}",
+        f"cluster.master_port={port}",
+        "cluster.nproc_per_node=1",
+        *extra,
+    ]
     return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -99,9 +118,18 @@ def test_two_nodes_across_a_veth_link_train_as_one_node(one_node, two_namespaces
     two = tmp_path / "two-nodes"
     port = 29555  # any: the namespaces have only these two processes' ports
     master = two_namespaces[0][2]
-    nodes = [start_node(two, rank, port, f"cluster.local_addr={addr}", f"+cluster.env.GLOO_SOCKET_IFNAME={link}",
-                        addr=master, netns=ns)
-             for rank, (ns, link, addr) in reversed(list(enumerate(two_namespaces)))]
+    nodes = [
+        start_node(
+            two,
+            rank,
+            port,
+            f"cluster.local_addr={addr}",
+            f"+cluster.env.GLOO_SOCKET_IFNAME={link}",
+            addr=master,
+            netns=ns,
+        )
+        for rank, (ns, link, addr) in reversed(list(enumerate(two_namespaces)))
+    ]
     for proc in nodes:
         rc, out, err = finish(proc)
         assert rc == 0, f"{out[-2000:]}\n{err[-4000:]}"
@@ -111,8 +139,11 @@ def test_two_nodes_across_a_veth_link_train_as_one_node(one_node, two_namespaces
     assert_same_training(one_node, two, 10)
     # The gradients crossed the link: 10 all-reduces of 885,888 fp32 gradients each way.
     ns, link, _ = two_namespaces[1]
-    stats = json.loads(subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show", "dev", link],
-                                      capture_output=True, text=True, check=True).stdout)[0]["stats64"]
+    stats = json.loads(
+        subprocess.run(
+            ["ip", "-n", ns, "-s", "-j", "link", "show", "dev", link], capture_output=True, text=True, check=True
+        ).stdout
+    )[0]["stats64"]
     assert stats["tx"]["bytes"] > 10 * 885_888 * 4 / 2 and stats["rx"]["bytes"] > 10 * 885_888 * 4 / 2, stats
 
 
@@ -122,9 +153,12 @@ def test_nodes_that_cannot_train_together_are_named(tmp_path):
     settings (here: steps) are told so. No rank starts in any of them."""
     short = ["cluster.join_timeout_s=4"]
     port = free_port()
-    procs = [start_node(tmp_path / "a", 0, free_port(), *short), start_node(tmp_path / "b", 1, free_port(),
-                                                                            "cluster.rdzv_timeout_s=3"),
-             start_node(tmp_path / "c", 1, port, "train.steps=11"), start_node(tmp_path / "c", 0, port)]
+    procs = [
+        start_node(tmp_path / "a", 0, free_port(), *short),
+        start_node(tmp_path / "b", 1, free_port(), "cluster.rdzv_timeout_s=3"),
+        start_node(tmp_path / "c", 1, port, "train.steps=11"),
+        start_node(tmp_path / "c", 0, port),
+    ]
     (rc0, _, err0), (rc1, _, err1), (rc2, _, err2), (rc3, _, err3) = [finish(p, 120) for p in procs]
     assert rc0 == 1 and "error: node 1 of 2 never joined the rendezvous at 127.0.0.1:" in err0, err0
     assert "within 4 s (cluster.join_timeout_s); joined: node 0 on" in err0

@@ -10,13 +10,21 @@ import subprocess
 import sys
 
 import pytest
-
 from runs import REPO, launch, read_metrics
+
 from launcher.launch import cli
 from launcher.planner import plan as planner
 
-COMMON = ("model=gpt_tiny", "train.steps=8", "optim.warmup_steps=2", "logger=none", "logger.log_every=1",
-          "train.micro_batch=4", "train.seq_len=64", "cluster.nproc_per_node=2")
+COMMON = (
+    "model=gpt_tiny",
+    "train.steps=8",
+    "optim.warmup_steps=2",
+    "logger=none",
+    "logger.log_every=1",
+    "train.micro_batch=4",
+    "train.seq_len=64",
+    "cluster.nproc_per_node=2",
+)
 
 
 @pytest.mark.slow
@@ -29,9 +37,23 @@ def test_each_optimizer_shards_and_resumes_exactly(tmp_path):
     scales)."""
     out = tmp_path / "probe.json"
     names = ["adamw8bit", "adamw4bit", "adafactor", "muon"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "tests/helpers/optim_probe.py", str(out), *names], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "tests/helpers/optim_probe.py",
+            str(out),
+            *names,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     found = json.loads(out.read_text())
     assert set(found) == set(names)
@@ -42,8 +64,13 @@ def test_each_optimizer_shards_and_resumes_exactly(tmp_path):
 
 def planned_optim(*overrides: str) -> int:
     cfg, _, _ = cli.compose_config(["model=gpt_tiny", *overrides])
-    layout = next(lay for lay in planner.candidates(cfg, planner.Hardware(0, 2, 1, planner.DEFAULT_TFLOPS),
-                                                     {cfg.recipe.name: cfg.recipe}) if lay.recipe == cfg.recipe.name)
+    layout = next(
+        lay
+        for lay in planner.candidates(
+            cfg, planner.Hardware(0, 2, 1, planner.DEFAULT_TFLOPS), {cfg.recipe.name: cfg.recipe}
+        )
+        if lay.recipe == cfg.recipe.name
+    )
     return planner.model_states(cfg, layout)[2]
 
 

@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-
 from runs import REPO
 
 pytestmark = pytest.mark.slow
@@ -27,9 +26,23 @@ LAYOUTS = ["ddp", "fsdp", "zero3", "tp_sp", "pp"]
 def losses(tmp_path_factory) -> dict:
     """One launch for all five layouts (measured: 76 CPU-s, most of it five engines' start-up)."""
     out = tmp_path_factory.mktemp("packing") / "losses.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "tests/helpers/packing_probe.py", str(out), *LAYOUTS], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "tests/helpers/packing_probe.py",
+            str(out),
+            *LAYOUTS,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(out.read_text())
 
@@ -44,5 +57,6 @@ def test_each_engine_trains_and_evaluates_packed_windows_as_one_process(losses, 
 def test_the_positions_change_the_loss(losses):
     """Otherwise the comparison above would hold for an engine that dropped them."""
     packed, unpacked = losses["reference"], losses["unpacked"]
-    assert all(abs(a - b) > 1e-3 for a, b in zip(packed["train"] + [packed["eval"]],
-                                                  unpacked["train"] + [unpacked["eval"]]))
+    assert all(
+        abs(a - b) > 1e-3 for a, b in zip(packed["train"] + [packed["eval"]], unpacked["train"] + [unpacked["eval"]])
+    )

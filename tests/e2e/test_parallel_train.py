@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from runs import evaluated, here, launch, read_metrics
-from launcher.launch import cli
+
 from launcher import config as C
 from launcher.config import block_matmul_params, num_params
+from launcher.launch import cli
 from launcher.models.gpt import GPT
 
 pytestmark = pytest.mark.slow
@@ -27,9 +27,19 @@ pytestmark = pytest.mark.slow
 # Reduction order is all that differs (measured: 1e-7 relative over 20 steps, fp32).
 REL = 1e-4
 STEPS, HALF = 12, 6  # every run's steps; the checkpoint (and stop) half-way, where the resumed runs start
-COMMON = [f"train.steps={STEPS}", "optim.warmup_steps=4", "train.seq_len=64", "train.micro_batch=2",
-          "train.global_batch=8", "logger=none", "logger.log_every=1", f"checkpoint.every={HALF}",
-          "debug.startup_digest=true", f"train.eval_every={HALF}", "train.eval_samples=16"]
+COMMON = [
+    f"train.steps={STEPS}",
+    "optim.warmup_steps=4",
+    "train.seq_len=64",
+    "train.micro_batch=2",
+    "train.global_batch=8",
+    "logger=none",
+    "logger.log_every=1",
+    f"checkpoint.every={HALF}",
+    "debug.startup_digest=true",
+    f"train.eval_every={HALF}",
+    "train.eval_samples=16",
+]
 STEP_HALF = f"checkpoints/step_{HALF:08d}"
 ASYNC = "checkpoint.async_save=true"
 
@@ -39,41 +49,81 @@ RUNS = {
     "ddp": (["recipe=ddp"], None),
     # 2 ranks to step HALF, then the same run directory relaunched on 4 (the issue's command);
     # the loss in 4 slices of the sequence (train.loss_chunks), the head in FSDP's root unit
-    "fsdp": (["recipe=fsdp", "train.activation_checkpointing=full", f"train.stop_at={HALF}", "train.loss_chunks=4"], None,
-             ["recipe=fsdp", "cluster.nproc_per_node=4", "train.loss_chunks=4"]),
+    "fsdp": (
+        ["recipe=fsdp", "train.activation_checkpointing=full", f"train.stop_at={HALF}", "train.loss_chunks=4"],
+        None,
+        ["recipe=fsdp", "cluster.nproc_per_node=4", "train.loss_chunks=4"],
+    ),
     # tp, pp and tp_fsdp save asynchronously (DCP's async_save): the runs resumed from them
     # prove those checkpoints whole
     # (tp and tp_fsdp4 recompute at op level: blocks keep their matmuls' outputs, DTensors)
     "tp": (["recipe=tp", "parallel.tp=2", "train.activation_checkpointing=op", ASYNC], None),
     "pp": (["recipe=pp", "parallel.pp_schedule=1f1b", "train.activation_checkpointing=selective", ASYNC], None),
-    "tp_fsdp4": (["recipe=tp_fsdp", "cluster.nproc_per_node=4", "parallel.sequence_parallel=true",
-                  "train.activation_checkpointing=op", ASYNC], None),
+    "tp_fsdp4": (
+        [
+            "recipe=tp_fsdp",
+            "cluster.nproc_per_node=4",
+            "parallel.sequence_parallel=true",
+            "train.activation_checkpointing=op",
+            ASYNC,
+        ],
+        None,
+    ),
     # resharding: another layout picks up a step-HALF checkpoint
     # pp x fsdp: two stages, each sharded over two ranks, two virtual stages per rank
-    "pp_fsdp_interleaved4_from_ddp": (["recipe=pp_fsdp", "cluster.nproc_per_node=4",
-                                       "parallel.pp_schedule=interleaved_1f1b"], "ddp"),
+    "pp_fsdp_interleaved4_from_ddp": (
+        ["recipe=pp_fsdp", "cluster.nproc_per_node=4", "parallel.pp_schedule=interleaved_1f1b"],
+        "ddp",
+    ),
     "fsdp_from_tp": (["recipe=fsdp"], "tp"),
     "one_from_pp": (["recipe=ddp", "cluster.nproc_per_node=1"], "pp"),
     # pp x tp with sequence parallel: each stage split over two ranks, uneven stages
-    "pp_tp_gpipe4_from_tp_fsdp4": (["recipe=pp", "parallel.tp=2", "parallel.sequence_parallel=true",
-                                    "cluster.nproc_per_node=4", "parallel.pp_schedule=gpipe", "parallel.pp_split=[1]"],
-                                   "tp_fsdp4"),
+    "pp_tp_gpipe4_from_tp_fsdp4": (
+        [
+            "recipe=pp",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "cluster.nproc_per_node=4",
+            "parallel.pp_schedule=gpipe",
+            "parallel.pp_split=[1]",
+        ],
+        "tp_fsdp4",
+    ),
     # untied embeddings: vocabulary-parallel embedding, column-parallel head, HSDP
     "ddp_untied": (["recipe=ddp", "model.tie_embeddings=false"], None),
-    "tp4_untied": (["recipe=tp", "model.tie_embeddings=false", "cluster.nproc_per_node=4",
-                    "parallel.sequence_parallel=true"], None),
-    "hsdp4_from_tp4_untied": (["recipe=fsdp", "model.tie_embeddings=false", "cluster.nproc_per_node=4",
-                               "parallel.dp_replicate=2"], "tp4_untied"),
+    "tp4_untied": (
+        ["recipe=tp", "model.tie_embeddings=false", "cluster.nproc_per_node=4", "parallel.sequence_parallel=true"],
+        None,
+    ),
+    "hsdp4_from_tp4_untied": (
+        ["recipe=fsdp", "model.tie_embeddings=false", "cluster.nproc_per_node=4", "parallel.dp_replicate=2"],
+        "tp4_untied",
+    ),
     # pp x tp x fsdp (dp_shard 1 on 4 processes): FSDP over tensor-parallel DTensors in each
     # stage, two stage roots per rank, a vocabulary-parallel embedding and column head
-    "pp_tp_fsdp4_untied_from_tp4_untied": (["recipe=pp_fsdp", "parallel.tp=2", "model.tie_embeddings=false",
-                                            "cluster.nproc_per_node=4", "parallel.pp_schedule=interleaved_1f1b"],
-                                           "tp4_untied"),
+    "pp_tp_fsdp4_untied_from_tp4_untied": (
+        [
+            "recipe=pp_fsdp",
+            "parallel.tp=2",
+            "model.tie_embeddings=false",
+            "cluster.nproc_per_node=4",
+            "parallel.pp_schedule=interleaved_1f1b",
+        ],
+        "tp4_untied",
+    ),
     # one process: the weights at step 0 must be those of every layout above
     "fsdp1": (["recipe=fsdp", "cluster.nproc_per_node=1", "train.stop_at=1", "checkpoint.every=0"], None),
     # bf16: FSDP's mixed-precision policy; the first 8 of the STEPS
-    "fsdp_bf16": (["recipe=fsdp", "precision=bf16", "train.stop_at=8", "recipe.fsdp.cpu_offload=true",
-                   "recipe.fsdp.reshard_after_forward=false"], None),
+    "fsdp_bf16": (
+        [
+            "recipe=fsdp",
+            "precision=bf16",
+            "train.stop_at=8",
+            "recipe.fsdp.cpu_offload=true",
+            "recipe.fsdp.reshard_after_forward=false",
+        ],
+        None,
+    ),
 }
 FRESH = ["fsdp", "tp", "pp", "tp_fsdp4"]
 RESUMED = ["fsdp_from_tp", "one_from_pp", "pp_tp_gpipe4_from_tp_fsdp4", "pp_fsdp_interleaved4_from_ddp"]
@@ -165,19 +215,34 @@ def test_initial_weights_do_not_depend_on_the_layout(runs):
     own part (a shard, a stage, a tensor-parallel slice) with the values the whole model
     has there (launcher/models/init.py), so the consolidated weights are the same bytes at
     1, 2 and 4 ranks under ddp, fsdp, tp, pp, tp_fsdp, pp x fsdp and pp x tp."""
+
     def digests(name):
         startup = json.loads((runs(name) / "summary.json").read_text())["startup"]
         assert startup["host_peak_bytes"] and all(s > 0 for s in startup["seconds"]), startup
         assert startup["device_peak_bytes"] == [None] * len(startup["seconds"])  # CPU
         return startup["weights_digest"]
 
-    tied = {name: digests(name) for name in ("ddp", "fsdp1", "fsdp_from_tp", "fsdp", "tp", "pp", "tp_fsdp4",
-                                              "pp_fsdp_interleaved4_from_ddp", "pp_tp_gpipe4_from_tp_fsdp4",
-                                              "one_from_pp")}
+    tied = {
+        name: digests(name)
+        for name in (
+            "ddp",
+            "fsdp1",
+            "fsdp_from_tp",
+            "fsdp",
+            "tp",
+            "pp",
+            "tp_fsdp4",
+            "pp_fsdp_interleaved4_from_ddp",
+            "pp_tp_gpipe4_from_tp_fsdp4",
+            "one_from_pp",
+        )
+    }
     assert {len(d) for d in tied.values()} == {1, 2, 4}  # world sizes 1 (fsdp1, one_from_pp), 2 and 4
     assert len({x for d in tied.values() for x in d}) == 1, tied
-    untied = {name: digests(name) for name in ("ddp_untied", "tp4_untied", "hsdp4_from_tp4_untied",
-                                               "pp_tp_fsdp4_untied_from_tp4_untied")}
+    untied = {
+        name: digests(name)
+        for name in ("ddp_untied", "tp4_untied", "hsdp4_from_tp4_untied", "pp_tp_fsdp4_untied_from_tp4_untied")
+    }
     assert len({x for d in untied.values() for x in d}) == 1, untied
     assert untied["ddp_untied"] != tied["ddp"]
 
@@ -195,7 +260,10 @@ def test_untied_tensor_parallel_and_hsdp_match_ddp(runs):
     ref = runs("ddp_untied")
     assert_same_losses(runs("tp4_untied"), ref, range(1, STEPS + 1))
     assert_same_losses(runs("hsdp4_from_tp4_untied"), ref, range(HALF + 1, STEPS + 1))
-    assert "mesh: pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1" in (runs("hsdp4_from_tp4_untied") / "stdout.txt").read_text()
+    assert (
+        "mesh: pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1"
+        in (runs("hsdp4_from_tp4_untied") / "stdout.txt").read_text()
+    )
     three = runs("pp_tp_fsdp4_untied_from_tp4_untied")
     assert_same_losses(three, ref, range(HALF + 1, STEPS + 1))
     assert "mesh: pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2" in (three / "stdout.txt").read_text()
@@ -234,7 +302,9 @@ def test_model_state_bytes_per_rank_match_the_formulas(runs):
         row = last(name)
         assert row["mem/model_state_bytes"] == want, (name, row["mem/model_state_bytes"], want)
         assert row["mem/params_bytes"] == row["mem/grads_bytes"], name  # fp32 shards of both
-        print(f"{name}: {row['mem/model_state_bytes']:,} bytes/rank = {row['mem/model_state_bytes'] / (16 * psi):.3f} x 16Ψ")
+        print(
+            f"{name}: {row['mem/model_state_bytes']:,} bytes/rank = {row['mem/model_state_bytes'] / (16 * psi):.3f} x 16Ψ"
+        )
 
 
 def test_export_from_dcp_checkpoints_gives_the_same_model(runs, tmp_path):

@@ -10,13 +10,12 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 import torch
-
+import yaml
 from runs import REPO, in_fp32, launch, read_metrics
+
 from launcher.launch import cli, compose
 from launcher.planner import plan as planner
-
 
 # ----------------------------------------------------------------------------- real ranks
 MATRIX_WORLDS = (1, 2, 4)
@@ -41,11 +40,29 @@ def matrix(tmp_path_factory) -> list[dict]:
     out, rows, procs = tmp_path_factory.mktemp("matrix"), [], {}
     for n in MATRIX_WORLDS:
         path = out / f"matrix-{n}.json"
-        procs[n] = (path, subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-             "scripts/measure_memory.py", "--out", str(path), "--table", "--precisions",
-             ",".join(MATRIX_AT[n]["precision"])], cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        procs[n] = (
+            path,
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={n}",
+                    "scripts/measure_memory.py",
+                    "--out",
+                    str(path),
+                    "--table",
+                    "--precisions",
+                    ",".join(MATRIX_AT[n]["precision"]),
+                ],
+                cwd=REPO,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            ),
+        )
     try:
         for n, (path, proc) in procs.items():
             stdout, stderr = proc.communicate(timeout=900)
@@ -80,8 +97,7 @@ def test_the_plan_holds_in_every_cell(matrix, capsys):
         # pp_fsdp needs a data-parallel rank beside each stage's: 4 ranks (pp2 x fsdp2)
         offered = {"ddp", "fsdp", "zero3"} if n == 1 else set(recipes) - {"pp_fsdp"} if n == 2 else set(recipes)
         assert {layout.recipe for layout in layouts} >= offered
-        expected |= {(n, layout.label, *c) for layout in layouts for c in
-                     itertools.product(*MATRIX_AT[n].values())}
+        expected |= {(n, layout.label, *c) for layout in layouts for c in itertools.product(*MATRIX_AT[n].values())}
     assert set(cells) == expected, set(cells) ^ expected
     failures, worst_state, act_ratios, refused = [], 0.0, [], 0
     for (n, label, precision, accum, ac), ranks in sorted(cells.items()):
@@ -113,8 +129,10 @@ def test_the_plan_holds_in_every_cell(matrix, capsys):
                     failures.append(f"{where} rank {r['rank']}: activations {act:.3f} x plan")
     assert not failures, "\n".join(failures)
     with capsys.disabled():
-        print(f"\nplan vs measured: {len(cells)} cells on 1, 2 and 4 ranks ({refused} refused: fp16 needs CUDA); "
-              f"model states within {100 * worst_state:.2f}%, activations {min(act_ratios):.3f}-{max(act_ratios):.3f} x plan")
+        print(
+            f"\nplan vs measured: {len(cells)} cells on 1, 2 and 4 ranks ({refused} refused: fp16 needs CUDA); "
+            f"model states within {100 * worst_state:.2f}%, activations {min(act_ratios):.3f}-{max(act_ratios):.3f} x plan"
+        )
 
 
 MOE_RECIPES = ("ddp", "fsdp", "zero2", "zero3")
@@ -136,10 +154,33 @@ def test_the_plan_holds_for_an_moe(tmp_path, capsys):
     rank could receive). 12 cells, one process group; 22 s on 2 idle cores."""
     out = tmp_path / "moe.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "scripts/measure_memory.py",
-         "--out", str(out), "--models", "moe_tiny", "--recipes", ",".join(MOE_RECIPES), "--precisions", "fp32",
-         "--grad-accums", "1", "--ac", "none,full", "--table"], cwd=REPO, text=True, capture_output=True, timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "scripts/measure_memory.py",
+            "--out",
+            str(out),
+            "--models",
+            "moe_tiny",
+            "--recipes",
+            ",".join(MOE_RECIPES),
+            "--precisions",
+            "fp32",
+            "--grad-accums",
+            "1",
+            "--ac",
+            "none,full",
+            "--table",
+        ],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     rows = json.loads(out.read_text())
     layouts = [*(f"{r} (dp2)" for r in MOE_RECIPES), "ddp (dp2 ep2)", "fsdp (dp2 ep2)"]
@@ -153,8 +194,10 @@ def test_the_plan_holds_for_an_moe(tmp_path, capsys):
         assert abs(states[-1] - 1) <= 0.02, (r["layout"], r["ac"], r["rank"], m["model_state"], p["model_state"])
         assert abs(acts[-1] - 1) <= 0.15, (r["layout"], r["ac"], r["rank"], m["activations"], p["activations"])
     with capsys.disabled():
-        print(f"\nMoE plan vs measured ({len(rows) // 2} cells, 2 ranks): model states {min(states):.4f}-{max(states):.4f}, "
-              f"activations {min(acts):.4f}-{max(acts):.4f} x plan\n{proc.stdout}")
+        print(
+            f"\nMoE plan vs measured ({len(rows) // 2} cells, 2 ranks): model states {min(states):.4f}-{max(states):.4f}, "
+            f"activations {min(acts):.4f}-{max(acts):.4f} x plan\n{proc.stdout}"
+        )
 
 
 @pytest.mark.slow
@@ -168,10 +211,34 @@ def test_fewer_experts_than_ranks_are_cut_on_dimension_1(tmp_path):
     690,304; model states 1.002 / 0.999 x plan, activations 1.000."""
     out = tmp_path / "dim1.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "scripts/measure_memory.py",
-         "--out", str(out), "--models", "moe_tiny", "--recipes", "fsdp", "--precisions", "fp32", "--grad-accums", "1",
-         "--ac", "none", "--overrides", "model.moe.experts=2"], cwd=REPO, text=True, capture_output=True, timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=4",
+            "scripts/measure_memory.py",
+            "--out",
+            str(out),
+            "--models",
+            "moe_tiny",
+            "--recipes",
+            "fsdp",
+            "--precisions",
+            "fp32",
+            "--grad-accums",
+            "1",
+            "--ac",
+            "none",
+            "--overrides",
+            "model.moe.experts=2",
+        ],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     rows = json.loads(out.read_text())
     assert {(r["layout"], r["rank"]) for r in rows} == {(f"fsdp (dp4{ep})", k) for ep in ("", " ep2") for k in range(4)}
@@ -199,11 +266,33 @@ def test_the_plan_holds_beyond_the_matrix_defaults(tmp_path):
     rows = []
     for name, (recipe, overrides) in BEYOND.items():
         out = tmp_path / f"{name}.json"
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                               "scripts/measure_memory.py", "--out", str(out), "--recipes", recipe, "--precisions",
-                               "fp32,bf16", "--grad-accums", "1", "--ac", "none,full", "--overrides", *overrides],
-                              cwd=REPO, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                "scripts/measure_memory.py",
+                "--out",
+                str(out),
+                "--recipes",
+                recipe,
+                "--precisions",
+                "fp32,bf16",
+                "--grad-accums",
+                "1",
+                "--ac",
+                "none,full",
+                "--overrides",
+                *overrides,
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert proc.returncode == 0, proc.stderr[-5000:]
         rows += [(name, r) for r in json.loads(out.read_text())]
     assert {name for name, _ in rows} == set(BEYOND)
@@ -225,17 +314,44 @@ def test_the_plan_holds_for_each_optimizer(tmp_path):
     states within 2% on every rank. At 2 ranks only: a ddp rank holds what it holds alone
     (replicated), and a process group of 1 would cost another 10 CPU-s for no other term.
     About 25 s on 2 cores."""
-    procs = {n: subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "scripts/measure_memory.py",
-         "--out", str(tmp_path / f"optim-{n}.json"), "--recipes", recipes, "--precisions", "fp32", "--grad-accums", "1",
-         "--ac", "none", "--optims", ",".join(OPTIMS)], cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}) for n, recipes in ((2, "ddp,fsdp"),)}
+    procs = {
+        n: subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={n}",
+                "scripts/measure_memory.py",
+                "--out",
+                str(tmp_path / f"optim-{n}.json"),
+                "--recipes",
+                recipes,
+                "--precisions",
+                "fp32",
+                "--grad-accums",
+                "1",
+                "--ac",
+                "none",
+                "--optims",
+                ",".join(OPTIMS),
+            ],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for n, recipes in ((2, "ddp,fsdp"),)
+    }
     rows = []
     for n, proc in procs.items():
         _, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, stderr[-5000:]
         rows += json.loads((tmp_path / f"optim-{n}.json").read_text())
-    assert {(r["world"], r["recipe"], r["optim"]) for r in rows} == set(itertools.product((2,), ("ddp", "fsdp"), OPTIMS))
+    assert {(r["world"], r["recipe"], r["optim"]) for r in rows} == set(
+        itertools.product((2,), ("ddp", "fsdp"), OPTIMS)
+    )
     for r in rows:
         where, m, p = f"{r['layout']} {r['optim']} rank {r['rank']}", r["measured"], r["predicted"]
         assert abs(m["optim"] / p["optim"] - 1) < 0.02, (where, m["optim"], p["optim"])
@@ -251,9 +367,15 @@ def test_a_rehearsal_holds_what_real_ranks_hold(matrix):
     parameter partition (DeepSpeed builds it for real and takes no step on a fake group)."""
     from launcher.planner import rehearse as R
 
-    real = {(r["world"], r["layout"], r["precision"], r["rank"]): r["measured"] for r in matrix
-            if r["grad_accum"] == 1 and r["ac"] == "none" and "refused" not in r}
-    tiny, recipes = cli.compose_config(["model=gpt_tiny"])[0], compose.recipe_configs({"fsdp", "tp", "tp_fsdp", "pp", "zero3"})
+    real = {
+        (r["world"], r["layout"], r["precision"], r["rank"]): r["measured"]
+        for r in matrix
+        if r["grad_accum"] == 1 and r["ac"] == "none" and "refused" not in r
+    }
+    tiny, recipes = (
+        cli.compose_config(["model=gpt_tiny"])[0],
+        compose.recipe_configs({"fsdp", "tp", "tp_fsdp", "pp", "zero3"}),
+    )
     done = set()
     for world in (2, 4):
         for layout in planner.candidates(tiny, planner.Hardware(0, world, 1, planner.DEFAULT_TFLOPS), recipes):
@@ -263,9 +385,17 @@ def test_a_rehearsal_holds_what_real_ranks_hold(matrix):
             for precision in MATRIX_AT[world]["precision"]:
                 if precision == "fp16":
                     continue
-                cfg, _, _ = cli.compose_config([*layout.overrides(), "model=gpt_tiny", f"train.micro_batch={max(2, layout.pp)}",
-                                                "train.seq_len=64", f"precision={precision}", f"cluster.gpus_per_node={world}",
-                                                *extra])
+                cfg, _, _ = cli.compose_config(
+                    [
+                        *layout.overrides(),
+                        "model=gpt_tiny",
+                        f"train.micro_batch={max(2, layout.pp)}",
+                        "train.seq_len=64",
+                        f"precision={precision}",
+                        f"cluster.gpus_per_node={world}",
+                        *extra,
+                    ]
+                )
                 for r in R.rehearse(cfg, world, world, None, ranks=list(range(world))).ranks:
                     held, where = real[(world, label, precision, r.rank)], (label, precision, world, r.rank)
                     if r.compared == "params":
@@ -277,8 +407,17 @@ def test_a_rehearsal_holds_what_real_ranks_hold(matrix):
 
 @pytest.mark.slow
 def test_auto_recipe_and_micro_batch_train(run_dir):
-    proc = launch("recipe=auto", "train.micro_batch=auto", "cluster.gpu_memory_gb=0.2", "plan.reserve_gb=0",
-                  "train.steps=6", "optim.warmup_steps=1", "logger=none", "logger.log_every=1", run_dir=run_dir)
+    proc = launch(
+        "recipe=auto",
+        "train.micro_batch=auto",
+        "cluster.gpu_memory_gb=0.2",
+        "plan.reserve_gb=0",
+        "train.steps=6",
+        "optim.warmup_steps=1",
+        "logger=none",
+        "logger.log_every=1",
+        run_dir=run_dir,
+    )
     assert "planner chose:" in proc.stdout
     record = json.loads((run_dir / "plan.json").read_text())
     chosen = dict(o.split("=", 1) for o in record["chosen"])
@@ -291,6 +430,7 @@ def test_auto_recipe_and_micro_batch_train(run_dir):
 def _limit_address_space(gib: float):
     def apply():
         resource.setrlimit(resource.RLIMIT_AS, (int(gib * 2**30), int(gib * 2**30)))
+
     return apply
 
 
@@ -301,12 +441,30 @@ def test_out_of_memory_backs_off_the_micro_batch(run_dir):
     backward; 2.0-2.4 GiB all fail in step 1 or 2, 2.6 runs through), and the rank (alone,
     on ddp) retries that step with half the micro-batch and twice the accumulation
     (train.micro_batch=auto turns train.oom_backoff on)."""
-    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}",
-            *in_fp32(["model=gpt_small", "train.micro_batch=auto", "cluster.gpu_memory_gb=1.6", "plan.reserve_gb=0",
-                      "train.steps=2", "optim.warmup_steps=1", "logger=none", "train.seq_len=256",
-                      "plan.max_micro_batch=16", "cluster.nproc_per_node=1"])]
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          preexec_fn=_limit_address_space(2.2))
+    argv = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "train",
+        f"hydra.run.dir={run_dir}",
+        *in_fp32(
+            [
+                "model=gpt_small",
+                "train.micro_batch=auto",
+                "cluster.gpu_memory_gb=1.6",
+                "plan.reserve_gb=0",
+                "train.steps=2",
+                "optim.warmup_steps=1",
+                "logger=none",
+                "train.seq_len=256",
+                "plan.max_micro_batch=16",
+                "cluster.nproc_per_node=1",
+            ]
+        ),
+    ]
+    proc = subprocess.run(
+        argv, cwd=REPO, capture_output=True, text=True, timeout=600, preexec_fn=_limit_address_space(2.2)
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "can't allocate memory" in proc.stdout and "retrying the step with train.micro_batch=" in proc.stdout
     chosen = dict(o.split("=", 1) for o in json.loads((run_dir / "plan.json").read_text())["chosen"])

@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from runs import REPO
+
 from launcher.host import HostInfo
 from launcher.launch import cli
 
@@ -43,9 +43,14 @@ def shell_env() -> dict[str, str]:
 def readme_commands() -> list[str]:
     """The README's command lines, in order, without their trailing comments."""
     text = README.read_text()
-    found = [re.sub(r"\s+# .*$", "", line.strip()) for line in text.splitlines()
-             if line.startswith("    ") and line.strip().startswith(STARTS)]
-    found += [span for span in re.findall(r"`((?:make |\.venv/bin/)[^`\n]*)`", text) if re.search(r" (\S+=|--|\|)", span)]
+    found = [
+        re.sub(r"\s+# .*$", "", line.strip())
+        for line in text.splitlines()
+        if line.startswith("    ") and line.strip().startswith(STARTS)
+    ]
+    found += [
+        span for span in re.findall(r"`((?:make |\.venv/bin/)[^`\n]*)`", text) if re.search(r" (\S+=|--|\|)", span)
+    ]
     return list(dict.fromkeys(found))
 
 
@@ -59,8 +64,13 @@ def readme_line(line: str) -> str:
 ELSEWHERE = {"cd RUN_DIR && sbatch job.sbatch": "tests/e2e/test_slurm_runs.py::test_submitted_job_runs_to_completion"}
 
 FIXTURE_LINE = 'make train RECIPE=fsdp ARGS="hydra.run.dir=outputs/a"'
-SHORT = ["train.steps=2", "optim.warmup_steps=0", "checkpoint.every=2", "logger.mode=offline",
-         "logger.also=[tensorboard]"]
+SHORT = [
+    "train.steps=2",
+    "optim.warmup_steps=0",
+    "checkpoint.every=2",
+    "logger.mode=offline",
+    "logger.also=[tensorboard]",
+]
 """The fixture's run: the README's fsdp line for 2 steps, with TensorBoard beside W&B (the
 README's TensorBoard and `wandb sync` lines read it)."""
 CKPT = "outputs/a/checkpoints/step_00000002"
@@ -103,9 +113,8 @@ def home(tmp_path_factory) -> Path:
     """A user's working folder: the README's fsdp run trained for 2 steps into outputs/a,
     a tiny Llama saved by transformers, a JSON-lines corpus and a text file."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from hf_models import TINY_LLAMA
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     home = tmp_path_factory.mktemp("home")
     (home / "corpus").mkdir()
@@ -122,8 +131,14 @@ def home(tmp_path_factory) -> Path:
     fields = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
     AutoModelForCausalLM.from_config(LlamaConfig(**fields)).save_pretrained(home / "tiny_llama")
     argv = launcher_argv(FIXTURE_LINE)
-    proc = subprocess.run([sys.executable, "-m", "launcher", *argv, *SHORT], cwd=home, env=shell_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher", *argv, *SHORT],
+        cwd=home,
+        env=shell_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (home / CKPT / "manifest.json").is_file()
     return home
@@ -139,8 +154,14 @@ def launcher_argv(line: str, *more: str) -> list[str]:
             words.append("ARGS=" + " ".join(more))
         else:
             words[args] += " " + " ".join(more)
-    proc = subprocess.run(["make", "-s", "-n", "-o", ".venv/.installed", *words[1:]], cwd=REPO,
-                          env=shell_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["make", "-s", "-n", "-o", ".venv/.installed", *words[1:]],
+        cwd=REPO,
+        env=shell_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     command = proc.stdout.strip().splitlines()[-1]
     argv = shlex.split(command)
@@ -150,15 +171,24 @@ def launcher_argv(line: str, *more: str) -> list[str]:
 
 def shell(command: str, cwd: Path) -> subprocess.CompletedProcess:
     command = command.replace(".venv/bin/", f"{BIN}/").replace(" scripts/", f" {REPO}/scripts/")
-    return subprocess.run(["bash", "-c", command], cwd=cwd, env=shell_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=shell_env(), capture_output=True, text=True, timeout=300
+    )
 
 
 # ----------------------------------------------------------------------------- the list
 def test_the_readme_lines_are_found_and_each_one_has_a_way_to_run():
     lines = readme_commands()
-    for line in ('make train', 'make test', FIXTURE_LINE, PLAN_LINE, 'make plan ARGS="... --json" | jq',
-                 '.venv/bin/launcher train recipe=ddp train.steps=300; echo "exit $?"',
-                 '.venv/bin/tensorboard --logdir outputs/<run>/tensorboard', *ELSEWHERE):
+    for line in (
+        "make train",
+        "make test",
+        FIXTURE_LINE,
+        PLAN_LINE,
+        'make plan ARGS="... --json" | jq',
+        '.venv/bin/launcher train recipe=ddp train.steps=300; echo "exit $?"',
+        ".venv/bin/tensorboard --logdir outputs/<run>/tensorboard",
+        *ELSEWHERE,
+    ):
         assert line in lines, line
     assert len(lines) >= 40, lines
     assert not [line for line in lines if "#" in line], "a trailing comment was kept"
@@ -186,20 +216,48 @@ def run(command: str, home: Path, capsys) -> str:
     if head in (["make", "plan"], ["make", "export"], ["make", "data"]) and "|" not in command:
         return in_process(launcher_argv(command), command, capsys)
     if "| jq" in command:  # make itself, to show it prints only what the program prints
-        proc = subprocess.run(shlex.split(command.split(" | ")[0]) + [f"PY={sys.executable}", "-o", ".venv/.installed"],
-                              cwd=REPO, env=shell_env(), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            shlex.split(command.split(" | ")[0]) + [f"PY={sys.executable}", "-o", ".venv/.installed"],
+            cwd=REPO,
+            env=shell_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     elif head == ["make", "test"]:  # this suite: make runs pytest over tests/, which holds this file
-        proc = subprocess.run(["make", "-s", "-n", "-o", ".venv/.installed", "-o", TESTED, "test"], cwd=REPO, env=shell_env(),
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            ["make", "-s", "-n", "-o", ".venv/.installed", "-o", TESTED, "test"],
+            cwd=REPO,
+            env=shell_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         words = proc.stdout.split()  # pytest-xdist workers: half the cores, 2 on 2 cores (the Makefile's TEST_WORKERS)
         cores = len(os.sched_getaffinity(0))  # what nproc counts
         workers = str(cores // 2 if cores > 4 else 2)
-        assert words == [".venv/bin/python", "-m", "pytest", "-q", "-n", workers, "--dist", "loadfile",
-                         "--durations=25", "tests"], proc.stdout
+        assert words == [
+            ".venv/bin/python",
+            "-m",
+            "pytest",
+            "-q",
+            "-n",
+            workers,
+            "--dist",
+            "loadfile",
+            "--durations=25",
+            "tests",
+        ], proc.stdout
         assert REPO / "tests" in Path(__file__).parents
     elif head[0] == "make":  # make rehearse builds a 70B layout's ranks: a minute alone, more on a busy machine
-        proc = subprocess.run([*shlex.split(command), "-o", ".venv/.installed", "-o", TESTED], cwd=REPO, env=shell_env(),
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [*shlex.split(command), "-o", ".venv/.installed", "-o", TESTED],
+            cwd=REPO,
+            env=shell_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     elif "/launcher train" in command:  # the console script, for its own exit code
         proc = shell(command.replace("; echo", " --dry-run; echo"), home)
     elif "wandb sync" in command:  # uploading needs the network: say what would be synced
@@ -224,8 +282,11 @@ def check(command: str, out: str, home: Path) -> None:
     run_a = home / "outputs" / "a"
     if command.startswith(("make train", "make submit")):
         points = 2 if " -m " in command or '"-m ' in command else 1
-        marker = ("# Kubernetes job for the run directory" if "cluster=k8s" in command else "#!/bin/bash") \
-            if command.startswith("make submit") else "# command"
+        marker = (
+            ("# Kubernetes job for the run directory" if "cluster=k8s" in command else "#!/bin/bash")
+            if command.startswith("make submit")
+            else "# command"
+        )
         assert out.count(marker) == points, out[-2000:]
         assert "planner chose: " in out if "RECIPE=auto" in command else True
     elif command.startswith("make data"):
@@ -284,12 +345,16 @@ def test_the_planners_recommended_command_passes_a_dry_run_here(home, monkeypatc
     nodes it names (it failed on this machine's disk, issue 48); what only those nodes
     can answer is said so."""
     monkeypatch.chdir(home)
-    for line in (PLAN_LINE, 'make plan ARGS="model=llama3_8b cluster.gpus_per_node=8 cluster.gpu_memory_gb=24 '
-                            'train.seq_len=4096"'):
+    for line in (
+        PLAN_LINE,
+        'make plan ARGS="model=llama3_8b cluster.gpus_per_node=8 cluster.gpu_memory_gb=24 train.seq_len=4096"',
+    ):
         out = in_process(launcher_argv(line), line, capsys)
         command = next(x for x in out.splitlines() if x.startswith("recommended: ")).removeprefix("recommended: ")
         printed = in_process(launcher_argv(command, "--dry-run"), command, capsys)
         assert "# command" in printed, printed[-2000:]
         if not HostInfo.detect().cuda:
-            assert "this machine has no GPU: the GPUs, their memory and the checkpoint disk are checked where it " \
-                   "launches" in printed, printed[-2000:]
+            assert (
+                "this machine has no GPU: the GPUs, their memory and the checkpoint disk are checked where it "
+                "launches" in printed
+            ), printed[-2000:]

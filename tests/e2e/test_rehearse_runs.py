@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from runs import REPO
+
 from launcher.planner.rehearse import TOLERANCE
 
 pytestmark = pytest.mark.slow
@@ -23,12 +23,22 @@ def test_the_planner_holds_at_64_256_and_512_ranks(tmp_path, capsys):
     tensor-parallel ones every position of a group. The whole matrix: seconds to a minute
     here (the issue's budget: 5 minutes)."""
     out = tmp_path / "matrix.json"
-    proc = subprocess.run([sys.executable, "scripts/rehearse_matrix.py", "--json", str(out)], cwd=REPO, text=True,
-                          capture_output=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "scripts/rehearse_matrix.py", "--json", str(out)],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     rows = json.loads(out.read_text())
-    assert {(r["model"], r["world"]) for r in rows} == {("llama3_8b", 64), ("llama3_70b", 256), ("llama3_405b", 512),
-                                                         ("mixtral_8x22b", 64), ("deepseek_v3", 256)}
+    assert {(r["model"], r["world"]) for r in rows} == {
+        ("llama3_8b", 64),
+        ("llama3_70b", 256),
+        ("llama3_405b", 512),
+        ("mixtral_8x22b", 64),
+        ("deepseek_v3", 256),
+    }
     # the MoEs: fsdp at ep=1 and under expert parallel, ep=8 and ep=64
     moe = {(r["model"], r["layout"]["ep"]) for r in rows if r["model"] in ("mixtral_8x22b", "deepseek_v3")}
     assert moe == {("mixtral_8x22b", 1), ("deepseek_v3", 1), ("mixtral_8x22b", 8), ("deepseek_v3", 64)}
@@ -65,5 +75,7 @@ def test_the_planner_holds_at_64_256_and_512_ranks(tmp_path, capsys):
     assert any(row["fits"] for row in rows) and not all(row["fits"] for row in rows)
     seconds = sum(row["seconds"] for row in rows)
     with capsys.disabled():
-        print(f"\nrehearsal: {sum(len(r['ranks']) for r in rows)} ranks of {len(rows)} layouts on 64-512 ranks in "
-              f"{seconds:.0f} s; the planner within {100 * worst:.2f}% of every rank's model states")
+        print(
+            f"\nrehearsal: {sum(len(r['ranks']) for r in rows)} ranks of {len(rows)} layouts on 64-512 ranks in "
+            f"{seconds:.0f} s; the planner within {100 * worst:.2f}% of every rank's model states"
+        )

@@ -13,17 +13,23 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-
 import runs
+import torch
 from runs import REPO, launch, rank_process, read_metrics, wait_for_step
-from launcher.manifest import find_latest, verify
+
 from launcher.exits import EXIT_CHECKPOINT_FAILED, EXIT_HANG
+from launcher.manifest import find_latest, verify
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["train.steps=16", "optim.warmup_steps=2", "logger=none", "logger.log_every=1", "checkpoint.every=5",
-          "checkpoint.keep=2"]
+COMMON = [
+    "train.steps=16",
+    "optim.warmup_steps=2",
+    "logger=none",
+    "logger.log_every=1",
+    "checkpoint.every=5",
+    "checkpoint.keep=2",
+]
 
 
 def start(run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
@@ -61,10 +67,16 @@ def reference(tmp_path_factory) -> Path:
 # checkpoint.async_save (zero2's writes held back a second while training goes on): a
 # resume from their async checkpoints ends bit-identical to the run that saved
 # synchronously; ddp's staged copy: test_a_kill_while_an_async_save_writes_...
-ASYNC = {"ddp": [], "fsdp": ["checkpoint.async_save=true"],
-         "zero2": ["checkpoint.async_save=true", "debug.async_save_delay_s=1"]}
-KILLS = [(recipe, step) for recipe, n in (("ddp", 2), ("fsdp", 1), ("zero2", 1))
-         for step in sorted(random.Random(f"{recipe}-6").sample(range(2, 15), n))]
+ASYNC = {
+    "ddp": [],
+    "fsdp": ["checkpoint.async_save=true"],
+    "zero2": ["checkpoint.async_save=true", "debug.async_save_delay_s=1"],
+}
+KILLS = [
+    (recipe, step)
+    for recipe, n in (("ddp", 2), ("fsdp", 1), ("zero2", 1))
+    for step in sorted(random.Random(f"{recipe}-6").sample(range(2, 15), n))
+]
 
 
 @pytest.mark.parametrize("recipe,kill_after", KILLS)
@@ -101,16 +113,28 @@ def killed_in_save(point: str, tmp_path_factory) -> tuple[Path, subprocess.Compl
     cases that damage or resume it work on copies)."""
     if point not in KILLED:
         run = tmp_path_factory.mktemp(f"killed-{point}") / "run"
-        KILLED[point] = run, launch(*COMMON, f"debug.fault={point}", "debug.fault_step=10", "debug.fault_rank=0",
-                                    run_dir=run, check=False)
+        KILLED[point] = (
+            run,
+            launch(
+                *COMMON, f"debug.fault={point}", "debug.fault_step=10", "debug.fault_rank=0", run_dir=run, check=False
+            ),
+        )
     return KILLED[point]
 
 
-@pytest.mark.parametrize("point,resumes_from,corrupt", [
-    ("save_engine_written", 5, False), ("save_manifest_written", 5, False), ("save_renamed", 10, False),
-    ("save_latest_written", 10, False), ("save_latest_written", 5, True)])
-def test_a_kill_inside_a_save_keeps_the_last_complete_checkpoint(point, resumes_from, corrupt, reference, tmp_path,
-                                                                 tmp_path_factory):
+@pytest.mark.parametrize(
+    "point,resumes_from,corrupt",
+    [
+        ("save_engine_written", 5, False),
+        ("save_manifest_written", 5, False),
+        ("save_renamed", 10, False),
+        ("save_latest_written", 10, False),
+        ("save_latest_written", 5, True),
+    ],
+)
+def test_a_kill_inside_a_save_keeps_the_last_complete_checkpoint(
+    point, resumes_from, corrupt, reference, tmp_path, tmp_path_factory
+):
     """`corrupt`: then a byte of rank 1's share of step 10 is flipped (same size): the ranks,
     each checking its own share of the digests, agree to skip it for step 5. The next launch
     resumes from what find_latest names (checked for every point): it runs, to the
@@ -147,8 +171,16 @@ def test_a_kill_while_an_async_save_writes_keeps_the_last_checkpoint(reference, 
     weights. Every write waits a second while the steps go on: step 5's staged copy, not
     the weights of a later step, is what was written."""
     run = tmp_path / "run"
-    proc = launch(*COMMON, "checkpoint.async_save=true", "debug.async_save_delay_s=1", "debug.fault=save_staged",
-                  "debug.fault_step=10", "debug.fault_rank=1", run_dir=run, check=False)
+    proc = launch(
+        *COMMON,
+        "checkpoint.async_save=true",
+        "debug.async_save_delay_s=1",
+        "debug.fault=save_staged",
+        "debug.fault_step=10",
+        "debug.fault_rank=1",
+        run_dir=run,
+        check=False,
+    )
     assert proc.returncode != 0 and "injected fault save_staged at step 10" in proc.stderr
     assert "checkpoint" in proc.stdout and "step_00000005 written in the background" in proc.stdout
     ckpts = run / "checkpoints"
@@ -160,7 +192,9 @@ def test_a_kill_while_an_async_save_writes_keeps_the_last_checkpoint(reference, 
     want, got = final_weights(reference), final_weights(run)
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert not list(ckpts.glob("*.tmp")) and sorted(p.name for p in ckpts.glob("step_*")) == [
-        "step_00000015", "step_00000016"]
+        "step_00000015",
+        "step_00000016",
+    ]
 
 
 # ----------------------------------------------------------------------------- 3. a hang
@@ -172,19 +206,32 @@ def test_a_silent_rank_ends_the_job_with_a_message_naming_it(tmp_path):
     watchdog's message, from the step and the phase alone, is checked in tests/unit/test_watchdog.py."""
     run = tmp_path / "run"
     t0 = time.time()
-    proc = launch("train.steps=40", "optim.warmup_steps=2", "logger=none", "logger.log_every=1",
-                  "dist.timeout_s=10", "debug.fault=hang_in_step", "debug.fault_step=6", "debug.fault_rank=1",
-                  run_dir=run, check=False, timeout=300)
+    proc = launch(
+        "train.steps=40",
+        "optim.warmup_steps=2",
+        "logger=none",
+        "logger.log_every=1",
+        "dist.timeout_s=10",
+        "debug.fault=hang_in_step",
+        "debug.fault_step=6",
+        "debug.fault_rank=1",
+        run_dir=run,
+        check=False,
+        timeout=300,
+    )
     elapsed = time.time() - t0
     assert proc.returncode == EXIT_HANG and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
     hang = json.loads((run / "hang.json").read_text())  # written by the watchdog, not the backstop
     assert hang["silent"] == [1] and hang["step"] == 6
     assert hang["behind"] == [] and hang["frozen"] == []  # same step, same phase; its watchdog still beats
     assert hang["behind_in_collectives"] == [1]
-    found = re.search(r"hang: no progress for (\d+)s \(dist\.timeout_s=10\) in step 6; silent: rank\(s\) 1; "
-                      r"rank 0 inside the step after step 5, waiting in collective (\d+) of process group 0; "
-                      r"rank 1 inside the step after step 5, has entered (\d+) collectives of process group 0, "
-                      r"the others (\d+)", proc.stderr)
+    found = re.search(
+        r"hang: no progress for (\d+)s \(dist\.timeout_s=10\) in step 6; silent: rank\(s\) 1; "
+        r"rank 0 inside the step after step 5, waiting in collective (\d+) of process group 0; "
+        r"rank 1 inside the step after step 5, has entered (\d+) collectives of process group 0, "
+        r"the others (\d+)",
+        proc.stderr,
+    )
     assert found and 10 <= int(found.group(1)) <= 20, proc.stderr[-3000:]  # within a check interval of the timeout
     waited, entered, top = map(int, found.groups()[1:])
     assert entered < waited == top, found.group(0)
@@ -198,7 +245,10 @@ def test_a_silent_rank_ends_the_job_with_a_message_naming_it(tmp_path):
     assert all(e["profiling_name"].startswith("gloo:") for d in records.values() for e in d["entries"])
     # Every rank's Python stacks (faulthandler, from its watchdog thread), named in the message:
     # rank 1's main thread in the injected sleep, rank 0's inside the step (its collective).
-    assert hang["stacks"] == str(run / "hang") and f"Python stacks of rank(s) 0, 1 in {run / 'hang'}/rank<N>.txt" in proc.stderr
+    assert (
+        hang["stacks"] == str(run / "hang")
+        and f"Python stacks of rank(s) 0, 1 in {run / 'hang'}/rank<N>.txt" in proc.stderr
+    )
     stacks = {r: (run / "hang" / f"rank{r}.txt").read_text() for r in (0, 1)}
     assert re.search(r'File ".*faults\.py", line \d+ in strike', stacks[1]), stacks[1]
     assert "in train_step" in stacks[0] and "faults.py" not in stacks[0], stacks[0]
@@ -210,8 +260,16 @@ def test_a_frozen_rank_is_named_by_its_stopped_heartbeat(tmp_path):
     """SIGSTOP (a node swapping to death, a process frozen by a debugger): rank 1's watchdog
     stops too, so nothing of rank 1 reports; rank 0 names it by its heartbeat's silence."""
     run = tmp_path / "run"
-    proc = start(run, "train.steps=100000", "optim.warmup_steps=2", "logger=none", "logger.log_every=1",
-                 "checkpoint.every=0", "checkpoint.save_final=false", "dist.timeout_s=12")
+    proc = start(
+        run,
+        "train.steps=100000",
+        "optim.warmup_steps=2",
+        "logger=none",
+        "logger.log_every=1",
+        "checkpoint.every=0",
+        "checkpoint.save_final=false",
+        "dist.timeout_s=12",
+    )
     wait_for_step(run, 3, proc)  # early: before rank 1's watchdog thread has published a heartbeat
     frozen = rank_process(run, 1)
     assert frozen is not None, "no rank 1 process"
@@ -227,8 +285,11 @@ def test_a_frozen_rank_is_named_by_its_stopped_heartbeat(tmp_path):
     assert proc.returncode == EXIT_HANG and 12 <= named < 12 + 10, (named, err[-3000:])
     hang = json.loads((run / "hang.json").read_text())
     assert hang["silent"] == [1] and hang["frozen"] == [1], hang  # named by its heartbeat, not its step
-    assert re.search(r"hang: no progress for \d+s \(dist\.timeout_s=12\) in step \d+; silent: rank\(s\) 1; .*"
-                     r"rank 1 no heartbeat for \d+s \(process stopped or gone; last: ", err), err[-2000:]
+    assert re.search(
+        r"hang: no progress for \d+s \(dist\.timeout_s=12\) in step \d+; silent: rank\(s\) 1; .*"
+        r"rank 1 no heartbeat for \d+s \(process stopped or gone; last: ",
+        err,
+    ), err[-2000:]
     assert "(none from the stopped rank(s) 1)" in err and not (run / "hang" / "rank1.txt").exists()
     assert (run / "hang" / "rank0.txt").exists()
 
@@ -257,8 +318,9 @@ def test_too_little_disk_is_refused_before_the_run(small_disk, tmp_path, capsys,
 
     disk = small_disk(15)
     monkeypatch.chdir(tmp_path)
-    code = cli.main(["train", f"hydra.run.dir={tmp_path / 'run'}", f"checkpoint.dir={disk / 'ckpt'}",
-                     "checkpoint.keep=3"])
+    code = cli.main(
+        ["train", f"hydra.run.dir={tmp_path / 'run'}", f"checkpoint.dir={disk / 'ckpt'}", "checkpoint.keep=3"]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "checkpoint.dir=" in err[0] and "GiB free" in err[0], err
     assert not (tmp_path / "run").exists()
@@ -288,14 +350,25 @@ def test_the_space_check_asks_for_keep_plus_one_checkpoints_of_16_bytes_per_para
     short = dataclasses.replace(over, checkpoint=dataclasses.replace(over.checkpoint, every=cfg.train.steps // 2))
     assert rundir.checkpoints_written(short) == 2 and keep + 2 > 2
     rundir.check_checkpoint_space(short, tmp_path / "run")
-    assert rundir.checkpoints_written(dataclasses.replace(short, checkpoint=dataclasses.replace(
-        short.checkpoint, every=0))) == 1
-    assert rundir.checkpoints_written(dataclasses.replace(short, checkpoint=dataclasses.replace(
-        short.checkpoint, every=cfg.train.steps // 2 - 1))) == 3
+    assert (
+        rundir.checkpoints_written(
+            dataclasses.replace(short, checkpoint=dataclasses.replace(short.checkpoint, every=0))
+        )
+        == 1
+    )
+    assert (
+        rundir.checkpoints_written(
+            dataclasses.replace(short, checkpoint=dataclasses.replace(short.checkpoint, every=cfg.train.steps // 2 - 1))
+        )
+        == 3
+    )
 
 
-@pytest.mark.parametrize("saving", [["recipe=ddp"], ["recipe=fsdp"], ["recipe=fsdp", "checkpoint.async_save=true"]],
-                         ids=["ddp", "fsdp", "fsdp-async"])
+@pytest.mark.parametrize(
+    "saving",
+    [["recipe=ddp"], ["recipe=fsdp"], ["recipe=fsdp", "checkpoint.async_save=true"]],
+    ids=["ddp", "fsdp", "fsdp-async"],
+)
 def test_a_disk_that_fills_mid_run_stops_cleanly_and_keeps_the_last_checkpoint(saving, small_disk, tmp_path):
     """The whole run directory on a small disk that another file fills after step 10's
     checkpoint: the ranks stop at step 20's save, the launcher's last word is one line
@@ -306,8 +379,15 @@ def test_a_disk_that_fills_mid_run_stops_cleanly_and_keeps_the_last_checkpoint(s
     after freeing space runs once, for fsdp-async (the resume itself is the same for all three)."""
     disk = small_disk(40)
     run = disk / "run"
-    args = ["train.steps=30", "optim.warmup_steps=2", "logger=none", "logger.log_every=1", "checkpoint.every=10",
-            "checkpoint.keep=1", *saving]
+    args = [
+        "train.steps=30",
+        "optim.warmup_steps=2",
+        "logger=none",
+        "logger.log_every=1",
+        "checkpoint.every=10",
+        "checkpoint.keep=1",
+        *saving,
+    ]
     proc = start(run, *args)
     wait_for_step(run, 12, proc)
     filler = disk / "filler"
@@ -320,14 +400,18 @@ def test_a_disk_that_fills_mid_run_stops_cleanly_and_keeps_the_last_checkpoint(s
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == EXIT_CHECKPOINT_FAILED, err[-3000:]
     # the rank's own line (torch's zip writer says only "unexpected pos 64 vs 0")
-    assert re.search(r"checkpoint at step 20 could not be written on rank \d: no space left on device", err), err[-3000:]
+    assert re.search(r"checkpoint at step 20 could not be written on rank \d: no space left on device", err), err[
+        -3000:
+    ]
     if "checkpoint.async_save=true" in saving:
         assert "step_00000010 written in the background" in out, out[-2000:]
     last = err.strip().splitlines()[-1]
     ckpts = run / "checkpoints"
     assert last.startswith(f"error: a checkpoint could not be written in {ckpts} (no space left on device"), last
     assert "MiB free there" in last and f"the last complete checkpoint, {ckpts / 'step_00000010'}, is untouched" in last
-    assert "Expecting value" not in err and "Traceback" not in err and "ChildFailedError" not in err  # torchrun's: its log
+    assert (
+        "Expecting value" not in err and "Traceback" not in err and "ChildFailedError" not in err
+    )  # torchrun's: its log
     assert verify(ckpts / "step_00000010") is None
     assert not list(ckpts.glob("*.tmp")), "the partial save was left behind"
     filler.unlink()
@@ -379,14 +463,25 @@ def test_secrets_never_land_on_disk_and_metacharacters_in_a_run_name_run_nothing
     """One run, two checks: secrets planted in its environment are in none of its files (the
     W&B run file too) nor its console; a run name (and run directory) full of shell
     metacharacters trains, and running its command.sh again creates no file."""
-    secrets = {"WANDB_API_KEY": "planted-wandb-key-93f1c2", "HF_TOKEN": "planted-hf-token-5a7e",
-               "DB_PASSWORD": "planted-password-77aa", "MY_SECRET": "planted-secret-1234"}
+    secrets = {
+        "WANDB_API_KEY": "planted-wandb-key-93f1c2",
+        "HF_TOKEN": "planted-hf-token-5a7e",
+        "DB_PASSWORD": "planted-password-77aa",
+        "MY_SECRET": "planted-secret-1234",
+    }
     name = "x; touch pwned1 $(touch pwned2) `touch pwned3` 'q' \"dq\""
     run = tmp_path / name
     # Quoted for Hydra's override grammar, as a user types it: run_name='x; touch pwned'
     quoted = lambda v: "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"  # noqa: E731
-    proc = launch("train.steps=2", "optim.warmup_steps=1", "logger=wandb", "logger.mode=offline",
-                  f"run_name={quoted(name)}", f"hydra.run.dir={quoted(str(run))}", env=secrets)
+    proc = launch(
+        "train.steps=2",
+        "optim.warmup_steps=1",
+        "logger=wandb",
+        "logger.mode=offline",
+        f"run_name={quoted(name)}",
+        f"hydra.run.dir={quoted(str(run))}",
+        env=secrets,
+    )
     assert run.is_dir() and (run / "command.sh").exists()
     files = [p for p in run.rglob("*") if p.is_file()]
     assert any(p.suffix == ".wandb" for p in files)
@@ -395,7 +490,6 @@ def test_secrets_never_land_on_disk_and_metacharacters_in_a_run_name_run_nothing
         for p in files:
             assert value.encode() not in p.read_bytes(), f"{value} found in {p}"
     # Running the exact command again (it resumes a finished run) must not run the name either.
-    again = subprocess.run(["bash", str(run / "command.sh")], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=300)
+    again = subprocess.run(["bash", str(run / "command.sh")], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
     assert not list(tmp_path.rglob("pwned*")) and not list(REPO.glob("pwned*")), proc.stdout

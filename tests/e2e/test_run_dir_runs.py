@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from runs import FAST, REPO, here, launch, processes_of, start, wait_for_step
+
 from launcher import runlock
 from launcher.manifest import read_latest, run_of, verify
 
@@ -35,8 +35,14 @@ def test_one_launch_per_run_dir_and_no_orphans_after_sigkill(tmp_path):
     assert len(lines) == 1 and "is in use by the launch" in lines[0] and f"pid {first.pid}" in lines[0], lines
     assert (run / "config.yaml").read_bytes() == config  # the second launch wrote nothing
     # Another run directory whose checkpoint.dir is this run's checkpoint folder: the same.
-    other = launch("cluster.nproc_per_node=2", *FAST, "logger=none", f"checkpoint.dir={run / 'checkpoints'}",
-                   run_dir=tmp_path / "other", check=False)
+    other = launch(
+        "cluster.nproc_per_node=2",
+        *FAST,
+        "logger=none",
+        f"checkpoint.dir={run / 'checkpoints'}",
+        run_dir=tmp_path / "other",
+        check=False,
+    )
     lines = [line for line in other.stderr.splitlines() if line.strip()]
     assert other.returncode == 2 and len(lines) == 1, other.stderr[-2000:]
     assert f"{run / 'checkpoints'} is in use by the launch" in lines[0] and f"pid {first.pid}" in lines[0], lines
@@ -50,11 +56,27 @@ def test_one_launch_per_run_dir_and_no_orphans_after_sigkill(tmp_path):
     assert len(script.stderr.strip().splitlines()) == 1, script.stderr
     metrics = (run / "metrics.jsonl").read_bytes()
     t0 = time.monotonic()  # rank 0 refuses after waiting RANK_WAIT_S; rank 1, blocked joining it, stops at once
-    by_hand = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                              "-m", "launcher.rank", str(run)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    by_hand = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "launcher.rank",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert by_hand.returncode != 0 and f"error: {run} is in use by the launch" in by_hand.stderr, by_hand.stderr[-3000:]
     assert time.monotonic() - t0 < runlock.RANK_WAIT_S + 20, "torchrun waited for a rank that could not start"
-    assert (run / "metrics.jsonl").read_bytes()[:len(metrics)] == metrics and (run / "config.yaml").read_bytes() == config
+    assert (run / "metrics.jsonl").read_bytes()[: len(metrics)] == metrics and (
+        run / "config.yaml"
+    ).read_bytes() == config
 
     os.kill(first.pid, signal.SIGKILL)  # the launcher only: torchrun and the ranks are its children
     first.wait()
@@ -75,8 +97,10 @@ def test_one_launch_per_run_dir_and_no_orphans_after_sigkill(tmp_path):
 
     again = launch("cluster.nproc_per_node=2", *FAST, f"train.steps={step + 2}", "logger=none", run_dir=run)
     lines = [line for line in again.stdout.splitlines() if line.strip()]
-    assert lines == [f"nothing to train: {run} has a checkpoint at step {step + 2} of train.steps={step + 2}; "
-                     f"raise train.steps to train on"], again.stdout
+    assert lines == [
+        f"nothing to train: {run} has a checkpoint at step {step + 2} of train.steps={step + 2}; "
+        f"raise train.steps to train on"
+    ], again.stdout
     assert (run / "summary.json").read_bytes() == summary and sorted(str(p) for p in run.rglob("*")) == files
 
 
@@ -90,8 +114,16 @@ def test_a_fresh_start_never_mixes_two_runs(tmp_path):
     refused on the launch side (issue: five rank tracebacks of `size mismatch`)."""
     run = tmp_path / "r"
     ckpts = run / "checkpoints"
-    base = ["train.steps=4", "checkpoint.every=2", "optim.warmup_steps=1", "logger.log_every=1", "logger.name=none",
-            "cluster.nproc_per_node=1", "train.micro_batch=4", "train.grad_accum=2"]
+    base = [
+        "train.steps=4",
+        "checkpoint.every=2",
+        "optim.warmup_steps=1",
+        "logger.log_every=1",
+        "logger.name=none",
+        "cluster.nproc_per_node=1",
+        "train.micro_batch=4",
+        "train.grad_accum=2",
+    ]
     launch(*base, run_dir=run)
     first = (run / "config.yaml").read_text().split("run_id: ", 1)[1].split()[0]
 
@@ -121,9 +153,13 @@ def test_a_fresh_start_never_mixes_two_runs(tmp_path):
         assert snapshot(run) == before
 
     # A relaunch whose model or recipe cannot load the checkpoint: refused, naming what differs.
-    for change, words in ((["model.dim=96"], ["holds another model (model.dim=128 there, 96 here;", "tensors differ"]),
-                          (["recipe=zero2"], ["is a ddp checkpoint", "recipe=zero2 cannot load",
-                                              "recipe.strategy ddp/fsdp/pp/pp_fsdp/tp/tp_fsdp"])):
+    for change, words in (
+        (["model.dim=96"], ["holds another model (model.dim=128 there, 96 here;", "tensors differ"]),
+        (
+            ["recipe=zero2"],
+            ["is a ddp checkpoint", "recipe=zero2 cannot load", "recipe.strategy ddp/fsdp/pp/pp_fsdp/tp/tp_fsdp"],
+        ),
+    ):
         proc = launch(*base, *change, run_dir=run, check=False)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
@@ -133,8 +169,9 @@ def test_a_fresh_start_never_mixes_two_runs(tmp_path):
         if change == ["model.dim=96"]:  # how many differ, and one of them with both shapes
             import re
 
-            found = re.search(r"; (\d+) of (\d+) tensors differ, e\.g\. (\S+) \[([\d, ]+)\] there, \[([\d, ]+)\] here\)",
-                              lines[0])
+            found = re.search(
+                r"; (\d+) of (\d+) tensors differ, e\.g\. (\S+) \[([\d, ]+)\] there, \[([\d, ]+)\] here\)", lines[0]
+            )
             assert found and 0 < int(found.group(1)) <= int(found.group(2)), lines[0]
             theirs, ours = (list(map(int, found.group(i).split(", "))) for i in (4, 5))
             assert 128 in theirs and 96 in ours and 96 not in theirs, lines[0]
@@ -142,14 +179,24 @@ def test_a_fresh_start_never_mixes_two_runs(tmp_path):
     # Roll back to step 2 as a new run: the old one moves aside whole, nothing is deleted,
     # its W&B id included (the new run must not log into the old one's W&B run).
     (run / "wandb_id").write_text("old0run1\n")
-    proc = launch(*base, "train.steps=6", f"checkpoint.resume={ckpts / 'step_00000002'}",
-                  "checkpoint.on_existing=archive", run_dir=run)
+    proc = launch(
+        *base,
+        "train.steps=6",
+        f"checkpoint.resume={ckpts / 'step_00000002'}",
+        "checkpoint.on_existing=archive",
+        run_dir=run,
+    )
     home = run / "archive" / first
     assert f"resumed from {home / 'checkpoints' / 'step_00000002'} at step 2" in proc.stdout
     moved = snapshot(home)
-    assert moved == {**{k: v for k, v in before.items() if k.startswith("checkpoints/")
-                        or k in ("config.yaml", "command.sh", "metrics.jsonl", "summary.json")},
-                     "wandb_id": b"old0run1\n"}
+    assert moved == {
+        **{
+            k: v
+            for k, v in before.items()
+            if k.startswith("checkpoints/") or k in ("config.yaml", "command.sh", "metrics.jsonl", "summary.json")
+        },
+        "wandb_id": b"old0run1\n",
+    }
     assert not (run / "wandb_id").exists()
     exported = here("export", str(home))  # the archive reads as a run directory
     assert (home / "export" / "step_00000004" / "model.safetensors").is_file(), exported.stdout

@@ -10,17 +10,19 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from runs import REPO, in_fp32, launch, processes_of, rank_process, read_metrics
 from runs import start as _start
 from runs import wait_for_step as _wait_for_step
+
 from launcher.launch import cli
 from launcher.manifest import verify
 
 pytestmark = pytest.mark.slow
 
-NOTHING_TO_RESUME = ("no complete checkpoint was written, so there is nothing to resume. Launch the same run "
-                     "directory again to start the run over.")
+NOTHING_TO_RESUME = (
+    "no complete checkpoint was written, so there is nothing to resume. Launch the same run "
+    "directory again to start the run over."
+)
 """What a stop before any checkpoint says of a relaunch (issue 48, 9: "no complete checkpoint yet.
 Launch the same run directory again to resume from it.", with nothing to resume)."""
 
@@ -32,8 +34,14 @@ def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
     from launcher.exits import EXIT_PREEMPTED
 
     run = tmp_path / "run"
-    args = ["train.steps=30", "optim.warmup_steps=5", "logger=none", "logger.log_every=1", "checkpoint.every=1000",
-            "checkpoint.save_final=true"]
+    args = [
+        "train.steps=30",
+        "optim.warmup_steps=5",
+        "logger=none",
+        "logger.log_every=1",
+        "checkpoint.every=1000",
+        "checkpoint.save_final=true",
+    ]
     if sig == "SIGUSR1":  # async saves every 2 steps, each held back 1 s: the marker waits for them
         args += ["checkpoint.async_save=true", "checkpoint.every=2", "debug.async_save_delay_s=1"]
     proc = _start(run, *args)
@@ -66,11 +74,25 @@ def test_ctrl_c_saves_the_step_writes_the_summary_and_exits_130(tmp_path):
     import signal
 
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}",
-            *in_fp32(["train.steps=200", "optim.warmup_steps=5", "logger=none", "logger.log_every=1",
-                      "checkpoint.every=1000"])]
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    argv = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "train",
+        f"hydra.run.dir={run}",
+        *in_fp32(
+            ["train.steps=200", "optim.warmup_steps=5", "logger=none", "logger.log_every=1", "checkpoint.every=1000"]
+        ),
+    ]
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     _wait_for_step(run, 3, proc)
     os.killpg(proc.pid, signal.SIGINT)  # the terminal's foreground group: the launcher (torchrun has its own)
     out, _ = proc.communicate(timeout=120)
@@ -82,24 +104,37 @@ def test_ctrl_c_saves_the_step_writes_the_summary_and_exits_130(tmp_path):
     assert read_metrics(run)[-1]["step"] == step
     summary = json.loads((run / "summary.json").read_text())
     assert summary["preempted"] == 1 and summary["weights_digest_per_rank"] is None  # not read on the way out
-    assert "Ctrl-C: the ranks finish this step (within about a second), save and stop (Ctrl-C again to stop at once)" in out
-    assert out.strip().splitlines()[-1] == (f"interrupted (Ctrl-C) after step {step}; checkpoint "
-                                            f"{run / 'checkpoints' / f'step_{step:08d}'}. Launch the same run "
-                                            f"directory again to resume.")
+    assert (
+        "Ctrl-C: the ranks finish this step (within about a second), save and stop (Ctrl-C again to stop at once)"
+        in out
+    )
+    assert out.strip().splitlines()[-1] == (
+        f"interrupted (Ctrl-C) after step {step}; checkpoint "
+        f"{run / 'checkpoints' / f'step_{step:08d}'}. Launch the same run "
+        f"directory again to resume."
+    )
     for noise in ("Traceback", "KeyboardInterrupt", "SignalException", "ChildFailedError"):
         assert noise not in out, out[-3000:]
     # The documented resume, RUN_DIR/command.sh, and its Ctrl-C: the same (issue 48, 6: torchrun's
     # warnings, a ~30-line traceback and exit 1)
-    again = subprocess.Popen(["bash", str(run / "command.sh")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    again = subprocess.Popen(
+        ["bash", str(run / "command.sh")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     _wait_for_step(run, step + 3, again)
     os.killpg(again.pid, signal.SIGINT)
     out, _ = again.communicate(timeout=120)
     later = json.loads((run / "preempted.json").read_text())["step"]
     assert again.returncode == 130 and later > step, out[-3000:]
-    assert out.strip().splitlines()[-1] == (f"interrupted (Ctrl-C) after step {later}; checkpoint "
-                                            f"{run / 'checkpoints' / f'step_{later:08d}'}. Launch the same "
-                                            f"run directory again to resume.")
+    assert out.strip().splitlines()[-1] == (
+        f"interrupted (Ctrl-C) after step {later}; checkpoint "
+        f"{run / 'checkpoints' / f'step_{later:08d}'}. Launch the same "
+        f"run directory again to resume."
+    )
     for noise in ("Traceback", "KeyboardInterrupt", "SignalException", "ChildFailedError", "torch.distributed"):
         assert noise not in out, out[-3000:]
 
@@ -126,10 +161,23 @@ def test_ctrl_c_before_the_ranks_start(tmp_path):
     import time
 
     def popen(run):
-        argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}",
-                *in_fp32(["optim.warmup_steps=5", "logger=none", "checkpoint.every=1000"])]
-        return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        argv = [
+            sys.executable,
+            "-m",
+            "launcher",
+            "train",
+            f"hydra.run.dir={run}",
+            *in_fp32(["optim.warmup_steps=5", "logger=none", "checkpoint.every=1000"]),
+        ]
+        return subprocess.Popen(
+            argv,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
     proc = popen(tmp_path / "a")
     time.sleep(0.3)
@@ -179,7 +227,9 @@ def test_a_ctrl_c_while_torchrun_starts_is_held_and_handed_on(tmp_path, monkeypa
     assert json.loads((run / "preempted.json").read_text())["step"] is None
     assert not (run / "checkpoints").exists() and not processes_of(run)
     assert err.count("Ctrl-C: the ranks finish this step") == 1, err[-3000:]
-    assert out.strip().splitlines()[-1] == ("interrupted (Ctrl-C) before the first step; " + NOTHING_TO_RESUME), out[-3000:]
+    assert out.strip().splitlines()[-1] == ("interrupted (Ctrl-C) before the first step; " + NOTHING_TO_RESUME), out[
+        -3000:
+    ]
 
 
 def test_a_stop_signal_reaches_a_rank_blocked_in_cpp(tmp_path):
@@ -217,7 +267,9 @@ def test_a_stop_signal_reaches_a_rank_blocked_in_cpp(tmp_path):
         r1.kill()
     out = proc.communicate(timeout=120)[0]
     assert took < 5, took
-    report = (run / "torchrun.log").read_text()  # torchrun's report of rank 0 (rank 1 was killed): its log, not the console
+    report = (
+        run / "torchrun.log"
+    ).read_text()  # torchrun's report of rank 0 (rank 1 was killed): its log, not the console
     assert "exitcode  : 75" in report and "exitcode" not in out, out[-3000:]
     marker = json.loads((run / "preempted.json").read_text())
     assert marker["step"] is None and marker["signal"] == "SIGTERM", marker
@@ -244,7 +296,9 @@ def test_a_stop_signal_before_the_first_step_stops_at_once(tmp_path):
     marker = json.loads((run / "preempted.json").read_text())
     assert marker["step"] is None and marker["signal"] == "SIGTERM", marker
     assert not (run / "checkpoints").exists() and not processes_of(run)
-    assert out.strip().splitlines()[-1] == ("preempted by SIGTERM before the first step; " + NOTHING_TO_RESUME), out[-3000:]
+    assert out.strip().splitlines()[-1] == ("preempted by SIGTERM before the first step; " + NOTHING_TO_RESUME), out[
+        -3000:
+    ]
 
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path):
@@ -257,11 +311,34 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     import time
 
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}",
-            *in_fp32(["train.steps=200", "optim.warmup_steps=5", "logger=none", "logger.log_every=1",
-                      "checkpoint.every=2", "debug.fault=hang", "debug.fault_step=4", "debug.fault_rank=0"])]
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    argv = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "train",
+        f"hydra.run.dir={run}",
+        *in_fp32(
+            [
+                "train.steps=200",
+                "optim.warmup_steps=5",
+                "logger=none",
+                "logger.log_every=1",
+                "checkpoint.every=2",
+                "debug.fault=hang",
+                "debug.fault_step=4",
+                "debug.fault_rank=0",
+            ]
+        ),
+    ]
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     _wait_for_step(run, 3, proc)
     time.sleep(1)  # rank 0 sleeps in step 4 for good
     os.killpg(proc.pid, signal.SIGINT)

@@ -13,14 +13,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 import wandb_file
 from runs import FAST, REPO, launch, read_metrics, token_file
 from slurm_cluster import slurm_cluster  # noqa: F401 - the fixture
-from launcher.launch import cli
-from launcher.manifest import verify
 from test_readme import readme_line
 
+from launcher.launch import cli
+from launcher.manifest import verify
 
 # The jobs: 2 gloo ranks on the one node (2 CPUs), W&B offline.
 JOB = ["cluster.nproc_per_node=2", "cluster.cpus_per_task=2", *FAST]
@@ -39,8 +38,13 @@ def submit(cluster, *overrides: str, run_dir: Path | None = None, check: bool = 
     """`python -m launcher submit ...` with the cluster's SLURM_CONF, as a user runs it."""
     args = ([f"hydra.run.dir={hydra_quote(str(run_dir))}"] if run_dir else []) + list(overrides)
     # As from a login shell: no DS_ACCELERATOR (this test process may have set one for itself).
-    return launch(*args, command="submit", env={"SLURM_CONF": cluster.env["SLURM_CONF"], "DS_ACCELERATOR": None},
-                  timeout=120, check=check)
+    return launch(
+        *args,
+        command="submit",
+        env={"SLURM_CONF": cluster.env["SLURM_CONF"], "DS_ACCELERATOR": None},
+        timeout=120,
+        check=check,
+    )
 
 
 def job_id_of(run_dir: Path, proc: subprocess.CompletedProcess) -> str:
@@ -121,18 +125,29 @@ def resubmit_a_finished_run_by_hand(cluster, run_dir: Path) -> None:
     """The README's line for resuming by hand, on a finished run: a new job that says there
     is nothing to train and rewrites nothing (its summary, metrics and checkpoints stay)."""
     line = readme_line("cd RUN_DIR && sbatch job.sbatch").replace("RUN_DIR", shlex.quote(str(run_dir)))
-    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name not in SETUP_WRITES
-              and not p.name.startswith("slurm-")}
-    proc = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=60,
-                          env={k: v for k, v in cluster.env.items() if k != "DS_ACCELERATOR"})
+    before = {
+        p: p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name not in SETUP_WRITES and not p.name.startswith("slurm-")
+    }
+    proc = subprocess.run(
+        ["bash", "-c", line],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in cluster.env.items() if k != "DS_ACCELERATOR"},
+    )
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.split()[-1]
     info = cluster.wait_for_end(job_id)
     log = _log(run_dir, job_id)
     assert info["JobState"] == "COMPLETED", (info, log)
     assert "nothing to train: " in log and "raise train.steps" in log, log[-3000:]
-    after = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name not in SETUP_WRITES
-              and not p.name.startswith("slurm-")}
+    after = {
+        p: p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name not in SETUP_WRITES and not p.name.startswith("slurm-")
+    }
     assert after == before
 
 
@@ -175,7 +190,9 @@ def test_warned_job_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     assert (run_dir / "checkpoints" / "latest").read_text().splitlines()[0] == "step_00000024"
     # One W&B run across the requeue.
     runs = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(runs) == 2 and len({wandb_file.run_info(r)["id"] for r in runs}) == 1, "the requeue started a new W&B run"
+    assert len(runs) == 2 and len({wandb_file.run_info(r)["id"] for r in runs}) == 1, (
+        "the requeue started a new W&B run"
+    )
     assert [h["_step"] for h in wandb_file.history(runs[1])] == list(range(k + 1, 25))
 
 
@@ -200,8 +217,16 @@ def test_sweep_submits_one_job_per_point(slurm_cluster, tmp_path):
     """`make submit ARGS="-m optim.lr=1e-4,3e-4"`: a job and a run directory per point
     (held, so nothing trains; the jobs are read back from Slurm and cancelled)."""
     sweep = tmp_path / "sweep"
-    proc = launch("-m", "optim.lr=1e-4,3e-4", f"hydra.sweep.dir={sweep}", "cluster.sbatch_extra=['--hold']", *JOB,
-                  command="submit", env={"SLURM_CONF": slurm_cluster.env["SLURM_CONF"]}, timeout=120)
+    proc = launch(
+        "-m",
+        "optim.lr=1e-4,3e-4",
+        f"hydra.sweep.dir={sweep}",
+        "cluster.sbatch_extra=['--hold']",
+        *JOB,
+        command="submit",
+        env={"SLURM_CONF": slurm_cluster.env["SLURM_CONF"]},
+        timeout=120,
+    )
     ids = []
     for i, lr in enumerate((1e-4, 3e-4)):
         run_dir = sweep / str(i)
@@ -253,8 +278,15 @@ def test_a_lock_of_a_slurm_job_is_taken_over_once_squeue_says_it_ended(slurm_clu
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     job = slurm_cluster.run("sbatch", "--parsable", "--wrap", "sleep 300", f"--chdir={tmp_path}").stdout.strip()
     lock = tmp_path / runlock.LOCK
-    holder = {"host": "other-node.invalid", "pid": 4242, "pid_start": "1", "pid_ns": "pid:[1]",
-              "slurm_job_id": job, "slurm_restart": "0", "started": time.time()}
+    holder = {
+        "host": "other-node.invalid",
+        "pid": 4242,
+        "pid_start": "1",
+        "pid_ns": "pid:[1]",
+        "slurm_job_id": job,
+        "slurm_restart": "0",
+        "started": time.time(),
+    }
     lock.write_text(json.dumps(holder))
     assert runlock.slurm_job_states(job) in (["PENDING"], ["RUNNING"], ["CONFIGURING"])
     with pytest.raises(runlock.Held, match=f"Slurm job {job}"):

@@ -16,8 +16,8 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from runs import REPO
+
 from launcher.launch import cli
 from launcher.planner import plan as planner
 from launcher.planner.memory import ParamCounts
@@ -66,8 +66,10 @@ def test_start_up_matches_the_plan(startup, name):
     device, host = planner.start_up(cfg, planner.layout_for(cfg, 2))
     want = device + host  # on a CPU both are host memory
     psi = ParamCounts.of(cfg.model).total
-    print(f"{name}: built {got / psi:.2f} bytes/param, planned {want / psi:.2f} "
-          f"(device {device / psi:.2f} + host {host / psi:.2f}); ready after {max(r['seconds'] for r in ranks):.1f} s")
+    print(
+        f"{name}: built {got / psi:.2f} bytes/param, planned {want / psi:.2f} "
+        f"(device {device / psi:.2f} + host {host / psi:.2f}); ready after {max(r['seconds'] for r in ranks):.1f} s"
+    )
     assert abs(got - want) <= TOLERANCE * want, (name, got, want)
     assert all(r["device_peak_bytes"] is None and 0 < r["seconds"] < 600 for r in ranks)
 
@@ -89,10 +91,19 @@ def test_the_launcher_of_a_real_run_never_imports_torch(tmp_path):
     import subprocess
 
     run = tmp_path / "run"
-    argv = ["train", "model=gpt_tiny", "train.steps=1", "optim.warmup_steps=1", "logger=none",
-            "checkpoint.save_final=false", f"hydra.run.dir={run}"]  # the default ranks: 2 CPU processes, or one per GPU
-    code = ("import sys\nfrom launcher.launch.cli import main\n"
-            f"rc = main({argv!r})\nprint('torch imported:', 'torch' in sys.modules)\nsys.exit(rc)")
+    argv = [
+        "train",
+        "model=gpt_tiny",
+        "train.steps=1",
+        "optim.warmup_steps=1",
+        "logger=none",
+        "checkpoint.save_final=false",
+        f"hydra.run.dir={run}",
+    ]  # the default ranks: 2 CPU processes, or one per GPU
+    code = (
+        "import sys\nfrom launcher.launch.cli import main\n"
+        f"rc = main({argv!r})\nprint('torch imported:', 'torch' in sys.modules)\nsys.exit(rc)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "torch imported: False", proc.stdout[-2000:]

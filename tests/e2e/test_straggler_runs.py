@@ -6,7 +6,6 @@ rank 1 in the parameters' all-gathers) and a whole-forward clock would see no di
 from __future__ import annotations
 
 import pytest
-
 import wandb_file
 from runs import launch, read_metrics
 
@@ -16,13 +15,29 @@ SLOW_S = 0.5  # well above what a loaded machine adds to a rank's forward of gpt
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["fsdp", "zero3"])  # the parameter waits: FSDP2's pre-forward hook, DeepSpeed's
 def test_a_slow_rank_is_named_with_its_lag(recipe, run_dir):
-    proc = launch(f"recipe={recipe}", "train.steps=3", "optim.warmup_steps=1", "logger.log_every=1", "logger.mode=offline",
-                  "logger.system_metrics_s=0", "debug.fault=slow", "debug.fault_rank=1", "debug.fault_step=2",
-                  "debug.fault_steps=2", f"debug.slow_s={SLOW_S}", run_dir=run_dir)
+    proc = launch(
+        f"recipe={recipe}",
+        "train.steps=3",
+        "optim.warmup_steps=1",
+        "logger.log_every=1",
+        "logger.mode=offline",
+        "logger.system_metrics_s=0",
+        "debug.fault=slow",
+        "debug.fault_rank=1",
+        "debug.fault_step=2",
+        "debug.fault_steps=2",
+        f"debug.slow_s={SLOW_S}",
+        run_dir=run_dir,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("straggler: ")]
     assert [line.split(" at step ")[1].split(":")[0] for line in lines] == ["2", "3"], proc.stdout[-3000:]
-    assert all(line.startswith("straggler: rank 1 (host ") and "the median" in line and "of the 1 other rank(s)" in line and
-               "train.straggler_factor=1.5" in line for line in lines), lines
+    assert all(
+        line.startswith("straggler: rank 1 (host ")
+        and "the median" in line
+        and "of the 1 other rank(s)" in line
+        and "train.straggler_factor=1.5" in line
+        for line in lines
+    ), lines
 
     rows = {r["step"]: r for r in read_metrics(run_dir)}
     for step in (2, 3):

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import wandb_file
 from runs import REPO, assert_same_training, here, launch, read_metrics, token_file
-from launcher.launch import cli
+
 from launcher import config as C
+from launcher.launch import cli
 from launcher.manifest import verify
 from launcher.rank.metrics import STEP_METRICS
 
@@ -25,9 +25,18 @@ pytestmark = pytest.mark.slow
 def test_default_run_learns_logs_and_checkpoints(run_dir):
     """The default run (bf16, as a user gets it; the suite's other runs are fp32 unless
     they check a precision) for 60 steps: it learns, logs and checkpoints."""
-    proc = launch("precision=bf16", "train.steps=60", "optim.warmup_steps=6", "logger.log_every=1",
-                  "logger.mode=offline", "logger.system_metrics_s=2", "checkpoint.every=30", "debug.final_digest=true",
-                  run_dir=run_dir, timeout=600)  # emulated bf16: about 100 s alone, 240 s beside another worker
+    proc = launch(
+        "precision=bf16",
+        "train.steps=60",
+        "optim.warmup_steps=6",
+        "logger.log_every=1",
+        "logger.mode=offline",
+        "logger.system_metrics_s=2",
+        "checkpoint.every=30",
+        "debug.final_digest=true",
+        run_dir=run_dir,
+        timeout=600,
+    )  # emulated bf16: about 100 s alone, 240 s beside another worker
     assert f"run directory: {run_dir}" in proc.stdout
 
     rows = read_metrics(run_dir)
@@ -74,8 +83,9 @@ def test_default_run_learns_logs_and_checkpoints(run_dir):
     # Start-up per rank in summary.json; the worst rank in W&B's summary and on the console.
     startup = summary["startup"]
     assert len(startup["host_peak_bytes"]) == 2 and startup["device_peak_bytes"] == [None, None]
-    for peak, base, built in zip(startup["host_peak_bytes"], startup["host_base_bytes"],
-                                 startup["host_built_peak_bytes"]):
+    for peak, base, built in zip(
+        startup["host_peak_bytes"], startup["host_base_bytes"], startup["host_built_peak_bytes"]
+    ):
         assert peak >= built >= base > 0
     assert all(0 < s < 120 for s in startup["seconds"])
     # Provenance: this launch's command, commit and packages; the ranks' hosts and the code
@@ -153,8 +163,16 @@ def test_accelerate_launch_trains_as_torchrun_and_stops_and_resumes(straight, tm
     default = "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 7\nuse_cpu: true\n"
     (hf_home / "accelerate" / "default_config.yaml").write_text(default)
     run, env = tmp_path / "acc", {"HF_HOME": str(hf_home)}
-    proc = start(run, *RESUMED, "cluster.runner=accelerate", "debug.fault=slow", "debug.fault_step=4",
-                 "debug.fault_steps=9", "debug.slow_s=0.25", env=env)
+    proc = start(
+        run,
+        *RESUMED,
+        "cluster.runner=accelerate",
+        "debug.fault=slow",
+        "debug.fault_step=4",
+        "debug.fault_steps=9",
+        "debug.slow_s=0.25",
+        env=env,
+    )
     wait_for_step(run, 3, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -164,8 +182,9 @@ def test_accelerate_launch_trains_as_torchrun_and_stops_and_resumes(straight, tm
     assert "distributed_type: MULTI_GPU" in (run / "accelerate_config.yaml").read_text()
     script = (run / "command.sh").read_text()
     assert f"-m accelerate.commands.launch --config_file={run}/accelerate_config.yaml" in script
-    resumed = subprocess.run(["bash", str(run / "command.sh")], capture_output=True, text=True, timeout=300,
-                             env={**os.environ, **env})
+    resumed = subprocess.run(
+        ["bash", str(run / "command.sh")], capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+    )
     assert resumed.returncode == 0 and f"at step {step}" in resumed.stdout, resumed.stderr[-3000:]
     assert_same_training(straight, run, 20)
     assert [p.name for p in (hf_home / "accelerate").iterdir()] == ["default_config.yaml"]
@@ -175,13 +194,28 @@ def test_accelerate_launch_trains_as_torchrun_and_stops_and_resumes(straight, tm
 def test_rank_entry_by_hand_with_a_token_file(tmp_path):
     """`python -m launcher.rank RUN_DIR/config.yaml` without the launcher: one process."""
     tokens = token_file(tmp_path, "the quick brown fox jumps over the lazy dog. " * 400)
-    cfg, _, _ = cli.compose_config(["data=memmap", f"data.path={tokens}", "precision=fp32", "train.steps=30",
-                                    "optim.warmup_steps=3", "logger=none", "logger.log_every=5", "train.micro_batch=4"])
+    cfg, _, _ = cli.compose_config(
+        [
+            "data=memmap",
+            f"data.path={tokens}",
+            "precision=fp32",
+            "train.steps=30",
+            "optim.warmup_steps=3",
+            "logger=none",
+            "logger.log_every=5",
+            "train.micro_batch=4",
+        ]
+    )
     run = tmp_path / "byhand"
     run.mkdir()
     (run / "config.yaml").write_text(C.to_yaml(cfg))
-    proc = subprocess.run([sys.executable, "-m", "launcher.rank", str(run / "config.yaml")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher.rank", str(run / "config.yaml")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
@@ -198,7 +232,8 @@ def test_dry_run_prints_and_starts_nothing(run_dir):
     assert refused.returncode == 2 and "dry_run" in refused.stderr and not run_dir.exists()
     refused = launch("--json", run_dir=run_dir, check=False)  # plan's flag, not train's
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
-        "error: unknown flag '--json' for train; allowed: --dry-run, -m/--multirun, -h/--help, or key=value overrides"]
+        "error: unknown flag '--json' for train; allowed: --dry-run, -m/--multirun, -h/--help, or key=value overrides"
+    ]
 
 
 def test_multirun_makes_one_run_dir_per_point(tmp_path):
@@ -222,7 +257,7 @@ def test_a_sweep_keeps_its_points_in_one_folder(tmp_path, capsys, monkeypatch):
 
         OmegaConf.register_new_resolver("now", lambda pattern: datetime.now().strftime(pattern), replace=True)
     lead = "# The exact command that trains "
-    dirs = {line[len(lead):].rstrip(".") for line in capsys.readouterr().out.splitlines() if line.startswith(lead)}
+    dirs = {line[len(lead) :].rstrip(".") for line in capsys.readouterr().out.splitlines() if line.startswith(lead)}
     parents = {str(Path(d).parent) for d in dirs}
     assert len(dirs) == 3 and len(parents) == 1, dirs
 
@@ -232,20 +267,41 @@ def test_a_sweep_names_its_points_and_compares_them_at_the_end(tmp_path):
     needs): its points were `run 0` and `run 1`, with no value shown and nothing to compare
     them by at the end; the CPU summary also showed `startup/device_peak_bytes` as None."""
     sweep = tmp_path / "sweep"
-    out = launch("-m", "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={sweep}", "train.steps=2", "optim.warmup_steps=0",
-                 "logger=none", "train.eval_every=2").stdout
+    out = launch(
+        "-m",
+        "optim.lr=1e-3,2e-3",
+        f"hydra.sweep.dir={sweep}",
+        "train.steps=2",
+        "optim.warmup_steps=0",
+        "logger=none",
+        "train.eval_every=2",
+    ).stdout
     for i, name in enumerate(("optim.lr=0.001", "optim.lr=0.002")):
         assert f"sweep point {i + 1}/2: {name}\nrun directory: {sweep / str(i)}\n" in out, out[-3000:]
         assert f" run {name} " in out and f" run {i} " not in out
     assert "None" not in out, out[-3000:]
-    table = out[out.index(f"sweep: 2 points in {sweep}"):].splitlines()
-    assert [c.strip() for c in table[2].split("┃")[1:-1]] == ["point", "run", "exit", "final loss", "val loss",
-                                                              "tokens/s", "peak memory"], table
+    table = out[out.index(f"sweep: 2 points in {sweep}") :].splitlines()
+    assert [c.strip() for c in table[2].split("┃")[1:-1]] == [
+        "point",
+        "run",
+        "exit",
+        "final loss",
+        "val loss",
+        "tokens/s",
+        "peak memory",
+    ], table
     for i, name in enumerate(("optim.lr=0.001", "optim.lr=0.002")):
         s = json.loads((sweep / str(i) / "summary.json").read_text())
         row = [c.strip() for c in table[4 + i].split("│")[1:-1]]
-        assert row == [name, str(i), "ok", f"{s['final_loss']:.4f}", f"{s['val_loss']:.4f}", f"{s['tokens_per_s']:,.0f}",
-                       f"{s['peak_mem_bytes'] / 2**20:,.0f} MiB"], table
+        assert row == [
+            name,
+            str(i),
+            "ok",
+            f"{s['final_loss']:.4f}",
+            f"{s['val_loss']:.4f}",
+            f"{s['tokens_per_s']:,.0f}",
+            f"{s['peak_mem_bytes'] / 2**20:,.0f} MiB",
+        ], table
 
 
 def _umask() -> int:
@@ -285,8 +341,17 @@ def test_fp16_overflow_steps_are_counted(recipe, tmp_path):
     """A loss scale far too large (2^40) makes the first steps overflow: each is skipped and
     halves the scale; metrics.jsonl and summary.json count them (`skipped_steps`)."""
     run = tmp_path / "run"
-    launch(f"recipe={recipe}", "precision=fp16", "precision.initial_scale=1099511627776", "cluster.nproc_per_node=1",
-           "train.steps=30", "optim.warmup_steps=2", "logger=none", "logger.log_every=1", run_dir=run)
+    launch(
+        f"recipe={recipe}",
+        "precision=fp16",
+        "precision.initial_scale=1099511627776",
+        "cluster.nproc_per_node=1",
+        "train.steps=30",
+        "optim.warmup_steps=2",
+        "logger=none",
+        "logger.log_every=1",
+        run_dir=run,
+    )
     rows = read_metrics(run)
     counts = [r["skipped_steps"] for r in rows]
     assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] < 30, counts

@@ -8,9 +8,9 @@ import shutil
 import signal
 
 import pytest
-
 from corpus import documents, write_jsonl
 from runs import assert_refused, here, launch, rank_process, start, wait_for_step
+
 from launcher.config import load_frozen
 from launcher.manifest import read_latest, run_of, verify
 
@@ -37,16 +37,23 @@ def test_keep_k_never_deletes_the_good_checkpoints_after_a_corrupt_one_is_skippe
     ckpts = run / "checkpoints"
     flip_a_byte(ckpts / "step_00000004" / "engine" / "model.pt")
 
-    killed = launch("train.steps=4", "checkpoint.every=2", "checkpoint.keep=2", *SHORT,
-                    "debug.fault=resume_latest_moved", "debug.fault_step=2", "debug.fault_rank=0", run_dir=run,
-                    check=False)
+    killed = launch(
+        "train.steps=4",
+        "checkpoint.every=2",
+        "checkpoint.keep=2",
+        *SHORT,
+        "debug.fault=resume_latest_moved",
+        "debug.fault_step=2",
+        "debug.fault_rank=0",
+        run_dir=run,
+        check=False,
+    )
     assert "nothing to train" not in killed.stdout and killed.returncode != 0, killed.stdout[-2000:]
     assert "injected fault resume_latest_moved at step 2" in killed.stderr, killed.stderr[-2000:]
     assert "step_00000004 fails its check (engine/model.pt fails its sha256)" in killed.stdout, killed.stdout[-2000:]
     assert read_latest(ckpts)[0] == "step_00000002" and verify(ckpts / "step_00000002") is None
 
-    stopped = launch("train.steps=6", "train.stop_at=3", "checkpoint.every=2", "checkpoint.keep=1", *SHORT,
-                     run_dir=run)
+    stopped = launch("train.steps=6", "train.stop_at=3", "checkpoint.every=2", "checkpoint.keep=1", *SHORT, run_dir=run)
     assert "step_00000004 skipped: engine/model.pt fails its sha256" in stopped.stderr, stopped.stderr[-2000:]
     assert "at step 2 " in stopped.stdout and "set aside as step_00000004.failed" in stopped.stdout
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000003", "step_00000004.failed"]
@@ -77,8 +84,9 @@ def test_no_command_moves_a_live_runs_checkpoints(tmp_path, monkeypatch):
         env = {"PATH": f"{stub}:{os.environ['PATH']}"}
         for command, extra in (("train", []), ("submit", ["cluster.requeue=false"])):
             proc = launch(*archive, *extra, run_dir=other, command=command, env=env, check=False)
-            assert_refused(proc.returncode, proc.stdout, proc.stderr, [f"{ckpts} is in use by the launch",
-                                                                       f"pid {live.pid}"])
+            assert_refused(
+                proc.returncode, proc.stdout, proc.stderr, [f"{ckpts} is in use by the launch", f"pid {live.pid}"]
+            )
             assert not other.exists() and not (ckpts / "archive").exists(), command
         assert launch(str(run), command="export", check=False).returncode == 0
         corpus = write_jsonl(tmp_path / "c.jsonl", documents(40))
@@ -96,8 +104,14 @@ def test_no_command_moves_a_live_runs_checkpoints(tmp_path, monkeypatch):
 def typed(tmp_path_factory):
     """A 2-step run whose checkpoint.dir and run_name hold an escaped `${...}`."""
     tmp = tmp_path_factory.mktemp("typed")
-    launch("train.steps=2", *SHORT, rf"checkpoint.dir={tmp}/ck_\${{oc.env:SUB}}", r"run_name='\${oc.env:SECRET}'",
-           run_dir=tmp / "run", env={"SUB": "sub", "SECRET": "planted-secret-81f2"})
+    launch(
+        "train.steps=2",
+        *SHORT,
+        rf"checkpoint.dir={tmp}/ck_\${{oc.env:SUB}}",
+        r"run_name='\${oc.env:SECRET}'",
+        run_dir=tmp / "run",
+        env={"SUB": "sub", "SECRET": "planted-secret-81f2"},
+    )
     return tmp
 
 
@@ -134,8 +148,8 @@ def test_a_symlink_inside_a_checkpoint_is_refused_in_one_line(typed, tmp_path):
     payload (digests rewritten): the launch-side walk skipped it and the ranks refused with
     a traceback, exit 1; now one line, exit 2, the payload never run, no rank started."""
     import torch
-
     from crafted import Payload
+
     from launcher.manifest import write_manifest
 
     run = shutil.copytree(typed / "run", tmp_path / "run")
@@ -151,8 +165,9 @@ def test_a_symlink_inside_a_checkpoint_is_refused_in_one_line(typed, tmp_path):
     (step / "engine").symlink_to(elsewhere, target_is_directory=True)
     write_manifest(step, 2, run_of(step))
     proc = launch("train.steps=4", *SHORT, f"checkpoint.dir={ckpts}", run_dir=run, check=False)
-    assert_refused(proc.returncode, proc.stdout, proc.stderr, [f"{step / 'engine'} is a symbolic link",
-                                                               "must never run code"])
+    assert_refused(
+        proc.returncode, proc.stdout, proc.stderr, [f"{step / 'engine'} is a symbolic link", "must never run code"]
+    )
     assert not marker.exists() and "rank(s) on" not in proc.stdout
 
 
@@ -171,5 +186,5 @@ def test_a_rank_killed_by_a_signal_is_named_in_one_line(tmp_path):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: rank 1 (pid {victim.pid}) was killed by SIGKILL: "), err
     assert "GiB available in the seconds before; its peak resident memory" in lines[0], lines[0]
-    assert lines[0].endswith(f"step_00000003, is untouched. Launch the same run directory again to resume from it.")
+    assert lines[0].endswith("step_00000003, is untouched. Launch the same run directory again to resume from it.")
     assert "Traceback" not in out and "ChildFailedError" in (run / "torchrun.log").read_text()

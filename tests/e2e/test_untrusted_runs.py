@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from crafted import Payload, craft_metadata
 from runs import FAST, REPO, launch
+
 from launcher.manifest import files_of, verify, write_manifest, writer_of
 
 
@@ -29,8 +29,11 @@ def crafted(run: Path, tmp: Path, recipe: str) -> tuple[Path, Path]:
     step = sorted((bad / "checkpoints").glob("step_*"))[-1]
     engine = step / "engine"
     if recipe in ("zero2", "trainer"):
-        target = (step / "trainer" / "rank_00000.pt" if recipe == "trainer"
-                  else sorted((engine / "ds").glob("*model_states.pt"))[0])
+        target = (
+            step / "trainer" / "rank_00000.pt"
+            if recipe == "trainer"
+            else sorted((engine / "ds").glob("*model_states.pt"))[0]
+        )
         state = torch.load(target, map_location="cpu", weights_only=False)  # our own file, just written
         state["payload"] = Payload(marker)
         torch.save(state, target)
@@ -44,8 +47,15 @@ def crafted(run: Path, tmp: Path, recipe: str) -> tuple[Path, Path]:
 @pytest.mark.parametrize("recipe", ["fsdp", "zero2"])
 def test_export_and_resume_refuse_a_crafted_checkpoint(recipe, tmp_path):
     run = tmp_path / "run"
-    launch(f"recipe={recipe}", "cluster.nproc_per_node=2", *FAST, "train.steps=2", "optim.warmup_steps=1", "logger=none",
-           run_dir=run)
+    launch(
+        f"recipe={recipe}",
+        "cluster.nproc_per_node=2",
+        *FAST,
+        "train.steps=2",
+        "optim.warmup_steps=1",
+        "logger=none",
+        run_dir=run,
+    )
     assert launch(str(run), command="export", check=False).returncode == 0  # the genuine run exports
     # Its manifest was gathered from both ranks' digests, each rank hashing the files it
     # wrote: every file listed and right, and each rank's share a good part of the bytes.
@@ -58,14 +68,17 @@ def test_export_and_resume_refuse_a_crafted_checkpoint(recipe, tmp_path):
     bad, marker = crafted(run, tmp_path, recipe)
 
     export = launch(str(bad), command="export", check=False)
-    resume = launch(f"recipe={recipe}", "cluster.nproc_per_node=2", *FAST, "train.steps=4", "logger=none",
-                    run_dir=bad, check=False)
+    resume = launch(
+        f"recipe={recipe}", "cluster.nproc_per_node=2", *FAST, "train.steps=4", "logger=none", run_dir=bad, check=False
+    )
     for proc in (export, resume):
         assert proc.returncode == 2, proc.stderr[-3000:]
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and "must never run code" in lines[0], proc.stderr[-3000:]
     assert not marker.exists()
-    assert len((bad / "metrics.jsonl").read_text().splitlines()) == len((run / "metrics.jsonl").read_text().splitlines())
+    assert len((bad / "metrics.jsonl").read_text().splitlines()) == len(
+        (run / "metrics.jsonl").read_text().splitlines()
+    )
 
     # The ranks' own loaders refuse it too, without the launch side's check.
     import recipes
@@ -84,14 +97,24 @@ def test_export_and_resume_refuse_a_crafted_checkpoint(recipe, tmp_path):
     if recipe != "fsdp":
         return
     bad, marker = crafted(run, tmp_path, "trainer")
-    for proc in (launch(str(bad), command="export", check=False),
-                 launch(f"recipe={recipe}", "cluster.nproc_per_node=2", *FAST, "train.steps=4", "logger=none",
-                        run_dir=bad, check=False)):
+    for proc in (
+        launch(str(bad), command="export", check=False),
+        launch(
+            f"recipe={recipe}",
+            "cluster.nproc_per_node=2",
+            *FAST,
+            "train.steps=4",
+            "logger=none",
+            run_dir=bad,
+            check=False,
+        ),
+    ):
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert proc.returncode == 2 and len(lines) == 1 and "must never run code" in lines[0], proc.stderr[-3000:]
     cfg.train.steps = 4  # a step to train, so the rank loads the checkpoint
     (bad / "config.yaml").write_text(to_yaml(cfg))
-    by_hand = subprocess.run([sys.executable, "-m", "launcher.rank", str(bad)], cwd=REPO, capture_output=True,
-                             text=True, timeout=300)
+    by_hand = subprocess.run(
+        [sys.executable, "-m", "launcher.rank", str(bad)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert by_hand.returncode != 0 and "Weights only load failed" in by_hand.stderr, by_hand.stderr[-3000:]
     assert not marker.exists()

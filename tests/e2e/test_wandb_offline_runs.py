@@ -9,7 +9,6 @@ import time
 
 import pytest
 import yaml
-
 from runs import FAST, REPO, launch
 from wandb_file import records
 
@@ -44,8 +43,12 @@ def blackhole():
 
 
 def no_route(tmp_path) -> dict:
-    return {"WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": f"http://127.0.0.1:{closed_port()}",
-            "WANDB_DIR": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}
+    return {
+        "WANDB_API_KEY": "x" * 40,
+        "WANDB_BASE_URL": f"http://127.0.0.1:{closed_port()}",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+    }
 
 
 @pytest.mark.slow
@@ -122,8 +125,10 @@ def test_waits_for_a_server_that_never_answers_are_bounded(blackhole, tmp_path, 
     from launcher.launch import cli
     from launcher.rank import metrics
 
-    assert metrics.WANDB_INIT_TIMEOUT_S == 30 and inspect.signature(metrics.wandb_unreachable).parameters[
-        "timeout_s"].default == 5.0  # the bounds docs/reliability.md gives
+    assert (
+        metrics.WANDB_INIT_TIMEOUT_S == 30
+        and inspect.signature(metrics.wandb_unreachable).parameters["timeout_s"].default == 5.0
+    )  # the bounds docs/reliability.md gives
 
     env = {**no_route(tmp_path), "WANDB_BASE_URL": f"http://127.0.0.1:{blackhole}"}
     for k, v in env.items():
@@ -156,17 +161,26 @@ def test_a_rank_starts_its_own_wandb_service_not_the_one_its_parent_names(tmp_pa
     import subprocess
     import sys
 
-    start = ("from pathlib import Path; from launcher.launch import cli; from launcher.rank import metrics; "
-             "cfg, _, _ = cli.compose_config(['logger=wandb', 'logger.mode=offline', 'logger.system_metrics_s=0']); "
-             f"r = metrics._init_wandb(cfg, Path({str(tmp_path / 'run')!r})); ")
+    start = (
+        "from pathlib import Path; from launcher.launch import cli; from launcher.rank import metrics; "
+        "cfg, _, _ = cli.compose_config(['logger=wandb', 'logger.mode=offline', 'logger.system_metrics_s=0']); "
+        f"r = metrics._init_wandb(cfg, Path({str(tmp_path / 'run')!r})); "
+    )
     child = start + "r.log({'loss': 1.0}, step=1); r.finish()"
     parent = start + (  # never finished while the child starts: its service holds the run id
         "import os, subprocess, sys; assert os.environ['WANDB_SERVICE']; "
         f"c = subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True, timeout=240); "
-        "r.finish(); sys.stderr.write(c.stderr); sys.exit(c.returncode)")
+        "r.finish(); sys.stderr.write(c.stderr); sys.exit(c.returncode)"
+    )
     (tmp_path / "run").mkdir()
-    proc = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "WANDB_DIR": str(tmp_path), "WANDB_SERVICE": ""})
+    proc = subprocess.run(
+        [sys.executable, "-c", parent],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "WANDB_DIR": str(tmp_path), "WANDB_SERVICE": ""},
+    )
     assert proc.returncode == 0 and "could not start" not in proc.stderr, proc.stderr[-3000:]
     runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 2 and len({p.name for p in runs}) == 1, runs  # two starts, one run id

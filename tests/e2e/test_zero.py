@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from runs import REPO, evaluated, here, launch, processes_of, read_metrics, start, wait_for_step
+
 from launcher import config as C
+from launcher.host import deepspeed_env
 from launcher.manifest import verify
-from launcher.rank.preempt import EXIT_PREEMPTED
 from launcher.planner.zero import zero_paper_bytes as paper_bytes
 from launcher.planner.zero import zero_states
-from launcher.host import deepspeed_env
+from launcher.rank.preempt import EXIT_PREEMPTED
 
 deepspeed_env()  # DeepSpeed reads its accelerator when imported (recipes/zero/__init__.py::import_deepspeed does this for a run)
 from recipes.zero.engine import model_state_bytes  # noqa: E402
@@ -37,8 +37,16 @@ pytestmark = pytest.mark.slow
 
 # 20 steps, global batch 16 = micro-batch 4 x 2 accumulation x 2 ranks; the same global
 # batch at 1 and 4 ranks (accumulation 4 and 1), so runs at any world size see the same data.
-FP32 = ["precision=fp32", "train.steps=20", "optim.warmup_steps=5", "logger=none", "logger.log_every=1",
-        "train.micro_batch=4", "train.global_batch=16", "debug.startup_digest=true"]
+FP32 = [
+    "precision=fp32",
+    "train.steps=20",
+    "optim.warmup_steps=5",
+    "logger=none",
+    "logger.log_every=1",
+    "train.micro_batch=4",
+    "train.global_batch=16",
+    "debug.startup_digest=true",
+]
 FP32_REL = 1e-5  # the issue asked for 1e-4; measured: about 1e-7 (summation order only)
 BF16_REL = 1e-3  # bf16 weights (ZeRO) against bf16 autocast with fp32 weights (ddp); measured: < 5e-4
 
@@ -97,7 +105,11 @@ def test_zero_stages_give_ddp_losses_in_fp32(fp32_runs):
         # The one source of truth: the DeepSpeed config the ranks read, written by the launch side.
         ds = json.loads((run / "ds_config.json").read_text())
         assert ds["zero_optimization"]["stage"] == stage
-        assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 4, 2)
+        assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+            16,
+            4,
+            2,
+        )
         assert ds["bf16"]["enabled"] is False and "scheduler" not in ds
         # fp32 weights, 2 micro-batches, 2 ranks: DeepSpeed's own terms (launcher/planner/zero.py::zero_states)
         want = sum(d + h for d, h in zero_states(stage, PSI_TINY, 2, grad_accum=2, weight_bytes=4).values())
@@ -110,8 +122,11 @@ def test_zero_stages_give_ddp_losses_in_fp32(fp32_runs):
     step = ckpts / "step_00000020"
     assert verify(step) is None
     files = {p.name for p in (step / "engine" / "ds").iterdir()}
-    assert {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-            "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= files, files
+    assert {
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    } <= files, files
     assert json.loads((step / "engine" / "zero.json").read_text())["world_size"] == 2
     assert sorted(p.name for p in (step / "trainer").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
 
@@ -160,8 +175,15 @@ def test_checkpoint_resumes_at_other_world_sizes_on_the_same_curve(fp32_runs, tm
     for nproc, stop, resume in legs:
         extra = [resume] if resume else []
         with source if resume else contextlib.nullcontext():  # the first leg reads a read-only checkpoint
-            proc = launch("recipe=zero2", *FP32, "checkpoint.every=0", f"cluster.nproc_per_node={nproc}",
-                          f"train.stop_at={stop}", *extra, run_dir=run)
+            proc = launch(
+                "recipe=zero2",
+                *FP32,
+                "checkpoint.every=0",
+                f"cluster.nproc_per_node={nproc}",
+                f"train.stop_at={stop}",
+                *extra,
+                run_dir=run,
+            )
         assert f"resharding a checkpoint of {previous} rank(s) onto {nproc}" in proc.stdout, proc.stdout[-2000:]
         # the scratch in this run's own checkpoint folder, never beside another run's source (issue 47, 7)
         assert f"(DeepSpeed universal checkpoint in {run / 'checkpoints'}/" in proc.stdout, proc.stdout[-2000:]
@@ -173,7 +195,11 @@ def test_checkpoint_resumes_at_other_world_sizes_on_the_same_curve(fp32_runs, tm
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == list(range(6, 21))
     for r in rows:
-        assert rel(r["loss"], straight[r["step"]]["loss"]) < FP32_REL, (r["step"], r["loss"], straight[r["step"]]["loss"])
+        assert rel(r["loss"], straight[r["step"]]["loss"]) < FP32_REL, (
+            r["step"],
+            r["loss"],
+            straight[r["step"]]["loss"],
+        )
         assert r["lr"] == straight[r["step"]]["lr"]
 
 
@@ -208,8 +234,14 @@ def test_offload_bf16_under_the_deepspeed_launcher_stops_and_resumes(tmp_path):
     `deepspeed`, SIGTERM: every rank saves, exit 75; again, and SIGKILL of the launcher:
     every rank saves and stops; the next launch (torchrun) finishes.
     The bf16 losses stay within BF16_REL of ddp's."""
-    common = ["precision=bf16", "train.steps=20", "optim.warmup_steps=5", "logger=none", "logger.log_every=1",
-              "checkpoint.every=0"]
+    common = [
+        "precision=bf16",
+        "train.steps=20",
+        "optim.warmup_steps=5",
+        "logger=none",
+        "logger.log_every=1",
+        "checkpoint.every=0",
+    ]
     launch("recipe=ddp", *common, run_dir=tmp_path / "ddp")
     run = tmp_path / "offload"
     proc = start(run, "recipe=zero3_offload", "cluster.runner=deepspeed", *common)
@@ -258,12 +290,16 @@ def test_offload_bf16_under_the_deepspeed_launcher_stops_and_resumes(tmp_path):
 # persistent small parameters).
 PINNED = {
     ("zero1", "gpt_tiny", 2): 9_808_136,  # gpt_small: 10.999Ψ against 10Ψ, just inside 10%
-    ("zero2", "gpt_tiny", 2): 9_808_136, ("zero2", "gpt_small", 2): 134_131_976,
-    ("zero3", "gpt_tiny", 2): 8_889_352, ("zero3", "gpt_small", 2): 122_231_816,
+    ("zero2", "gpt_tiny", 2): 9_808_136,
+    ("zero2", "gpt_small", 2): 134_131_976,
+    ("zero3", "gpt_tiny", 2): 8_889_352,
+    ("zero3", "gpt_small", 2): 122_231_816,
 }
 EXTRA = {  # (bytes per rank as a function of Ψ and N, name)
-    1: (lambda p, n: 2 * p + 18 * p / n - (4 * p + 12 * p / n),
-        "at the update the bf16 and the fp32 gradient shards (2Ψ/N + 4Ψ/N) outweigh the whole bf16 gradients (2Ψ)"),
+    1: (
+        lambda p, n: 2 * p + 18 * p / n - (4 * p + 12 * p / n),
+        "at the update the bf16 and the fp32 gradient shards (2Ψ/N + 4Ψ/N) outweigh the whole bf16 gradients (2Ψ)",
+    ),
     2: (lambda p, n: 4 * p / n, "the fp32 gradient shard DeepSpeed makes for the update (4Ψ/N)"),
     3: (lambda p, n: 4 * p / n, "the fp32 gradient shard DeepSpeed makes for the update (4Ψ/N)"),
 }
@@ -272,9 +308,23 @@ CASES = [f"{r}:{m}" for m in ("gpt_tiny", "gpt_small") for r in ("ddp", "zero1",
 
 def _probe(tmp_path: Path, nproc: int, cases: list[str]) -> list[dict]:
     out = tmp_path / f"memory-{nproc}.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           "tests/helpers/zero_memory_probe.py", str(out), *cases], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "tests/helpers/zero_memory_probe.py",
+            str(out),
+            *cases,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(out.read_text())
 
@@ -299,8 +349,15 @@ def test_model_state_bytes_per_rank_against_the_zero_paper(tmp_path):
         stage = 3 if recipe.startswith("zero3") else int(recipe[4])
         measured = max(x["total"] for x in r["ranks"])
         where = r["ranks"][0]["where"]
-        true = model_state_bytes(stage, psi, n, grad_accum=2, offload_optimizer="offload" in recipe,
-                                 offload_param=recipe == "zero3_offload", largest_param=r["largest_param"])
+        true = model_state_bytes(
+            stage,
+            psi,
+            n,
+            grad_accum=2,
+            offload_optimizer="offload" in recipe,
+            offload_param=recipe == "zero3_offload",
+            largest_param=r["largest_param"],
+        )
         host = max(x["host"] for x in r["ranks"])
         assert measured == pytest.approx(true["device"] + true["cpu"], rel=0.02), (recipe, model, n, measured / psi)
         assert host == pytest.approx(true["cpu"], rel=0.02, abs=0.002 * psi), (recipe, model, n, host / psi)
@@ -333,16 +390,38 @@ def test_zero1_holds_the_whole_gradients_when_backward_ends(tmp_path):
     from launcher.planner.memory import ParamCounts
 
     out = tmp_path / "held.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "tests/helpers/zero_backward_probe.py", str(out), "zero1", "zero2"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "tests/helpers/zero_backward_probe.py",
+            str(out),
+            "zero1",
+            "zero2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     ranks = json.loads(out.read_text())["ranks"]
     assert [r["zero1"] for r in ranks] == [PSI_TINY] * 2
     assert all(r["zero2"] < 0.6 * PSI_TINY for r in ranks), ranks  # measured: 0.52 and 0.57
     for world, model in ((2, "gpt_tiny"), (8, "gpt_7b")):
-        cfg, _, _ = cli.compose_config(["recipe=zero1", f"model={model}", "precision=bf16", "train.micro_batch=1",
-                                        "train.activation_checkpointing=full"])
+        cfg, _, _ = cli.compose_config(
+            [
+                "recipe=zero1",
+                f"model={model}",
+                "precision=bf16",
+                "train.micro_batch=1",
+                "train.activation_checkpointing=full",
+            ]
+        )
         row = planner.memory_row(cfg, planner.layout_for(cfg, world), cfg.train.activation_checkpointing, 1)
         assert row.grads_peak >= 2 * ParamCounts.of(cfg.model).total, (model, world)
     assert row.total >= row.params + row.optim + row.grads_peak > row.params + row.optim + row.activations

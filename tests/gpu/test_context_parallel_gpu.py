@@ -17,8 +17,7 @@ import sys
 
 import pytest
 import torch
-
-from gpu_runs import GPUS, gib, log_of, plan_row, record, start, ended
+from gpu_runs import GPUS, ended, gib, log_of, plan_row, record, start
 from runs import REPO, read_metrics
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -26,8 +25,16 @@ from gpu_cases import cases  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU")]
 RUNS = next(c for c in cases() if c.name == "d-context-parallel").runs
-MEASURE = ["train.steps=4", "optim.warmup_steps=1", "logger=none", "logger.log_every=1", "checkpoint.every=0",
-           "checkpoint.save_final=false", "train.measure_activations=true", "train.activation_checkpointing=none"]
+MEASURE = [
+    "train.steps=4",
+    "optim.warmup_steps=1",
+    "logger=none",
+    "logger.log_every=1",
+    "checkpoint.every=0",
+    "checkpoint.save_final=false",
+    "train.measure_activations=true",
+    "train.activation_checkpointing=none",
+]
 TITLE = "Context parallel on CUDA (fsdp, gpt_small, seq 2048)"
 
 
@@ -45,10 +52,21 @@ def test_cp2_against_cp1_or_the_refusal_on_one_gpu(tmp_path):
     if nproc < 2:
         run, code = ran["cp2"]
         log = log_of(run, "cp2")
-        record("cp-one-gpu", {"exit": code, "line": log.strip().splitlines()[-1] if log.strip() else "",
-                              "table": {"title": TITLE, "columns": ["run", "outcome"],
-                                        "row": ["cp=2 over 2 ranks on 1 GPU", f"exit {code}: "
-                                                + (log.strip().splitlines() or [""])[-1][:200].replace("|", "/")]}})
+        record(
+            "cp-one-gpu",
+            {
+                "exit": code,
+                "line": log.strip().splitlines()[-1] if log.strip() else "",
+                "table": {
+                    "title": TITLE,
+                    "columns": ["run", "outcome"],
+                    "row": [
+                        "cp=2 over 2 ranks on 1 GPU",
+                        f"exit {code}: " + (log.strip().splitlines() or [""])[-1][:200].replace("|", "/"),
+                    ],
+                },
+            },
+        )
         assert code == 2 and "cluster.nproc_per_node" in log, log[-2000:]
         return
     acts = {}
@@ -57,9 +75,18 @@ def test_cp2_against_cp1_or_the_refusal_on_one_gpu(tmp_path):
         rows = read_metrics(run)
         acts[name] = next(r["mem/activation_bytes"] for r in rows if "mem/activation_bytes" in r)
         planned = plan_row([*RUNS[name], *MEASURE], world=2).activations
-        record(f"cp-{name}", {"activation_bytes": acts[name], "planned": planned,
-                              "table": {"title": TITLE, "columns": ["run", "activation GiB measured", "planned"],
-                                        "row": [name, gib(acts[name]), gib(planned)]}})
+        record(
+            f"cp-{name}",
+            {
+                "activation_bytes": acts[name],
+                "planned": planned,
+                "table": {
+                    "title": TITLE,
+                    "columns": ["run", "activation GiB measured", "planned"],
+                    "row": [name, gib(acts[name]), gib(planned)],
+                },
+            },
+        )
         assert abs(acts[name] / planned - 1) <= 0.05, (name, acts[name], planned)
     assert abs(acts["cp2"] / acts["cp1"] - 0.5) <= 0.075, acts
 
@@ -92,10 +119,21 @@ def test_the_cp_path_on_cuda_over_a_one_rank_nccl_group():
         split = loss_and_grads()
     finally:
         dist.destroy_process_group()
-    record("cp-one-rank-path", {"loss_plain": plain[0].item(), "loss_cp_path": split[0].item(),
-                                "table": {"title": TITLE, "columns": ["run", "outcome"],
-                                          "row": ["cp path over a 1-rank NCCL group, in one process",
-                                                  f"loss {split[0].item():.5f} vs {plain[0].item():.5f} without"]}})
+    record(
+        "cp-one-rank-path",
+        {
+            "loss_plain": plain[0].item(),
+            "loss_cp_path": split[0].item(),
+            "table": {
+                "title": TITLE,
+                "columns": ["run", "outcome"],
+                "row": [
+                    "cp path over a 1-rank NCCL group, in one process",
+                    f"loss {split[0].item():.5f} vs {plain[0].item():.5f} without",
+                ],
+            },
+        },
+    )
     torch.testing.assert_close(split[0], plain[0], rtol=1e-3, atol=1e-3)
     for a, b in zip(split[1], plain[1]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-
 from gpu_runs import GPUS, finished, gib, plan_row, record, save_llama, together
 from runs import REPO, read_metrics
 
@@ -37,9 +36,24 @@ def test_fine_tuning_holds_the_planned_memory(runs, name):
     row = plan_row(todo[name], world=1)
     measured = max(r["mem/peak_bytes"] for r in rows)
     ratio = measured / row.peak
-    record(name, {"planned": row.peak, "measured": measured, "ratio": ratio, "loss": [r["loss"] for r in rows],
-                  "table": {"title": TITLE, "columns": ["run", "planned GiB", "measured GiB", "measured / planned",
-                                                        "model states GiB (engine's count)"],
-                            "row": [name, gib(row.peak), gib(measured), f"{ratio:.3f}",
-                                    gib(rows[-1].get("mem/model_state_bytes"))]}})
+    record(
+        name,
+        {
+            "planned": row.peak,
+            "measured": measured,
+            "ratio": ratio,
+            "loss": [r["loss"] for r in rows],
+            "table": {
+                "title": TITLE,
+                "columns": [
+                    "run",
+                    "planned GiB",
+                    "measured GiB",
+                    "measured / planned",
+                    "model states GiB (engine's count)",
+                ],
+                "row": [name, gib(row.peak), gib(measured), f"{ratio:.3f}", gib(rows[-1].get("mem/model_state_bytes"))],
+            },
+        },
+    )
     assert abs(ratio - 1) <= 0.10, f"{name}: {measured / 2**30:.2f} GiB measured, {row.peak / 2**30:.2f} planned"

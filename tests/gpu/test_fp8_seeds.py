@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-
 from gpu_runs import GPUS, finished, record, together
 from runs import REPO, read_metrics
 
@@ -20,8 +19,10 @@ sys.path.insert(0, str(REPO / "scripts"))
 from gpu_cases import FP8_SEEDS, fp8_runs  # noqa: E402
 
 FP8_GPU = GPUS > 0 and torch.cuda.get_device_capability(0) >= (8, 9)
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not FP8_GPU, reason="precision=fp8 needs float8 tensor cores (compute capability 8.9+)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not FP8_GPU, reason="precision=fp8 needs float8 tensor cores (compute capability 8.9+)"),
+]
 TITLE = "fp8 against bf16 (fsdp, gpt_350m, compiled, seq 1024 x 8), loss by step, two seeds each"
 
 
@@ -40,12 +41,27 @@ def test_fp8_stays_within_bf16s_own_spread(runs):
         fp8 = [loss[("fp8", s)][step] for s in FP8_SEEDS]
         gap = abs(statistics.mean(fp8) - statistics.mean(bf16))
         bound = abs(bf16[0] - bf16[1]) + 0.01 * statistics.mean(bf16)
-        record(f"fp8-step-{step:05d}", {"step": step, "bf16": bf16, "fp8": fp8, "gap": gap, "bound": bound,
-                                        "table": {"title": TITLE, "columns": ["step", *(f"bf16 seed {s}" for s in FP8_SEEDS),
-                                                                             *(f"fp8 seed {s}" for s in FP8_SEEDS),
-                                                                             "|fp8 - bf16| (means)", "bound"],
-                                                  "row": [step, *(f"{x:.4f}" for x in bf16 + fp8), f"{gap:.4f}",
-                                                          f"{bound:.4f}"]}})
+        record(
+            f"fp8-step-{step:05d}",
+            {
+                "step": step,
+                "bf16": bf16,
+                "fp8": fp8,
+                "gap": gap,
+                "bound": bound,
+                "table": {
+                    "title": TITLE,
+                    "columns": [
+                        "step",
+                        *(f"bf16 seed {s}" for s in FP8_SEEDS),
+                        *(f"fp8 seed {s}" for s in FP8_SEEDS),
+                        "|fp8 - bf16| (means)",
+                        "bound",
+                    ],
+                    "row": [step, *(f"{x:.4f}" for x in bf16 + fp8), f"{gap:.4f}", f"{bound:.4f}"],
+                },
+            },
+        )
         if gap > bound:
             outside.append((step, round(gap, 4), round(bound, 4)))
     speed = {f"{p}-seed{s}": statistics.mean(r["tokens_per_s"] for r in rows[2:]) for (p, s), rows in curves.items()}

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gpu_runs import GPUS, chosen, ended, finished, ran, record, schedule
 from gpu_runs import start as _start
 from runs import read_metrics
@@ -32,12 +31,27 @@ from runs import read_metrics
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU")]
 
 STEPS = 8
-SMALL = ["model=gpt_small", "train.seq_len=256", "train.micro_batch=8", f"train.steps={STEPS}",
-         "optim.warmup_steps=2", "logger=none", "logger.log_every=1", "checkpoint.every=4", f"cluster.nproc_per_node={GPUS}"]
+SMALL = [
+    "model=gpt_small",
+    "train.seq_len=256",
+    "train.micro_batch=8",
+    f"train.steps={STEPS}",
+    "optim.warmup_steps=2",
+    "logger=none",
+    "logger.log_every=1",
+    "checkpoint.every=4",
+    f"cluster.nproc_per_node={GPUS}",
+]
 # recipe -> its degrees on this machine (None: it cannot split one GPU)
 SPLIT = 2 if GPUS >= 2 else None
 RECIPES = {
-    "ddp": [], "fsdp": [], "zero1": [], "zero2": [], "zero3": [], "zero2_offload": [], "zero3_offload": [],
+    "ddp": [],
+    "fsdp": [],
+    "zero1": [],
+    "zero2": [],
+    "zero3": [],
+    "zero2_offload": [],
+    "zero3_offload": [],
     "tp": [f"parallel.tp={SPLIT}"] if SPLIT else None,
     "pp": [f"parallel.pp={SPLIT}"] if SPLIT else None,
     "tp_fsdp": [f"parallel.tp={SPLIT}"] if SPLIT and GPUS % SPLIT == 0 else None,
@@ -46,9 +60,18 @@ RECIPES = {
 FP16 = ("ddp", "zero2", "zero3")  # the engines with an fp16 loss scaler (RecipeSpec.fp16)
 PLANNED_MODELS = ("gpt_125m", "gpt_350m", "gpt_1b")
 PLANNED_RECIPES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
-PLANNED = ["train.seq_len=1024", "train.micro_batch=4", "precision=bf16", "train.steps=4", "optim.warmup_steps=1",
-           "logger=none", "logger.log_every=1", "checkpoint.every=0", "checkpoint.save_final=false",
-           f"cluster.nproc_per_node={GPUS}"]
+PLANNED = [
+    "train.seq_len=1024",
+    "train.micro_batch=4",
+    "precision=bf16",
+    "train.steps=4",
+    "optim.warmup_steps=1",
+    "logger=none",
+    "logger.log_every=1",
+    "checkpoint.every=0",
+    "checkpoint.save_final=false",
+    f"cluster.nproc_per_node={GPUS}",
+]
 
 
 def cases() -> dict[str, list[str]]:
@@ -56,15 +79,26 @@ def cases() -> dict[str, list[str]]:
     out = {}
     for recipe, degrees in RECIPES.items():
         if degrees is not None:
-            out[f"{recipe}-bf16"] = [f"recipe={recipe}", *degrees, *SMALL, "precision=bf16",
-                                     "train.activation_checkpointing=full"]
+            out[f"{recipe}-bf16"] = [
+                f"recipe={recipe}",
+                *degrees,
+                *SMALL,
+                "precision=bf16",
+                "train.activation_checkpointing=full",
+            ]
     for recipe in FP16:
         out[f"{recipe}-fp16"] = [f"recipe={recipe}", *SMALL, "precision=fp16"]
     out["fsdp-fp16"] = ["recipe=fsdp", *SMALL, "precision=fp16"]  # refused: FSDP2 has no loss scaler here
     for recipe in ("ddp", "fsdp"):
         out[f"{recipe}-compile"] = [f"recipe={recipe}", *SMALL, "precision=bf16", "train.compile=true"]
-    out["ddp-profiled"] = ["recipe=ddp", *(o for o in SMALL if not o.startswith("logger.log_every")), "logger.log_every=2",
-                           "precision=bf16", "profile.enabled=true", "profile.steps=[3,4]"]
+    out["ddp-profiled"] = [
+        "recipe=ddp",
+        *(o for o in SMALL if not o.startswith("logger.log_every")),
+        "logger.log_every=2",
+        "precision=bf16",
+        "profile.enabled=true",
+        "profile.steps=[3,4]",
+    ]
     out["ddp-first-half"] = ["recipe=ddp", *SMALL, "precision=bf16", "train.stop_at=4"]
     for model in PLANNED_MODELS:
         for recipe in PLANNED_RECIPES:
@@ -102,8 +136,16 @@ def test_every_recipe_trains_in_bf16_and_checkpoints(runs, recipe):
     assert rows[-1]["mem/peak_bytes"] > 0 and rows[-1]["tokens_per_s"] > 0
     assert (run / "checkpoints" / f"step_{STEPS:08d}").is_dir() and (run / "checkpoints" / "step_00000004").is_dir()
     summary = json.loads((run / "summary.json").read_text())
-    record(f"recipe-{recipe}", {"recipe": recipe, "loss": [r["loss"] for r in rows], "mfu": summary["mfu"],
-                                "peak_bytes": summary["peak_mem_bytes"], "tokens_per_s": summary["tokens_per_s"]})
+    record(
+        f"recipe-{recipe}",
+        {
+            "recipe": recipe,
+            "loss": [r["loss"] for r in rows],
+            "mfu": summary["mfu"],
+            "peak_bytes": summary["peak_mem_bytes"],
+            "tokens_per_s": summary["tokens_per_s"],
+        },
+    )
 
 
 @pytest.mark.parametrize("recipe", FP16)
@@ -114,7 +156,7 @@ def test_fp16_scales_the_loss_and_counts_skipped_steps(runs, recipe):
     skipped = summary["skipped_steps"]
     assert isinstance(skipped, int) and 0 <= skipped < STEPS and skipped == rows[-1]["skipped_steps"]
     if skipped:  # each overflow halves the scale
-        assert rows[-1]["loss_scale"] < rows[0]["loss_scale"] * 2 ** 0.5 or rows[0]["skipped_steps"]
+        assert rows[-1]["loss_scale"] < rows[0]["loss_scale"] * 2**0.5 or rows[0]["skipped_steps"]
     assert all(math.isfinite(r["loss"]) for r in rows)
     record(f"fp16-{recipe}", {"skipped_steps": skipped, "loss_scale": [r["loss_scale"] for r in rows]})
 
@@ -161,8 +203,10 @@ def test_one_host_synchronisation_per_logged_step(runs):
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     to_host = [e for e in events if e["name"].startswith("Memcpy DtoH")]
     waits = [e for e in events if e["name"] in ("cudaStreamSynchronize", "cudaDeviceSynchronize")]
-    record("host-syncs", {"steps": [3, 4], "logged": [4], "device_to_host_copies": len(to_host),
-                          "synchronize_calls": len(waits)})
+    record(
+        "host-syncs",
+        {"steps": [3, 4], "logged": [4], "device_to_host_copies": len(to_host), "synchronize_calls": len(waits)},
+    )
     assert len(to_host) <= 1, [e["name"] for e in to_host]
 
 
@@ -176,17 +220,35 @@ def test_the_plan_holds_on_the_gpu(runs, model, recipe):
 
     run = finished(runs, f"plan-{model}-{recipe}")
     cfg, _, _ = cli.compose_config([f"recipe={recipe}", f"model={model}", *PLANNED])
-    row = planner.memory_row(cfg, planner.layout_for(cfg, GPUS), cfg.train.activation_checkpointing,
-                             cfg.train.micro_batch)
+    row = planner.memory_row(
+        cfg, planner.layout_for(cfg, GPUS), cfg.train.activation_checkpointing, cfg.train.micro_batch
+    )
     measured = max(r["mem/peak_bytes"] for r in read_metrics(run))
     ratio = measured / row.peak
-    record(f"plan-{model}-{recipe}", {"model": model, "recipe": recipe, "world": GPUS, "planned": row.peak,
-                                      "measured": measured, "ratio": ratio,
-                                      "parts": {"params": row.params, "grads": row.grads, "optim": row.optim,
-                                                "activations": row.activations, "temp": row.temp,
-                                                "grads_kept": row.grads_kept, "grads_peak": row.grads_peak,
-                                                "startup": row.startup}})
-    assert abs(ratio - 1) <= 0.10, f"{model} {recipe}: {measured / 2**30:.2f} GiB measured, {row.peak / 2**30:.2f} planned"
+    record(
+        f"plan-{model}-{recipe}",
+        {
+            "model": model,
+            "recipe": recipe,
+            "world": GPUS,
+            "planned": row.peak,
+            "measured": measured,
+            "ratio": ratio,
+            "parts": {
+                "params": row.params,
+                "grads": row.grads,
+                "optim": row.optim,
+                "activations": row.activations,
+                "temp": row.temp,
+                "grads_kept": row.grads_kept,
+                "grads_peak": row.grads_peak,
+                "startup": row.startup,
+            },
+        },
+    )
+    assert abs(ratio - 1) <= 0.10, (
+        f"{model} {recipe}: {measured / 2**30:.2f} GiB measured, {row.peak / 2**30:.2f} planned"
+    )
 
 
 def test_activation_offload_moves_the_planned_bytes_and_lowers_the_peak(runs):
@@ -196,15 +258,29 @@ def test_activation_offload_moves_the_planned_bytes_and_lowers_the_peak(runs):
     from launcher.launch import cli
     from launcher.planner import plan as planner
 
-    plain, offloaded = read_metrics(finished(runs, "plan-gpt_350m-fsdp")), read_metrics(finished(runs, "plan-gpt_350m-fsdp-offload"))
+    plain, offloaded = (
+        read_metrics(finished(runs, "plan-gpt_350m-fsdp")),
+        read_metrics(finished(runs, "plan-gpt_350m-fsdp-offload")),
+    )
     cfg, _, _ = cli.compose_config(["recipe=fsdp", "model=gpt_350m", *PLANNED, *OFFLOAD])
-    row = planner.memory_row(cfg, planner.layout_for(cfg, GPUS), cfg.train.activation_checkpointing, cfg.train.micro_batch)
+    row = planner.memory_row(
+        cfg, planner.layout_for(cfg, GPUS), cfg.train.activation_checkpointing, cfg.train.micro_batch
+    )
     moved = next(r["mem/offloaded_activation_bytes"] for r in offloaded if "mem/offloaded_activation_bytes" in r)
     peaks = [max(r["mem/peak_bytes"] for r in m) for m in (plain, offloaded)]
     speed = [sum(r["tokens_per_s"] for r in m[1:]) / len(m[1:]) for m in (plain, offloaded)]
-    record("activation-offload", {"moved": moved, "planned_host": row.host["activations"], "peak_plain": peaks[0],
-                                  "peak_offload": peaks[1], "planned_peak_offload": row.peak,
-                                  "tokens_per_s_plain": speed[0], "tokens_per_s_offload": speed[1]})
+    record(
+        "activation-offload",
+        {
+            "moved": moved,
+            "planned_host": row.host["activations"],
+            "peak_plain": peaks[0],
+            "peak_offload": peaks[1],
+            "planned_peak_offload": row.peak,
+            "tokens_per_s_plain": speed[0],
+            "tokens_per_s_offload": speed[1],
+        },
+    )
     assert abs(moved / row.host["activations"] - 1) <= 0.02
     assert abs(peaks[1] / row.peak - 1) <= 0.10
     for a, b in zip(offloaded, plain):  # exact copies; GPU kernels with atomics are not bit-for-bit between runs

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-
 from gpu_runs import GPUS, finished, gib, plan_row, record, together
 from runs import REPO, read_metrics
 
@@ -34,8 +33,10 @@ def test_grouped_mm_equals_the_loop_over_experts():
     counts[3] = 0
     rows = int(counts.sum())
     x = torch.randn(rows, dim, device="cuda", generator=g)
-    w = [torch.randn(e, *shape, device="cuda", generator=g) * 0.02 for shape in ((hidden, dim), (dim, hidden),
-                                                                                     (hidden, dim))]
+    w = [
+        torch.randn(e, *shape, device="cuda", generator=g) * 0.02
+        for shape in ((hidden, dim), (dim, hidden), (hidden, dim))
+    ]
     dy = torch.randn(rows, dim, device="cuda", generator=g)
 
     def run(grouped: bool):
@@ -63,9 +64,19 @@ def test_an_moe_run_holds_the_planned_memory(runs, name):
     row = plan_row(MOE_RUNS[name], world=1)
     measured = max(r["mem/peak_bytes"] for r in rows)
     ratio = measured / row.peak
-    record(name, {"planned": row.peak, "measured": measured, "ratio": ratio, "loss": [r["loss"] for r in rows],
-                  "table": {"title": "MoE on the GPU against the plan (one rank, bf16, grouped experts)",
-                            "columns": ["run", "planned GiB", "measured GiB", "measured / planned"],
-                            "row": [name, gib(row.peak), gib(measured), f"{ratio:.3f}"]}})
+    record(
+        name,
+        {
+            "planned": row.peak,
+            "measured": measured,
+            "ratio": ratio,
+            "loss": [r["loss"] for r in rows],
+            "table": {
+                "title": "MoE on the GPU against the plan (one rank, bf16, grouped experts)",
+                "columns": ["run", "planned GiB", "measured GiB", "measured / planned"],
+                "row": [name, gib(row.peak), gib(measured), f"{ratio:.3f}"],
+            },
+        },
+    )
     assert all(r["loss"] == r["loss"] for r in rows), "a loss is NaN"
     assert abs(ratio - 1) <= 0.10, f"{name}: {measured / 2**30:.2f} GiB measured, {row.peak / 2**30:.2f} planned"

@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-
 from gpu_runs import GPUS, finished, gib, plan_row, record, save_llama, together
 from runs import REPO, read_metrics
 
@@ -30,8 +29,9 @@ TITLE = "Pretrained weights into CUDA tensors (a 0.33B Llama in fp32 shards, one
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     # logits of a few units (the head scaled up): the loss tells the weights apart
-    folder = save_llama(tmp_path_factory.mktemp("llama_4l"), HF_MODELS["llama_4l"], torch.float32, head_scale=40,
-                        max_shard_size="300MB")
+    folder = save_llama(
+        tmp_path_factory.mktemp("llama_4l"), HF_MODELS["llama_4l"], torch.float32, head_scale=40, max_shard_size="300MB"
+    )
     assert len(list(folder.glob("*.safetensors"))) > 1, "expected shards"
     return folder
 
@@ -68,9 +68,25 @@ def test_each_rank_reads_its_part_into_cuda_and_gets_the_saved_models_loss(runs,
     want = own_loss(saved, run)
     row = plan_row(todo[name], world=1)
     startup = json.loads((run / "summary.json").read_text())["startup"]["device_peak_bytes"][0]
-    record(name, {"loss": got, "saved_model_loss": want, "planned_startup": row.startup, "measured_startup": startup,
-                  "table": {"title": TITLE, "columns": ["run", "step-1 loss", "saved model's loss", "start-up planned GiB",
-                                                        "start-up measured GiB"],
-                            "row": [name, f"{got:.5f}", f"{want:.5f}", gib(row.startup), gib(startup)]}})
+    record(
+        name,
+        {
+            "loss": got,
+            "saved_model_loss": want,
+            "planned_startup": row.startup,
+            "measured_startup": startup,
+            "table": {
+                "title": TITLE,
+                "columns": [
+                    "run",
+                    "step-1 loss",
+                    "saved model's loss",
+                    "start-up planned GiB",
+                    "start-up measured GiB",
+                ],
+                "row": [name, f"{got:.5f}", f"{want:.5f}", gib(row.startup), gib(startup)],
+            },
+        },
+    )
     assert got == pytest.approx(want, rel=5e-3), (name, got, want)  # TF32 in both; a wrong read is off by units
     assert startup <= max(1.10 * row.startup, row.startup + STARTUP_SLACK), (name, startup, row.startup)

@@ -14,8 +14,18 @@ sys.path.insert(0, str(REPO / "scripts"))
 from tiny_chat import SPECIAL, TEMPLATE, rows, vocabulary, write_data, write_model, write_tokenizer  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "chat" / "train.jsonl"
-__all__ = ["EXAMPLE", "SPECIAL", "TEMPLATE", "chat_model", "chat_tokenizer", "rows", "vocabulary", "write_data",
-           "write_model", "write_tokenizer"]
+__all__ = [
+    "EXAMPLE",
+    "SPECIAL",
+    "TEMPLATE",
+    "chat_model",
+    "chat_tokenizer",
+    "rows",
+    "vocabulary",
+    "write_data",
+    "write_model",
+    "write_tokenizer",
+]
 
 
 @lru_cache(maxsize=None)
@@ -40,21 +50,31 @@ def bad_chat_files() -> dict[str, Path]:
     good = {"messages": [{"role": "user", "content": "What is 1 + 1 ?"}, {"role": "assistant", "content": "2"}]}
     two = {"messages": good["messages"] * 2}
     system = {"messages": [{"role": "system", "content": "Answer with the result only ."}, *good["messages"]]}
-    lines = {"no_assistant.jsonl": [good, {"messages": [{"role": "user", "content": "hi"}]}],
-             "robot.jsonl": [good, good, {"messages": [{"role": "robot", "content": "hi"}, good["messages"][1]]}],
-             "system.jsonl": [good, good, system],
-             "no_field.jsonl": [good, {"conversation": good["messages"]}],
-             "two_turns.jsonl": [two],
-             "text.jsonl": [{"text": "a document"}]}
+    lines = {
+        "no_assistant.jsonl": [good, {"messages": [{"role": "user", "content": "hi"}]}],
+        "robot.jsonl": [good, good, {"messages": [{"role": "robot", "content": "hi"}, good["messages"][1]]}],
+        "system.jsonl": [good, good, system],
+        "no_field.jsonl": [good, {"conversation": good["messages"]}],
+        "two_turns.jsonl": [two],
+        "text.jsonl": [{"text": "a document"}],
+    }
     import json
 
     for name, values in lines.items():
         (root / name).write_text("".join(json.dumps(v) + "\n" for v in values))
-    (root / "raises.jinja").write_text(TEMPLATE.replace(
-        "{% for message in messages %}", "{% for message in messages %}{% if message['role'] == 'system' %}"
-        "{{ raise_exception('this template takes no system turn') }}{% endif %}"))
+    (root / "raises.jinja").write_text(
+        TEMPLATE.replace(
+            "{% for message in messages %}",
+            "{% for message in messages %}{% if message['role'] == 'system' %}"
+            "{{ raise_exception('this template takes no system turn') }}{% endif %}",
+        )
+    )
     plain = TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    (root / "rewrites.jinja").write_text(plain.replace(
-        "{{ message['content'] }}<|end|>{% else %}", "{% if loop.last %}{{ message['content'] }}{% endif %}<|end|>{% else %}"))
+    (root / "rewrites.jinja").write_text(
+        plain.replace(
+            "{{ message['content'] }}<|end|>{% else %}",
+            "{% if loop.last %}{{ message['content'] }}{% endif %}<|end|>{% else %}",
+        )
+    )
     make_tokenizer(root / "bare_tokenizer", ["a", "b"])
     return {p.name: p for p in root.iterdir()}

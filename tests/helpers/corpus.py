@@ -12,8 +12,10 @@ import pyarrow.parquet as pq
 
 from launcher.data.prepare import POINTER
 
-WORDS = ("the quick brown fox jumps over a lazy dog while seven small ducks swim across the cold "
-         "river and nobody sees them except an old owl sitting on a branch").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven small ducks swim across the cold "
+    "river and nobody sees them except an old owl sitting on a branch"
+).split()
 
 
 def documents(n: int, seed: int = 0) -> list[str]:

@@ -7,6 +7,7 @@ import os
 import pickle
 from pathlib import Path
 
+
 class Payload:
     """Runs `touch marker` when unpickled by anything that honours __reduce__."""
 

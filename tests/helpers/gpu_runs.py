@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from runs import REPO
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -21,9 +20,14 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 def start(run: Path, overrides: list[str], log: Path | None = None) -> subprocess.Popen:
     log = open(log or run.with_suffix(".log"), "w")
-    return subprocess.Popen([sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}", *overrides],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run}", *overrides],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def plan_row(overrides: list[str], world: int | None = None):
@@ -33,8 +37,9 @@ def plan_row(overrides: list[str], world: int | None = None):
 
     cfg, _, _ = cli.compose_config(overrides)
     cfg = planner.planned_model(cfg)
-    return planner.memory_row(cfg, planner.layout_for(cfg, world or GPUS), cfg.train.activation_checkpointing,
-                              cfg.train.micro_batch)
+    return planner.memory_row(
+        cfg, planner.layout_for(cfg, world or GPUS), cfg.train.activation_checkpointing, cfg.train.micro_batch
+    )
 
 
 def footprint(overrides: list[str]) -> int:

@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+
 def session_folder(prefix: str) -> Path:
     """A folder made at collection (the bad-input table names its paths), removed when the
     test process ends."""
@@ -17,10 +18,24 @@ def session_folder(prefix: str) -> Path:
     return root
 
 
-TINY_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=64,
-                  intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=256, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
-                  initializer_range=0.02, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+TINY_LLAMA = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 
 
 def tiny_llama_config(folder: Path, **changes) -> Path:
@@ -38,10 +53,20 @@ def bad_hf_files() -> dict[str, Path]:
     root = session_folder("launcher-hf-bad-")
     tiny_llama_config(root / "llama")
     (root / "empty").mkdir()
-    for name, fields in {"no_such_model": {"model_type": "no_such_model", "hidden_size": 64},
-                         "t5": {"model_type": "t5", "d_model": 64},
-                         "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300,
-                                  "n_positions": 256, "bos_token_id": 0, "eos_token_id": 0}}.items():
+    for name, fields in {
+        "no_such_model": {"model_type": "no_such_model", "hidden_size": 64},
+        "t5": {"model_type": "t5", "d_model": 64},
+        "gpt2": {
+            "model_type": "gpt2",
+            "n_embd": 64,
+            "n_layer": 2,
+            "n_head": 4,
+            "vocab_size": 300,
+            "n_positions": 256,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+        },
+    }.items():
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(fields))
     return {p.name: p for p in root.iterdir()}
@@ -74,17 +99,35 @@ def bad_hf_weights() -> dict[str, Path]:
     return {p.name: p for p in root.iterdir()}
 
 
-TINY_MIXTRAL = dict(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
-                    rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+TINY_MIXTRAL = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 """moe_tiny's shape with 2 layers, 2 KV heads and an untied head (MIXTRAL_ARGS says so)."""
 
 
 def mixtral_args(folder: Path) -> list[str]:
     """The launcher's overrides for the project's decoder of TINY_MIXTRAL's shape, read from `folder`."""
-    return ["model=moe_tiny", "model.n_layers=2", "model.n_kv_heads=2", "model.tie_embeddings=false",
-            f"model.pretrained={folder}"]
+    return [
+        "model=moe_tiny",
+        "model.n_layers=2",
+        "model.n_kv_heads=2",
+        "model.tie_embeddings=false",
+        f"model.pretrained={folder}",
+    ]
 
 
 def tiny_mixtral(folder: Path, seed: int = 0, shard: str | None = "200KB", **changes):
@@ -108,10 +151,11 @@ def bad_moe_folders() -> dict[str, Path]:
     8), a Qwen3-MoE with a sliding window (which the decoder lacks) and a Qwen2-MoE of
     TINY_MIXTRAL's shape, whose q/k/v biases the Mixtral shape has not."""
     root = session_folder("launcher-moe-bad-")
-    configs = {"mixtral_4_experts": {"model_type": "mixtral", **TINY_MIXTRAL, "num_local_experts": 4},
-               "qwen3_moe": {"model_type": "qwen3_moe", **TINY_MIXTRAL, "use_sliding_window": True, "sliding_window": 64},
-               "qwen2_moe": {"model_type": "qwen2_moe", **TINY_MIXTRAL, "moe_intermediate_size": 128,
-                             "norm_topk_prob": True}}
+    configs = {
+        "mixtral_4_experts": {"model_type": "mixtral", **TINY_MIXTRAL, "num_local_experts": 4},
+        "qwen3_moe": {"model_type": "qwen3_moe", **TINY_MIXTRAL, "use_sliding_window": True, "sliding_window": 64},
+        "qwen2_moe": {"model_type": "qwen2_moe", **TINY_MIXTRAL, "moe_intermediate_size": 128, "norm_topk_prob": True},
+    }
     for name, fields in configs.items():
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(fields))
@@ -119,28 +163,75 @@ def bad_moe_folders() -> dict[str, Path]:
 
 
 TINY_QWEN = {
-    "qwen3_moe": dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=512, rms_norm_eps=1e-6,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None),
-    "qwen2_moe": dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=48, norm_topk_prob=False, max_position_embeddings=512,
-                      rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)}
+    "qwen3_moe": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    ),
+    "qwen2_moe": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    ),
+}
 """A Qwen3-MoE (head_dim 32 apart from 64 / 4, q/k norms, top-2 renormalized, a dense first block)
 and a Qwen2-MoE (q/k/v biases, a gated shared expert of width 48, top-2 not renormalized)."""
 
 
 def qwen_args(folder: Path, kind: str) -> list[str]:
     """The launcher's overrides for the project's decoder of TINY_QWEN[kind]'s shape, read from `folder`."""
-    common = ["model=moe_tiny", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96",
-              "model.moe.expert_dim=32", "model.norm_eps=1e-6", "model.tie_embeddings=false", f"model.pretrained={folder}"]
+    common = [
+        "model=moe_tiny",
+        "model.dim=64",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.ffn_dim=96",
+        "model.moe.expert_dim=32",
+        "model.norm_eps=1e-6",
+        "model.tie_embeddings=false",
+        f"model.pretrained={folder}",
+    ]
     if kind == "qwen3_moe":
         return common + ["model.n_layers=3", "model.head_dim=32", "model.qk_norm=true", "model.moe.first_dense=1"]
-    return common + ["model.n_layers=2", "model.attn_bias=true", "model.moe.shared_experts=1", "model.moe.shared_dim=48",
-                     "model.moe.shared_gate=true", "model.moe.norm_topk=false"]
+    return common + [
+        "model.n_layers=2",
+        "model.attn_bias=true",
+        "model.moe.shared_experts=1",
+        "model.moe.shared_dim=48",
+        "model.moe.shared_gate=true",
+        "model.moe.norm_topk=false",
+    ]
 
 
 def tiny_qwen(folder: Path, kind: str, seed: int = 0, shard: str | None = "100KB", **changes):

@@ -27,15 +27,29 @@ from launcher.rank.entry import build_engine
 
 
 def batches(cfg, rank: int, step: int) -> list:
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1000 * step + rank))
+    tokens = torch.randint(
+        0, cfg.model.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1000 * step + rank)
+    )
     return [(tokens[:, :-1], tokens[:, 1:])]
 
 
 def engine(optim: str, recipe: str, rank: int, world: int, scratch: Path):
-    cfg, _, _ = compose_config([f"recipe={recipe}", f"optim={optim}", "model=gpt_tiny", "precision=fp32",
-                                "train.micro_batch=2", "train.seq_len=32", "train.steps=8", "optim.warmup_steps=1",
-                                f"cluster.nproc_per_node={world}"])
-    return cfg, build_engine(cfg, models.prepare(models.on_meta(cfg), cfg), torch.device("cpu"), rank, world, rank, scratch)
+    cfg, _, _ = compose_config(
+        [
+            f"recipe={recipe}",
+            f"optim={optim}",
+            "model=gpt_tiny",
+            "precision=fp32",
+            "train.micro_batch=2",
+            "train.seq_len=32",
+            "train.steps=8",
+            "optim.warmup_steps=1",
+            f"cluster.nproc_per_node={world}",
+        ]
+    )
+    return cfg, build_engine(
+        cfg, models.prepare(models.on_meta(cfg), cfg), torch.device("cpu"), rank, world, rank, scratch
+    )
 
 
 def distance(a: dict, b: dict) -> float:

@@ -20,10 +20,10 @@ import json
 import sys
 from pathlib import Path
 
+import probes
 import torch
 import torch.distributed as dist
 
-import probes
 from launcher import models
 from launcher.exits import exit_now
 from launcher.launch.compose import compose_config
@@ -32,16 +32,30 @@ from launcher.rank.engine import build_optimizer, build_scheduler, owners_sum
 from launcher.rank.entry import build_engine
 
 ROWS, SEQ, STEPS = 4, 32, 2
-COMMON = ["model=gpt_tiny", "precision=fp32", "train.micro_batch=1", f"train.seq_len={SEQ}", "train.steps=10",
-          "optim.warmup_steps=1", "data.document_masking=true", "cluster.nproc_per_node=2"]
+COMMON = [
+    "model=gpt_tiny",
+    "precision=fp32",
+    "train.micro_batch=1",
+    f"train.seq_len={SEQ}",
+    "train.steps=10",
+    "optim.warmup_steps=1",
+    "data.document_masking=true",
+    "cluster.nproc_per_node=2",
+]
 LAYOUTS = {
     "ddp": ["recipe=ddp", "train.grad_accum=2"],
     "fsdp": ["recipe=fsdp", "train.grad_accum=2"],
     "zero3": ["recipe=zero3", "train.grad_accum=2"],
     # the sequence split between the blocks' norms, the positions whole: each rank's attention gathers it
     "tp_sp": ["recipe=tp", "parallel.tp=2", "parallel.sequence_parallel=true", "train.grad_accum=4"],
-    "pp": ["recipe=pp", "parallel.pp=2", "parallel.pp_microbatches=4", "parallel.pp_virtual_stages=1",
-           "parallel.pp_schedule=1f1b", "train.grad_accum=4"],
+    "pp": [
+        "recipe=pp",
+        "parallel.pp=2",
+        "parallel.pp_microbatches=4",
+        "parallel.pp_virtual_stages=1",
+        "parallel.pp_schedule=1f1b",
+        "train.grad_accum=4",
+    ],
 }
 
 

@@ -21,12 +21,21 @@ def in_fp32(overrides) -> list[str]:
     machine's and CI's: a step of the tiny model takes 8x as long as in fp32. A test runs
     bf16 where bf16 is what it checks, and says so with `precision=bf16`."""
     overrides = list(overrides)
-    return overrides if any(o.startswith(("precision=", "+precision=")) for o in overrides) else \
-        ["precision=fp32", *overrides]
+    return (
+        overrides
+        if any(o.startswith(("precision=", "+precision=")) for o in overrides)
+        else ["precision=fp32", *overrides]
+    )
 
 
-def launch(*overrides: str, run_dir: Path | None = None, command: str = "train", timeout: int = 300,
-           env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def launch(
+    *overrides: str,
+    run_dir: Path | None = None,
+    command: str = "train",
+    timeout: int = 300,
+    env: dict | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
     """`python -m launcher train [hydra.run.dir=RUN] overrides...`, as a user types it
     (`env` adds to this process's environment; a None value removes the variable)."""
     argv = [sys.executable, "-m", "launcher", command]
@@ -36,8 +45,10 @@ def launch(*overrides: str, run_dir: Path | None = None, command: str = "train",
     full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if v is not None}
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(argv)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"\n--- stderr\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -51,7 +62,9 @@ def here(command: str, *args: str) -> subprocess.CompletedProcess:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = cli.main([command, *args])
-    assert rc == 0, f"launcher {command} {' '.join(args)} exited {rc}\n{out.getvalue()[-3000:]}\n{err.getvalue()[-4000:]}"
+    assert rc == 0, (
+        f"launcher {command} {' '.join(args)} exited {rc}\n{out.getvalue()[-3000:]}\n{err.getvalue()[-4000:]}"
+    )
     return subprocess.CompletedProcess(["launcher", command, *args], rc, out.getvalue(), err.getvalue())
 
 
@@ -59,9 +72,14 @@ def start(run_dir: Path, *overrides: str, env: dict | None = None, split_stderr:
     """`python -m launcher train ...` in the background (to signal or kill it while it
     trains). stderr joins stdout unless split_stderr (to check what went to which)."""
     argv = [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={run_dir}", *in_fp32(overrides)]
-    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE if split_stderr else subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return subprocess.Popen(
+        argv,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE if split_stderr else subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -140,8 +158,12 @@ def token_file(folder: Path, text: str) -> Path:
     """A token file made from `text` by scripts/prepare_data.py, as a user makes one."""
     src, out = folder / "corpus.txt", folder / "corpus.bin"
     src.write_text(text)
-    subprocess.run([sys.executable, "scripts/prepare_data.py", "--input", str(src), "--output", str(out)],
-                   cwd=REPO, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "scripts/prepare_data.py", "--input", str(src), "--output", str(out)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
     return out
 
 

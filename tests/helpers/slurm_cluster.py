@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from runs import REPO
 
 SCRIPT = REPO / "scripts" / "slurm" / "local_cluster.sh"
@@ -61,8 +60,10 @@ def missing_tools() -> list[str]:
 def slurm_cluster():
     missing = missing_tools()
     if missing:
-        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing): "
-                    "apt-get install -y --no-install-recommends slurm-wlm munge (.ci/run does)")
+        pytest.skip(
+            f"Slurm is not installed ({', '.join(missing)} missing): "
+            "apt-get install -y --no-install-recommends slurm-wlm munge (.ci/run does)"
+        )
     folder = Path(tempfile.mkdtemp(dir="/tmp", prefix="launcher-slurm-"))
     log = open(folder.parent / f"{folder.name}.log", "w")
     proc = subprocess.Popen(["bash", str(SCRIPT), str(folder)], stdout=log, stderr=subprocess.STDOUT)

@@ -15,10 +15,10 @@ import json
 import sys
 from pathlib import Path
 
+import probes
 import torch
 import torch.distributed as dist
 
-import probes
 from launcher import models
 from launcher.exits import exit_now
 from launcher.launch.compose import compose_config
@@ -26,15 +26,28 @@ from launcher.rank.entry import build_engine
 
 
 def held_at_reduction(recipe: str, rank: int, world: int, scratch: Path) -> int:
-    cfg, _, _ = compose_config([f"recipe={recipe}", "model=gpt_tiny", "precision=bf16", "train.micro_batch=2",
-                                "train.seq_len=32", "train.grad_accum=1", f"cluster.nproc_per_node={world}"])
+    cfg, _, _ = compose_config(
+        [
+            f"recipe={recipe}",
+            "model=gpt_tiny",
+            "precision=bf16",
+            "train.micro_batch=2",
+            "train.seq_len=32",
+            "train.grad_accum=1",
+            f"cluster.nproc_per_node={world}",
+        ]
+    )
     run_dir = probes.run_dir(cfg, scratch / recipe, rank, world)
-    engine = build_engine(cfg, models.prepare(models.on_meta(cfg), cfg), torch.device("cpu"), rank, world, rank, run_dir)
+    engine = build_engine(
+        cfg, models.prepare(models.on_meta(cfg), cfg), torch.device("cpu"), rank, world, rank, run_dir
+    )
     opt, seen = engine.engine.optimizer, []
     for name in ("reduce_gradients", "overlapping_partition_gradients_reduce_epilogue"):  # stage 1, stage 2
+
         def counting(*args, _original=getattr(opt, name), **kwargs):
             seen.append(sum(p.grad.numel() for p in engine.model.parameters() if p.grad is not None))
             return _original(*args, **kwargs)
+
         setattr(opt, name, counting)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=torch.Generator().manual_seed(rank))
     for _ in range(2):

@@ -24,17 +24,25 @@ import torch
 import torch.distributed as dist
 
 import recipes
-from launcher.launch import cli
-from launcher.parallel import ds_config
 from launcher.exits import exit_now
 from launcher.host import deepspeed_env
-from launcher.rank.engine import BuildContext
+from launcher.launch import cli
 from launcher.models.gpt import GPT
+from launcher.parallel import ds_config
+from launcher.rank.engine import BuildContext
 
 
 def measure(recipe: str, model: str, rank: int, world: int, scratch: Path) -> dict:
-    cfg, _, _ = cli.compose_config([f"recipe={recipe}", f"model={model}", "precision=bf16", "train.micro_batch=1",
-                                    "train.seq_len=16", "train.grad_accum=2"])
+    cfg, _, _ = cli.compose_config(
+        [
+            f"recipe={recipe}",
+            f"model={model}",
+            "precision=bf16",
+            "train.micro_batch=1",
+            "train.seq_len=16",
+            "train.grad_accum=2",
+        ]
+    )
     run_dir = scratch / f"{recipe}-{model}"
     if rank == 0:
         run_dir.mkdir()
@@ -45,26 +53,42 @@ def measure(recipe: str, model: str, rank: int, world: int, scratch: Path) -> di
     net = GPT(cfg.model)
     psi = net.num_params()
     largest = max(p.numel() for p in net.parameters())
-    engine = recipes.build(BuildContext(cfg=cfg, model=net, device=torch.device("cpu"), rank=rank, world_size=world,
-                                        local_rank=rank, grad_accum=2, run_dir=run_dir))
+    engine = recipes.build(
+        BuildContext(
+            cfg=cfg,
+            model=net,
+            device=torch.device("cpu"),
+            rank=rank,
+            world_size=world,
+            local_rank=rank,
+            grad_accum=2,
+            run_dir=run_dir,
+        )
+    )
     gen = torch.Generator().manual_seed(rank)  # each rank its own batches, the same for every recipe
     losses = []
     for _ in range(2):
         tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1), generator=gen)
-        result = engine.train_step([(tokens[i:i + 1, :-1], tokens[i:i + 1, 1:]) for i in range(2)])
+        result = engine.train_step([(tokens[i : i + 1, :-1], tokens[i : i + 1, 1:]) for i in range(2)])
         loss = result.loss.detach().clone()
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
     weights = engine.consolidated_state_dict()  # a collective under stage 3
     b = engine.state_bytes()
-    mine = {"params": b.params, "grads": b.grads, "optim": b.optim, "total": b.total, "host": b.host,
-            "where": b.where}
+    mine = {"params": b.params, "grads": b.grads, "optim": b.optim, "total": b.total, "host": b.host, "where": b.where}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     del engine, net
     gc.collect()
-    result = {"recipe": recipe, "model": model, "world_size": world, "psi": psi, "largest_param": largest,
-              "ranks": everyone, "losses": losses}
+    result = {
+        "recipe": recipe,
+        "model": model,
+        "world_size": world,
+        "psi": psi,
+        "largest_param": largest,
+        "ranks": everyone,
+        "losses": losses,
+    }
     return result, weights
 
 
@@ -81,9 +105,11 @@ def main() -> None:
         reference.setdefault(model, weights)
         ref = reference[model]
         result["weight_names_match"] = sorted(weights) == sorted(ref) and all(
-            weights[k].shape == ref[k].shape for k in ref)
-        result["max_weight_diff"] = max((weights[k] - ref[k]).abs().max().item() for k in ref) \
-            if result["weight_names_match"] else None
+            weights[k].shape == ref[k].shape for k in ref
+        )
+        result["max_weight_diff"] = (
+            max((weights[k] - ref[k]).abs().max().item() for k in ref) if result["weight_names_match"] else None
+        )
         results.append(result)
     if rank == 0:
         out.write_text(json.dumps(results, indent=1))

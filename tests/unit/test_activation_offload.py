@@ -26,13 +26,23 @@ def step(model, x, dtype, offload: bool):
     return counter.bytes, loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("precision, ac", [("fp32", "none"), ("bf16", "none"), ("fp32", "selective"), ("bf16", "full"),
-                                           ("fp32", "op")])
+@pytest.mark.parametrize(
+    "precision, ac", [("fp32", "none"), ("bf16", "none"), ("fp32", "selective"), ("bf16", "full"), ("fp32", "op")]
+)
 def test_the_offloaded_bytes_are_the_planners_host_part_and_training_is_unchanged(precision, ac):
     V, s, b = 4096, 128, 2
-    overrides = ["model=gpt_small", "model.n_layers=4", f"model.vocab_size={V}", f"model.max_seq_len={s}",
-                 "model.n_kv_heads=2", f"train.seq_len={s}", f"train.micro_batch={b}", f"precision={precision}",
-                 f"train.activation_checkpointing={ac}", "train.activation_offload=true"]
+    overrides = [
+        "model=gpt_small",
+        "model.n_layers=4",
+        f"model.vocab_size={V}",
+        f"model.max_seq_len={s}",
+        "model.n_kv_heads=2",
+        f"train.seq_len={s}",
+        f"train.micro_batch={b}",
+        f"precision={precision}",
+        f"train.activation_checkpointing={ac}",
+        "train.activation_offload=true",
+    ]
     cfg, _, _ = cli.compose_config(overrides)
     torch.manual_seed(0)
     model = GPT(cfg.model)
@@ -45,8 +55,10 @@ def test_the_offloaded_bytes_are_the_planners_host_part_and_training_is_unchange
     layout = Layout("ddp", 1)
     device, host = activations(cfg, layout, ACMode(ac), b), activations(cfg, layout, ACMode(ac), b, where="host")
     planned_whole = M.activation_bytes(cfg.model, b, s, numerics(Precision(precision), layout), ACMode(ac))
-    print(f"{precision} {ac}: moved {moved / 2**20:.2f} MiB (planned {host / 2**20:.2f}), left "
-          f"{(whole - moved) / 2**20:.2f} (planned {device / 2**20:.2f}) of {whole / 2**20:.2f} (planned {planned_whole / 2**20:.2f})")
+    print(
+        f"{precision} {ac}: moved {moved / 2**20:.2f} MiB (planned {host / 2**20:.2f}), left "
+        f"{(whole - moved) / 2**20:.2f} (planned {device / 2**20:.2f}) of {whole / 2**20:.2f} (planned {planned_whole / 2**20:.2f})"
+    )
     assert device + host == planned_whole
     assert abs(moved / host - 1) < 0.01
     if ac != "op":  # autograd's hooks do not see op-level recomputation's cache (test_op_recompute measures it)
@@ -70,7 +82,9 @@ def test_an_offloaded_step_under_no_grad_moves_nothing():
 def test_a_forward_dropped_without_backward_frees_its_copies_and_the_next_step_counts_afresh():
     """An out-of-memory error after forward (train.oom_backoff retries the step): the graph
     is dropped, and with it every host copy; the retried step's count starts at zero."""
-    cfg, _, _ = cli.compose_config(["model=gpt_small", "model.n_layers=2", "model.vocab_size=4096", "model.max_seq_len=128"])
+    cfg, _, _ = cli.compose_config(
+        ["model=gpt_small", "model.n_layers=2", "model.vocab_size=4096", "model.max_seq_len=128"]
+    )
     model = GPT(cfg.model)
     model.offload_activations = True
     x = torch.randint(0, 4096, (2, 129))

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-
 from bad_inputs import CASES, CHAT, HF, MOE, TOK, W
 from runs import REPO
+
 from launcher.launch import cli
 
 
@@ -18,9 +18,13 @@ def case_id(overrides: list[str]) -> str:
     """The same on every collection (pytest-xdist's workers compare them): the session's
     temporary folders by name."""
     text = " ".join(overrides)
-    for name, folder in {"<hf>": next(iter(HF.values())).parent, "<weights>": next(iter(W.values())).parent,
-                         "<chat>": next(iter(CHAT.values())).parent, "<tok>": TOK,
-                         "<moe>": next(iter(MOE.values())).parent}.items():
+    for name, folder in {
+        "<hf>": next(iter(HF.values())).parent,
+        "<weights>": next(iter(W.values())).parent,
+        "<chat>": next(iter(CHAT.values())).parent,
+        "<tok>": TOK,
+        "<moe>": next(iter(MOE.values())).parent,
+    }.items():
         text = text.replace(str(folder), name)
     return text
 
@@ -43,16 +47,34 @@ def test_bad_input_is_one_line_and_exit_2(overrides, words, tmp_path, capsys, mo
     assert not (tmp_path / "outputs").exists()
 
 
-@pytest.mark.parametrize("overrides", [["recipe=nope"], ["train.steps=abc"], ["precision=fp16"],
-                                       ["recipe=zero2", "+recipe.zero.extra.train_batch_size=64"],
-                                       ["rehearse", "model=llama3_405b", "recipe=pp", "parallel.pp=16",
-                                        "parallel.pp_microbatches=16", "cluster.gpus_per_node=8"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["recipe=nope"],
+        ["train.steps=abc"],
+        ["precision=fp16"],
+        ["recipe=zero2", "+recipe.zero.extra.train_batch_size=64"],
+        [
+            "rehearse",
+            "model=llama3_405b",
+            "recipe=pp",
+            "parallel.pp=16",
+            "parallel.pp_microbatches=16",
+            "cluster.gpus_per_node=8",
+        ],
+    ],
+)
 def test_bad_input_from_a_real_process(overrides, tmp_path):
     """The same through `python -m launcher`: exit code 2 from the launcher process itself."""
     command = ["rehearse"] if overrides[0] == "rehearse" else ["train"]
-    overrides = overrides[len(command):] if overrides[0] == "rehearse" else overrides
-    proc = subprocess.run([sys.executable, "-m", "launcher", *command, f"hydra.run.dir={tmp_path / 'run'}", *overrides],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    overrides = overrides[len(command) :] if overrides[0] == "rehearse" else overrides
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher", *command, f"hydra.run.dir={tmp_path / 'run'}", *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
@@ -62,11 +84,19 @@ def test_bad_input_from_a_real_process(overrides, tmp_path):
 def test_a_bad_omp_num_threads_is_refused_before_any_rank(value, tmp_path):
     """The launching shell's OMP_NUM_THREADS becomes each rank's threads: a value that is not
     a positive integer is refused in one line by the launcher process."""
-    proc = subprocess.run([sys.executable, "-m", "launcher", "train", f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": value})
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher", "train", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": value},
+    )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"error: OMP_NUM_THREADS={value}: a positive integer (threads per rank), "
-                                                "or unset it (then cluster.cpu_threads, else cores / processes)"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: OMP_NUM_THREADS={value}: a positive integer (threads per rank), "
+        "or unset it (then cluster.cpu_threads, else cores / processes)"
+    ]
     assert not (tmp_path / "run").exists()
 
 
@@ -77,7 +107,9 @@ def test_runner_accelerate_where_accelerate_cannot_be_imported(tmp_path, capsys,
     monkeypatch.chdir(tmp_path)
     assert cli.main(["train", "cluster.runner=accelerate", f"hydra.run.dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: cluster.runner=accelerate: accelerate is not installed for "), err
+    assert len(err) == 1 and err[0].startswith("error: cluster.runner=accelerate: accelerate is not installed for "), (
+        err
+    )
     assert "cluster.runner=torchrun" in err[0] and not (tmp_path / "run").exists()
 
 
@@ -100,8 +132,15 @@ def test_node_0_with_an_address_that_is_not_its_own_is_refused_at_once(tmp_path,
 
     monkeypatch.setattr(socket, "getaddrinfo", resolve)
     monkeypatch.chdir(tmp_path)
-    code = cli.main(["train", "cluster.nnodes=2", "cluster.master_port=29400", "cluster.master_addr=node0.invalid",
-                     f"hydra.run.dir={tmp_path / 'run'}"])
+    code = cli.main(
+        [
+            "train",
+            "cluster.nnodes=2",
+            "cluster.master_port=29400",
+            "cluster.master_addr=node0.invalid",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "cluster.master_addr=node0.invalid: resolves to 192.0.2.10, none of which is this machine's" in err[0]

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from chat_data import TEMPLATE, chat_tokenizer, rows
+
 from launcher.config import TrainOn
 from launcher.data.chat import COUNTS, START, RowError, Template, conversation, render
 from launcher.data.inputs import load_tokenizer
@@ -22,9 +22,13 @@ PLAIN = TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", 
 """The same rendering without the marks: most real templates (Llama 3's) mark nothing."""
 TRL_ROWS = [  # TRL's prompt-completion forms: strings, and lists of messages
     {"prompt": "What is 2 + 3 ?", "completion": "2 + 3 = 5"},
-    {"prompt": [{"role": "system", "content": "Answer with the result only ."},
-                {"role": "user", "content": "What is 7 - 4 ?"}],
-     "completion": [{"role": "assistant", "content": "3"}]},
+    {
+        "prompt": [
+            {"role": "system", "content": "Answer with the result only ."},
+            {"role": "user", "content": "What is 7 - 4 ?"},
+        ],
+        "completion": [{"role": "assistant", "content": "3"}],
+    },
 ]
 
 
@@ -54,8 +58,14 @@ def test_tokens_and_mask_equal_transformers_and_the_prefix_method_agrees():
 
 def test_train_on_completion_and_all():
     tok = hf()
-    two = {"messages": [{"role": "user", "content": "What is 1 + 1 ?"}, {"role": "assistant", "content": "2"},
-                        {"role": "user", "content": "And now What is 2 + 2 ?"}, {"role": "assistant", "content": "4"}]}
+    two = {
+        "messages": [
+            {"role": "user", "content": "What is 1 + 1 ?"},
+            {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "And now What is 2 + 2 ?"},
+            {"role": "assistant", "content": "4"},
+        ]
+    }
     ids, assistant = render(tok, template(), *conversation(two, "messages", TrainOn.assistant), TrainOn.assistant)
     words = tok.convert_ids_to_tokens(ids.tolist())
     assert [w for w, m in zip(words, assistant) if m & COUNTS] == ["2", "<|end|>", "4", "<|end|>"]
@@ -65,18 +75,22 @@ def test_train_on_completion_and_all():
     _, every = render(tok, template(), *conversation(two, "messages", TrainOn.all), TrainOn.all)
     assert every.tolist() == [START] + [COUNTS] * (len(ids) - 1)
     # a prompt/completion row's completion: all of it, whatever the prompt holds
-    _, completion = render(tok, template(), *conversation(TRL_ROWS[1], "messages", TrainOn.completion),
-                           TrainOn.completion)
+    _, completion = render(
+        tok, template(), *conversation(TRL_ROWS[1], "messages", TrainOn.completion), TrainOn.completion
+    )
     assert (completion & COUNTS).sum() == 2  # "3" and its <|end|>
 
 
-@pytest.mark.parametrize("row,train_on,words", [
-    ({"messages": [{"role": "user", "content": "hi"}]}, TrainOn.assistant, ["no assistant turn", "train_on=all"]),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, TrainOn.all, ["message 1", "'robot'", "system, user"]),
-    ({"text": "hi"}, TrainOn.assistant, ["no `messages` field", "`prompt` and `completion`"]),
-    ({"prompt": "hi", "completion": 3}, TrainOn.assistant, ["`completion` is a int"]),
-    ([1, 2], TrainOn.assistant, ["not a JSON object"]),
-])
+@pytest.mark.parametrize(
+    "row,train_on,words",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, TrainOn.assistant, ["no assistant turn", "train_on=all"]),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, TrainOn.all, ["message 1", "'robot'", "system, user"]),
+        ({"text": "hi"}, TrainOn.assistant, ["no `messages` field", "`prompt` and `completion`"]),
+        ({"prompt": "hi", "completion": 3}, TrainOn.assistant, ["`completion` is a int"]),
+        ([1, 2], TrainOn.assistant, ["not a JSON object"]),
+    ],
+)
 def test_rows_refused(row, train_on, words):
     with pytest.raises(RowError) as err:
         conversation(row, "messages", train_on)
@@ -86,8 +100,10 @@ def test_rows_refused(row, train_on, words):
 def test_a_template_that_rewrites_earlier_turns_is_refused_by_the_prefix_method():
     """A template that shows only the last assistant turn's content (as those that drop old
     reasoning do): the rendering through turn 1 is no prefix of the whole."""
-    rewriting = PLAIN.replace("{{ message['content'] }}<|end|>{% else %}",
-                              "{% if loop.last %}{{ message['content'] }}{% endif %}<|end|>{% else %}")
+    rewriting = PLAIN.replace(
+        "{{ message['content'] }}<|end|>{% else %}",
+        "{% if loop.last %}{{ message['content'] }}{% endif %}<|end|>{% else %}",
+    )
     two = rows(40, seed=1)
     row = next(r for r in two if len(r["messages"]) >= 4)
     with pytest.raises(RowError) as err:
@@ -109,11 +125,20 @@ def prepared(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("chat")
     data = rows(300, seed=5)
-    data[7] = {"messages": [{"role": "user", "content": " ".join(["red"] * 80)}, {"role": "assistant", "content": "80"}]}
+    data[7] = {
+        "messages": [{"role": "user", "content": " ".join(["red"] * 80)}, {"role": "assistant", "content": "80"}]
+    }
     path = tmp / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in data))
-    cfg, _, _ = compose_config(["data=chat", f"data.files={path}", f"data.tokenizer={chat_tokenizer()}",
-                                f"data.cache_dir={tmp / 'cache'}", "data.num_proc=2"])
+    cfg, _, _ = compose_config(
+        [
+            "data=chat",
+            f"data.files={path}",
+            f"data.tokenizer={chat_tokenizer()}",
+            f"data.cache_dir={tmp / 'cache'}",
+            "data.num_proc=2",
+        ]
+    )
     got = prepare(cfg, unit_bytes=8 << 10)  # several units and shards
     assert len(got.index["shards"]) > 2 and got.index["documents"] == 300
     return got.dir, data, cfg
@@ -128,9 +153,11 @@ def test_the_prepared_shards_hold_transformers_tokens_and_masks(prepared):
     lengths = np.concatenate([np.fromfile(folder / s["lengths"], dtype=np.uint32) for s in index["shards"]])
     at = 0
     for row, n in zip(data, lengths):
-        ref = tok.apply_chat_template(row["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        assert tokens[at:at + n].tolist() == ref["input_ids"]
-        assert (masks[at:at + n] & COUNTS).tolist() == ref["assistant_masks"]
+        ref = tok.apply_chat_template(
+            row["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert tokens[at : at + n].tolist() == ref["input_ids"]
+        assert (masks[at : at + n] & COUNTS).tolist() == ref["assistant_masks"]
         at += n
     assert at == len(tokens) == index["tokens"] and index["counted"] == int((masks & COUNTS).sum())
     assert index["kind"] == "chat" and index["train_on"] == "assistant" and len(index["template_sha256"]) == 64
@@ -149,8 +176,10 @@ def test_the_launch_says_how_full_and_how_many_are_cut(prepared, tmp_path):
     packed = Packed(folder, 65)
     assert lines[0].startswith("data: 300 conversations, ") and f"{packed.windows:,} windows of 64 packed" in lines[0]
     assert "reused" in lines[0] and f"{packed.efficiency():.1%} full" in lines[0]
-    assert lines[1] == ("data: 1 of 300 conversations are longer than train.seq_len + 1 = 65 tokens: each is cut to "
-                        "one window (its tail is not trained)")
+    assert lines[1] == (
+        "data: 1 of 300 conversations are longer than train.seq_len + 1 = 65 tokens: each is cut to "
+        "one window (its tail is not trained)"
+    )
     assert json.loads((tmp_path / "data" / "chat.json").read_text())["dir"] == str(folder)
 
 
@@ -170,8 +199,15 @@ def test_windows_pad_restart_positions_and_are_the_same_every_time(prepared):
         starts = np.flatnonzero(x[2] == 0)
         assert starts[0] == 0 and (real == size or real in starts)  # a sample starts at each 0, the padding too
         seen += real
-    assert seen == sum(min(n, size) for n in np.concatenate(
-        [np.fromfile(folder / s["lengths"], dtype=np.uint32) for s in json.loads((folder / "index.json").read_text())["shards"]]))
+    assert seen == sum(
+        min(n, size)
+        for n in np.concatenate(
+            [
+                np.fromfile(folder / s["lengths"], dtype=np.uint32)
+                for s in json.loads((folder / "index.json").read_text())["shards"]
+            ]
+        )
+    )
 
 
 def test_chat_windows_follow_the_epoch_order_and_resume_anywhere(prepared):
@@ -221,6 +257,7 @@ def test_hf_text_documents_restart_positions_after_eos(tmp_path):
 
 def test_no_template_and_a_template_that_does_not_render_are_refused(tmp_path):
     from corpus import make_tokenizer
+
     from launcher.config import ConfigError, DataConfig
     from launcher.data.chat import load_template
 
@@ -248,8 +285,15 @@ def test_parquet_rows_prepare_as_json_lines_do_and_a_bad_row_is_named(tmp_path):
     pq.write_table(pa.table({"messages": [r["messages"] for r in data]}), tmp_path / "a.parquet", row_group_size=16)
     made = {}
     for name, files in (("json", tmp_path / "j" / "a.jsonl"), ("parquet", tmp_path / "a.parquet")):
-        cfg, _, _ = compose_config(["data=chat", f"data.files={files}", f"data.tokenizer={chat_tokenizer()}",
-                                    f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=1"])
+        cfg, _, _ = compose_config(
+            [
+                "data=chat",
+                f"data.files={files}",
+                f"data.tokenizer={chat_tokenizer()}",
+                f"data.cache_dir={tmp_path / 'cache'}",
+                "data.num_proc=1",
+            ]
+        )
         got = prepare(cfg)
         masks = np.concatenate([np.fromfile(got.dir / s["mask"], dtype=np.uint8) for s in got.index["shards"]])
         made[name] = (read_tokens(got.dir)[0], masks)
@@ -257,8 +301,15 @@ def test_parquet_rows_prepare_as_json_lines_do_and_a_bad_row_is_named(tmp_path):
     bad = [r["messages"] for r in data]
     bad[33] = [{"role": "user", "content": "no answer"}]
     pq.write_table(pa.table({"messages": bad}), tmp_path / "bad.parquet", row_group_size=16)
-    cfg, _, _ = compose_config(["data=chat", f"data.files={tmp_path / 'bad.parquet'}", f"data.tokenizer={chat_tokenizer()}",
-                                f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=1"])
+    cfg, _, _ = compose_config(
+        [
+            "data=chat",
+            f"data.files={tmp_path / 'bad.parquet'}",
+            f"data.tokenizer={chat_tokenizer()}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "data.num_proc=1",
+        ]
+    )
     with pytest.raises(ConfigError, match=r"bad.parquet: row 34: has no assistant turn"):
         prepare(cfg)
 
@@ -277,8 +328,11 @@ def test_a_reply_whose_first_character_merges_with_the_prompt_is_masked_not_refu
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s*[\r\n]+|<\|im_start\|>|<\|im_end\|>|\w+| "), "isolated")
     tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
-    chatml = Template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", ("data.chat_template", "x"))
+    chatml = Template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        ("data.chat_template", "x"),
+    )
     messages = [{"role": "user", "content": "ask"}, {"role": "assistant", "content": "\nhi there"}]
     ids, counts = prefix_mask(tok, chatml, messages, [1])
     counted = [words[i] for i, c in zip(ids, counts) if c]

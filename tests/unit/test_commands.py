@@ -11,23 +11,39 @@ import subprocess
 import sys
 
 import pytest
-
 from golden import check_golden
-from launcher.launch import cli
-from launcher.launch.start.argv import (ACCELERATE_CONFIG, LaunchPlan, accelerate_argv, accelerate_config_text,
-                                      command_script, deepspeed_argv, flight_recorder_names, hostfile_text, launch_argv,
-                                      launch_env, rank_env, sbatch_quote, sbatch_script, torchrun_argv)
 
-PLAN = LaunchPlan(python="/opt/venv/bin/python", nproc_per_node=2, master_port=29512, threads_per_rank=1,
-                  workdir="/home/me/launcher")
+from launcher.launch import cli
+from launcher.launch.start.argv import (
+    ACCELERATE_CONFIG,
+    LaunchPlan,
+    accelerate_argv,
+    accelerate_config_text,
+    command_script,
+    deepspeed_argv,
+    flight_recorder_names,
+    hostfile_text,
+    launch_argv,
+    launch_env,
+    rank_env,
+    sbatch_quote,
+    sbatch_script,
+    torchrun_argv,
+)
+
+PLAN = LaunchPlan(
+    python="/opt/venv/bin/python", nproc_per_node=2, master_port=29512, threads_per_rank=1, workdir="/home/me/launcher"
+)
 
 
 CASES = {
     "torchrun_default.txt": ([], PLAN, "/runs/a"),
     "torchrun_restarts.txt": (["cluster.max_restarts=3", "dist.timeout_s=120"], PLAN, "/runs/b"),
-    "torchrun_multinode.txt": (["cluster.nnodes=2", "cluster.node_rank=1", "cluster.master_addr=10.0.0.1",
-                                "cluster.master_port=29400"],
-                               LaunchPlan("/opt/venv/bin/python", 8, 29400, 4, "/home/me/launcher"), "/runs/c"),
+    "torchrun_multinode.txt": (
+        ["cluster.nnodes=2", "cluster.node_rank=1", "cluster.master_addr=10.0.0.1", "cluster.master_port=29400"],
+        LaunchPlan("/opt/venv/bin/python", 8, 29400, 4, "/home/me/launcher"),
+        "/runs/c",
+    ),
 }
 
 
@@ -41,12 +57,19 @@ def test_torchrun_argv(name):
 def test_command_script_quotes_everything():
     cfg, _, _ = cli.compose_config([])
     run_dir = "/runs/x; touch pwned $(touch pwned2) 'q'"
-    script = command_script(torchrun_argv(cfg, run_dir, PLAN), rank_env(cfg, PLAN, run_dir), "/home/me/my repo", run_dir)
+    script = command_script(
+        torchrun_argv(cfg, run_dir, PLAN), rank_env(cfg, PLAN, run_dir), "/home/me/my repo", run_dir
+    )
     check_golden("command_quoted.sh", script)
     # The exec line parses back to exactly the argv, under the supervisor: no word of it is shell syntax.
     exec_line = [line for line in script.splitlines() if line.startswith("exec ")][0]
-    assert shlex.split(exec_line)[1:] == [PLAN.python, "-m", "launcher.launch.start.supervise", run_dir,
-                                          *torchrun_argv(cfg, run_dir, PLAN)]
+    assert shlex.split(exec_line)[1:] == [
+        PLAN.python,
+        "-m",
+        "launcher.launch.start.supervise",
+        run_dir,
+        *torchrun_argv(cfg, run_dir, PLAN),
+    ]
 
 
 def test_rendezvous_id_is_stable_per_run_dir():
@@ -103,8 +126,10 @@ def test_the_flight_recorder_variables_follow_the_installed_torch(tmp_path):
     assert flight_recorder_names("2.6.0") == ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
     cfg, _, _ = cli.compose_config([])
     env = {**os.environ, **rank_env(cfg, PLAN, str(tmp_path)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
-    code = ("import torch.distributed as d, torch; d.init_process_group('gloo', rank=0, world_size=1);"
-            "t = torch.ones(1); d.all_reduce(t); d.destroy_process_group(); print(int(t.item()))")
+    code = (
+        "import torch.distributed as d, torch; d.init_process_group('gloo', rank=0, world_size=1);"
+        "t = torch.ones(1); d.all_reduce(t); d.destroy_process_group(); print(int(t.item()))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr
     assert "deprecated" not in out.stderr, out.stderr
@@ -114,8 +139,15 @@ def test_sbatch_script_quotes_everything():
     """A run directory and settings full of shell syntax: every value in a shell line is
     shlex-quoted, every #SBATCH value quoted the way sbatch parses it."""
     run_dir = "/runs/x; touch pwned $(touch pwned2) 'q' \"dq\""
-    cfg, _, _ = cli.compose_config(["cluster=slurm", "cluster.nnodes=2", "cluster.partition=gpu", "cluster.qos=low",
-                                    "cluster.sbatch_extra=['--hold']"])
+    cfg, _, _ = cli.compose_config(
+        [
+            "cluster=slurm",
+            "cluster.nnodes=2",
+            "cluster.partition=gpu",
+            "cluster.qos=low",
+            "cluster.sbatch_extra=['--hold']",
+        ]
+    )
     cfg.cluster.env = {"NCCL_DEBUG": "INFO; touch pwned3"}
     cfg.run_name = "my 'run' \"x\""
     plan = LaunchPlan("/opt/my venv/bin/python", 2, 0, 1, "/home/me/my repo")
@@ -137,17 +169,34 @@ def test_sbatch_script_quotes_everything():
     assert "#SBATCH --hold" in script and f"RUN_DIR={shlex.quote(run_dir)}" in script
 
 
-@pytest.mark.parametrize("value,quoted", [
-    ("gpu", "gpu"), ("24:00:00", "24:00:00"), ("a b", '"a b"'), ('say "hi"', '"say \\"hi\\""'),
-    ("back\\slash", '"back\\\\slash"'), ("it's", '"it\'s"'),
-])
+@pytest.mark.parametrize(
+    "value,quoted",
+    [
+        ("gpu", "gpu"),
+        ("24:00:00", "24:00:00"),
+        ("a b", '"a b"'),
+        ('say "hi"', '"say \\"hi\\""'),
+        ("back\\slash", '"back\\\\slash"'),
+        ("it's", '"it\'s"'),
+    ],
+)
 def test_sbatch_quote(value, quoted):
     assert sbatch_quote(value) == quoted
+
+
 DS_CASES = {
     "deepspeed_single.txt": (["recipe=zero2", "cluster.runner=deepspeed"], PLAN, "/runs/d"),
-    "deepspeed_multinode.txt": (["recipe=zero3", "cluster.runner=deepspeed", "cluster.nnodes=2",
-                                 "cluster.master_port=29400", "cluster.hosts=[node-a,node-b]"],
-                                LaunchPlan("/opt/venv/bin/python", 8, 29400, 4, "/home/me/launcher"), "/runs/e"),
+    "deepspeed_multinode.txt": (
+        [
+            "recipe=zero3",
+            "cluster.runner=deepspeed",
+            "cluster.nnodes=2",
+            "cluster.master_port=29400",
+            "cluster.hosts=[node-a,node-b]",
+        ],
+        LaunchPlan("/opt/venv/bin/python", 8, 29400, 4, "/home/me/launcher"),
+        "/runs/e",
+    ),
 }
 
 
@@ -184,8 +233,11 @@ def test_accelerate_argv_and_its_config_file():
     check_golden("accelerate_config.yaml", accelerate_config_text(cfg, PLAN))
     env = launch_env(cfg, PLAN, "/runs/f")
     assert {k: v for k, v in env.items() if k.startswith("PET_")} == {
-        "PET_RDZV_ENDPOINT": "127.0.0.1:29512", "PET_RDZV_ID": torchrun_argv(cfg, "/runs/f", PLAN)[7].split("=")[1],
-        "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "PET_SHUTDOWN_TIMEOUT": "300"}
+        "PET_RDZV_ENDPOINT": "127.0.0.1:29512",
+        "PET_RDZV_ID": torchrun_argv(cfg, "/runs/f", PLAN)[7].split("=")[1],
+        "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        "PET_SHUTDOWN_TIMEOUT": "300",
+    }
     assert rank_env(cfg, PLAN, "/runs/f").items() <= env.items()
     torchrun, _, _ = cli.compose_config([])
     assert not any(k.startswith("PET_") for k in launch_env(torchrun, PLAN, "/runs/f"))
@@ -202,8 +254,9 @@ def test_accelerate_hands_torchrun_the_launch_torchrun_gets(tmp_path, monkeypatc
     import torch.distributed.run as distrib_run
     from accelerate.commands.launch import launch_command, launch_command_parser
 
-    cfg, _, _ = cli.compose_config(["cluster.runner=accelerate", "cluster.max_restarts=2", "dist.timeout_s=120",
-                                    "cluster.local_addr=10.1.2.3"])
+    cfg, _, _ = cli.compose_config(
+        ["cluster.runner=accelerate", "cluster.max_restarts=2", "dist.timeout_s=120", "cluster.local_addr=10.1.2.3"]
+    )
     run_dir = str(tmp_path)
     (tmp_path / ACCELERATE_CONFIG).write_text(accelerate_config_text(cfg, PLAN))
     for key, value in launch_env(cfg, PLAN, run_dir).items():
@@ -214,7 +267,9 @@ def test_accelerate_hands_torchrun_the_launch_torchrun_gets(tmp_path, monkeypatc
     assert argv[:3] == [PLAN.python, "-m", "accelerate.commands.launch"]
     launch_command(launch_command_parser().parse_args(argv[3:]))
     ours, cmd, cmd_args = distrib_run.config_from_args(handed[0])
-    theirs, cmd_t, cmd_args_t = distrib_run.config_from_args(distrib_run.parse_args(torchrun_argv(cfg, run_dir, PLAN)[3:]))
+    theirs, cmd_t, cmd_args_t = distrib_run.config_from_args(
+        distrib_run.parse_args(torchrun_argv(cfg, run_dir, PLAN)[3:])
+    )
     assert (cmd, cmd_args) == (cmd_t, cmd_args_t) and cmd_args[-2:] == ["launcher.rank", run_dir]
     differ = {f.name for f in dataclasses.fields(ours) if getattr(ours, f.name) != getattr(theirs, f.name)}
     assert differ <= {"logs_specs"}, {k: (getattr(ours, k), getattr(theirs, k)) for k in differ}  # a fresh object each
@@ -233,7 +288,11 @@ def test_dry_run_of_accelerate_prints_its_config_and_command(tmp_path, capsys, m
     exec_line = [line for line in out.splitlines() if line.startswith("exec ")][0]
     words = shlex.split(exec_line)  # exec PYTHON -m launcher.launch.start.supervise RUN PYTHON -m accelerate...
     assert words[3:5] == ["launcher.launch.start.supervise", str(run)]
-    assert words[7:10] == ["accelerate.commands.launch", f"--config_file={run}/{ACCELERATE_CONFIG}", "--rdzv_backend=c10d"]
+    assert words[7:10] == [
+        "accelerate.commands.launch",
+        f"--config_file={run}/{ACCELERATE_CONFIG}",
+        "--rdzv_backend=c10d",
+    ]
     assert "export PET_RDZV_ENDPOINT=127.0.0.1:" in out and not run.exists()
 
 
@@ -250,9 +309,17 @@ def test_torchrun_options_follow_the_installed_torchrun(monkeypatch):
     assert not any(a.startswith("--shutdown-timeout") for a in argv) and "--max-restarts=0" in argv
 
 
-@pytest.mark.parametrize("command,flags", [("train", ["--dry-run", "--multirun"]), ("submit", ["--dry-run"]),
-                                           ("plan", ["--json"]), ("rehearse", ["--ranks", "--json"]),
-                                           ("export", ["RUN_DIR"]), ("data", [])])
+@pytest.mark.parametrize(
+    "command,flags",
+    [
+        ("train", ["--dry-run", "--multirun"]),
+        ("submit", ["--dry-run"]),
+        ("plan", ["--json"]),
+        ("rehearse", ["--ranks", "--json"]),
+        ("export", ["RUN_DIR"]),
+        ("data", []),
+    ],
+)
 def test_each_command_prints_its_own_flags_and_runs_nothing(command, flags, tmp_path, capsys, monkeypatch):
     """`launcher COMMAND --help` (or -h, anywhere on the line): the command's flags and what
     it does, exit 0, nothing composed or written; `launcher --help` names every command."""

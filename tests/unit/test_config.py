@@ -6,14 +6,14 @@ import itertools
 import json
 
 import pytest
-
 from hf_models import tiny_llama_config
+
 import recipes
-from launcher.launch import cli, compose
-from launcher.parallel import degrees as D
 from launcher import config as C
-from launcher.launch.checks.validate import validate
 from launcher.host import HostInfo, native_bf16
+from launcher.launch import cli, compose
+from launcher.launch.checks.validate import validate
+from launcher.parallel import degrees as D
 
 HOST = HostInfo.detect()
 
@@ -38,12 +38,13 @@ def pairwise(*axes: list[str]) -> list[tuple[str, ...]]:
     greedily from the full product, deterministic): checks between two groups (a recipe and
     a model, a model and its data, a recipe and a precision) are all met, at about a tenth
     of the product's cost. Nothing here checks three groups at once."""
-    todo = {((i, a), (j, b)) for i, j in itertools.combinations(range(len(axes)), 2)
-            for a in axes[i] for b in axes[j]}
+    todo = {((i, a), (j, b)) for i, j in itertools.combinations(range(len(axes)), 2) for a in axes[i] for b in axes[j]}
     chosen = []
     while todo:
-        best = max(itertools.product(*axes), key=lambda c: sum(
-            ((i, c[i]), (j, c[j])) in todo for i, j in itertools.combinations(range(len(c)), 2)))
+        best = max(
+            itertools.product(*axes),
+            key=lambda c: sum(((i, c[i]), (j, c[j])) in todo for i, j in itertools.combinations(range(len(c)), 2)),
+        )
         chosen.append(best)
         todo -= {((i, best[i]), (j, best[j])) for i, j in itertools.combinations(range(len(best)), 2)}
     return chosen
@@ -57,8 +58,9 @@ def test_pairwise_holds_every_pair():
     assert len(combos) < len(list(itertools.product(*axes))) // 5
 
 
-@pytest.mark.parametrize("recipe,model,data,precision", pairwise(
-    options("recipe"), options("model"), options("data"), options("precision")))
+@pytest.mark.parametrize(
+    "recipe,model,data,precision", pairwise(options("recipe"), options("model"), options("data"), options("precision"))
+)
 def test_combination_composes_and_validates(recipe, model, data, precision, tmp_path):
     overrides = [f"recipe={recipe}", f"model={model}", f"data={data}", f"precision={precision}"]
     if data == "memmap":
@@ -77,7 +79,11 @@ def test_combination_composes_and_validates(recipe, model, data, precision, tmp_
         overrides += [f"data.files={write_data(tmp_path / 'chat.jsonl', 4)}", f"data.tokenizer={chat_tokenizer()}"]
     cfg, run_dir, _ = cli.compose_config(overrides)
     assert cfg.recipe.name == recipe and cfg.model.name == model
-    assert cfg.precision.name.value == precision or (precision, cfg.precision.name.value, cfg.precision.fp8) == ("fp8", "bf16", True)
+    assert cfg.precision.name.value == precision or (precision, cfg.precision.name.value, cfg.precision.fp8) == (
+        "fp8",
+        "bf16",
+        True,
+    )
     assert isinstance(cfg.train.activation_checkpointing, C.ACMode)
     if precision == "fp8" and (not HOST.cuda or cfg.recipe.strategy not in ("ddp", "fsdp")):
         with pytest.raises(C.ConfigError, match="precision=fp8"):
@@ -137,15 +143,16 @@ def test_the_clamp_is_said_once_and_never_beside_an_error(tmp_path, capsys):
     host = [line for line in err if "no native bf16" in line]  # a CPU without native bf16: the default's note, once
     assert len(host) == (0 if native_bf16() else 1), err
     assert [line for line in err if line not in host] == [
-        "warning: optim.warmup_steps=20 is longer than train.steps=5: warming up over all 5 steps"], err
+        "warning: optim.warmup_steps=20 is longer than train.steps=5: warming up over all 5 steps"
+    ], err
 
 
 def test_a_relaunch_that_changes_the_schedule_says_so(tmp_path):
     """A run of 10 steps (its warm-up clamped to 10) continued to 40: the default warm-up of
     20 applies again, and the learning rate at step 10 falls from the peak; one line says so,
     and none when the run's warm-up is kept (optim.warmup_steps=10)."""
-    from launcher.manifest import write_manifest
     from launcher.launch.rundir.prepare import schedule_change
+    from launcher.manifest import write_manifest
 
     run = tmp_path / "run"
     old, _, _ = cli.compose_config(["train.steps=10"])
@@ -156,7 +163,9 @@ def test_a_relaunch_that_changes_the_schedule_says_so(tmp_path):
     (run / "config.yaml").write_text(C.to_yaml(old))
     longer, _, _ = cli.compose_config([f"hydra.run.dir={run}", "train.steps=40"])
     note = schedule_change(longer, run)
-    assert note.startswith("the learning rate where this launch resumes (step 10) changes from 1 to 0.55 x optim.lr"), note
+    assert note.startswith("the learning rate where this launch resumes (step 10) changes from 1 to 0.55 x optim.lr"), (
+        note
+    )
     kept, _, _ = cli.compose_config([f"hydra.run.dir={run}", "train.steps=40", "optim.warmup_steps=10"])
     assert schedule_change(kept, run) is None  # the run's warm-up kept: the peak where it resumes, then the cosine
     same, _, _ = cli.compose_config([f"hydra.run.dir={run}", "train.steps=10"])
@@ -190,8 +199,17 @@ def test_every_engine_is_one_module_with_its_spec():
         assert callable(engine.build) and callable(engine.consolidate), name
         assert spec.meshed == spec.builds_on_meta, name
     assert {s.meshed for s in recipes.specs().values()} == {True, False}
-    proc = subprocess.run([sys.executable, "-c", "import sys, recipes; recipes.specs(); print('torch' in sys.modules, 'deepspeed' in sys.modules)"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, recipes; recipes.specs(); print('torch' in sys.modules, 'deepspeed' in sys.modules)",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.stdout.strip() == "False False", proc.stderr[-2000:]
     names = sorted(p.stem for p in (compose.CONF_DIR / "recipe").glob("*.yaml"))
     assert len(names) >= 10 and set(compose.recipe_configs()) == set(names)
@@ -230,10 +248,15 @@ def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
     (tmp_path / "recipes" / "mine.py").write_text(
         '"""A test engine: ddp\'s, planned as ZeRO-2."""\n'
         "from recipes import Holding, RecipeSpec\n\n"
-        "SPEC = RecipeSpec(engine='recipes.ddp.engine', reads=('ddp', 'dcp'), holds=lambda recipe: Holding(shard='zero2'))\n")
+        "SPEC = RecipeSpec(engine='recipes.ddp.engine', reads=('ddp', 'dcp'), holds=lambda recipe: Holding(shard='zero2'))\n"
+    )
     (tmp_path / "conf" / "recipe" / "mine.yaml").write_text("name: mine\nstrategy: mine\n")
-    run = lambda *args: subprocess.run([sys.executable, "-m", "launcher", *args], cwd=tmp_path,  # noqa: E731
-                                       capture_output=True, text=True, timeout=300)
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "launcher", *args], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        )
+
     plan = run("plan", "model=gpt_tiny", "cluster.gpus_per_node=4", "cluster.gpu_memory_gb=80", "--json")
     assert plan.returncode == 0, plan.stderr[-2000:]
     mine = [r["layout"] for r in json.loads(plan.stdout)["rows"] if r["layout"]["recipe"] == "mine"]
@@ -244,7 +267,8 @@ def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
     allowed = ", ".join(sorted([*recipes.names(), "mine"]))
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         f"error: recipe.strategy=nope: no such engine; allowed: {allowed} (recipes/<engine>: a module or package; "
-        "a recipe, conf/recipe/<name>.yaml, names one)"], bad.stderr
+        "a recipe, conf/recipe/<name>.yaml, names one)"
+    ], bad.stderr
 
 
 def test_config_yaml_holds_every_string_as_typed(tmp_path):
@@ -256,8 +280,12 @@ def test_config_yaml_holds_every_string_as_typed(tmp_path):
 
     cfg, _, _ = compose_config([r"run_name='\${oc.env:HOME}'"])
     odd = ["${oc.env:HOME}", "a\\${b}", "a\\\\${b}", "${${x}}", "$${x}", "plain\\x"]
-    cfg = dataclasses.replace(cfg, run_name=odd[0], checkpoint=dataclasses.replace(cfg.checkpoint, dir=odd[1]),
-                              logger=dataclasses.replace(cfg.logger, tags=odd))
+    cfg = dataclasses.replace(
+        cfg,
+        run_name=odd[0],
+        checkpoint=dataclasses.replace(cfg.checkpoint, dir=odd[1]),
+        logger=dataclasses.replace(cfg.logger, tags=odd),
+    )
     (tmp_path / "config.yaml").write_text(C.to_yaml(cfg))
     back = C.load_frozen(tmp_path)
     assert (back.run_name, back.checkpoint.dir, back.logger.tags) == (odd[0], odd[1], odd)

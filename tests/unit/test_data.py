@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from runs import token_file
+
 from launcher.config import DataConfig, TokenDtype
 from launcher.data.read import MarkovSource, StepSampler, TokenFile
 
@@ -21,7 +21,7 @@ def test_entropy_rate_matches_the_empirical_log_loss():
     nll = []
     for seq in seqs:
         for t in range(src.order, len(seq)):
-            state = src._state(seq[None, t - src.order:t])[0]
+            state = src._state(seq[None, t - src.order : t])[0]
             nll.append(-math.log(src.prob(state, seq[t])))
     assert np.mean(nll) == pytest.approx(src.entropy_rate, rel=0.02)
 

@@ -17,9 +17,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from corpus import WORDS, documents, make_tokenizer, write_jsonl
 from runs import assert_refused
+
 from launcher import config as C
 from launcher.data import cache, units
 from launcher.data.cache import prepare, read_tokens
@@ -27,8 +27,21 @@ from launcher.data.inputs import BYTE_EOS, load_tokenizer
 from launcher.launch import cli
 
 REPO = Path(__file__).resolve().parents[2]
-CONTRACT = {"format", "version", "dtype", "tokens", "documents", "shards", "tokenizer", "tokenizer_spec", "vocab_size",
-            "eos_id", "text_field", "source_format", "sources"}
+CONTRACT = {
+    "format",
+    "version",
+    "dtype",
+    "tokens",
+    "documents",
+    "shards",
+    "tokenizer",
+    "tokenizer_spec",
+    "vocab_size",
+    "eos_id",
+    "text_field",
+    "source_format",
+    "sources",
+}
 
 
 def compose(*overrides: str) -> C.Config:
@@ -36,7 +49,9 @@ def compose(*overrides: str) -> C.Config:
 
 
 def byte_tokens(docs: list[str]) -> np.ndarray:
-    return np.concatenate([np.frombuffer(d.encode() + bytes([BYTE_EOS]), np.uint8) for d in docs if d]).astype(np.uint16)
+    return np.concatenate([np.frombuffer(d.encode() + bytes([BYTE_EOS]), np.uint8) for d in docs if d]).astype(
+        np.uint16
+    )
 
 
 def shard_bytes(folder: Path) -> list[bytes]:
@@ -50,8 +65,11 @@ def corpus(tmp_path) -> tuple[list[Path], list[str]]:
     docs = documents(600, seed=3)
     docs[7] = ""  # an empty document adds nothing
     (tmp_path / "c").mkdir()
-    files = [write_jsonl(tmp_path / "c" / "a.jsonl", docs[:20]), write_jsonl(tmp_path / "c" / "b.jsonl", docs[20:30]),
-             write_jsonl(tmp_path / "c" / "c.jsonl", docs[30:])]
+    files = [
+        write_jsonl(tmp_path / "c" / "a.jsonl", docs[:20]),
+        write_jsonl(tmp_path / "c" / "b.jsonl", docs[20:30]),
+        write_jsonl(tmp_path / "c" / "c.jsonl", docs[30:]),
+    ]
     return files, docs
 
 
@@ -66,7 +84,7 @@ def test_units_are_newline_aligned_pieces_in_order(corpus, tmp_path):
         data = f.read_bytes()
         assert own[0]["start"] == 0 and own[-1]["end"] == len(data)
         assert all(a["end"] == b["start"] for a, b in zip(own, own[1:]))
-        assert all(data[p["end"] - 1:p["end"]] == b"\n" for p in own)
+        assert all(data[p["end"] - 1 : p["end"]] == b"\n" for p in own)
     assert all(sum(units.piece_bytes(p) for p in unit) < 4096 + 1024 for unit in plan)  # bounded: a line over at most
 
     pq.write_table(pa.table({"body": [f"row {i}" for i in range(1000)]}), tmp_path / "p.parquet", row_group_size=100)
@@ -82,8 +100,12 @@ def test_two_processes_write_the_bytes_of_one(corpus, tmp_path, tokenizer):
     spec = "byte" if tokenizer == "byte" else str(make_tokenizer(tmp_path / "tok", WORDS + docs[1].split()))
     made = {}
     for n in (1, 2):
-        cfg = compose(f"data.files={tmp_path}/c/*.jsonl", f"data.tokenizer={spec}", f"data.num_proc={n}",
-                      f"data.cache_dir={tmp_path / f'cache{n}'}")
+        cfg = compose(
+            f"data.files={tmp_path}/c/*.jsonl",
+            f"data.tokenizer={spec}",
+            f"data.num_proc={n}",
+            f"data.cache_dir={tmp_path / f'cache{n}'}",
+        )
         got = prepare(cfg, unit_bytes=4096)
         assert not got.reused and got.processes == n and got.units > 5
         made[n] = got
@@ -92,8 +114,10 @@ def test_two_processes_write_the_bytes_of_one(corpus, tmp_path, tokenizer):
     assert shard_bytes(one.dir) == shard_bytes(two.dir) and one.index == two.index
     tokens, index = read_tokens(two.dir)
     assert set(index) == CONTRACT and index["format"] == "launcher-tokens" and index["version"] == 1
-    assert len(index["shards"]) == one.units and [s["file"] for s in index["shards"]][:2] == ["shard_000000.bin",
-                                                                                            "shard_000001.bin"]
+    assert len(index["shards"]) == one.units and [s["file"] for s in index["shards"]][:2] == [
+        "shard_000000.bin",
+        "shard_000001.bin",
+    ]
     assert index["documents"] == len(docs) - 1 == sum(s["documents"] for s in index["shards"])
     assert index["tokens"] == len(tokens) == sum(s["tokens"] for s in index["shards"])
     assert [s["path"] for s in index["sources"]] == [str(f) for f in files]
@@ -185,8 +209,14 @@ print(cache.describe(cache.prepare(cfg, unit_bytes=int(sys.argv[1]))), flush=Tru
 
 
 def slow_prepare(overrides: list[str], unit_bytes: int = 4096, delay: float = 0.3) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", SLOW, str(unit_bytes), str(delay), *overrides], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", SLOW, str(unit_bytes), str(delay), *overrides],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for(predicate, proc: subprocess.Popen, timeout: float = 60) -> None:
@@ -222,8 +252,9 @@ def test_a_second_launch_of_the_same_data_waits_and_reuses(corpus, tmp_path):
     overrides = [f"data.files={tmp_path}/c/*.jsonl", f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=1"]
     first = slow_prepare(overrides)
     wait_for(lambda: list((tmp_path / "cache").glob("*/plan.json")), first)  # it holds the lock
-    second = subprocess.run([sys.executable, "-m", "launcher", "data", *overrides], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
+    second = subprocess.run(
+        [sys.executable, "-m", "launcher", "data", *overrides], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     out_first, _ = first.communicate(timeout=120)
     assert first.returncode == 0 and "built" in out_first, out_first
     assert second.returncode == 0, second.stderr
@@ -234,13 +265,22 @@ def test_a_second_launch_of_the_same_data_waits_and_reuses(corpus, tmp_path):
 def test_make_data_end_to_end(tmp_path):
     docs = documents(12000, seed=5)  # about 1.5 MB: two units of data.shard_mb=1
     corpus = write_jsonl(tmp_path / "corpus.jsonl", docs)
-    argv = [sys.executable, "-m", "launcher", "data", f"data.files={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
-            "data.shard_mb=1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "data",
+        f"data.files={corpus}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.shard_mb=1",
+    ]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     first = proc.stdout.splitlines()[0]
     shards = -(-corpus.stat().st_size // 2**20)
-    assert first.startswith("data: 12,000 documents, ") and f"(uint16, {shards} shards)" in first and "built in" in first
+    assert (
+        first.startswith("data: 12,000 documents, ") and f"(uint16, {shards} shards)" in first and "built in" in first
+    )
     assert "\x1b[" not in proc.stdout  # not a terminal: no progress bar's escapes
     folder = Path(first.split("prepared data ", 1)[1].split(" built", 1)[0])
     assert folder.parent == tmp_path / "cache"
@@ -272,8 +312,11 @@ def test_bad_input_is_one_line_and_exit_2(case, corpus, tmp_path, capsys):
         lines = files[2].read_text().splitlines()
         lines[500] = '{"text": 5}' if case == "not_text" else '{"text": "cut'
         files[2].write_text("\n".join(lines) + "\n")
-        words = (["data.text_field=text", "c.jsonl holds a int in it, not text"] if case == "not_text" else
-                 ["data.files=", "c.jsonl", "cannot be read"])
+        words = (
+            ["data.text_field=text", "c.jsonl holds a int in it, not text"]
+            if case == "not_text"
+            else ["data.files=", "c.jsonl", "cannot be read"]
+        )
     code = cli.main(["data", *overrides])
     assert_refused(code, *capsys.readouterr(), words)
     assert not [p for p in tmp_path.glob("cache/*") if p.is_dir()]  # a file that cannot be read: nothing kept

@@ -42,16 +42,29 @@ def test_a_folder_a_glob_and_an_index_of_shards_are_one_stream(tmp_path):
     files = [shard(tmp_path / "s" / f"part_{i}.bin", 1000 * i, n) for i, n in enumerate((20, 9, 33))]
     folder = TokenFile(DataConfig(name="memmap", path=str(tmp_path / "s")), SEQ, seed=0)
     globbed = TokenFile(DataConfig(name="memmap", path=str(tmp_path / "s" / "part_*.bin")), SEQ, seed=0)
-    (tmp_path / "s" / "index.json").write_text(json.dumps({
-        "format": "launcher-tokens", "version": 1, "dtype": "uint16", "tokens": 62, "documents": 3,
-        "shards": [{"file": f.name, "tokens": n, "documents": 1} for f, n in zip(files, (20, 9, 33))]}))
+    (tmp_path / "s" / "index.json").write_text(
+        json.dumps(
+            {
+                "format": "launcher-tokens",
+                "version": 1,
+                "dtype": "uint16",
+                "tokens": 62,
+                "documents": 3,
+                "shards": [{"file": f.name, "tokens": n, "documents": 1} for f, n in zip(files, (20, 9, 33))],
+            }
+        )
+    )
     indexed = TokenFile(DataConfig(name="memmap", path=str(tmp_path / "s"), dtype=TokenDtype.uint32), SEQ, seed=0)
     assert folder.windows == globbed.windows == indexed.windows == 7  # the index's dtype wins over data.dtype
     starts = [int(folder.window(w)[0]) for w in range(7)]
     assert starts == [0, 8, 1000, 2000, 2008, 2016, 2024]  # no window spans two files
     for w in range(7):  # each window is seq_len + 1 consecutive tokens of one file
         x = folder.window(w).numpy()
-        assert (np.diff(x) == 1).all() and (x == indexed.window(w).numpy()).all() and (x == globbed.window(w).numpy()).all()
+        assert (
+            (np.diff(x) == 1).all()
+            and (x == indexed.window(w).numpy()).all()
+            and (x == globbed.window(w).numpy()).all()
+        )
     epoch = sorted(int(folder[i][0]) for i in range(7))
     assert epoch == sorted(starts)  # an epoch visits every window once
     assert [int(folder[i][0]) for i in range(7, 14)] != [int(folder[i][0]) for i in range(7)]  # a fresh order
@@ -76,23 +89,35 @@ def test_ten_thousand_shards_cost_a_stat_each_and_keep_no_file_open(tmp_path):
 def test_a_glob_takes_token_files_only_and_never_a_prepared_folders_shards(tmp_path):
     shard(tmp_path / "flat" / "a.bin", 0, 17)
     (tmp_path / "flat" / "notes.txt").write_text("not tokens")
-    assert TokenFile(DataConfig(name="memmap", path=str(tmp_path / "flat" / "*")), SEQ, seed=0).stream.files == \
-        (str(tmp_path / "flat" / "a.bin"),)
+    assert TokenFile(DataConfig(name="memmap", path=str(tmp_path / "flat" / "*")), SEQ, seed=0).stream.files == (
+        str(tmp_path / "flat" / "a.bin"),
+    )
     shard(tmp_path / "prep" / "shard_000000.bin", 0, 17)
-    (tmp_path / "prep" / "index.json").write_text(json.dumps({"format": "launcher-tokens", "dtype": "uint32",
-                                                              "shards": [{"file": "shard_000000.bin", "tokens": 8}]}))
+    (tmp_path / "prep" / "index.json").write_text(
+        json.dumps(
+            {"format": "launcher-tokens", "dtype": "uint32", "shards": [{"file": "shard_000000.bin", "tokens": 8}]}
+        )
+    )
     with pytest.raises(ConfigError, match="a shard of the prepared folder"):
         sources.stream("data.path", str(tmp_path / "prep" / "*.bin"), TokenDtype.uint16)
 
 
-@pytest.mark.parametrize("index,words", [
-    ("{not json", "Expecting property name"),
-    ('{"format": "launcher-tokens", "dtype": "uint16"}', "has no 'shards'"),
-    ('{"format": "launcher-tokens", "dtype": "int7", "shards": []}', "int7"),
-    ('{"format": "launcher-tokens", "dtype": "uint16", "shards": [{"file": "s.bin", "tokens": 99}]}',
-     "names s.bin with 99 tokens; it holds 17"),
-    ('{"format": "launcher-tokens", "dtype": "uint16", "shards": [{"file": "gone.bin", "tokens": 9}]}', "it is missing"),
-])
+@pytest.mark.parametrize(
+    "index,words",
+    [
+        ("{not json", "Expecting property name"),
+        ('{"format": "launcher-tokens", "dtype": "uint16"}', "has no 'shards'"),
+        ('{"format": "launcher-tokens", "dtype": "int7", "shards": []}', "int7"),
+        (
+            '{"format": "launcher-tokens", "dtype": "uint16", "shards": [{"file": "s.bin", "tokens": 99}]}',
+            "names s.bin with 99 tokens; it holds 17",
+        ),
+        (
+            '{"format": "launcher-tokens", "dtype": "uint16", "shards": [{"file": "gone.bin", "tokens": 9}]}',
+            "it is missing",
+        ),
+    ],
+)
 def test_a_broken_index_is_one_line(index, words, tmp_path):
     shard(tmp_path / "p" / "s.bin", 0, 17)
     (tmp_path / "p" / "index.json").write_text(index)
@@ -126,9 +151,10 @@ def test_the_blend_matches_the_weights_and_is_a_function_of_the_global_index(tmp
     for n in (1, 50, 299, 300):  # every prefix within one sample of its share
         assert abs(drawn[:n].count("b") - 0.31 * n) <= 1
     late = [70_000, 123_456, 5]  # any index, in any order, in another process: the same sample
-    script = ("import sys; sys.path.insert(0, {t!r}); from test_data_sources import mixture; from pathlib import Path; "
-              "m = mixture(Path({d!r})); print([m[i].tolist()[:3] for i in {late!r}])").format(
-        t=str(Path(__file__).parent), d=str(tmp_path), late=late)
+    script = (
+        "import sys; sys.path.insert(0, {t!r}); from test_data_sources import mixture; from pathlib import Path; "
+        "m = mixture(Path({d!r})); print([m[i].tolist()[:3] for i in {late!r}])"
+    ).format(t=str(Path(__file__).parent), d=str(tmp_path), late=late)
     other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert other.strip() == str([mix[i].tolist()[:3] for i in late])
     assert [name for name, *_ in mix.consumed(300)] == ["a", "b"]
@@ -143,8 +169,10 @@ def test_a_source_that_runs_out_starts_a_fresh_epoch_and_says_so(tmp_path):
     said = []
     meter = SourceMeter(mix, 0, said.append)
     metrics = meter.metrics(step=10, samples_seen=40)
-    assert metrics == {"data/a/tokens": (40 - [n for _, n, *_ in mix.consumed(40)][1]) * SEQ,
-                       "data/b/tokens": mix.consumed(40)[1][1] * SEQ}
+    assert metrics == {
+        "data/a/tokens": (40 - [n for _, n, *_ in mix.consumed(40)][1]) * SEQ,
+        "data/b/tokens": mix.consumed(40)[1][1] * SEQ,
+    }
     assert said == []
     meter.metrics(step=20, samples_seen=70)  # b: 0.31 x 70 = 21.7 > 20 windows
     assert said == ["data: source b read to its end (20 sequences an epoch) by step 20: epoch 2 runs in a fresh order"]
@@ -166,11 +194,13 @@ def test_each_source_holds_out_its_own_windows_for_validation(tmp_path):
 def test_the_megatron_form_and_bad_sources():
     parsed = sources.sources(DataConfig(name="memmap", sources="30 /d/web.bin 70 /d/code.v2/"))
     assert [(s.name, s.path, s.weight) for s in parsed] == [("web", "/d/web.bin", 0.3), ("code.v2", "/d/code.v2/", 0.7)]
-    for bad, words in [("30 a.bin 70", "pairs of weight and path"),
-                       ([{"path": "a.bin", "weight": 0}], "weight must be a number > 0"),
-                       ([{"path": "x/a.bin", "weight": 1}, {"path": "y/a.bin", "weight": 1}], "share this name"),
-                       ([{"path": "a.bin", "weight": 1, "colour": "red"}], "{name, path, weight}"),
-                       ([{"name": "a b", "path": "a.bin", "weight": 1}], "letters, digits"),
-                       ("99999 a.bin 1 b.bin", "below the blend's resolution")]:
+    for bad, words in [
+        ("30 a.bin 70", "pairs of weight and path"),
+        ([{"path": "a.bin", "weight": 0}], "weight must be a number > 0"),
+        ([{"path": "x/a.bin", "weight": 1}, {"path": "y/a.bin", "weight": 1}], "share this name"),
+        ([{"path": "a.bin", "weight": 1, "colour": "red"}], "{name, path, weight}"),
+        ([{"name": "a b", "path": "a.bin", "weight": 1}], "letters, digits"),
+        ("99999 a.bin 1 b.bin", "below the blend's resolution"),
+    ]:
         with pytest.raises(ConfigError, match=words.replace("{", r"\{").replace("}", r"\}")):
             sources.sources(DataConfig(name="memmap", sources=bad))

@@ -9,9 +9,9 @@ import json
 
 import numpy as np
 import pytest
-
 from corpus import documents, write_jsonl
 from runs import assert_refused
+
 from launcher.data.cache import read_tokens
 from launcher.data.shards import memo_path
 from launcher.launch import cli
@@ -101,8 +101,9 @@ def test_a_token_file_cut_mid_token_is_refused(given, tmp_path, capsys):
     good, cut = tmp_path / "d" / "a.bin", tmp_path / "d" / "b.bin"
     good.write_bytes(bytes(1_000_000))
     cut.write_bytes(bytes(1_000_001))
-    path = {"file": str(cut), "folder": str(tmp_path / "d"), "glob": str(tmp_path / "d" / "*.bin"),
-            "mixture": None}[given]
+    path = {"file": str(cut), "folder": str(tmp_path / "d"), "glob": str(tmp_path / "d" / "*.bin"), "mixture": None}[
+        given
+    ]
     data = [f"data.path={path}"] if path else [f"data.sources='50 {good} 50 {cut}'"]
     code = cli.main(["train", "--dry-run", "data=memmap", *data])
     out, err = capsys.readouterr()
@@ -128,8 +129,9 @@ def test_a_folder_that_asks_to_run_its_own_code_is_refused(folder, tmp_path, mon
         path = config.parent
         args = ["train", "--dry-run", "model=hf", f"model.config={path}"]
     raw = json.loads(config.read_text())
-    raw["auto_map"] = {"AutoTokenizer": ["evil.Tok", None]} if folder == "tokenizer" else {
-        "AutoModelForCausalLM": "evil.Model"}
+    raw["auto_map"] = (
+        {"AutoTokenizer": ["evil.Tok", None]} if folder == "tokenizer" else {"AutoModelForCausalLM": "evil.Model"}
+    )
     config.write_text(json.dumps(raw))
     (path / "evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
     code = cli.main(args)

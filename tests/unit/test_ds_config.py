@@ -11,12 +11,12 @@ import json
 from pathlib import Path
 
 import pytest
-
-from launcher.launch import cli
-from launcher import config as C
-from launcher.parallel import ds_config as D
-from launcher.host import deepspeed_env
 from golden import check_golden
+
+from launcher import config as C
+from launcher.host import deepspeed_env
+from launcher.launch import cli
+from launcher.parallel import ds_config as D
 
 deepspeed_env()
 
@@ -24,11 +24,29 @@ ZERO_RECIPES = ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"]
 
 GOLDEN = {
     "ds_zero1.json": (["recipe=zero1"], 2, False),
-    "ds_zero3_offload_accum.json": (["recipe=zero3_offload", "model=gpt_small", "train.global_batch=64",
-                                     "train.micro_batch=4", "optim.grad_clip=0.5", "precision=fp32"], 4, False),
-    "ds_zero2_fp16_cuda.json": (["recipe=zero2", "precision=fp16", "precision.initial_scale=1024",
-                                 "train.activation_checkpointing=selective", "recipe.zero.reduce_bucket_size=200000000"],
-                                8, True),
+    "ds_zero3_offload_accum.json": (
+        [
+            "recipe=zero3_offload",
+            "model=gpt_small",
+            "train.global_batch=64",
+            "train.micro_batch=4",
+            "optim.grad_clip=0.5",
+            "precision=fp32",
+        ],
+        4,
+        False,
+    ),
+    "ds_zero2_fp16_cuda.json": (
+        [
+            "recipe=zero2",
+            "precision=fp16",
+            "precision.initial_scale=1024",
+            "train.activation_checkpointing=selective",
+            "recipe.zero.reduce_bucket_size=200000000",
+        ],
+        8,
+        True,
+    ),
 }
 
 
@@ -40,12 +58,28 @@ def test_generated_config_is_golden(name):
 
 
 def test_generated_values_come_from_the_hydra_config():
-    cfg, _, _ = cli.compose_config(["recipe=zero3", "model=gpt_small", "train.global_batch=48", "train.micro_batch=4",
-                                    "optim.lr=2e-4", "optim.beta2=0.99", "optim.weight_decay=0.05", "precision=fp32"])
+    cfg, _, _ = cli.compose_config(
+        [
+            "recipe=zero3",
+            "model=gpt_small",
+            "train.global_batch=48",
+            "train.micro_batch=4",
+            "optim.lr=2e-4",
+            "optim.beta2=0.99",
+            "optim.weight_decay=0.05",
+            "precision=fp32",
+        ]
+    )
     ds = D.deepspeed_config(cfg, 3, cuda=False)
-    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (48, 4, 4)
-    assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.9, 0.99], "eps": 1e-8,
-                                                           "weight_decay": 0.05, "torch_adam": True}}
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+        48,
+        4,
+        4,
+    )
+    assert ds["optimizer"] == {
+        "type": "AdamW",
+        "params": {"lr": 2e-4, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.05, "torch_adam": True},
+    }
     assert ds["bf16"] == {"enabled": False} and ds["fp16"] == {"enabled": False}
     z = ds["zero_optimization"]
     assert z["stage"] == 3 and z["overlap_comm"] is True
@@ -54,12 +88,21 @@ def test_generated_values_come_from_the_hydra_config():
     assert "scheduler" not in ds  # the schedule is launcher.config.lr_factor, handed over as a client scheduler
 
 
-@pytest.mark.parametrize("recipe,precision,world", list(itertools.product(ZERO_RECIPES, ["bf16", "fp32", "fp16"], [1, 2, 8])))
+@pytest.mark.parametrize(
+    "recipe,precision,world", list(itertools.product(ZERO_RECIPES, ["bf16", "fp32", "fp16"], [1, 2, 8]))
+)
 def test_deepspeed_parses_every_generated_config_and_reads_every_key(recipe, precision, world):
     """DeepSpeed's parser accepts what we generate, and reads every key we write (a key it
     ignored would be a setting that silently does nothing)."""
-    cfg, _, _ = cli.compose_config([f"recipe={recipe}", f"precision={precision}", "train.global_batch=64",
-                                    "train.micro_batch=2", "train.activation_checkpointing=full"])
+    cfg, _, _ = cli.compose_config(
+        [
+            f"recipe={recipe}",
+            f"precision={precision}",
+            "train.global_batch=64",
+            "train.micro_batch=2",
+            "train.activation_checkpointing=full",
+        ]
+    )
     ds = D.deepspeed_config(cfg, world, cuda=precision == "fp16")
     D.check(ds, ds, world)  # everything generated, checked as if a user had written it
 
@@ -67,8 +110,10 @@ def test_deepspeed_parses_every_generated_config_and_reads_every_key(recipe, pre
 def test_extra_keys_merge_and_conflicts_are_refused():
     cfg, _, _ = cli.compose_config(["recipe=zero2"])
     gen = D.deepspeed_config(cfg, 2, cuda=False)
-    merged = D.merge_extra(gen, {"zero_optimization": {"round_robin_gradients": True}, "wall_clock_breakdown": False,
-                                 "train_batch_size": 16})  # equal to the generated value: fine
+    merged = D.merge_extra(
+        gen,
+        {"zero_optimization": {"round_robin_gradients": True}, "wall_clock_breakdown": False, "train_batch_size": 16},
+    )  # equal to the generated value: fine
     assert merged["zero_optimization"]["round_robin_gradients"] is True
     assert merged["zero_optimization"]["stage"] == 2 and gen["zero_optimization"].get("round_robin_gradients") is None
     bad = [
@@ -77,8 +122,11 @@ def test_extra_keys_merge_and_conflicts_are_refused():
         ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3", "recipe.zero.stage"),
         ({"optimizer": {"params": {"lr": 1.0}}}, "optimizer.params.lr=1.0", "optim"),
         ({"bf16": {"enabled": False}}, "bf16.enabled=false", "precision"),
-        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "offload_optimizer.device=cpu",
-         "recipe.zero.offload_optimizer"),
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+            "offload_optimizer.device=cpu",
+            "recipe.zero.offload_optimizer",
+        ),
         ({"scheduler": {"type": "WarmupCosineLR"}}, "recipe.zero.extra.scheduler", "lr_factor"),
     ]
     for extra, key, owner in bad:
@@ -87,14 +135,22 @@ def test_extra_keys_merge_and_conflicts_are_refused():
         assert key in str(e.value) and owner in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("extra,words", [
-    ({"no_such_key": 1}, ["recipe.zero.extra.no_such_key=1", "does not know"]),
-    ({"checkpoint": {"tag_validashun": "Warn"}}, ["checkpoint.tag_validashun", "does not know"]),
-    ({"zero_optimization": {"round_robin_gradientz": True}}, ["zero_optimization.round_robin_gradientz",
-                                                               "DeepSpeed refuses it"]),
-    ({"zero_optimization": {"sub_group_size": -5}}, ["zero_optimization.sub_group_size=-5", "DeepSpeed refuses it"]),
-    ({"optimizer": {"params": {"amsgradd": True}}}, ["optimizer.params.amsgradd", "does not take it", "amsgrad"]),
-])
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        ({"no_such_key": 1}, ["recipe.zero.extra.no_such_key=1", "does not know"]),
+        ({"checkpoint": {"tag_validashun": "Warn"}}, ["checkpoint.tag_validashun", "does not know"]),
+        (
+            {"zero_optimization": {"round_robin_gradientz": True}},
+            ["zero_optimization.round_robin_gradientz", "DeepSpeed refuses it"],
+        ),
+        (
+            {"zero_optimization": {"sub_group_size": -5}},
+            ["zero_optimization.sub_group_size=-5", "DeepSpeed refuses it"],
+        ),
+        ({"optimizer": {"params": {"amsgradd": True}}}, ["optimizer.params.amsgradd", "does not take it", "amsgrad"]),
+    ],
+)
 def test_deepspeed_parser_refuses_what_it_does_not_know(extra, words):
     cfg, _, _ = cli.compose_config(["recipe=zero2"])
     cfg.recipe.zero.extra = extra
@@ -105,9 +161,14 @@ def test_deepspeed_parser_refuses_what_it_does_not_know(extra, words):
 
 
 def test_known_extra_keys_pass_and_reach_the_file():
-    cfg, _, _ = cli.compose_config(["recipe=zero2", "++recipe.zero.extra.zero_optimization.round_robin_gradients=true",
-                                    "+recipe.zero.extra.checkpoint.tag_validation=Fail",
-                                    "+recipe.zero.extra.optimizer.params.amsgrad=true"])
+    cfg, _, _ = cli.compose_config(
+        [
+            "recipe=zero2",
+            "++recipe.zero.extra.zero_optimization.round_robin_gradients=true",
+            "+recipe.zero.extra.checkpoint.tag_validation=Fail",
+            "+recipe.zero.extra.optimizer.params.amsgrad=true",
+        ]
+    )
     merged = D.launch_config(cfg, 2, cuda=False)
     assert merged["zero_optimization"]["round_robin_gradients"] is True
     assert merged["checkpoint"] == {"tag_validation": "Fail"} and merged["optimizer"]["params"]["amsgrad"] is True
@@ -137,7 +198,11 @@ def test_a_back_off_rebatches_the_json_that_deepspeed_then_reads(tmp_path):
     (tmp_path / D.FILE).write_text(D.text(D.deepspeed_config(cfg, 2, cuda=False)))
     D.rebatch(tmp_path, 4, 2)
     read = D.read(tmp_path, 2)
-    assert (read["train_micro_batch_size_per_gpu"], read["gradient_accumulation_steps"], read["train_batch_size"]) == (4, 2, 16)
+    assert (read["train_micro_batch_size_per_gpu"], read["gradient_accumulation_steps"], read["train_batch_size"]) == (
+        4,
+        2,
+        16,
+    )
     with pytest.raises(ValueError, match="would change the batch"):
         D.rebatch(tmp_path, 2, 2)
 

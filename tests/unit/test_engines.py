@@ -92,8 +92,10 @@ def test_the_checker_names_what_breaks_the_contract():
 
     assert check(Elsewhere) == [f"{Elsewhere!r} is not a subclass of launcher.rank.engine.Engine"]
     assert "Unfinished.lr is not implemented" in check(Unfinished) and len(check(Unfinished)) == 7
-    assert check(OldStep) == ["OldStep.train_step(self, micro_batches, guard=None): the contract says "
-                              "train_step(self, micro_batches: 'list[Batch]') -> 'StepResult'"]
+    assert check(OldStep) == [
+        "OldStep.train_step(self, micro_batches, guard=None): the contract says "
+        "train_step(self, micro_batches: 'list[Batch]') -> 'StepResult'"
+    ]
     assert check(PlainOutput) == ["PlainOutput.output_module: a property in the contract, not here, or the reverse"]
     with pytest.raises(TypeError, match="abstract"):
         Unfinished()

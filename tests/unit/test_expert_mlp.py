@@ -14,19 +14,27 @@ from launcher.models.experts import _GroupedOps, _SwiGLU
 
 def reference(x, w1, w2, w3, counts):
     """The loop the Function replaces: autograd over the slices w[e]."""
-    outs = [F.linear(F.silu(F.linear(c, w1[e])) * F.linear(c, w3[e]), w2[e])
-            for e, c in enumerate(torch.split(x, counts.tolist()))]
+    outs = [
+        F.linear(F.silu(F.linear(c, w1[e])) * F.linear(c, w3[e]), w2[e])
+        for e, c in enumerate(torch.split(x, counts.tolist()))
+    ]
     return torch.cat(outs)
 
 
 def inputs(dtype, dim=16, hidden=32, counts=(3, 0, 5, 2)):
     g = torch.Generator().manual_seed(0)
     E, n = len(counts), sum(counts)
-    ws = [torch.randn(E, hidden, dim, generator=g), torch.randn(E, dim, hidden, generator=g),
-          torch.randn(E, hidden, dim, generator=g)]
+    ws = [
+        torch.randn(E, hidden, dim, generator=g),
+        torch.randn(E, dim, hidden, generator=g),
+        torch.randn(E, hidden, dim, generator=g),
+    ]
     x = torch.randn(n, dim, generator=g)
-    return ([t.to(dtype).requires_grad_() for t in (x, *ws)], torch.tensor(counts),
-            torch.randn(n, dim, generator=g).to(dtype))
+    return (
+        [t.to(dtype).requires_grad_() for t in (x, *ws)],
+        torch.tensor(counts),
+        torch.randn(n, dim, generator=g).to(dtype),
+    )
 
 
 def grads(fn, leaves, dy):
@@ -68,8 +76,11 @@ def test_only_the_whole_weights_hold_their_storage():
     weights = {w.untyped_storage().data_ptr() for w in leaves[1:]}
     views = [leaf for ptr, leaf in saved_storages(lambda *a: reference(*a, counts), leaves) if ptr in weights]
     assert views and not any(views)
-    mine = [leaf for ptr, leaf in saved_storages(lambda *a: _SwiGLU.apply(*a, counts, False, torch.float32), leaves)
-            if ptr in weights]
+    mine = [
+        leaf
+        for ptr, leaf in saved_storages(lambda *a: _SwiGLU.apply(*a, counts, False, torch.float32), leaves)
+        if ptr in weights
+    ]
     assert len(mine) == 3 and all(mine)
 
 

@@ -21,8 +21,10 @@ GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
 GRAVITON2 = "processor\t: 0\nFeatures\t: fp asimd asimddp\n"
 
 
-@pytest.mark.parametrize("cpuinfo,native", [(ZEN4, True), (SKYLAKE, False), (SAPPHIRE, True), (GRAVITON3, True),
-                                            (GRAVITON2, False), ("", False)])
+@pytest.mark.parametrize(
+    "cpuinfo,native",
+    [(ZEN4, True), (SKYLAKE, False), (SAPPHIRE, True), (GRAVITON3, True), (GRAVITON2, False), ("", False)],
+)
 def test_native_bf16_from_the_cpu_flags(cpuinfo, native):
     assert native_bf16(cpuinfo) is native
 
@@ -84,9 +86,17 @@ def test_make_plan_without_a_gpu_plans_for_this_machine(capsys):
     assert "zero2_offload" not in out and "recommended: make train" in out or "nothing fits" in out, out[-1500:]
 
 
-@pytest.mark.parametrize("recipe,cuda,want", [
-    ("ddp", False, []), ("fsdp", True, []), ("zero2", True, []), ("zero2", False, ["ShareMemCommBuilder"]),
-    ("zero2_offload", True, ["CPUAdamBuilder"]), ("zero3_offload", False, ["CPUAdamBuilder", "ShareMemCommBuilder"])])
+@pytest.mark.parametrize(
+    "recipe,cuda,want",
+    [
+        ("ddp", False, []),
+        ("fsdp", True, []),
+        ("zero2", True, []),
+        ("zero2", False, ["ShareMemCommBuilder"]),
+        ("zero2_offload", True, ["CPUAdamBuilder"]),
+        ("zero3_offload", False, ["CPUAdamBuilder", "ShareMemCommBuilder"]),
+    ],
+)
 def test_the_deepspeed_ops_a_run_compiles_first(recipe, cuda, want):
     """Set-up no longer compiles them (4.6 of its 7 minutes, issue 48): a launch compiles
     the ones its run loads, once per environment, before its ranks start."""
@@ -120,7 +130,9 @@ def test_make_plan_tells_the_reserve_and_its_headroom_agrees_with_the_marks(tmp_
     inside = [r for r in data["rows"] if 0 < data["gpu_bytes"] - r["peak"] < data["reserve_bytes"]]
     assert inside and not any(r["fits"] for r in inside)  # the rows the reserve alone refuses
     for r in data["rows"]:  # no host memory given: only the GPU decides
-        assert r["headroom"] == data["gpu_bytes"] - data["reserve_bytes"] - r["peak"] and r["fits"] == (r["headroom"] >= 0)
+        assert r["headroom"] == data["gpu_bytes"] - data["reserve_bytes"] - r["peak"] and r["fits"] == (
+            r["headroom"] >= 0
+        )
     table = here("plan", *args).stdout
     marked = [line.split("│") for line in table.splitlines() if line.startswith("│ ✗")]
     assert marked and all(float(cells[13]) < 0 for cells in marked), marked[:3]
@@ -128,7 +140,7 @@ def test_make_plan_tells_the_reserve_and_its_headroom_agrees_with_the_marks(tmp_
     assert "headroom = GPU memory less plan.reserve_gb (2 GiB held back" in caption, table[-1500:]
     line = next(x for x in table.splitlines() if x.startswith("recommended: "))
     assert data["recommended_command"] == line.removeprefix("recommended: ").strip()
-    assert data["recommended_command"].startswith('make train RECIPE=')
+    assert data["recommended_command"].startswith("make train RECIPE=")
     width, height = png_size(chart)  # one bar per layout (21 here), its labels horizontal
     assert 800 <= width <= 1600 and 600 <= height <= 1600, (width, height)
 
@@ -154,10 +166,12 @@ def test_a_stop_says_what_a_relaunch_does(tmp_path, capsys):
     assert explain(1, tmp_path, tmp_path / "checkpoints") == 130
     assert capsys.readouterr().out.strip() == (
         "interrupted (Ctrl-C) before the first step; no complete checkpoint was written, so there is nothing to "
-        "resume. Launch the same run directory again to start the run over.")
+        "resume. Launch the same run directory again to start the run over."
+    )
     assert disk_report(tmp_path / "checkpoints", "no space left on device").endswith(
         "nothing to resume. Free space (or choose another checkpoint.dir), then launch the same run directory again "
-        "to start the run over.")
+        "to start the run over."
+    )
 
 
 def test_ctrl_c_says_how_long_the_step_takes(tmp_path, capfd):
@@ -176,12 +190,15 @@ def test_ctrl_c_says_how_long_the_step_takes(tmp_path, capfd):
 
     assert AGREE_S == CHECK_S
     assert stop_line(tmp_path) == "Ctrl-C: the ranks finish this step, save and stop (Ctrl-C again to stop at once)"
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "step_time_s": t}) + "\n"
-                                                    for s, t in ((1, 0.02), (2, 150.0))))
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "step_time_s": t}) + "\n" for s, t in ((1, 0.02), (2, 150.0)))
+    )
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
     assert supervise([sys.executable, "-c", "import time; time.sleep(2)"], dict(os.environ), tmp_path) == 0
-    assert capfd.readouterr().err.strip() == ("Ctrl-C: the ranks finish this step (within about 2m31s: the last step "
-                                              "took 2m30s), save and stop (Ctrl-C again to stop at once)")
+    assert capfd.readouterr().err.strip() == (
+        "Ctrl-C: the ranks finish this step (within about 2m31s: the last step "
+        "took 2m30s), save and stop (Ctrl-C again to stop at once)"
+    )
 
 
 def test_a_sweep_names_its_points_by_their_values(tmp_path, capsys, monkeypatch):
@@ -189,16 +206,26 @@ def test_a_sweep_names_its_points_by_their_values(tmp_path, capsys, monkeypatch)
     comparison table: tests/e2e/test_sweep_runs.py)."""
     from launcher.launch.commands.sweep import point_names
 
-    points = [["optim.lr=0.001", "model=gpt_tiny", "train.steps=2"], ["optim.lr=0.001", "model=gpt_small", "train.steps=2"],
-              ["optim.lr=0.003", "model=gpt_tiny", "train.steps=2"]]
-    assert point_names(points) == ["optim.lr=0.001 model=gpt_tiny", "optim.lr=0.001 model=gpt_small",
-                                   "optim.lr=0.003 model=gpt_tiny"]
+    points = [
+        ["optim.lr=0.001", "model=gpt_tiny", "train.steps=2"],
+        ["optim.lr=0.001", "model=gpt_small", "train.steps=2"],
+        ["optim.lr=0.003", "model=gpt_tiny", "train.steps=2"],
+    ]
+    assert point_names(points) == [
+        "optim.lr=0.001 model=gpt_tiny",
+        "optim.lr=0.001 model=gpt_small",
+        "optim.lr=0.003 model=gpt_tiny",
+    ]
     assert point_names([["optim.lr=0.001"]]) == [""]
     monkeypatch.chdir(tmp_path)
     assert cli.main(["train", "-m", "optim.lr=1e-3,2e-3", "--dry-run", f"hydra.sweep.dir={tmp_path / 's'}"]) == 0
     out = capsys.readouterr().out
     assert "# sweep point 1/2: optim.lr=0.001\n" in out and "# sweep point 2/2: optim.lr=0.002\n" in out
     assert "\nrun_name: optim.lr=0.001\n" in out and "\nrun_name: optim.lr=0.002\n" in out
-    assert cli.main(["train", "-m", "optim.lr=1e-3,2e-3", "run_name=mine", "--dry-run",
-                     f"hydra.sweep.dir={tmp_path / 's'}"]) == 0
+    assert (
+        cli.main(
+            ["train", "-m", "optim.lr=1e-3,2e-3", "run_name=mine", "--dry-run", f"hydra.sweep.dir={tmp_path / 's'}"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.count("\nrun_name: mine\n") == 2  # the user's own name is kept

@@ -3,6 +3,7 @@
 parameter's name; the head stays. On CPU the float8 matmuls run emulated
 (precision.fp8_emulate=true), which is how these tests and the e2e run train; the launch
 side refuses fp8 where it cannot run (tests/unit/test_bad_input.py)."""
+
 from __future__ import annotations
 
 import torch

@@ -26,6 +26,7 @@ def _older_pre_forward(original):
                     group.wait_for_unshard()
             return args, kwargs
         return original(self, module, args, kwargs)
+
     return pre_forward
 
 
@@ -39,9 +40,18 @@ def _step_loss(cfg, tmp_path) -> float:
 
 @pytest.mark.parametrize("ac", ["full", "op"])
 def test_fsdp_recomputes_in_bf16_under_an_older_torch(one_rank_group, tmp_path, monkeypatch, ac):
-    cfg, _, _ = compose_config(["recipe=fsdp", "model=gpt_tiny", "precision=bf16", "train.seq_len=64",
-                                "train.micro_batch=2", f"train.activation_checkpointing={ac}", "logger=none",
-                                "cluster.nproc_per_node=1"])
+    cfg, _, _ = compose_config(
+        [
+            "recipe=fsdp",
+            "model=gpt_tiny",
+            "precision=bf16",
+            "train.seq_len=64",
+            "train.micro_batch=2",
+            f"train.activation_checkpointing={ac}",
+            "logger=none",
+            "cluster.nproc_per_node=1",
+        ]
+    )
     current = _step_loss(cfg, tmp_path / "a")
     monkeypatch.setattr(FSDPState, "_pre_forward", _older_pre_forward(FSDPState._pre_forward))
     assert _step_loss(cfg, tmp_path / "b") == current

@@ -26,8 +26,9 @@ def one_group(tmp_path_factory):
 
     from launcher.planner.rehearse import leave_group
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('group') / 'store'}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path_factory.mktemp('group') / 'store'}", rank=0, world_size=1
+    )
     yield
     leave_group(zero3="deepspeed" in sys.modules)
 
@@ -43,6 +44,7 @@ def counted(engine, cfg, threshold: int) -> list[tuple[str, bool, int]]:
         fetch(module, forward)
         if any(p.ds_numel > threshold for p in module.parameters(recurse=False)):
             seen.append((names[id(module)], forward, coordinator._PartitionedParameterCoordinator__n_available_params))
+
     coordinator.fetch_sub_module = recording
     b = build_dataset(cfg).__getitems__(list(range(cfg.train.micro_batch)))
     engine.train_step([(b[:, :-1], b[:, 1:])])
@@ -61,11 +63,23 @@ CASES = {  # vocab, max_live, prefetch, reuse (gpt_tiny: dim 128, a block 212,99
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_replay_counts_what_deepspeed_gathers(one_group, tmp_path, monkeypatch, case):
     vocab, live, prefetch, reuse = CASES[case]
-    cfg = compose_config(["recipe=zero3", "model=gpt_tiny", "model.tie_embeddings=false", f"model.vocab_size={vocab}",
-                          "train.seq_len=32", "train.micro_batch=1", "precision=fp32", "logger=none",
-                          "cluster.nproc_per_node=1", "train.activation_checkpointing=none",
-                          f"recipe.zero.max_live_parameters={live}", f"recipe.zero.max_reuse_distance={reuse}",
-                          *([f"recipe.zero.prefetch_bucket_size={prefetch}"] if prefetch else [])])[0]
+    cfg = compose_config(
+        [
+            "recipe=zero3",
+            "model=gpt_tiny",
+            "model.tie_embeddings=false",
+            f"model.vocab_size={vocab}",
+            "train.seq_len=32",
+            "train.micro_batch=1",
+            "precision=fp32",
+            "logger=none",
+            "cluster.nproc_per_node=1",
+            "train.activation_checkpointing=none",
+            f"recipe.zero.max_live_parameters={live}",
+            f"recipe.zero.max_reuse_distance={reuse}",
+            *([f"recipe.zero.prefetch_bucket_size={prefetch}"] if prefetch else []),
+        ]
+    )[0]
     (tmp_path / ds_config.FILE).write_text(ds_config.text(ds_config.launch_config(cfg, 1, False)))
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)  # zero.Init replaces it
@@ -74,7 +88,10 @@ def test_the_replay_counts_what_deepspeed_gathers(one_group, tmp_path, monkeypat
     counted(engine, cfg, threshold)  # the first step records the trace; prefetching starts on the second
     real = counted(engine, cfg, threshold)
     steps = {(name, fwd): ps for name, fwd, ps in G.trace(cfg.model, threshold)}
-    replayed = [(s.module, s.forward, s.held) for s in
-                G.replay(cfg.model, live, ds_config.prefetch_bucket(cfg), reuse, threshold) if steps[s.module, s.forward]]
+    replayed = [
+        (s.module, s.forward, s.held)
+        for s in G.replay(cfg.model, live, ds_config.prefetch_bucket(cfg), reuse, threshold)
+        if steps[s.module, s.forward]
+    ]
     print(case, "deepspeed", real, "replay", replayed)
     assert replayed == real

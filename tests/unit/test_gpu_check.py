@@ -12,7 +12,6 @@ import time
 
 import psutil
 import pytest
-
 from runs import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -31,7 +30,9 @@ def test_the_cases_come_in_priority_order(capsys):
     the standing test set; every name once; the times file has a figure for each."""
     rows = dry_run_json(capsys, "--no-memory")["cases"]
     names, parts = [r["name"] for r in rows], [r["part"] for r in rows]
-    assert parts[:6] == list("abcdef") and parts[6:-1] == sorted(parts[6:-1]) and parts[-1] == "g"  # the standing set last
+    assert (
+        parts[:6] == list("abcdef") and parts[6:-1] == sorted(parts[6:-1]) and parts[-1] == "g"
+    )  # the standing set last
     assert names[:2] == ["a-bf16", "b-fsdp-gpt_350m"] and "a-fp16" in names[6:]
     assert len(set(names)) == len(names) == len(gpu_cases.cases())
     times = json.loads((REPO / "bench" / "gpu_times.json").read_text())
@@ -66,8 +67,10 @@ def test_a_wrong_case_name_is_one_line_and_exit_2(capsys):
 
 
 # Outlives the budget, with a child in a session of its own (as the launcher starts torchrun).
-SLOW = ("import pathlib, subprocess, time; p = subprocess.Popen(['sleep', '60'], start_new_session=True); "
-        "pathlib.Path('{}').write_text(str(p.pid)); time.sleep(60)")
+SLOW = (
+    "import pathlib, subprocess, time; p = subprocess.Popen(['sleep', '60'], start_new_session=True); "
+    "pathlib.Path('{}').write_text(str(p.pid)); time.sleep(60)"
+)
 
 
 def test_results_are_appended_as_each_case_ends(tmp_path):
@@ -78,24 +81,34 @@ def test_results_are_appended_as_each_case_ends(tmp_path):
     the state names every case."""
     out, times = tmp_path / "gpu.md", tmp_path / "gpu_times.json"
     out.write_text("# GPU check\n\nearlier results\n")
-    times.write_text(json.dumps({"install": {"seconds": 0, "source": "test"}, "cases": {
-        n: {"seconds": 1, "source": "estimate: test"} for n in ("ok", "fails", "slow")} | {
-        "late": {"seconds": 60, "source": "estimate: test"}}}))
+    times.write_text(
+        json.dumps(
+            {
+                "install": {"seconds": 0, "source": "test"},
+                "cases": {n: {"seconds": 1, "source": "estimate: test"} for n in ("ok", "fails", "slow")}
+                | {"late": {"seconds": 60, "source": "estimate: test"}},
+            }
+        )
+    )
     seen = {}
 
     def passes(left, folder):
         (folder / "measured").mkdir()
-        (folder / "measured" / "x.json").write_text(json.dumps(
-            {"table": {"title": "Stand-in", "columns": ["k", "v"], "row": ["x", 1]}}))
+        (folder / "measured" / "x.json").write_text(
+            json.dumps({"table": {"title": "Stand-in", "columns": ["k", "v"], "row": ["x", 1]}})
+        )
         return "passed", ""
 
     def fails(left, folder):  # by then the first case's section is on disk
         seen["at fails"] = out.read_text()
         return gpu_check.run_case(gpu_cases.Case("fails", "x", "", ["sh", "-c", "echo boom; exit 3"]), left, folder)
 
-    cases = [gpu_cases.Case("ok", "a", "passes", passes), gpu_cases.Case("fails", "b", "fails", fails),
-             gpu_cases.Case("slow", "c", "sleeps past the budget", [sys.executable, "-c", SLOW.format(tmp_path / "pid")]),
-             gpu_cases.Case("late", "d", "never fits", ["true"])]
+    cases = [
+        gpu_cases.Case("ok", "a", "passes", passes),
+        gpu_cases.Case("fails", "b", "fails", fails),
+        gpu_cases.Case("slow", "c", "sleeps past the budget", [sys.executable, "-c", SLOW.format(tmp_path / "pid")]),
+        gpu_cases.Case("late", "d", "never fits", ["true"]),
+    ]
     report = Report(out, mirror=tmp_path / "mirror", extra=(times,))
     t0 = time.monotonic()
     done = gpu_check.check(cases, times, budget_s=4, install_s=0, report=report, work=tmp_path / "work", where="test")
@@ -107,8 +120,17 @@ def test_results_are_appended_as_each_case_ends(tmp_path):
     text = out.read_text()
     assert text.startswith("# GPU check\n\nearlier results\n")
     assert "### `ok`: passed" in seen["at fails"] and "### `fails`" not in seen["at fails"]
-    order = [text.index(s) for s in ("### `ok`: passed", "| x | 1 |", "### `fails`: failed (exit 3)", "boom",
-                                     "### `slow`: stopped at the budget", "Not started: `late` (needs about 60 s")]
+    order = [
+        text.index(s)
+        for s in (
+            "### `ok`: passed",
+            "| x | 1 |",
+            "### `fails`: failed (exit 3)",
+            "boom",
+            "### `slow`: stopped at the budget",
+            "Not started: `late` (needs about 60 s",
+        )
+    ]
     assert order == sorted(order)
     assert (tmp_path / "mirror" / "gpu.md").read_text() == text
     recorded = json.loads(times.read_text())["cases"]
@@ -140,8 +162,9 @@ def test_a_pytest_case_reports_its_tests(tmp_path):
     case.argv = [a for a in case.argv if a != "tests/gpu/test_gpu.py"]  # the shorter file of the two
     out, times = tmp_path / "gpu.md", tmp_path / "gpu_times.json"
     times.write_text(json.dumps({"install": {"seconds": 0, "source": "test"}, "cases": {}}))
-    done = gpu_check.check([case], times, budget_s=600, install_s=0, report=Report(out), work=tmp_path / "work",
-                           where="test")
+    done = gpu_check.check(
+        [case], times, budget_s=600, install_s=0, report=Report(out), work=tmp_path / "work", where="test"
+    )
     assert done == {"g-standing-set": "passed"}
     text = out.read_text()
     assert "### `g-standing-set`: passed" in text and "1 skipped." in text

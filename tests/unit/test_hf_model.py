@@ -9,12 +9,12 @@ import json
 
 import pytest
 import torch
-
 from hf_models import tiny_llama_config
+
+from launcher import config as C
+from launcher import models
 from launcher.launch import cli
 from launcher.launch.rundir import prepare as rundir
-from launcher import models
-from launcher import config as C
 from launcher.models.gpt import GPT
 
 
@@ -40,8 +40,9 @@ def test_activation_checkpointing_is_the_models_own_switch(tmp_path):
     x = torch.randint(0, 300, (2, 64))
     held = {}
     for mode in ("none", "selective", "full"):
-        cfg = compose("model=hf", f"model.config={config}", f"train.activation_checkpointing={mode}",
-                      "train.ac_every=2")
+        cfg = compose(
+            "model=hf", f"model.config={config}", f"train.activation_checkpointing={mode}", "train.ac_every=2"
+        )
         torch.manual_seed(0)
         model = models.build(cfg, torch.device("cpu"))
         models.set_activation_checkpointing(model, cfg)
@@ -57,16 +58,26 @@ def compose(*overrides: str) -> C.Config:
 
 
 def test_layout_flops_and_shape_come_from_the_hf_config(tmp_path):
-    from launcher.models import hf
     from launcher.config import num_params
+    from launcher.models import hf
     from launcher.models.gpt import flops_per_token
 
     cfg = compose("model=hf", f"model.config={tiny_llama_config(tmp_path)}")
     lay = models.layout(cfg)
-    assert (lay.embed, lay.layers, lay.norm, lay.head, lay.tied) == ("model.embed_tokens", "model.layers",
-                                                                     "model.norm", "lm_head", False)
-    assert set(lay.colwise) == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-                                "mlp.up_proj"}
+    assert (lay.embed, lay.layers, lay.norm, lay.head, lay.tied) == (
+        "model.embed_tokens",
+        "model.layers",
+        "model.norm",
+        "lm_head",
+        False,
+    )
+    assert set(lay.colwise) == {
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+    }
     assert set(lay.rowwise) == {"self_attn.o_proj", "mlp.down_proj"}
     assert set(lay.norms) == {"input_layernorm", "post_attention_layernorm"}
     shape = hf.gpt_shape(cfg.model)
@@ -115,13 +126,31 @@ def test_the_projects_decoder_exports_as_llama_with_the_same_logits(tied, kv_hea
 
 def test_plan_with_model_hf(tmp_path, capsys):
     llama = tiny_llama_config(tmp_path / "llama")
-    assert cli.main(["plan", "model=hf", f"model.config={llama}", "cluster.gpu_memory_gb=80", "cluster.gpus_per_node=8"]) == 0
+    assert (
+        cli.main(["plan", "model=hf", f"model.config={llama}", "cluster.gpu_memory_gb=80", "cluster.gpus_per_node=8"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "recommended: make train" in out
     gpt2 = tmp_path / "gpt2" / "config.json"
     gpt2.parent.mkdir()
-    gpt2.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300,
-                                "n_positions": 256, "bos_token_id": 0, "eos_token_id": 0}))
-    assert cli.main(["plan", "model=hf", f"model.config={gpt2}", "cluster.gpu_memory_gb=80", "cluster.gpus_per_node=8"]) == 2
+    gpt2.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "n_embd": 64,
+                "n_layer": 2,
+                "n_head": 4,
+                "vocab_size": 300,
+                "n_positions": 256,
+                "bos_token_id": 0,
+                "eos_token_id": 0,
+            }
+        )
+    )
+    assert (
+        cli.main(["plan", "model=hf", f"model.config={gpt2}", "cluster.gpu_memory_gb=80", "cluster.gpus_per_node=8"])
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a Llama-layout decoder" in err[0] and "do not apply" in err[0], err

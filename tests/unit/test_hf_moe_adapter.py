@@ -11,8 +11,8 @@ import shutil
 
 import pytest
 import torch
-
 from hf_models import mixtral_args, tiny_mixtral
+
 from launcher import models
 from launcher.config import ConfigError
 from launcher.launch import cli
@@ -43,8 +43,11 @@ def fused(tmp_path_factory, saved):
 
     folder = tmp_path_factory.mktemp("fused")
     shutil.copy(saved[0] / "config.json", folder)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in saved[1].state_dict().items()},
-              folder / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in saved[1].state_dict().items()},
+        folder / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     return folder
 
 
@@ -100,8 +103,10 @@ def test_flat_boxes_tile_the_range_in_order(shape):
     values = torch.arange(n).view(shape)
     for start in range(n + 1):
         for stop in range(start, n + 1):
-            pieces = [(values[tuple(slice(a, b) for a, b in box)].reshape(-1), at)
-                      for box, at in flat_boxes(shape, start, stop)]
+            pieces = [
+                (values[tuple(slice(a, b) for a, b in box)].reshape(-1), at)
+                for box, at in flat_boxes(shape, start, stop)
+            ]
             assert len(pieces) <= max(1, 2 * len(shape) - 1)
             assert [at for _, at in pieces] == [start + sum(len(p) for p, _ in pieces[:k]) for k in range(len(pieces))]
             got = torch.cat([p for p, _ in pieces]) if pieces else torch.empty(0, dtype=values.dtype)
@@ -137,15 +142,18 @@ def test_the_export_is_mixtral_files_from_pretrained_loads_and_the_launcher_read
     print(f"export: from_pretrained's max |logit difference| = {diff:.2e}")
 
 
-@pytest.mark.parametrize("override,words", [
-    ("model.moe.experts=4", ["model.moe.experts=4", "num_local_experts=8"]),
-    ("model.moe.top_k=3", ["model.moe.top_k=3", "num_experts_per_tok=2"]),
-    ("model.n_kv_heads=4", ["model.n_kv_heads=4", "num_key_value_heads=2"]),
-    ("model.moe.expert_dim=64", ["model.moe.expert_dim=64", "intermediate_size=128"]),
-    ("model.rope_theta=500000", ["model.rope_theta=500000.0", "rope_theta=10000.0"]),
-    ("model.moe.shared_experts=1", ["model.moe.shared_experts=1", "shared_experts=0"]),
-    ("model.moe.score=sigmoid", ["model.moe.score=sigmoid", "score=softmax"]),
-])
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ("model.moe.experts=4", ["model.moe.experts=4", "num_local_experts=8"]),
+        ("model.moe.top_k=3", ["model.moe.top_k=3", "num_experts_per_tok=2"]),
+        ("model.n_kv_heads=4", ["model.n_kv_heads=4", "num_key_value_heads=2"]),
+        ("model.moe.expert_dim=64", ["model.moe.expert_dim=64", "intermediate_size=128"]),
+        ("model.rope_theta=500000", ["model.rope_theta=500000.0", "rope_theta=10000.0"]),
+        ("model.moe.shared_experts=1", ["model.moe.shared_experts=1", "shared_experts=0"]),
+        ("model.moe.score=sigmoid", ["model.moe.score=sigmoid", "score=softmax"]),
+    ],
+)
 def test_another_shape_is_refused_naming_both_values(saved, override, words):
     with pytest.raises(ConfigError) as e:
         hf_adapter.check(compose(*mixtral_args(saved[0]), override))
@@ -160,12 +168,22 @@ def test_missing_or_extra_tensors_are_named(saved, tmp_path):
     for f in saved[0].glob("*.safetensors"):
         state |= load_file(f)
     for name, changed, words in [
-        ("missing", {k: v for k, v in state.items() if k != "model.layers.1.block_sparse_moe.experts.3.w2.weight"},
-         ["model.layers.1.block_sparse_moe.experts.3.w2.weight: missing from"]),
-        ("extra", {**state, "model.layers.0.block_sparse_moe.experts.8.w1.weight": torch.zeros(128, 128)},
-         ["experts.8.w1.weight", "not a parameter of the model"]),
-        ("shape", {**state, "model.layers.0.block_sparse_moe.experts.5.w1.weight": torch.zeros(64, 128)},
-         ["experts.0.w1.weight", "(8, -1)", "(8, 128, 128)"])]:
+        (
+            "missing",
+            {k: v for k, v in state.items() if k != "model.layers.1.block_sparse_moe.experts.3.w2.weight"},
+            ["model.layers.1.block_sparse_moe.experts.3.w2.weight: missing from"],
+        ),
+        (
+            "extra",
+            {**state, "model.layers.0.block_sparse_moe.experts.8.w1.weight": torch.zeros(128, 128)},
+            ["experts.8.w1.weight", "not a parameter of the model"],
+        ),
+        (
+            "shape",
+            {**state, "model.layers.0.block_sparse_moe.experts.5.w1.weight": torch.zeros(64, 128)},
+            ["experts.0.w1.weight", "(8, -1)", "(8, 128, 128)"],
+        ),
+    ]:
         folder = tmp_path / name
         folder.mkdir()
         shutil.copy(saved[0] / "config.json", folder)
@@ -176,15 +194,22 @@ def test_missing_or_extra_tensors_are_named(saved, tmp_path):
 
 
 def test_a_dense_llama_folder_reads_into_the_dense_decoder(tmp_path):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from hf_models import TINY_LLAMA
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     own = AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}))
     own.eval().save_pretrained(tmp_path)
-    cfg = compose("model.vocab_size=300", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
-                  "model.max_seq_len=256", "model.tie_embeddings=false", f"model.pretrained={tmp_path}")
+    cfg = compose(
+        "model.vocab_size=300",
+        "model.dim=64",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.ffn_dim=128",
+        "model.max_seq_len=256",
+        "model.tie_embeddings=false",
+        f"model.pretrained={tmp_path}",
+    )
     hf_adapter.check(cfg)
     gpt = models.build(cfg, CPU).eval()
     x = tokens()

@@ -11,8 +11,8 @@ import shutil
 
 import pytest
 import torch
-
 from hf_models import TINY_QWEN, qwen_args, tiny_qwen
+
 from launcher import models
 from launcher.config import ConfigError, num_params
 from launcher.launch import cli
@@ -49,8 +49,11 @@ def fused_copy(folder, model, into):
 
     into.mkdir()
     shutil.copy(folder / "config.json", into)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, into / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        into / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     return into
 
 
@@ -117,30 +120,44 @@ def test_the_export_is_the_same_model_type_from_pretrained_loads(saved, tmp_path
     print(f"{kind} export: from_pretrained's max |logit difference| = {diff:.2e}")
 
 
-@pytest.mark.parametrize("kind,override,words", [
-    ("qwen3_moe", "model.head_dim=null", ["model.head_dim=16", "head_dim=32"]),
-    ("qwen3_moe", "model.qk_norm=false", ["model.qk_norm=False", "q_norm, k_norm", "set model.qk_norm=True"]),
-    ("qwen3_moe", "model.moe.first_dense=0", ["model.moe.first_dense=0", "mlp_only_layers=1"]),
-    ("qwen3_moe", "model.moe.norm_topk=false", ["model.moe.norm_topk=False", "norm_topk_prob=True"]),
-    ("qwen3_moe", "model.attn_bias=true", ["model.attn_bias=True", "no q/k/v biases"]),
-    ("qwen2_moe", "model.moe.shared_dim=32", ["model.moe.shared_dim=32", "shared_expert_intermediate_size=48"]),
-    ("qwen2_moe", "model.moe.shared_gate=false", ["model.moe.shared_gate=False", "shared_expert_gate"]),
-    ("qwen2_moe", "model.attn_bias=false", ["model.attn_bias=False", "qkv_bias=True"]),
-    ("qwen2_moe", "model.moe.expert_dim=64", ["model.moe.expert_dim=64", "moe_intermediate_size=32"]),
-])
+@pytest.mark.parametrize(
+    "kind,override,words",
+    [
+        ("qwen3_moe", "model.head_dim=null", ["model.head_dim=16", "head_dim=32"]),
+        ("qwen3_moe", "model.qk_norm=false", ["model.qk_norm=False", "q_norm, k_norm", "set model.qk_norm=True"]),
+        ("qwen3_moe", "model.moe.first_dense=0", ["model.moe.first_dense=0", "mlp_only_layers=1"]),
+        ("qwen3_moe", "model.moe.norm_topk=false", ["model.moe.norm_topk=False", "norm_topk_prob=True"]),
+        ("qwen3_moe", "model.attn_bias=true", ["model.attn_bias=True", "no q/k/v biases"]),
+        ("qwen2_moe", "model.moe.shared_dim=32", ["model.moe.shared_dim=32", "shared_expert_intermediate_size=48"]),
+        ("qwen2_moe", "model.moe.shared_gate=false", ["model.moe.shared_gate=False", "shared_expert_gate"]),
+        ("qwen2_moe", "model.attn_bias=false", ["model.attn_bias=False", "qkv_bias=True"]),
+        ("qwen2_moe", "model.moe.expert_dim=64", ["model.moe.expert_dim=64", "moe_intermediate_size=32"]),
+    ],
+)
 def test_another_shape_is_refused_naming_both_values(saved, kind, override, words):
     with pytest.raises(ConfigError) as e:
         hf_adapter.check_config(compose(*qwen_args(saved[kind][0], kind), override))
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
-@pytest.mark.parametrize("kind,change,words", [
-    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 64}, ["use_sliding_window=true", "whole window"]),
-    ("qwen3_moe", {"mlp_only_layers": [1]}, ["dense blocks [1]", "first model.moe.first_dense"]),
-    ("qwen3_moe", {"decoder_sparse_step": 2, "mlp_only_layers": []}, ["dense blocks [0, 2]", "decoder_sparse_step=2"]),
-    ("qwen3_moe", {"attention_bias": True}, ["attention_bias", "q, k and v only"]),
-    ("qwen2_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, ["rope type yarn"]),
-])
+@pytest.mark.parametrize(
+    "kind,change,words",
+    [
+        ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 64}, ["use_sliding_window=true", "whole window"]),
+        ("qwen3_moe", {"mlp_only_layers": [1]}, ["dense blocks [1]", "first model.moe.first_dense"]),
+        (
+            "qwen3_moe",
+            {"decoder_sparse_step": 2, "mlp_only_layers": []},
+            ["dense blocks [0, 2]", "decoder_sparse_step=2"],
+        ),
+        ("qwen3_moe", {"attention_bias": True}, ["attention_bias", "q, k and v only"]),
+        (
+            "qwen2_moe",
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
+            ["rope type yarn"],
+        ),
+    ],
+)
 def test_a_feature_the_decoder_lacks_is_refused_in_one_line(saved, tmp_path, kind, change, words):
     raw = {**json.loads((saved[kind][0] / "config.json").read_text()), **change}
     (tmp_path / "config.json").write_text(json.dumps(raw))
@@ -149,12 +166,15 @@ def test_a_feature_the_decoder_lacks_is_refused_in_one_line(saved, tmp_path, kin
     assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
 
 
-@pytest.mark.parametrize("overrides,words", [
-    (["model.qk_norm=true", "model.moe.shared_experts=1"], ["shared experts", "qwen3_moe"]),
-    (["model.moe.shared_gate=true"], ["without a shared expert", "qwen2_moe"]),
-    (["model.moe.first_dense=1"], ["dense first blocks", "mixtral"]),
-    (["model.moe.experts=0", "model.qk_norm=true"], ["q/k norms", "llama"]),
-])
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["model.qk_norm=true", "model.moe.shared_experts=1"], ["shared experts", "qwen3_moe"]),
+        (["model.moe.shared_gate=true"], ["without a shared expert", "qwen2_moe"]),
+        (["model.moe.first_dense=1"], ["dense first blocks", "mixtral"]),
+        (["model.moe.experts=0", "model.qk_norm=true"], ["q/k norms", "llama"]),
+    ],
+)
 def test_a_decoder_no_model_type_holds_is_not_exported(tmp_path, overrides, words):
     from launcher.models.hf_export import save_pretrained
 

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from corpus import WORDS, cached_tokens, documents, make_tokenizer, write_jsonl, write_parquet
 from runs import assert_refused
-from launcher.launch import cli
+
 from launcher import config as C
-from launcher.launch.checks.validate import validate
 from launcher.data.cache import ENV
 from launcher.data.inputs import BYTE_EOS, load_tokenizer
 from launcher.data.prepare import prepare_cache, token_file_config
+from launcher.launch import cli
+from launcher.launch.checks.validate import validate
 
 
 @pytest.fixture(autouse=True)
@@ -34,8 +34,9 @@ def compose(*overrides: str) -> C.Config:
 
 def test_every_format_gives_the_documents_bytes_and_eos(tmp_path):
     docs = documents(50)
-    expected = np.concatenate([np.frombuffer(d.encode(), np.uint8).astype(np.int64).tolist() + [BYTE_EOS]
-                               for d in docs])
+    expected = np.concatenate(
+        [np.frombuffer(d.encode(), np.uint8).astype(np.int64).tolist() + [BYTE_EOS] for d in docs]
+    )
     (tmp_path / "txt").mkdir()
     # plain text: one document per line, split over two files (read in sorted order)
     (tmp_path / "txt" / "a.txt").write_text("\n".join(docs[:20]) + "\n")
@@ -55,7 +56,9 @@ def test_every_format_gives_the_documents_bytes_and_eos(tmp_path):
         assert np.array_equal(tokens, expected), name
         # The ranks read the prepared directory (the folder holding index.json), in its width.
         data = token_file_config(cfg, tmp_path / name)
-        assert data.path == meta["dir"] and Path(data.path, "index.json").is_file() and data.dtype == C.TokenDtype.uint16
+        assert (
+            data.path == meta["dir"] and Path(data.path, "index.json").is_file() and data.dtype == C.TokenDtype.uint16
+        )
 
 
 def test_local_tokenizer_and_cache_key(tmp_path, cache_dir):
@@ -80,7 +83,9 @@ def test_local_tokenizer_and_cache_key(tmp_path, cache_dir):
     # one stays in the shared cache (another run may read it).
     assert "reused" in prepare_cache(cfg, run)
     assert "reused" in prepare_cache(cfg, tmp_path / "other_run")
-    assert "reused" in prepare_cache(compose(f"data.files={corpus}", f"data.tokenizer={tok_dir}", "train.seq_len=64"), run)
+    assert "reused" in prepare_cache(
+        compose(f"data.files={corpus}", f"data.tokenizer={tok_dir}", "train.seq_len=64"), run
+    )
     write_jsonl(corpus, docs[:-1])
     line = prepare_cache(cfg, run)
     assert "built" in line and "inputs changed" in line
@@ -91,7 +96,9 @@ def test_local_tokenizer_and_cache_key(tmp_path, cache_dir):
     assert len(list(cache_dir.glob("*/index.json"))) == 3
 
 
-@pytest.mark.parametrize("case", ["vocab", "hf_model_vocab", "no_eos", "not_a_tokenizer", "not_jsonl", "mixed", "too_small"])
+@pytest.mark.parametrize(
+    "case", ["vocab", "hf_model_vocab", "no_eos", "not_a_tokenizer", "not_jsonl", "mixed", "too_small"]
+)
 def test_more_bad_input(case, tmp_path, capsys, monkeypatch):
     """One line, exit 2, no run directory (also when the files are only found too small
     once tokenized, after the run directory was made)."""
@@ -130,7 +137,8 @@ def test_more_bad_input(case, tmp_path, capsys, monkeypatch):
         overrides = [f"data.files={write_jsonl(tmp_path / 'tiny.jsonl', ['a b', 'c'])}"]
         words = ["data.files=", "hold 6 tokens", "train.seq_len=128 needs at least 129"]
     # Short, should a case ever get as far as training.
-    code = cli.main(["data=hf_text", *overrides, "train.steps=2", "optim.warmup_steps=0",
-                     f"hydra.run.dir={tmp_path / 'run'}"])
+    code = cli.main(
+        ["data=hf_text", *overrides, "train.steps=2", "optim.warmup_steps=0", f"hydra.run.dir={tmp_path / 'run'}"]
+    )
     assert_refused(code, *capsys.readouterr(), words)
     assert not (tmp_path / "run").exists()

@@ -20,12 +20,21 @@ K8S_VERSION = "1.30"  # a cluster of the last two years; the schemas ship with k
 
 
 def args(run_dir: Path, *more: str) -> list[str]:
-    return ["cluster=k8s", "recipe=fsdp", "cluster.nnodes=2", "cluster.gpus_per_node=8",
-            "cluster.k8s.image=ghcr.io/me/train:1", "cluster.k8s.volume_claim=shared-runs",
-            f"cluster.k8s.mount_path={run_dir.parent}", f"hydra.run.dir={run_dir}",
-            "cluster.k8s.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
-            'cluster.k8s.node_selector=["nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3"]',
-            "+cluster.env.NCCL_SOCKET_IFNAME=eth0", "+cluster.env.ODD='$(id) $HOME x'", *more]
+    return [
+        "cluster=k8s",
+        "recipe=fsdp",
+        "cluster.nnodes=2",
+        "cluster.gpus_per_node=8",
+        "cluster.k8s.image=ghcr.io/me/train:1",
+        "cluster.k8s.volume_claim=shared-runs",
+        f"cluster.k8s.mount_path={run_dir.parent}",
+        f"hydra.run.dir={run_dir}",
+        "cluster.k8s.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
+        'cluster.k8s.node_selector=["nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3"]',
+        "+cluster.env.NCCL_SOCKET_IFNAME=eth0",
+        "+cluster.env.ODD='$(id) $HOME x'",
+        *more,
+    ]
 
 
 def rendered(run_dir: Path, capsys, *more: str) -> list[dict]:
@@ -44,7 +53,12 @@ def test_the_job_and_its_service_validate_against_the_kubernetes_schemas(tmp_pat
     assert service["metadata"]["name"] == job["metadata"]["name"] == name
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"] == {"launcher/job": name}
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
-    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == ("Indexed", 2, 2, 6)  # 3 faults x 2 pods
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == (
+        "Indexed",
+        2,
+        2,
+        6,
+    )  # 3 faults x 2 pods
     assert pod["subdomain"] == name and pod["restartPolicy"] == "OnFailure"
     assert pod["terminationGracePeriodSeconds"] == 300
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
@@ -57,7 +71,7 @@ def test_the_job_and_its_service_validate_against_the_kubernetes_schemas(tmp_pat
     bash, flag, script = container["command"]
     words = shlex.split(script.replace("$$", "$"))
     start = words.index("cd")
-    assert (bash, flag, words[start:start + 3]) == ("bash", "-c", ["cd", str(run), "&&"])
+    assert (bash, flag, words[start : start + 3]) == ("bash", "-c", ["cd", str(run), "&&"])
     assert "--node-rank=$JOB_COMPLETION_INDEX" in words and "--nnodes=2" in words and "--nproc-per-node=8" in words
     # pod 0 hosts the rendezvous store, without waiting for its own DNS name to resolve
     assert script.startswith('IS_HOST=false; [ "$$JOB_COMPLETION_INDEX" = 0 ] && IS_HOST=true; ')
@@ -85,26 +99,45 @@ def test_the_trainjob_validates_against_the_trainers_api_models(tmp_path, capsys
     (patch,) = job["spec"]["runtimePatches"]
     pod = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "trainer" and pod["terminationGracePeriodSeconds"] == 300
-    assert pod["containers"] == [{"name": "node", "volumeMounts": [{"name": "run", "mountPath": str(tmp_path / "runs")},
-                                                                  {"name": "shm", "mountPath": "/dev/shm"}]}]
+    assert pod["containers"] == [
+        {
+            "name": "node",
+            "volumeMounts": [
+                {"name": "run", "mountPath": str(tmp_path / "runs")},
+                {"name": "shm", "mountPath": "/dev/shm"},
+            ],
+        }
+    ]
 
 
-@pytest.mark.parametrize("more,words", [
-    (["cluster.k8s.image=null"], ["cluster.k8s.image", "required"]),
-    (["cluster.k8s.image='ghcr.io/me/t:1 && reboot'"], ["cluster.k8s.image", "letters, digits"]),
-    (["cluster.k8s.volume_claim=null"], ["cluster.k8s.volume_claim", "ReadWriteMany"]),
-    (["cluster.k8s.mount_path=/elsewhere"], ["hydra.run.dir", "cluster.k8s.mount_path=/elsewhere"]),
-    (["cluster.k8s.namespace=Team_A"], ["cluster.k8s.namespace=Team_A", "a Kubernetes name"]),
-    (['cluster.k8s.node_selector=["gpu"]'], ["cluster.k8s.node_selector=gpu", "key=value"]),
-    (["cluster.k8s.tolerations=[{key: gpu, operator: Sometimes}]"], ["cluster.k8s.tolerations", "Equal or Exists"]),
-    (["cluster.k8s.tolerations=[{key: gpu, effect: Never}]"], ["cluster.k8s.tolerations", "NoSchedule"]),
-    (["cluster.k8s.tolerations=[{key: gpu, value: 1}]"], ["cluster.k8s.tolerations", "quoted if it looks like a number"]),
-    (["cluster.k8s.tolerations=[{key: gpu, operator: Exists, value: a}]"], ["cluster.k8s.tolerations", "none with operator Exists"]),
-    (["cluster.k8s.tolerations=[{key: gpu, effect: NoSchedule, tolerationSeconds: 60}]"], ["tolerationSeconds", "NoExecute"]),
-    (["cluster.k8s.mount_path=/"], ["hydra.run.dir", "cluster.k8s.mount_path=/"]),
-    (["cluster.preempt_grace_s=60"], ["cluster.preempt_grace_s=60", "shutdown_timeout_s=180"]),
-    (["checkpoint.resume=never"], ["checkpoint.resume=never", "use auto"]),
-])
+@pytest.mark.parametrize(
+    "more,words",
+    [
+        (["cluster.k8s.image=null"], ["cluster.k8s.image", "required"]),
+        (["cluster.k8s.image='ghcr.io/me/t:1 && reboot'"], ["cluster.k8s.image", "letters, digits"]),
+        (["cluster.k8s.volume_claim=null"], ["cluster.k8s.volume_claim", "ReadWriteMany"]),
+        (["cluster.k8s.mount_path=/elsewhere"], ["hydra.run.dir", "cluster.k8s.mount_path=/elsewhere"]),
+        (["cluster.k8s.namespace=Team_A"], ["cluster.k8s.namespace=Team_A", "a Kubernetes name"]),
+        (['cluster.k8s.node_selector=["gpu"]'], ["cluster.k8s.node_selector=gpu", "key=value"]),
+        (["cluster.k8s.tolerations=[{key: gpu, operator: Sometimes}]"], ["cluster.k8s.tolerations", "Equal or Exists"]),
+        (["cluster.k8s.tolerations=[{key: gpu, effect: Never}]"], ["cluster.k8s.tolerations", "NoSchedule"]),
+        (
+            ["cluster.k8s.tolerations=[{key: gpu, value: 1}]"],
+            ["cluster.k8s.tolerations", "quoted if it looks like a number"],
+        ),
+        (
+            ["cluster.k8s.tolerations=[{key: gpu, operator: Exists, value: a}]"],
+            ["cluster.k8s.tolerations", "none with operator Exists"],
+        ),
+        (
+            ["cluster.k8s.tolerations=[{key: gpu, effect: NoSchedule, tolerationSeconds: 60}]"],
+            ["tolerationSeconds", "NoExecute"],
+        ),
+        (["cluster.k8s.mount_path=/"], ["hydra.run.dir", "cluster.k8s.mount_path=/"]),
+        (["cluster.preempt_grace_s=60"], ["cluster.preempt_grace_s=60", "shutdown_timeout_s=180"]),
+        (["checkpoint.resume=never"], ["checkpoint.resume=never", "use auto"]),
+    ],
+)
 def test_bad_values_are_one_line_and_exit_2(more, words, tmp_path, capsys):
     code = cli.main(["submit", *args(tmp_path / "runs" / "c", *more)])
     err = capsys.readouterr().err
@@ -126,7 +159,9 @@ def test_submit_without_kubectl_writes_the_run_directory_and_says_the_command(tm
     run = tmp_path / "runs" / "e"
     assert cli.main(["submit", *args(run)]) == 0
     out = capsys.readouterr().out
-    assert f"kubectl is not on PATH: wrote {run / 'job.yaml'}; apply it with: kubectl apply -f {run / 'job.yaml'}" in out
+    assert (
+        f"kubectl is not on PATH: wrote {run / 'job.yaml'}; apply it with: kubectl apply -f {run / 'job.yaml'}" in out
+    )
     docs = list(yaml.safe_load_all((run / "job.yaml").read_text()))
     assert [d["kind"] for d in docs] == ["Service", "Job"]
     assert (run / "config.yaml").is_file() and (run / "code" / "launcher" / "rank" / "entry.py").is_file()
@@ -151,8 +186,9 @@ def test_the_rehearsed_405b_layout_renders_as_a_64_pod_job(capsys, monkeypatch):
     given cluster.join_timeout_s to join, the flight recorder's dump into the run directory;
     the same overrides as tests/unit/test_slurm.py's 64-node sbatch golden."""
     from golden import check_golden
-    from launcher.launch.rundir import prepare as rundir
     from runs import REPO
+
+    from launcher.launch.rundir import prepare as rundir
 
     kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the k8s extra (make test installs it)")
     monkeypatch.chdir(REPO)
@@ -162,15 +198,36 @@ def test_the_rehearsed_405b_layout_renders_as_a_64_pod_job(capsys, monkeypatch):
 
     monkeypatch.setattr(rundir.shutil, "disk_usage", lambda path: ParallelFilesystem)
     run = Path("/shared/runs/llama3-405b")  # fixed: the job's name and rendezvous id hash it
-    assert cli.main(["submit", "model=llama3_405b", "recipe=pp_fsdp", "parallel.pp=16", "parallel.tp=8",
-                     "parallel.sequence_parallel=true", "parallel.pp_microbatches=32", "train.micro_batch=32",
-                     "cluster=k8s", "cluster.nnodes=64", "cluster.gpus_per_node=8", "cluster.join_timeout_s=900",
-                     "cluster.k8s.image=ghcr.io/me/train:1", "cluster.k8s.volume_claim=shared-runs",
-                     "cluster.k8s.mount_path=/shared", "cluster.k8s.namespace=llm",
-                     'cluster.k8s.node_selector=["nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3"]',
-                     "cluster.k8s.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
-                     "train.seq_len=8192", "train.activation_checkpointing=full",
-                     "+cluster.env.NCCL_SOCKET_IFNAME=eth0", f"hydra.run.dir={run}", "--dry-run"]) == 0
+    assert (
+        cli.main(
+            [
+                "submit",
+                "model=llama3_405b",
+                "recipe=pp_fsdp",
+                "parallel.pp=16",
+                "parallel.tp=8",
+                "parallel.sequence_parallel=true",
+                "parallel.pp_microbatches=32",
+                "train.micro_batch=32",
+                "cluster=k8s",
+                "cluster.nnodes=64",
+                "cluster.gpus_per_node=8",
+                "cluster.join_timeout_s=900",
+                "cluster.k8s.image=ghcr.io/me/train:1",
+                "cluster.k8s.volume_claim=shared-runs",
+                "cluster.k8s.mount_path=/shared",
+                "cluster.k8s.namespace=llm",
+                'cluster.k8s.node_selector=["nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3"]',
+                "cluster.k8s.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
+                "train.seq_len=8192",
+                "train.activation_checkpointing=full",
+                "+cluster.env.NCCL_SOCKET_IFNAME=eth0",
+                f"hydra.run.dir={run}",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert not run.exists(), "--dry-run wrote a run directory"
     check_golden("submit_dry_run_64_pods_405b.yaml", out.replace(str(REPO), "/repo"))

@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
+from hf_models import TINY_LLAMA
+from runs import assert_refused
 from transformers import AutoModelForCausalLM, LlamaConfig  # imported before any test captures stderr
 
-from runs import assert_refused
-from hf_models import TINY_LLAMA
 from launcher import models
 from launcher.launch import cli
 from launcher.launch.compose import compose_config
@@ -22,14 +22,22 @@ from launcher.planner import lora as planned
 def base(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lora-unit") / "llama"
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in TINY_LLAMA.items()
-                                                    if k != "model_type"})).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(
+        LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"})
+    ).save_pretrained(folder)
     return folder
 
 
 def test_adapters_start_as_the_base_and_alone_train(base):
-    cfg, _, _ = compose_config(["model=hf", f"model.pretrained={base}", "model.lora.rank=4", "precision=fp32",
-                                "model.lora.targets=[q_proj,v_proj,down_proj]"])
+    cfg, _, _ = compose_config(
+        [
+            "model=hf",
+            f"model.pretrained={base}",
+            "model.lora.rank=4",
+            "precision=fp32",
+            "model.lora.targets=[q_proj,v_proj,down_proj]",
+        ]
+    )
     model = models.build(cfg, torch.device("cpu"))
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all(lora.is_adapter(n) for n in trained)
@@ -47,12 +55,15 @@ def test_the_planner_counts_the_adapters_the_model_has(base):
     from launcher.planner.plan import planned_model
 
     for targets in ("null", "[q_proj,k_proj,o_proj]", "[gate_proj,up_proj]"):
-        cfg, _, _ = compose_config(["model=hf", f"model.pretrained={base}", "model.lora.rank=8",
-                                    f"model.lora.targets={targets}"])
+        cfg, _, _ = compose_config(
+            ["model=hf", f"model.pretrained={base}", "model.lora.rank=8", f"model.lora.targets={targets}"]
+        )
         built = sum(p.numel() for n, p in models.on_meta(cfg).named_parameters() if lora.is_adapter(n))
         counts = planned.counts(planned_model(cfg).model)
         assert counts.trainable == built, targets
-        assert counts.frozen == sum(p.numel() for n, p in models.on_meta(cfg).named_parameters() if not lora.is_adapter(n))
+        assert counts.frozen == sum(
+            p.numel() for n, p in models.on_meta(cfg).named_parameters() if not lora.is_adapter(n)
+        )
 
 
 def test_an_8b_qlora_fits_one_24_gb_gpu_where_a_full_fine_tune_must_offload(capsys):
@@ -70,15 +81,21 @@ def test_an_8b_qlora_fits_one_24_gb_gpu_where_a_full_fine_tune_must_offload(caps
     assert all(r["layout"]["offload_optim"] for r in full)  # only with the states in host memory
 
 
-@pytest.mark.parametrize("overrides,words", [
-    (["model.lora.rank=-1"], ["model.lora.rank=-1", ">= 0"]),
-    (["model.lora.rank=8", "model.lora.targets=[q_proj,nope]"], ["model.lora.targets=nope", "q_proj, up_proj, v_proj"]),
-    (["model.lora.rank=8", "recipe=tp"], ["model.lora.rank=8", "recipe=tp", "ddp, fsdp and zero1-3"]),
-    (["model.lora.rank=8", "recipe=fsdp", "model.lora.base_dtype=nf4"], ["base_dtype=nf4", "ddp engine"]),
-    (["model.lora.rank=8", "model.lora.alpha=0"], ["model.lora.alpha=0", "> 0"]),
-    (["model.lora.rank=8", "model.lora.dropout=1.0"], ["model.lora.dropout=1.0", "[0, 1)"]),
-    (["model.lora.rank=8", "model.lora.base_dtype=bf16", "precision=fp32"], ["base_dtype=bf16", "precision=fp32"]),
-])
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["model.lora.rank=-1"], ["model.lora.rank=-1", ">= 0"]),
+        (
+            ["model.lora.rank=8", "model.lora.targets=[q_proj,nope]"],
+            ["model.lora.targets=nope", "q_proj, up_proj, v_proj"],
+        ),
+        (["model.lora.rank=8", "recipe=tp"], ["model.lora.rank=8", "recipe=tp", "ddp, fsdp and zero1-3"]),
+        (["model.lora.rank=8", "recipe=fsdp", "model.lora.base_dtype=nf4"], ["base_dtype=nf4", "ddp engine"]),
+        (["model.lora.rank=8", "model.lora.alpha=0"], ["model.lora.alpha=0", "> 0"]),
+        (["model.lora.rank=8", "model.lora.dropout=1.0"], ["model.lora.dropout=1.0", "[0, 1)"]),
+        (["model.lora.rank=8", "model.lora.base_dtype=bf16", "precision=fp32"], ["base_dtype=bf16", "precision=fp32"]),
+    ],
+)
 def test_bad_lora_input_is_one_line(overrides, words, base, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code = cli.main(["model=hf", f"model.pretrained={base}", *overrides, f"hydra.run.dir={tmp_path / 'run'}"])
@@ -102,18 +119,22 @@ def test_lora_and_low_bit_states_without_torchao_are_one_line(base, tmp_path, ca
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     monkeypatch.chdir(tmp_path)
-    for extra, words in ((["model.lora.base_dtype=nf4"], ["base_dtype=nf4", "fp8 extra"]),
-                         (["optim=adamw8bit"], ["optim.name=adamw8bit", "fp8 extra"])):
-        code = cli.main(["model=hf", f"model.pretrained={base}", "model.lora.rank=8", *extra,
-                         f"hydra.run.dir={tmp_path / 'run'}"])
+    for extra, words in (
+        (["model.lora.base_dtype=nf4"], ["base_dtype=nf4", "fp8 extra"]),
+        (["optim=adamw8bit"], ["optim.name=adamw8bit", "fp8 extra"]),
+    ):
+        code = cli.main(
+            ["model=hf", f"model.pretrained={base}", "model.lora.rank=8", *extra, f"hydra.run.dir={tmp_path / 'run'}"]
+        )
         out, err = capsys.readouterr()
         assert_refused(code, out, err, words)
 
 
 def test_a_model_without_linears_in_its_layers_is_refused():
     """GPT-2's projections are Conv1D: adapters on nothing would freeze every weight."""
-    from launcher.launch.checks.levers import validate_lora
     from bad_inputs import HF
+
+    from launcher.launch.checks.levers import validate_lora
 
     cfg, _, _ = compose_config(["model=hf", f"model.config={HF['gpt2']}", "model.lora.rank=8"])
     with pytest.raises(Exception, match="no nn.Linear inside its decoder layers"):

@@ -81,8 +81,9 @@ def test_the_planner_against_a_memory_tracker(precision):
     for chunks in (1, 4):
         model.loss_chunks = chunks
         measured[chunks] = peak(model, x[:, :-1], x[:, 1:], dtype)
-        planned[chunks] = (M.activation_bytes(cfg.model, b, s, n, ACMode.none, loss_chunks=chunks)
-                           + temporaries(cfg.model, Precision(precision), Layout("ddp", 1), ACMode.none, 2, b, s, chunks))
+        planned[chunks] = M.activation_bytes(cfg.model, b, s, n, ACMode.none, loss_chunks=chunks) + temporaries(
+            cfg.model, Precision(precision), Layout("ddp", 1), ACMode.none, 2, b, s, chunks
+        )
     print({c: (f"{measured[c] / 2**20:.2f} MiB measured", f"{planned[c] / 2**20:.2f} MiB planned") for c in measured})
     for chunks in (1, 4):
         assert abs(planned[chunks] / measured[chunks] - 1) < 0.02, chunks

@@ -5,6 +5,7 @@ setup recipe is what make would run first. `.ci/run` calls `make wheelhouse WHEE
 on such a clone: there WHEELHOUSE names the folder being written, so the set-up must install
 online (it refused once, looking for <dir>/requirements.txt before the wheels existed).
 """
+
 import shutil
 import subprocess
 from pathlib import Path

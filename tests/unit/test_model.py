@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from launcher.config import ACMode, num_params
 from launcher.launch import cli
-from launcher.config import ACMode
-from launcher.config import num_params
 from launcher.models.gpt import GPT, flops_per_token, set_activation_checkpointing
 
 
-@pytest.mark.parametrize("name", ["gpt_tiny", "gpt_small", "gpt_125m", "gpt_350m", "gpt_1b", "gpt_7b", "llama3_8b",
-                                  "llama3_70b", "llama3_405b"])
+@pytest.mark.parametrize(
+    "name",
+    ["gpt_tiny", "gpt_small", "gpt_125m", "gpt_350m", "gpt_1b", "gpt_7b", "llama3_8b", "llama3_70b", "llama3_405b"],
+)
 def test_param_count_formula_matches_the_module(name):
     cfg, _, _ = cli.compose_config([f"model={name}"])
     with torch.device("meta"):
@@ -22,8 +23,17 @@ def test_param_count_formula_matches_the_module(name):
 
 def test_sizes_are_what_their_names_say():
     counts = {}
-    for name in ["gpt_tiny", "gpt_small", "gpt_125m", "gpt_350m", "gpt_1b", "gpt_7b", "llama3_8b", "llama3_70b",
-                 "llama3_405b"]:
+    for name in [
+        "gpt_tiny",
+        "gpt_small",
+        "gpt_125m",
+        "gpt_350m",
+        "gpt_1b",
+        "gpt_7b",
+        "llama3_8b",
+        "llama3_70b",
+        "llama3_405b",
+    ]:
         cfg, _, _ = cli.compose_config([f"model={name}"])
         counts[name] = num_params(cfg.model)
     assert counts["gpt_tiny"] < 10e6

@@ -24,21 +24,34 @@ def shape(name: str) -> ModelConfig:
 
 
 def small(**moe_fields) -> ModelConfig:
-    return ModelConfig(dim=64, n_layers=3, n_heads=4, moe=MoEConfig(**({"experts": 4, "top_k": 2, "expert_dim": 32} | moe_fields)))
+    return ModelConfig(
+        dim=64, n_layers=3, n_heads=4, moe=MoEConfig(**({"experts": 4, "top_k": 2, "expert_dim": 32} | moe_fields))
+    )
 
 
 def reference(ff: moe.MoE, x: torch.Tensor) -> torch.Tensor:
     """Token by token: the weighted sum of its top-k experts' SwiGLUs, plus the shared expert."""
     idx, w = ff.router(x)
     e = ff.experts
-    rows = [sum(w[t, j] * F.linear(F.silu(F.linear(x[t], e.w1[i])) * F.linear(x[t], e.w3[i]), e.w2[i])
-                for j, i in enumerate(idx[t].tolist())) for t in range(x.size(0))]
+    rows = [
+        sum(
+            w[t, j] * F.linear(F.silu(F.linear(x[t], e.w1[i])) * F.linear(x[t], e.w3[i]), e.w2[i])
+            for j, i in enumerate(idx[t].tolist())
+        )
+        for t in range(x.size(0))
+    ]
     out = torch.stack(rows)
     return out + ff.shared(x) if ff.shared is not None else out
 
 
-@pytest.mark.parametrize("fields", [{}, {"shared_experts": 1}, {"score": MoEScore.sigmoid, "balance": MoEBalance.bias,
-                                                                 "route_scale": 2.5, "top_k": 3}])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"shared_experts": 1},
+        {"score": MoEScore.sigmoid, "balance": MoEBalance.bias, "route_scale": 2.5, "top_k": 3},
+    ],
+)
 def test_the_moe_block_equals_token_by_token_experts(fields):
     torch.manual_seed(0)
     ff = GPT(small(**fields)).layers[1].feed_forward
@@ -112,7 +125,9 @@ def test_after_step_moves_the_bias_towards_the_idle_experts_and_reports_the_load
     for (name, r), load in zip(routers, loads):
         assert load.sum() == 2 * 16 * 2  # every token's k slots
         assert torch.equal(r.bias, 0.001 * torch.sign(load.mean() - load)) and r.tokens.sum() == 0
-        assert metrics[f"moe/load_max_over_mean/{name.split('.')[1]}"] == pytest.approx((load.max() / load.mean()).item())
+        assert metrics[f"moe/load_max_over_mean/{name.split('.')[1]}"] == pytest.approx(
+            (load.max() / load.mean()).item()
+        )
     assert metrics["moe/dropped"] == 0 and not any(k.startswith("moe/aux_loss") for k in metrics)
 
 

@@ -10,8 +10,8 @@ import math
 
 import pytest
 import torch
-
 from runs import here
+
 from launcher import models
 from launcher.config import ACMode, matmul_params, num_params
 from launcher.launch import cli
@@ -86,13 +86,21 @@ def test_each_group_over_its_own_ranks():
     assert states(ds, footprint.Layout("fsdp", dp=256, ep=64, **fsdp))[0] == 4 * S
 
 
-REGIMES = {"fp32": (False, Numerics.of("fp32")),
-           "bf16-params": (True, Numerics.of("bf16", low_precision_params=True, rope_cast=True))}
-SHAPES = {"moe_tiny": [],
-          "shared-first-dense-sigmoid-bias": ["model.moe.shared_experts=1", "model.moe.first_dense=1",
-                                              "model.moe.score=sigmoid", "model.moe.balance=bias",
-                                              "model.moe.route_scale=2.5"],
-          "softmax-aux-top1": ["model.moe.top_k=1", "model.moe.shared_experts=2"]}
+REGIMES = {
+    "fp32": (False, Numerics.of("fp32")),
+    "bf16-params": (True, Numerics.of("bf16", low_precision_params=True, rope_cast=True)),
+}
+SHAPES = {
+    "moe_tiny": [],
+    "shared-first-dense-sigmoid-bias": [
+        "model.moe.shared_experts=1",
+        "model.moe.first_dense=1",
+        "model.moe.score=sigmoid",
+        "model.moe.balance=bias",
+        "model.moe.route_scale=2.5",
+    ],
+    "softmax-aux-top1": ["model.moe.top_k=1", "model.moe.shared_experts=2"],
+}
 
 
 @pytest.mark.parametrize("regime", sorted(REGIMES))
@@ -112,7 +120,8 @@ def test_moe_activations_match_autograd(regime, shape):
         with ActivationCounter(m) as counter:
             m(x[:, :-1], x[:, 1:]).backward()
         planned = activation_bytes(cfg.model, 2, 64, numerics, ac) + moe.activation_delta(
-            cfg.model, Shape.of(cfg.model, 2, 64), numerics, ac, 2)
+            cfg.model, Shape.of(cfg.model, 2, 64), numerics, ac, 2
+        )
         assert abs(planned - counter.bytes) <= 12, (ac, planned, counter.bytes)
 
 
@@ -124,7 +133,8 @@ def test_capacity_bounds_the_rows():
     with ActivationCounter(m) as counter:
         m(x[:, :-1], x[:, 1:]).backward()
     planned = activation_bytes(cfg.model, 2, 64, Numerics.of("fp32"), ACMode.none) + moe.activation_delta(
-        cfg.model, Shape.of(cfg.model, 2, 64), Numerics.of("fp32"), ACMode.none, 2)
+        cfg.model, Shape.of(cfg.model, 2, 64), Numerics.of("fp32"), ACMode.none, 2
+    )
     assert counter.bytes <= planned < 1.15 * counter.bytes
     assert moe.rows(cfg.model, 128) == 8 * math.ceil(0.5 * 128 * 2 / 8) == 128  # E x capacity
 
@@ -165,15 +175,29 @@ def test_step_time_counts_active_flops_and_the_all_to_alls():
 
 
 def test_make_plan_shows_counts_and_no_tp_or_pp_for_an_moe():
-    out = here("plan", "model=mixtral_8x7b", "cluster.nnodes=1", "cluster.gpus_per_node=8", "cluster.gpu_memory_gb=80",
-               "train.seq_len=4096", "--json")
+    out = here(
+        "plan",
+        "model=mixtral_8x7b",
+        "cluster.nnodes=1",
+        "cluster.gpus_per_node=8",
+        "cluster.gpu_memory_gb=80",
+        "train.seq_len=4096",
+        "--json",
+    )
     data = json.loads(out.stdout)
     assert data["params"]["total"] == 46_702_792_704 and data["params"]["active"] == 12_879_925_248
-    assert data["params"]["blocks"] == [{"kind": "moe", "count": 32, "params": data["params"]["blocks"][0]["params"],
-                                         "experts": 3 * 8 * 4096 * 14336}]
+    assert data["params"]["blocks"] == [
+        {"kind": "moe", "count": 32, "params": data["params"]["blocks"][0]["params"], "experts": 3 * 8 * 4096 * 14336}
+    ]
     assert {r["layout"]["tp"] for r in data["rows"]} == {r["layout"]["pp"] for r in data["rows"]} == {1}
-    text = here("plan", "model=mixtral_8x7b", "cluster.nnodes=1", "cluster.gpus_per_node=8", "cluster.gpu_memory_gb=80",
-                "train.seq_len=4096").stdout
+    text = here(
+        "plan",
+        "model=mixtral_8x7b",
+        "cluster.nnodes=1",
+        "cluster.gpus_per_node=8",
+        "cluster.gpu_memory_gb=80",
+        "train.seq_len=4096",
+    ).stdout
     assert "46.70B parameters, 12.88B active per token" in text and "rows a rank's experts run" in text
 
 
@@ -206,5 +230,6 @@ def test_a_rehearsal_at_expert_parallel_plans_each_ranks_experts():
     assert all("@ep" in s.placements and "@efsdp" in s.placements for s in w1.values()), w1
     assert all(abs(r.difference) <= R.TOLERANCE for r in result.ranks), [(r.rank, r.difference) for r in result.ranks]
     assert result.ranks[0].total == result.ranks[1].total
-    assert {r: (s.local, s.placements) for r, s in w1.items()} == {r: ((4, 16, 128), "S(1)@efsdp, S(0)@ep")
-                                                                      for r in (0, 1, 15)}
+    assert {r: (s.local, s.placements) for r, s in w1.items()} == {
+        r: ((4, 16, 128), "S(1)@efsdp, S(0)@ep") for r in (0, 1, 15)
+    }

@@ -4,9 +4,6 @@ directory. The nodes training together: tests/e2e/test_multinode_runs.py."""
 from __future__ import annotations
 
 
-
-
-
 def test_multi_node_needs_one_run_directory_for_all_nodes(tmp_path, capsys, monkeypatch):
     """The default run directory is a timestamp: it would differ between nodes."""
     from launcher.launch import cli

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_models import tiny_llama_config
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from hf_models import tiny_llama_config
 from launcher import models
 from launcher.config import ACMode, Precision
 from launcher.launch import cli
@@ -39,8 +39,9 @@ def forward_and_backward(model, x, dtype):
 def test_op_level_recompute_keeps_what_the_planner_says(precision):
     V, s, b = 4096, 128, 2
     # grouped-query attention (2 KV heads of 6): k and v are kept before the repeat
-    cfg, _, _ = cli.compose_config(["model=gpt_small", "model.n_layers=3", f"model.vocab_size={V}",
-                                    f"model.max_seq_len={s}", "model.n_kv_heads=2"])
+    cfg, _, _ = cli.compose_config(
+        ["model=gpt_small", "model.n_layers=3", f"model.vocab_size={V}", f"model.max_seq_len={s}", "model.n_kv_heads=2"]
+    )
     torch.manual_seed(0)
     model = GPT(cfg.model)
     x = torch.randint(0, V, (b, s + 1))

@@ -66,7 +66,9 @@ def test_adafactor_steps_as_torchs_adafactor():
     _, model, opt, _ = trained("adafactor", 0)
     reference = copy.deepcopy(model)
     ours_params, theirs_params = list(model.parameters()), list(reference.parameters())
-    theirs = torch.optim.Adafactor(theirs_params, lr=opt.param_groups[0]["lr"], beta2_decay=-0.8, d=1.0, weight_decay=0.0, foreach=False)
+    theirs = torch.optim.Adafactor(
+        theirs_params, lr=opt.param_groups[0]["lr"], beta2_decay=-0.8, d=1.0, weight_decay=0.0, foreach=False
+    )
     for step in range(3):
         for p, q in zip(ours_params, theirs_params):
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
@@ -86,11 +88,27 @@ def test_muon_steps_matrices_as_torchs_muon_and_the_rest_as_adamw():
     assert all(p.ndim == 2 and not names[id(p)].startswith("tok_embeddings") for p in muon) and len(muon) == 28
     reference = {id(p): p.detach().clone().requires_grad_() for p in muon + rest}
     decays = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
-    theirs = [torch.optim.Muon([reference[id(p)] for p in muon], lr=lr, weight_decay=o.weight_decay,
-                               momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps,
-                               adjust_lr_fn=o.muon_adjust_lr)]
-    theirs += [torch.optim.AdamW([reference[id(p)] for p in rest if decays[id(p)] == w], lr=lr,
-                                 betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=w) for w in (o.weight_decay, 0.0)]
+    theirs = [
+        torch.optim.Muon(
+            [reference[id(p)] for p in muon],
+            lr=lr,
+            weight_decay=o.weight_decay,
+            momentum=o.muon_momentum,
+            nesterov=o.muon_nesterov,
+            ns_steps=o.muon_ns_steps,
+            adjust_lr_fn=o.muon_adjust_lr,
+        )
+    ]
+    theirs += [
+        torch.optim.AdamW(
+            [reference[id(p)] for p in rest if decays[id(p)] == w],
+            lr=lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=w,
+        )
+        for w in (o.weight_decay, 0.0)
+    ]
     for step in range(3):
         for p in muon + rest:
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch.distributed as dist
-
 from runs import REPO
+
 from launcher.rank import preempt
 
 
@@ -59,9 +59,11 @@ def test_slow_steps_agree_after_every_step(one_rank_group, monkeypatch):
 def test_ranks_import_only_what_their_recipe_and_logger_use():
     """A rank of a ddp run with logger=none imports neither DeepSpeed, transformers, W&B,
     TensorBoard nor Hydra (it reads config.yaml; the launch side composed it)."""
-    code = ("import sys\nimport launcher.rank.entry, recipes\nrecipes.engine('ddp')\n"
-            "print(sorted({m.split('.')[0] for m in sys.modules} & "
-            "{'deepspeed', 'transformers', 'wandb', 'tensorboard', 'hydra', 'datasets'}))")
+    code = (
+        "import sys\nimport launcher.rank.entry, recipes\nrecipes.engine('ddp')\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'deepspeed', 'transformers', 'wandb', 'tensorboard', 'hydra', 'datasets'}))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]", proc.stdout
@@ -120,18 +122,32 @@ def test_fsdp_holds_an_untied_embedding_gathered_and_the_planner_counts_it(one_r
     layout = planner.layout_for(cfg, 1)
     m, b, s = cfg.model, 2, 16
     untied = temporaries(m, cfg.precision.name, layout, cfg.train.activation_checkpointing, 2, b, s)
-    tied = temporaries(dataclasses.replace(m, tie_embeddings=True), cfg.precision.name, layout,
-                       cfg.train.activation_checkpointing, 2, b, s)
+    tied = temporaries(
+        dataclasses.replace(m, tie_embeddings=True),
+        cfg.precision.name,
+        layout,
+        cfg.train.activation_checkpointing,
+        2,
+        b,
+        s,
+    )
     assert untied - tied == 4 * m.vocab_size * m.dim  # fp32: the gathered embedding in fp32
 
 
-@pytest.mark.parametrize("visible, installed, want", [
-    (None, 8, 8), ("0,1", 8, 2), ("3", 8, 1), ("", 8, 0), ("-1", 8, 0),
-    ("0,9,1", 8, 1),  # CUDA stops at the first ordinal it does not have
-    ("1,1", 8, 1),  # or sees again
-    ("GPU-8d9c7c6e-0f5e-4c6a-9b1e-0123456789ab", 8, None),  # by UUID: only CUDA can tell
-    ("0,1", None, None),  # no /proc/driver/nvidia/gpus: ROCm, WSL
-])
+@pytest.mark.parametrize(
+    "visible, installed, want",
+    [
+        (None, 8, 8),
+        ("0,1", 8, 2),
+        ("3", 8, 1),
+        ("", 8, 0),
+        ("-1", 8, 0),
+        ("0,9,1", 8, 1),  # CUDA stops at the first ordinal it does not have
+        ("1,1", 8, 1),  # or sees again
+        ("GPU-8d9c7c6e-0f5e-4c6a-9b1e-0123456789ab", 8, None),  # by UUID: only CUDA can tell
+        ("0,1", None, None),  # no /proc/driver/nvidia/gpus: ROCm, WSL
+    ],
+)
 def test_the_launch_side_counts_gpus_without_torch(visible, installed, want):
     """HostInfo.detect on a host with a GPU driver: the GPUs CUDA will show, from the
     driver's count and CUDA_VISIBLE_DEVICES, so a launch on a GPU host imports no torch
@@ -141,13 +157,33 @@ def test_the_launch_side_counts_gpus_without_torch(visible, installed, want):
     assert visible_gpus(visible, installed) == want
 
 
-@pytest.mark.parametrize("name,tflops", [
-    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
-    ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0), ("NVIDIA GH200 480GB", 989.0),
-    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100-PCIE-40GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0),
-    ("NVIDIA L40S", 362.0), ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0), ("NVIDIA A10G", 70.0), ("NVIDIA A10", 125.0),
-    ("NVIDIA A40", 149.7), ("NVIDIA A30", 165.0), ("Tesla V100-SXM2-32GB", 125.0), ("Tesla T4", 65.0),
-    ("NVIDIA B200", 2250.0), ("AMD Instinct MI300X", 1307.0), ("NVIDIA GeForce RTX 4090", None), ("", None)])
+@pytest.mark.parametrize(
+    "name,tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA H200 NVL", 835.0),
+        ("NVIDIA GH200 480GB", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100-PCIE-40GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("NVIDIA L40S", 362.0),
+        ("NVIDIA L40", 181.0),
+        ("NVIDIA L4", 121.0),
+        ("NVIDIA A10G", 70.0),
+        ("NVIDIA A10", 125.0),
+        ("NVIDIA A40", 149.7),
+        ("NVIDIA A30", 165.0),
+        ("Tesla V100-SXM2-32GB", 125.0),
+        ("Tesla T4", 65.0),
+        ("NVIDIA B200", 2250.0),
+        ("AMD Instinct MI300X", 1307.0),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("", None),
+    ],
+)
 def test_peak_flops_by_the_exact_device_name(name, tflops):
     """MFU's denominator: an L40S is not an L4, an H100 NVL or PCIe not the SXM (the table
     once matched by substring); a GPU not in the table is None (the rank warns, and
@@ -171,8 +207,17 @@ def test_a_step_reads_nothing_back_from_the_device(one_rank_group, tmp_path, rec
     from launcher.launch.compose import compose_config
     from launcher.rank.entry import build_engine
 
-    cfg, _, _ = compose_config([f"recipe={recipe}", "model=gpt_tiny", "train.seq_len=64", "train.micro_batch=2",
-                                "precision=fp32", "logger=none", "cluster.nproc_per_node=1"])
+    cfg, _, _ = compose_config(
+        [
+            f"recipe={recipe}",
+            "model=gpt_tiny",
+            "train.seq_len=64",
+            "train.micro_batch=2",
+            "precision=fp32",
+            "logger=none",
+            "cluster.nproc_per_node=1",
+        ]
+    )
     engine = build_engine(cfg, models.prepare(models.on_meta(cfg), cfg), torch.device("cpu"), 0, 1, 0, tmp_path)
     b = build_dataset(cfg).__getitems__([0, 1])
     engine.train_step([(b[:, :-1], b[:, 1:])])
@@ -181,8 +226,12 @@ def test_a_step_reads_nothing_back_from_the_device(one_rank_group, tmp_path, rec
             engine.train_step([(b[:, :-1], b[:, 1:])])
     events = prof.events()
     optimizer = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith("Optimizer.step#")]
-    reads = [e for e in events if e.name == "aten::_local_scalar_dense"
-             and not any(start <= e.time_range.start <= end for start, end in optimizer)]
+    reads = [
+        e
+        for e in events
+        if e.name == "aten::_local_scalar_dense"
+        and not any(start <= e.time_range.start <= end for start, end in optimizer)
+    ]
     assert optimizer and not reads, f"{len(reads)} host reads in 3 steps"
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from launcher.launch import cli
 from launcher.config import ACMode
+from launcher.launch import cli
 from launcher.models.attention import DocumentMask, attend
 from launcher.models.gpt import GPT, lm_loss, set_activation_checkpointing
 from launcher.parallel.cuts import Stage
@@ -81,7 +81,8 @@ def assert_rotary_restarts(model, x, pos) -> None:
         want = model.rope[pos]
     else:  # the position ids transformers' rotary embedding reads
         hook = model.hf.model.rotary_emb.register_forward_pre_hook(
-            lambda m, args, kwargs: seen.append(kwargs["position_ids"]), with_kwargs=True)
+            lambda m, args, kwargs: seen.append(kwargs["position_ids"]), with_kwargs=True
+        )
         want = pos
     with torch.no_grad():
         model(x, positions=pos)
@@ -235,7 +236,7 @@ def test_the_planner_counts_the_mask(tmp_path):
     from tests.helpers.hf_models import tiny_llama_config
 
     hf = ["model=hf", f"model.config={tiny_llama_config(tmp_path / 'llama')}"]
-    for model, b, s, want in ((["model=gpt_tiny"], 2, 256, 16 * 2 * 2 ** 2), (hf, 2, 256, 2 * 2 * 256 * 256)):
+    for model, b, s, want in ((["model=gpt_tiny"], 2, 256, 16 * 2 * 2**2), (hf, 2, 256, 2 * 2 * 256 * 256)):
         base = model + ["recipe=fsdp", "precision=bf16", f"train.micro_batch={b}", f"train.seq_len={s}"]
         plain, masked = (cli.compose_config(base + [f"data.document_masking={on}"])[0] for on in ("false", "true"))
         figures = [activations(cfg, planner.layout_for(cfg, 2), ACMode.full, b) for cfg in (plain, masked)]

@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from launcher.launch import cli
-from launcher.parallel import degrees as D
-from launcher.launch.checks.validate import validate
-from launcher.parallel.dcp import _canonical
 from launcher.host import HostInfo
-from launcher.models.gpt import GPT
+from launcher.launch import cli
+from launcher.launch.checks.validate import validate
 from launcher.models import Layout
+from launcher.models.gpt import GPT
+from launcher.parallel import degrees as D
 from launcher.parallel.cuts import Stage, stage_bounds, tp_plan
+from launcher.parallel.dcp import _canonical
 
 HOST = HostInfo.detect()
 
@@ -27,17 +27,20 @@ def compose(*overrides):
     return cfg
 
 
-@pytest.mark.parametrize("overrides,world,want", [
-    (["recipe=ddp"], 2, D.Degrees(dp_replicate=2)),
-    (["recipe=fsdp"], 4, D.Degrees(dp_shard=4)),
-    (["recipe=fsdp", "parallel.dp_replicate=2"], 4, D.Degrees(dp_replicate=2, dp_shard=2)),
-    (["recipe=tp", "parallel.tp=2"], 4, D.Degrees(dp_replicate=2, tp=2)),  # tp does not shard: replicas
-    (["recipe=tp_fsdp", "parallel.tp=2"], 8, D.Degrees(dp_shard=4, tp=2)),
-    (["recipe=pp", "parallel.pp=2"], 4, D.Degrees(pp=2, dp_replicate=2)),
-    (["recipe=ddp", "parallel.cp=2"], 4, D.Degrees(dp_replicate=2, cp=2)),
-    (["recipe=fsdp", "parallel.cp=2"], 4, D.Degrees(dp_shard=2, cp=2)),
-    (["recipe=tp_fsdp", "parallel.tp=2", "parallel.cp=2"], 8, D.Degrees(dp_shard=2, cp=2, tp=2)),
-])
+@pytest.mark.parametrize(
+    "overrides,world,want",
+    [
+        (["recipe=ddp"], 2, D.Degrees(dp_replicate=2)),
+        (["recipe=fsdp"], 4, D.Degrees(dp_shard=4)),
+        (["recipe=fsdp", "parallel.dp_replicate=2"], 4, D.Degrees(dp_replicate=2, dp_shard=2)),
+        (["recipe=tp", "parallel.tp=2"], 4, D.Degrees(dp_replicate=2, tp=2)),  # tp does not shard: replicas
+        (["recipe=tp_fsdp", "parallel.tp=2"], 8, D.Degrees(dp_shard=4, tp=2)),
+        (["recipe=pp", "parallel.pp=2"], 4, D.Degrees(pp=2, dp_replicate=2)),
+        (["recipe=ddp", "parallel.cp=2"], 4, D.Degrees(dp_replicate=2, cp=2)),
+        (["recipe=fsdp", "parallel.cp=2"], 4, D.Degrees(dp_shard=2, cp=2)),
+        (["recipe=tp_fsdp", "parallel.tp=2", "parallel.cp=2"], 8, D.Degrees(dp_shard=2, cp=2, tp=2)),
+    ],
+)
 def test_degrees_give_the_rest_to_data_parallel(overrides, world, want):
     cfg = compose(*overrides)
     assert D.degrees(cfg, world) == want
@@ -47,7 +50,9 @@ def test_degrees_give_the_rest_to_data_parallel(overrides, world, want):
 def test_rank_coordinates_are_row_major_over_the_mesh():
     d = D.Degrees(pp=2, dp_replicate=1, dp_shard=2, tp=2)
     coords = [d.coords(r) for r in range(d.world)]
-    assert coords == list(itertools.product(range(2), range(1), range(2), range(1), range(2)))  # init_device_mesh's order
+    assert coords == list(
+        itertools.product(range(2), range(1), range(2), range(1), range(2))
+    )  # init_device_mesh's order
     # tensor-parallel neighbours and pipeline stages of one replica read the same data
     assert [d.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     # context-parallel ranks (between data and tensor parallel) read the same samples, other positions
@@ -57,9 +62,13 @@ def test_rank_coordinates_are_row_major_over_the_mesh():
 
 
 def test_the_issue_commands_validate():
-    for overrides, nproc in [(["recipe=fsdp"], 2), (["recipe=tp", "parallel.tp=2"], 2),
-                             (["recipe=pp", "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=8"], 2),
-                             (["recipe=tp_fsdp", "parallel.tp=2"], 4), (["recipe=fsdp"], 4)]:
+    for overrides, nproc in [
+        (["recipe=fsdp"], 2),
+        (["recipe=tp", "parallel.tp=2"], 2),
+        (["recipe=pp", "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=8"], 2),
+        (["recipe=tp_fsdp", "parallel.tp=2"], 4),
+        (["recipe=fsdp"], 4),
+    ]:
         cfg = compose(*overrides, f"cluster.nproc_per_node={nproc}")
         validate(cfg, HOST)
 
@@ -76,8 +85,9 @@ def _stage_params(model, a, b):
     return sum(p.numel() for p in Stage(model, range(a, b)).parameters())  # counted from the modules
 
 
-@pytest.mark.parametrize("model,n_stages", [("gpt_tiny", 2), ("gpt_tiny", 4), ("gpt_small", 4), ("gpt_1b", 4),
-                                            ("gpt_small", 3)])
+@pytest.mark.parametrize(
+    "model,n_stages", [("gpt_tiny", 2), ("gpt_tiny", 4), ("gpt_small", 4), ("gpt_1b", 4), ("gpt_small", 3)]
+)
 def test_balanced_stages_minimise_the_largest_stage(model, n_stages):
     m = compose(f"model={model}").model
     with torch.device("meta"):
@@ -131,14 +141,18 @@ TIED = Layout().tied_names()  # ("output.weight", "tok_embeddings.weight")
 def test_a_tied_head_is_stored_once_under_the_embedding_name():
     a, b = torch.zeros(2), torch.ones(2)
     assert _canonical({"tok_embeddings.weight": a, "output.weight": a, "norm.weight": b}, tied=TIED) == {
-        "tok_embeddings.weight": a, "norm.weight": b}
+        "tok_embeddings.weight": a,
+        "norm.weight": b,
+    }
     # the last pipeline stage holds the head only
     got = _canonical({"output.weight": a}, tied=TIED)
     assert list(got) == ["tok_embeddings.weight"] and got["tok_embeddings.weight"] is a
     got = _canonical({"state.output.weight.exp_avg": a, "state.norm.weight.step": b}, tied=TIED, prefix="state.")
     assert set(got) == {"state.tok_embeddings.weight.exp_avg", "state.norm.weight.step"}
     assert _canonical({"output.weight": a, "tok_embeddings.weight": b}, tied=None) == {
-        "output.weight": a, "tok_embeddings.weight": b}
+        "output.weight": a,
+        "tok_embeddings.weight": b,
+    }
 
 
 def test_ddp_skips_the_buffer_sync_on_either_torch(monkeypatch):
@@ -149,8 +163,15 @@ def test_ddp_skips_the_buffer_sync_on_either_torch(monkeypatch):
     assert engine.no_buffer_sync() == {"forward_sync_buffers": False}
 
     class OlderDDP:  # torch 2.11's signature, as far as these keywords go
-        def __init__(self, module, device_ids=None, broadcast_buffers=True, bucket_cap_mb=None,
-                     gradient_as_bucket_view=False, static_graph=False):
+        def __init__(
+            self,
+            module,
+            device_ids=None,
+            broadcast_buffers=True,
+            bucket_cap_mb=None,
+            gradient_as_bucket_view=False,
+            static_graph=False,
+        ):
             pass
 
     monkeypatch.setattr(engine, "DDP", OlderDDP)

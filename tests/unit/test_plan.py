@@ -10,16 +10,15 @@ import subprocess
 
 import pytest
 import torch
-
 from runs import here
+
+from launcher.config import ACMode, num_params
 from launcher.launch import cli, compose
-from launcher.config import ACMode
-from launcher.planner import plan as planner, zero
+from launcher.models.gpt import GPT, set_activation_checkpointing
+from launcher.planner import plan as planner
+from launcher.planner import zero
 from launcher.planner.footprint import activations
 from launcher.planner.memory import ActivationCounter, Numerics, ParamCounts, activation_bytes
-from launcher.config import num_params
-from launcher.models.gpt import GPT, set_activation_checkpointing
-
 
 REGIMES = {  # name -> (how the model runs, what the formula is told)
     "autocast-bf16": (torch.bfloat16, False, Numerics.of("bf16")),
@@ -29,9 +28,15 @@ REGIMES = {  # name -> (how the model runs, what the formula is told)
 
 
 @pytest.mark.parametrize("regime", sorted(REGIMES))
-@pytest.mark.parametrize("model", [["model=gpt_tiny"], ["model=gpt_small"],
-                                   ["model=gpt_tiny", "model.n_kv_heads=2", "model.tie_embeddings=false",
-                                    "model.n_layers=5"]], ids=["tiny", "small", "tiny-gqa-untied"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        ["model=gpt_tiny"],
+        ["model=gpt_small"],
+        ["model=gpt_tiny", "model.n_kv_heads=2", "model.tie_embeddings=false", "model.n_layers=5"],
+    ],
+    ids=["tiny", "small", "tiny-gqa-untied"],
+)
 def test_activation_formula_matches_autograd(regime, model):
     """Predicted activation bytes = what saved_tensors_hooks count, to the byte (bar the
     loss's 12: the fp32 weight total of its sum and the int64 count it divides by, which
@@ -56,8 +61,16 @@ def test_activation_formula_matches_autograd(regime, model):
 
 
 def test_meta_device_counts_a_70b_model_without_memory():
-    cfg, _, _ = cli.compose_config(["model=gpt_7b", "model.dim=8192", "model.n_layers=80", "model.n_heads=64",
-                                    "model.n_kv_heads=8", "model.ffn_dim=28672"])
+    cfg, _, _ = cli.compose_config(
+        [
+            "model=gpt_7b",
+            "model.dim=8192",
+            "model.n_layers=80",
+            "model.n_heads=64",
+            "model.n_kv_heads=8",
+            "model.ffn_dim=28672",
+        ]
+    )
     counts = ParamCounts.of(cfg.model)
     assert counts.total == num_params(cfg.model) == 68_976_648_192  # Llama-2-70B's count
 
@@ -70,8 +83,13 @@ def run_plan(*overrides: str) -> subprocess.CompletedProcess:
 
 def test_plan_table_json_and_chart(tmp_path):
     chart = tmp_path / "plan.png"
-    args = ["model=gpt_7b", "cluster.nnodes=1", "cluster.gpus_per_node=8", "cluster.gpu_memory_gb=80",
-            "train.seq_len=4096"]
+    args = [
+        "model=gpt_7b",
+        "cluster.nnodes=1",
+        "cluster.gpus_per_node=8",
+        "cluster.gpu_memory_gb=80",
+        "train.seq_len=4096",
+    ]
     data = json.loads(run_plan(*args, "--json", f"plan.chart={chart}").stdout)
     rows = data["rows"]
     recipes = sorted(p.stem for p in (compose.CONF_DIR / "recipe").glob("*.yaml"))
@@ -102,7 +120,7 @@ def test_plan_table_json_and_chart(tmp_path):
     line = next(x for x in table.splitlines() if x.startswith("recommended: make train RECIPE="))
     recipe, rest = line.removeprefix("recommended: make train RECIPE=").split(" ", 1)
     assert rest.startswith('ARGS="') and rest.endswith('"')
-    cfg, _, _ = cli.compose_config([f"recipe={recipe}", *shlex.split(rest[len('ARGS="'):-1])])
+    cfg, _, _ = cli.compose_config([f"recipe={recipe}", *shlex.split(rest[len('ARGS="') : -1])])
     b = best[0]
     assert (cfg.recipe.name, cfg.model.name, cfg.train.seq_len) == (b["layout"]["recipe"], "gpt_7b", 4096)
     assert (cfg.train.activation_checkpointing.value, cfg.train.micro_batch) == (b["ac"], b["micro_batch"])
@@ -136,8 +154,11 @@ def test_start_up_column_for_a_7b_model_on_24_gib_gpus():
 
 
 def test_activation_checkpointing_shrinks_the_plan():
-    data = json.loads(run_plan("model=gpt_1b", "cluster.gpus_per_node=8", "cluster.gpu_memory_gb=80",
-                               "train.seq_len=2048", "--json").stdout)
+    data = json.loads(
+        run_plan(
+            "model=gpt_1b", "cluster.gpus_per_node=8", "cluster.gpu_memory_gb=80", "train.seq_len=2048", "--json"
+        ).stdout
+    )
     ddp = {r["ac"]: r for r in data["rows"] if r["layout"]["recipe"] == "ddp"}
     assert ddp["full"]["micro_batch"] > ddp["selective"]["micro_batch"] > ddp["none"]["micro_batch"] >= 1
 
@@ -146,22 +167,39 @@ def test_context_parallel_splits_activations_and_fsdp_shards_over_it(capsys):
     """parallel.cp=2 on 8 GPUs: the recipes that split the sequence plan it (dp4 cp2), the
     others plan without it; a cp rank saves half the activations of the whole sequence (the
     block's one extra exchanged tensor aside) and FSDP shards its states over dp x cp."""
-    args = ("model=llama3_8b", "cluster.gpus_per_node=8", "cluster.gpu_memory_gb=80", "train.seq_len=8192",
-            "train.micro_batch=1", "--json")
+    args = (
+        "model=llama3_8b",
+        "cluster.gpus_per_node=8",
+        "cluster.gpu_memory_gb=80",
+        "train.seq_len=8192",
+        "train.micro_batch=1",
+        "--json",
+    )
     whole, split = (json.loads(run_plan(*args, *extra).stdout)["rows"] for extra in ((), ("parallel.cp=2",)))
 
     def row(rows, recipe, cp, ac="none"):
-        return next(r for r in rows if r["layout"]["recipe"] == recipe and r["layout"]["cp"] == cp
-                    and r["layout"]["tp"] == 1 and r["ac"] == ac)
+        return next(
+            r
+            for r in rows
+            if r["layout"]["recipe"] == recipe and r["layout"]["cp"] == cp and r["layout"]["tp"] == 1 and r["ac"] == ac
+        )
 
     assert {r["layout"]["recipe"] for r in split if r["layout"]["cp"] == 2} == {"ddp", "fsdp", "tp_fsdp"}
     assert all(r["layout"]["cp"] == 1 for r in split if r["layout"]["recipe"] not in ("ddp", "fsdp", "tp_fsdp"))
     a, b = row(whole, "fsdp", 1), row(split, "fsdp", 2)
     assert (a["layout"]["dp"], b["layout"]["dp"]) == (8, 4) and b["params"] == a["params"]  # shards over 8 either way
     for recipe in ("fsdp", "ddp"):
-        x, y = (activations(cfg, planner.layout_for(cfg, 8), ACMode.none, 1) for cfg in (
-            cli.compose_config([f"recipe={recipe}", "precision=fp32", *args[:4], *cp])[0] for cp in ([], ["parallel.cp=2"])))
-        assert 0.5 < y / x < 0.56, (recipe, y / x)  # not shrinking: the rope table, FSDP's gathered head, autocast's weight copies
+        x, y = (
+            activations(cfg, planner.layout_for(cfg, 8), ACMode.none, 1)
+            for cfg in (
+                cli.compose_config([f"recipe={recipe}", "precision=fp32", *args[:4], *cp])[0]
+                for cp in ([], ["parallel.cp=2"])
+            )
+        )
+        assert 0.5 < y / x < 0.56, (
+            recipe,
+            y / x,
+        )  # not shrinking: the rope table, FSDP's gathered head, autocast's weight copies
     assert b["layout"]["overrides"] == ["recipe=fsdp", "parallel.cp=2"] and b["layout"]["label"] == "fsdp (dp4 cp2)"
 
 
@@ -170,8 +208,9 @@ def test_nothing_fits_gets_an_answer_not_a_crash(tmp_path, capsys, monkeypatch):
     out = run_plan("model=gpt_7b", "cluster.gpus_per_node=1", "cluster.gpu_memory_gb=1").stdout
     assert "nothing fits in 1 GiB per GPU" in out and "needs GPUs with at least" in out
     monkeypatch.chdir(tmp_path)
-    code = cli.main(["train", "recipe=auto", "model=gpt_7b", "cluster.gpu_memory_gb=1",
-                     f"hydra.run.dir={tmp_path / 'run'}"])
+    code = cli.main(
+        ["train", "recipe=auto", "model=gpt_7b", "cluster.gpu_memory_gb=1", f"hydra.run.dir={tmp_path / 'run'}"]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "recipe=auto: nothing fits" in err[0]
     assert not (tmp_path / "run").exists()
@@ -198,8 +237,15 @@ def test_auto_micro_batch_plans_the_recipe_as_overridden(tmp_path, capsys, monke
     choice was refused by the launch's own memory check)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("launcher.host.native_bf16", lambda *a: native)
-    argv = ["train", "recipe=zero2", "recipe.zero.offload_optimizer=cpu", "train.micro_batch=auto", "--dry-run",
-            "cluster.gpu_memory_gb=8", f"hydra.run.dir={tmp_path / 'run'}"]
+    argv = [
+        "train",
+        "recipe=zero2",
+        "recipe.zero.offload_optimizer=cpu",
+        "train.micro_batch=auto",
+        "--dry-run",
+        "cluster.gpu_memory_gb=8",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     assert cli.main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     chose = next(line for line in out.splitlines() if line.startswith("planner chose: "))
@@ -207,7 +253,10 @@ def test_auto_micro_batch_plans_the_recipe_as_overridden(tmp_path, capsys, monke
     assert "  oom_backoff: true\n" in out  # should a step not fit after all: the back-off keeps the batch
     hw = planner.Hardware(gpu_bytes=80 * 2**30, gpus_per_node=2, nnodes=1, tflops=planner.DEFAULT_TFLOPS)
     cfg, _, _ = cli.compose_config(["recipe=zero2", "recipe.zero.offload_optimizer=cpu"])
-    assert planner.layout_for(cfg, 2).offload_optim and not planner.layout_for(cli.compose_config(["recipe=zero2"])[0], 2).offload_optim
+    assert (
+        planner.layout_for(cfg, 2).offload_optim
+        and not planner.layout_for(cli.compose_config(["recipe=zero2"])[0], 2).offload_optim
+    )
     assert planner.no_fit_message([], hw, 0).startswith("no layout")
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from launcher.config import shape_key
 from launcher.launch import cli, compose
-from launcher.planner import plan as planner, zero as Z
+from launcher.planner import plan as planner
+from launcher.planner import zero as Z
 from launcher.planner.footprint import model_states, start_up
 from launcher.planner.memory import ParamCounts
 
@@ -22,8 +23,12 @@ def composed(*overrides: str):
 
 
 def hardware(gpus: int, gpu_gb: float = 141) -> planner.Hardware:
-    return planner.Hardware(gpu_bytes=int(gpu_gb * 2**30), gpus_per_node=min(gpus, 8), nnodes=max(1, gpus // 8),
-                            tflops=planner.DEFAULT_TFLOPS)
+    return planner.Hardware(
+        gpu_bytes=int(gpu_gb * 2**30),
+        gpus_per_node=min(gpus, 8),
+        nnodes=max(1, gpus // 8),
+        tflops=planner.DEFAULT_TFLOPS,
+    )
 
 
 def deepspeed_sub_groups(cfg, world: int, size: int) -> list[int]:
@@ -59,7 +64,7 @@ def test_zero3_charges_the_fp32_gradient_per_sub_group(model, gpus):
     assert S == max(deepspeed_sub_groups(cfg, gpus, Z.DEFAULTS["sub_group_size"]))
     assert psi / gpus > 4 * S
     params, grads, optim, _, _ = model_states(cfg, layout)
-    bucket = cfg.model.dim ** 2
+    bucket = cfg.model.dim**2
     assert grads == pytest.approx(2 * psi / gpus + 4 * S + 2 * bucket, abs=16)
     whole = Z.zero_states(3, psi, gpus, bucket=bucket, kept_whole=0, weight_bytes=2)  # the partition at once
     assert sum(d + h for d, h in whole.values()) - (params + grads + optim) > 0.15 * (params + grads + optim)
@@ -74,12 +79,14 @@ def test_sub_group_size_moves_the_plan_as_it_moves_the_engine():
     partition: the planned fp32 gradient follows DeepSpeed's cut at each."""
     grads = {}
     for size in (10**8, 10**9, 10**12):
-        cfg = composed("model=llama3_70b", "recipe=zero3", f"+recipe.zero.extra={{zero_optimization:{{sub_group_size:{size}}}}}")
+        cfg = composed(
+            "model=llama3_70b", "recipe=zero3", f"+recipe.zero.extra={{zero_optimization:{{sub_group_size:{size}}}}}"
+        )
         psi = ParamCounts.of(cfg.model).total
         assert Z.sub_group(cfg, 8, psi) == max(deepspeed_sub_groups(cfg, 8, size))
         grads[size] = model_states(cfg, planner.layout_for(cfg, 8))[1]
     assert grads[10**8] < grads[10**9] < grads[10**12]
-    assert grads[10**12] == pytest.approx(6 * psi / 8 + 2 * cfg.model.dim ** 2, rel=1e-3)  # one sub-group: the partition
+    assert grads[10**12] == pytest.approx(6 * psi / 8 + 2 * cfg.model.dim**2, rel=1e-3)  # one sub-group: the partition
 
 
 def test_gpt_7b_on_one_141_gb_gpu_fits_zero3():
@@ -116,8 +123,10 @@ def test_sequence_parallel_splits_the_norms_and_the_stream_over_tp(ac):
     from launcher.planner import memory as M
     from launcher.planner.footprint import activations, numerics
 
-    off, on = (composed("model=gpt_7b", "recipe=tp", "parallel.tp=8", "train.seq_len=4096",
-                        f"parallel.sequence_parallel={sp}") for sp in ("false", "true"))
+    off, on = (
+        composed("model=gpt_7b", "recipe=tp", "parallel.tp=8", "train.seq_len=4096", f"parallel.sequence_parallel={sp}")
+        for sp in ("false", "true")
+    )
     layout = planner.layout_for(on, 8)
     x, n = M.Shape.of(on.model, 1, 4096), numerics(on.precision.name, layout)
     saved = {"none": (2 * x.L + 1) * M._norm(x, n), "full": x.L * n.residual * x.s * x.h + M._norm(x, n)}[ac]
@@ -139,8 +148,13 @@ def test_auto_micro_batch_divides_the_global_batch_at_size():
         share = 96 // r.layout.dp
         assert share % r.micro_batch == 0 and r.micro_batch <= unset[(r.layout.label, r.ac)].micro_batch
         bigger = [b for b in range(r.micro_batch + 1, share + 1) if share % b == 0]
-        assert not bigger or not planner.fits(fixed, hardware(8, 80), planner.memory_row(
-            planner.at_batch(fixed, r.layout, bigger[0]), r.layout, r.ac, bigger[0], hardware(8, 80)))
+        assert not bigger or not planner.fits(
+            fixed,
+            hardware(8, 80),
+            planner.memory_row(
+                planner.at_batch(fixed, r.layout, bigger[0]), r.layout, r.ac, bigger[0], hardware(8, 80)
+            ),
+        )
     assert any(96 // r.layout.dp % r.micro_batch for r in unset.values() if r.fits)
 
 
@@ -149,12 +163,13 @@ def test_auto_micro_batch_with_a_global_batch_launches(capsys):
     ranks: the planner chose 1024 (what fits this machine) and the launch refused its own
     choice. Now it chooses a micro-batch that divides 16 / 2, and the launch's check passes."""
     from launcher.host import HostInfo
-    from launcher.launch.commands.plan import resolve_auto
     from launcher.launch.checks.validate import validate
+    from launcher.launch.commands.plan import resolve_auto
 
     host = HostInfo.detect()
-    chosen, _ = resolve_auto(["train.micro_batch=auto", "train.global_batch=16", "cluster.nproc_per_node=2",
-                              "precision=fp32"], host)
+    chosen, _ = resolve_auto(
+        ["train.micro_batch=auto", "train.global_batch=16", "cluster.nproc_per_node=2", "precision=fp32"], host
+    )
     cfg = cli.compose_config(chosen)[0]
     validate(cfg, host)
     assert cfg.train.micro_batch == 8 and "planner chose" in capsys.readouterr().out  # gpt_small x 8 fits here
@@ -171,4 +186,4 @@ def test_the_reference_table_in_the_docs_is_current():
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     doc = (REPO / "docs" / "memory.md").read_text()
-    assert doc[doc.index(script.BEGIN):doc.index(script.END) + len(script.END)] == script.table()
+    assert doc[doc.index(script.BEGIN) : doc.index(script.END) + len(script.END)] == script.table()

@@ -30,10 +30,13 @@ def test_reduce_bucket_size(recipe):
     at the step: measured on real ranks, the step's states are the same at any size."""
     base, z0, cfg = row(recipe)
     big, z1, _ = row(recipe, "recipe.zero.reduce_bucket_size=500000000")
-    assert (z0["reduce_bucket_size"], z1["reduce_bucket_size"]) == (cfg.model.dim ** 2, 500_000_000)
-    delta = 2 * (500_000_000 - cfg.model.dim ** 2)
-    moved = {"zero1": (big.grads_peak - base.grads_peak, big.grads - base.grads), "zero2": (0, big.grads - base.grads),
-             "zero3": (big.grads - base.grads, 0)}[recipe]
+    assert (z0["reduce_bucket_size"], z1["reduce_bucket_size"]) == (cfg.model.dim**2, 500_000_000)
+    delta = 2 * (500_000_000 - cfg.model.dim**2)
+    moved = {
+        "zero1": (big.grads_peak - base.grads_peak, big.grads - base.grads),
+        "zero2": (0, big.grads - base.grads),
+        "zero3": (big.grads - base.grads, 0),
+    }[recipe]
     assert moved == ({"zero1": delta, "zero2": 0, "zero3": delta}[recipe], 0)
 
 
@@ -51,8 +54,10 @@ def test_param_persistence_threshold():
     base, z0, cfg = row("zero3")
     whole, z1, _ = row("zero3", "recipe.zero.param_persistence_threshold=100000000")
     assert (z0["stage3_param_persistence_threshold"], z1["stage3_param_persistence_threshold"]) == (
-        10 * cfg.model.dim, 100_000_000)
-    assert whole.params - base.params > 2 * 32 * cfg.model.dim ** 2  # every block's attention matrices at least
+        10 * cfg.model.dim,
+        100_000_000,
+    )
+    assert whole.params - base.params > 2 * 32 * cfg.model.dim**2  # every block's attention matrices at least
 
 
 def test_prefetch_bucket_and_max_live_parameters():

@@ -12,16 +12,20 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from runs import REPO
 
 from launcher import provenance
 from launcher.launch import cli
 from launcher.launch.submit import slurm
-from runs import REPO
 
 
 def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
-                          capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
 
 
 @pytest.fixture
@@ -75,7 +79,8 @@ def test_a_clean_checkout_has_no_diff_and_a_copy_without_git_says_why(checkout, 
 def test_the_wandb_summary_carries_the_commit_and_the_ranks_hosts(checkout, tmp_path):
     provenance.write(tmp_path, ["submit", "cluster.nnodes=2"], 0, code=tmp_path / "code")
     (tmp_path / provenance.FOLDER / provenance.HOSTS).write_text(
-        json.dumps({"hosts": {"node-a": [0, 1], "node-b": [2, 3]}, "versions": {"nccl": "2.28.9"}}) + "\n")
+        json.dumps({"hosts": {"node-a": [0, 1], "node-b": [2, 3]}, "versions": {"nccl": "2.28.9"}}) + "\n"
+    )
     short = provenance.for_wandb(tmp_path)
     assert short["commit"] == _git(checkout, "rev-parse", "HEAD").strip() and short["dirty"] is True
     assert short["code"] == str(tmp_path / "code") and short["rank_hosts"]["node-b"] == [2, 3]
@@ -84,8 +89,20 @@ def test_the_wandb_summary_carries_the_commit_and_the_ranks_hosts(checkout, tmp_
 
 
 def _dry_run(capsys, run_dir: Path, *more: str) -> str:
-    assert cli.main(["submit", "recipe=ddp", "cluster=slurm", "cluster.nnodes=2", f"hydra.run.dir={run_dir}",
-                     *more, "--dry-run"]) == 0
+    assert (
+        cli.main(
+            [
+                "submit",
+                "recipe=ddp",
+                "cluster=slurm",
+                "cluster.nnodes=2",
+                f"hydra.run.dir={run_dir}",
+                *more,
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     return capsys.readouterr().out
 
 
@@ -119,5 +136,7 @@ def test_a_line_cut_short_neither_hides_the_ranks_nor_swallows_the_next_start(on
     assert provenance.for_wandb(tmp_path)["rank_hosts"] == {"old": [0]}
     provenance.record_hosts(tmp_path, 0, 1)
     last = json.loads(hosts.read_text().splitlines()[-1])
-    assert list(last["hosts"].values()) == [[0]] and last["git"]["commit"] == _git(checkout, "rev-parse", "HEAD").strip()
+    assert (
+        list(last["hosts"].values()) == [[0]] and last["git"]["commit"] == _git(checkout, "rev-parse", "HEAD").strip()
+    )
     assert provenance.for_wandb(tmp_path)["rank_git"]["dirty"] is True

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from runs import REPO
+
 from launcher.parallel import degrees as D
 from launcher.planner import rehearse as R
 
@@ -25,9 +26,25 @@ def test_a_rehearsal_reports_each_ranks_shards_and_the_plan():
     """gpt_tiny (dim 128, 4 heads, ffn 384, vocabulary 256, tied) as tp_fsdp with tp=2 on 2
     nodes of 4: 8 ranks, FSDP over 4. Rank 0 and rank 1 are the two tensor-parallel
     positions; rank 7 the last."""
-    proc = subprocess.run([sys.executable, "-m", "launcher", "rehearse", "model=gpt_tiny", "recipe=tp_fsdp",
-                           "parallel.tp=2", "cluster.nnodes=2", "cluster.gpus_per_node=4", "cluster.gpu_memory_gb=8",
-                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "rehearse",
+            "model=gpt_tiny",
+            "recipe=tp_fsdp",
+            "parallel.tp=2",
+            "cluster.nnodes=2",
+            "cluster.gpus_per_node=4",
+            "cluster.gpu_memory_gb=8",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert (out["world"], out["layout"]["label"], out["fits"]) == (8, "tp_fsdp (dp4 tp2)", True)
@@ -45,8 +62,13 @@ def test_a_rehearsal_reports_each_ranks_shards_and_the_plan():
         # the optimizer's own states: two fp32 Adam moments of every local shard (and a step each)
         assert 2 * r["params"] <= r["optim"] < 2 * r["params"] + 4 * 100
         assert abs(r["difference"]) < R.TOLERANCE, r
-    proc = subprocess.run([sys.executable, "-m", "launcher", "rehearse", "model=gpt_tiny", "recipe=fsdp",
-                           "cluster.gpus_per_node=4"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher", "rehearse", "model=gpt_tiny", "recipe=fsdp", "cluster.gpus_per_node=4"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout
     assert text.splitlines()[0].startswith("rehearsal: model=gpt_tiny, fsdp (dp4) on 4 ranks (1 node(s) x 4)")
@@ -57,9 +79,24 @@ def test_pipeline_stages_with_tensor_parallel_and_fsdp_are_rehearsed():
     """pp=2 x tp=2 x fsdp=2 (recipe pp_fsdp) on 2 nodes of 4: every stage's first rank,
     both tensor-parallel positions and the last rank, each holding its stage's layers
     split by tensor parallel, then by FSDP, as the planner says."""
-    proc = subprocess.run([sys.executable, "-m", "launcher", "rehearse", "model=gpt_tiny", "recipe=pp_fsdp",
-                           "parallel.tp=2", "cluster.nnodes=2", "cluster.gpus_per_node=4", "--json"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "rehearse",
+            "model=gpt_tiny",
+            "recipe=pp_fsdp",
+            "parallel.tp=2",
+            "cluster.nnodes=2",
+            "cluster.gpus_per_node=4",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert (out["world"], out["layout"]["label"]) == (8, "pp_fsdp (dp2 tp2 pp2)")
@@ -77,9 +114,24 @@ def test_a_hugging_face_llama_is_rehearsed_against_the_plan_of_its_shape(tmp_pat
     planner reads it as the project's decoder of the same shape, as `make plan` does."""
     from hf_models import tiny_llama_config
 
-    proc = subprocess.run([sys.executable, "-m", "launcher", "rehearse", "model=hf",
-                           f"model.config={tiny_llama_config(tmp_path)}", "recipe=tp_fsdp", "parallel.tp=2",
-                           "cluster.gpus_per_node=4", "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "rehearse",
+            "model=hf",
+            f"model.config={tiny_llama_config(tmp_path)}",
+            "recipe=tp_fsdp",
+            "parallel.tp=2",
+            "cluster.gpus_per_node=4",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert [r["rank"] for r in out["ranks"]] == [0, 1, 3]
@@ -98,12 +150,14 @@ def test_tensor_parallel_ranks_hold_the_whole_vocabularys_logits():
 
     from launcher import models
     from launcher.launch import cli
-    from launcher.planner import footprint, plan as planner
+    from launcher.planner import footprint
+    from launcher.planner import plan as planner
     from launcher.rank.entry import build_engine
 
     for tied in ("true", "false"):
-        cfg, _, _ = cli.compose_config(["model=gpt_tiny", "recipe=tp", "parallel.tp=2", "cluster.gpus_per_node=2",
-                                        f"model.tie_embeddings={tied}"])
+        cfg, _, _ = cli.compose_config(
+            ["model=gpt_tiny", "recipe=tp", "parallel.tp=2", "cluster.gpus_per_node=2", f"model.tie_embeddings={tied}"]
+        )
         dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
         try:
             engine = build_engine(cfg, models.prepare(models.on_meta(cfg), cfg), torch.device("meta"), 1, 2, 1, REPO)
@@ -113,5 +167,9 @@ def test_tensor_parallel_ranks_hold_the_whole_vocabularys_logits():
             dist.destroy_process_group()
         assert not isinstance(logits, torch.distributed.tensor.DTensor) and tuple(logits.shape) == (3, 16, 256), tied
     layout = planner.layout_of(cfg, D.degrees(cfg, 2))
-    assert footprint.temporaries(cfg.model, cfg.precision.name, layout, cfg.train.activation_checkpointing,
-                                 cfg.train.ac_every, 3, 16) >= (2 + 4) * 3 * 16 * 256
+    assert (
+        footprint.temporaries(
+            cfg.model, cfg.precision.name, layout, cfg.train.activation_checkpointing, cfg.train.ac_every, 3, 16
+        )
+        >= (2 + 4) * 3 * 16 * 256
+    )

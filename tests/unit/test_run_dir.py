@@ -74,16 +74,23 @@ def test_a_rank_killed_with_the_host_near_its_memory_limit_is_named_as_the_oom_k
 
     from launcher.launch.start.console import Memory, killed, root_cause
 
-    report = ["Root Cause (first observed failure):\n", "[0]:\n", "  rank      : 1 (local_rank: 1)\n",
-              "  exitcode  : -9 (pid: 4242)  (SIGKILL)\n", "  traceback : Signal 9 (SIGKILL) received by PID 4242\n"]
+    report = [
+        "Root Cause (first observed failure):\n",
+        "[0]:\n",
+        "  rank      : 1 (local_rank: 1)\n",
+        "  exitcode  : -9 (pid: 4242)  (SIGKILL)\n",
+        "  traceback : Signal 9 (SIGKILL) received by PID 4242\n",
+    ]
     failure = root_cause(report)
     assert (failure.rank, failure.exitcode, failure.pid) == (1, -9, 4242)
     tight = Memory(total=23 << 30, peaks={4242: 10 << 30})
     tight.recent.extend([(time.monotonic(), 5 << 30), (time.monotonic(), 300 << 20)])
     line = killed(failure, tight)
-    assert line.startswith("error: rank 1 (pid 4242) was killed by SIGKILL: most likely the kernel's out-of-memory "
-                           "killer (the host had 0.29 of 23.00 GiB available in the seconds before; its peak resident "
-                           "memory 10.00 GiB)"), line
+    assert line.startswith(
+        "error: rank 1 (pid 4242) was killed by SIGKILL: most likely the kernel's out-of-memory "
+        "killer (the host had 0.29 of 23.00 GiB available in the seconds before; its peak resident "
+        "memory 10.00 GiB)"
+    ), line
     roomy = Memory(total=23 << 30)
     roomy.recent.append((time.monotonic(), 20 << 30))
     assert "not for memory, it seems" in killed(failure, roomy)

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from runs import FAST, REPO
-from launcher.launch import cli
 from golden import check_golden
+from runs import FAST, REPO
 
+from launcher.launch import cli
 
 # The jobs: 2 gloo ranks on the one node (2 CPUs), W&B offline.
 JOB = ["cluster.nproc_per_node=2", "cluster.cpus_per_task=2", *FAST]
@@ -22,7 +21,9 @@ JOB = ["cluster.nproc_per_node=2", "cluster.cpus_per_task=2", *FAST]
 # ----------------------------------------------------------------------------- no cluster
 # The golden scripts import the job's snapshot of the code (cluster.snapshot_code) through
 # PYTHONSAFEPATH, which Python 3.10 lacks: there the script goes without those two lines.
-SNAPSHOT = pytest.mark.skipif(sys.version_info < (3, 11), reason="the goldens hold the snapshot's PYTHONSAFEPATH (3.11+)")
+SNAPSHOT = pytest.mark.skipif(
+    sys.version_info < (3, 11), reason="the goldens hold the snapshot's PYTHONSAFEPATH (3.11+)"
+)
 
 
 @SNAPSHOT
@@ -30,11 +31,25 @@ def test_dry_run_prints_the_script_and_submits_nothing(capsys, monkeypatch):
     """The 4-node job of the README, as `make submit ... --dry-run` prints it."""
     monkeypatch.chdir(REPO)
     run_dir = Path("/tmp/launcher-golden/four-nodes")  # fixed: the rendezvous id hashes it
-    code = cli.main(["submit", "recipe=ddp", "cluster=slurm", "cluster.nnodes=4", "cluster.gpus_per_node=8",
-                     "cluster.cpus_per_task=64", "cluster.partition=gpu", "cluster.time=24:00:00",
-                     "cluster.account=proj42", "cluster.mem=0", "cluster.exclusive=true",
-                     "+cluster.env.NCCL_SOCKET_IFNAME=ib0", "cluster.setup=['module load cuda/12.4']",
-                     f"hydra.run.dir={run_dir}", "--dry-run"])
+    code = cli.main(
+        [
+            "submit",
+            "recipe=ddp",
+            "cluster=slurm",
+            "cluster.nnodes=4",
+            "cluster.gpus_per_node=8",
+            "cluster.cpus_per_task=64",
+            "cluster.partition=gpu",
+            "cluster.time=24:00:00",
+            "cluster.account=proj42",
+            "cluster.mem=0",
+            "cluster.exclusive=true",
+            "+cluster.env.NCCL_SOCKET_IFNAME=ib0",
+            "cluster.setup=['module load cuda/12.4']",
+            f"hydra.run.dir={run_dir}",
+            "--dry-run",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert not run_dir.exists(), "--dry-run wrote a run directory"
@@ -59,12 +74,32 @@ def test_the_rehearsed_405b_layout_renders_as_a_64_node_job(capsys, monkeypatch)
 
     monkeypatch.setattr(rundir.shutil, "disk_usage", lambda path: ParallelFilesystem)
     run_dir = Path("/tmp/launcher-golden/llama3-405b")  # fixed: the rendezvous id hashes it
-    code = cli.main(["submit", "model=llama3_405b", "recipe=pp_fsdp", "parallel.pp=16", "parallel.tp=8",
-                     "parallel.sequence_parallel=true", "parallel.pp_microbatches=32", "train.micro_batch=32", "cluster=slurm",
-                     "cluster.nnodes=64", "cluster.gpus_per_node=8", "cluster.cpus_per_task=96", "cluster.partition=gpu",
-                     "cluster.time=48:00:00", "cluster.mem=0", "cluster.exclusive=true", "cluster.join_timeout_s=900",
-                     "train.seq_len=8192", "train.activation_checkpointing=full",
-                     "+cluster.env.NCCL_SOCKET_IFNAME=ib0", f"hydra.run.dir={run_dir}", "--dry-run"])
+    code = cli.main(
+        [
+            "submit",
+            "model=llama3_405b",
+            "recipe=pp_fsdp",
+            "parallel.pp=16",
+            "parallel.tp=8",
+            "parallel.sequence_parallel=true",
+            "parallel.pp_microbatches=32",
+            "train.micro_batch=32",
+            "cluster=slurm",
+            "cluster.nnodes=64",
+            "cluster.gpus_per_node=8",
+            "cluster.cpus_per_task=96",
+            "cluster.partition=gpu",
+            "cluster.time=48:00:00",
+            "cluster.mem=0",
+            "cluster.exclusive=true",
+            "cluster.join_timeout_s=900",
+            "train.seq_len=8192",
+            "train.activation_checkpointing=full",
+            "+cluster.env.NCCL_SOCKET_IFNAME=ib0",
+            f"hydra.run.dir={run_dir}",
+            "--dry-run",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and not run_dir.exists()
     text = out.replace(sys.executable, "/venv/bin/python").replace(str(REPO), "/repo")

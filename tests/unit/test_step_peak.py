@@ -40,8 +40,9 @@ def one_group(tmp_path_factory):
 
     from launcher.planner.rehearse import leave_group
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('group') / 'store'}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path_factory.mktemp('group') / 'store'}", rank=0, world_size=1
+    )
     yield
     leave_group(zero3="deepspeed" in sys.modules)
 
@@ -50,8 +51,17 @@ def one_group(tmp_path_factory):
 @pytest.mark.parametrize("recipe", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
 def test_the_step_peak_against_a_memory_tracker(one_group, tmp_path, monkeypatch, recipe, precision):
     mb, seq = 4, 128
-    cfg, _, _ = compose_config([f"recipe={recipe}", "model=gpt_tiny", f"train.seq_len={seq}", f"train.micro_batch={mb}",
-                                f"precision={precision}", "logger=none", "cluster.nproc_per_node=1"])
+    cfg, _, _ = compose_config(
+        [
+            f"recipe={recipe}",
+            "model=gpt_tiny",
+            f"train.seq_len={seq}",
+            f"train.micro_batch={mb}",
+            f"precision={precision}",
+            "logger=none",
+            "cluster.nproc_per_node=1",
+        ]
+    )
     zero = recipe.startswith("zero")
     if zero:  # what the launch side writes and torchrun sets
         (tmp_path / ds_config.FILE).write_text(ds_config.text(ds_config.launch_config(cfg, 1, False)))
@@ -73,7 +83,9 @@ def test_the_step_peak_against_a_memory_tracker(one_group, tmp_path, monkeypatch
     at_peak = next(v for k, v in tracker.get_tracker_snapshot("peak").items() if str(k) == "cpu")
     measured = sum(v for k, v in at_peak.items() if str(k).split(".")[-1] not in ("Total", "BUFFER"))
     row = planner.memory_row(cfg, planner.layout_for(cfg, 1), cfg.train.activation_checkpointing, mb)
-    print(f"{recipe} {precision}: {measured / 2**20:.2f} MiB measured, {row.total / 2**20:.2f} planned "
-          f"(the sum would be {(row.params + row.grads + row.optim + row.activations + row.temp) / 2**20:.2f})")
+    print(
+        f"{recipe} {precision}: {measured / 2**20:.2f} MiB measured, {row.total / 2**20:.2f} planned "
+        f"(the sum would be {(row.params + row.grads + row.optim + row.activations + row.temp) / 2**20:.2f})"
+    )
     assert (row.grads_kept == row.grads) == (recipe == "ddp")
     assert abs(row.total / measured - 1) < 0.04

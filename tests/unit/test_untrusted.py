@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp_api
+from crafted import Payload, craft_metadata
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from crafted import Payload, craft_metadata
-from launcher.parallel import dcp
 from launcher import untrusted
+from launcher.parallel import dcp
 
 
 def dcp_folder(folder: Path) -> Path:
@@ -37,8 +37,11 @@ def test_crafted_dcp_metadata_runs_code_in_torch_and_not_here(tmp_path):
     with pytest.raises(dcp.CheckpointRefused, match="posix.system"):
         dcp.read_metadata(folder)
     with pytest.raises(BaseException) as refused:  # DCP wraps it in a CheckpointException (a BaseException)
-        dcp_api.load({"model": {"w": torch.empty(4, 3), "b": torch.empty(3, dtype=torch.bfloat16)}},
-                     storage_reader=dcp.SafeReader(folder), no_dist=True)
+        dcp_api.load(
+            {"model": {"w": torch.empty(4, 3), "b": torch.empty(3, dtype=torch.bfloat16)}},
+            storage_reader=dcp.SafeReader(folder),
+            no_dist=True,
+        )
     assert "must never run code" in str(getattr(refused.value, "failures", refused.value))
     problem = untrusted.check_checkpoint(folder)
     assert "posix.system" in problem and "\n" not in problem and not marker.exists()

@@ -4,9 +4,6 @@ written (/dev/full) is said once. W&B with a key and no route: tests/e2e/test_wa
 from __future__ import annotations
 
 
-
-
-
 def test_a_metrics_row_or_summary_that_cannot_be_written_is_said_once(tmp_path, capfd):
     """A full disk under metrics.jsonl (its open file's descriptor pointed at /dev/full, which
     fails every write with ENOSPC) and under summary.json (a link to /dev/full): one line
@@ -30,7 +27,9 @@ def test_a_metrics_row_or_summary_that_cannot_be_written_is_said_once(tmp_path, 
     log.finish({"steps": 5, "loss": 1.0})
     out, err = capfd.readouterr()
     said = [line for line in err.splitlines() if line.strip()]
-    assert said == ["metrics.jsonl: No space left on device; later rows go to the console only",
-                    "summary.json: No space left on device; the summary above is the run's record"], err
+    assert said == [
+        "metrics.jsonl: No space left on device; later rows go to the console only",
+        "summary.json: No space left on device; the summary above is the run's record",
+    ], err
     assert all(f"step {s:>6}" in out for s in range(1, 6))  # every row still on the console
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]

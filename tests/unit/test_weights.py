@@ -33,8 +33,16 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     root = tmp_path_factory.mktemp("weights")
     model.save_pretrained(root / "single", safe_serialization=True)
     model.save_pretrained(root / "sharded", safe_serialization=True, max_shard_size="20KB")
@@ -70,8 +78,15 @@ def test_whole_tensors(folders, kind, chunk):
         assert got.dtype == ref[name].dtype and torch.equal(got, ref[name]), name
 
 
-BOXES = [((3, 17), None), (None, (5, 29)), ((10, 40), (7, 8)), ((5, 5), None), (None, (5, 5)), ((63, 64), (31, 32)),
-         ((0, 64), (0, 32))]
+BOXES = [
+    ((3, 17), None),
+    (None, (5, 29)),
+    ((10, 40), (7, 8)),
+    ((5, 5), None),
+    (None, (5, 5)),
+    ((63, 64), (31, 32)),
+    ((0, 64), (0, 32)),
+]
 
 
 @pytest.mark.parametrize("kind", ["sharded", "bf16"])
@@ -81,7 +96,7 @@ def test_boxes(folders, kind, chunk):
     name = "model.embed_tokens.weight"  # (64, 32)
     for rows, cols in BOXES:
         box = [rows or (0, 64), cols or (0, 32)]
-        want = ref[name][box[0][0]:box[0][1], box[1][0]:box[1][1]]
+        want = ref[name][box[0][0] : box[0][1], box[1][0] : box[1][1]]
         got = W.read(entries[name], box, max_chunk_bytes=chunk)
         assert got.shape == want.shape and torch.equal(got, want), box
     norm = "model.norm.weight"  # 1-D: a box on its only dimension
@@ -148,11 +163,18 @@ def test_read_flat(folders, kind, chunk):
 
 
 def test_every_dtype_and_zero_dim(tmp_path):
-    tensors = {"f64": torch.randn(3, 4, dtype=torch.float64), "f16": torch.randn(5, 2).half(),
-               "i64": torch.arange(-12, 12).view(2, 3, 4), "i32": torch.arange(7, dtype=torch.int32),
-               "i16": torch.arange(6, dtype=torch.int16).view(3, 2), "i8": torch.arange(-4, 4, dtype=torch.int8),
-               "u8": torch.arange(250, 256, dtype=torch.uint8), "bool": torch.tensor([[True, False], [False, True]]),
-               "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4)}
+    tensors = {
+        "f64": torch.randn(3, 4, dtype=torch.float64),
+        "f16": torch.randn(5, 2).half(),
+        "i64": torch.arange(-12, 12).view(2, 3, 4),
+        "i32": torch.arange(7, dtype=torch.int32),
+        "i16": torch.arange(6, dtype=torch.int16).view(3, 2),
+        "i8": torch.arange(-4, 4, dtype=torch.int8),
+        "u8": torch.arange(250, 256, dtype=torch.uint8),
+        "bool": torch.tensor([[True, False], [False, True]]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+    }
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     entries = W.index(tmp_path)
     for name, t in tensors.items():
@@ -187,8 +209,10 @@ def test_truncated_after_index_reads_only_its_rows(folders, tmp_path):
     os.truncate(tmp_path / "model.safetensors", last.end - 3 * row)
     assert torch.equal(W.read(last, [(0, 2)] + [(0, s) for s in last.shape[1:]]), ref[last.name][:2])
     n = last.shape[0] * (last.shape[1] if len(last.shape) == 2 else 1)
-    for call in (lambda: W.read(last),  # straight into a new tensor
-                 lambda: W.read_flat(last, 0, n, out=torch.empty(n, dtype=torch.float64))):  # through the buffer
+    for call in (
+        lambda: W.read(last),  # straight into a new tensor
+        lambda: W.read_flat(last, 0, n, out=torch.empty(n, dtype=torch.float64)),
+    ):  # through the buffer
         with pytest.raises(WeightsError, match="short read") as err:
             call()
         assert (err.value.tensor, err.value.file) == (last.name, tmp_path / "model.safetensors")
@@ -238,10 +262,21 @@ def test_bad_headers(tmp_path):
     fails({"a": {"dtype": "F32", "shape": [2]}}, "garbled header entry", b"\0" * 8, tensor="a")
     fails({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, "garbled header entry", b"\0" * 8, "a")
     fails({"a": {"dtype": "C64", "shape": [2], "data_offsets": [0, 16]}}, "dtype C64 not handled", b"\0" * 16, "a")
-    fails({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, r"hold 8 bytes where F32 \(3,\) needs 12",
-          b"\0" * 8, "a")
-    fails({"b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
-           "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, "truncated", b"\0" * 12, "b")
+    fails(
+        {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
+        r"hold 8 bytes where F32 \(3,\) needs 12",
+        b"\0" * 8,
+        "a",
+    )
+    fails(
+        {
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+            "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        },
+        "truncated",
+        b"\0" * 12,
+        "b",
+    )
 
 
 def test_bad_folders(tmp_path):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 
 from launcher.launch import cli, compose
-from launcher.planner import collectives, gathered as G, plan as planner
+from launcher.planner import collectives
+from launcher.planner import gathered as G
+from launcher.planner import plan as planner
 
 H70 = 128256 * 8192  # Llama 3 70B's head (and embedding): 1,050,673,152 elements, over max_live's 1e9
 B70 = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672  # a block: wq wo, wk wv (8 kv heads), w1 w3 w2
@@ -101,7 +103,10 @@ def test_collectives_per_step():
     assert collectives.per_step(no, planner.layout_for(no, 8))["all_gather"] == {"count": 81, "bytes": 2 * psi}
     z3 = composed("model=llama3_70b", "recipe=zero3")
     c3 = collectives.per_step(z3, planner.layout_for(z3, 8))
-    assert c3["reduce_scatter"] == {"count": -(-psi // 8192 ** 2), "bytes": 2 * psi} and c3["reduce_scatter"]["count"] == 1052
+    assert (
+        c3["reduce_scatter"] == {"count": -(-psi // 8192**2), "bytes": 2 * psi}
+        and c3["reduce_scatter"]["count"] == 1052
+    )
     assert c3["all_gather"]["bytes"] > 2 * psi  # forward, and backward's re-gathers
     z2 = composed("model=llama3_70b", "recipe=zero2")
     assert collectives.per_step(z2, planner.layout_for(z2, 8))["all_gather"]["bytes"] == 2 * psi
@@ -117,8 +122,9 @@ def test_offload_over_host_memory_does_not_fit(recipe, per_rank):
     do not fit, and say so."""
     psi = 70_553_706_496
     cfg = composed("model=llama3_70b", f"recipe={recipe}", "plan.host_memory_gb=1000")
-    hw = planner.Hardware(gpu_bytes=141 * 2**30, gpus_per_node=8, nnodes=1, tflops=planner.DEFAULT_TFLOPS,
-                          host_bytes=1000 * 2**30)
+    hw = planner.Hardware(
+        gpu_bytes=141 * 2**30, gpus_per_node=8, nnodes=1, tflops=planner.DEFAULT_TFLOPS, host_bytes=1000 * 2**30
+    )
     rows = planner.plan(cfg, hw, compose.recipe_configs({recipe}))
     expected = per_rank * psi + (0 if recipe == "zero3_offload" else 8 * 2 * H70)
     for r in rows:

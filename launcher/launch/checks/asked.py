@@ -42,9 +42,12 @@ def check_data_keys(cfg: C.Config, names: set[str]) -> None:
             continue
         which = " or ".join(f"data={r.value}" for r in readers)
         chosen = "chosen" if "data" in names else "the default"
-        raise C.ConfigError(f"data.{key}", getattr(value, "value", value),
-                            f"read by {which} only, but this run's data is {d.name.value} ({chosen}): add "
-                            f"{which.split(' or ')[0]} to train on it, or leave data.{key} out")
+        raise C.ConfigError(
+            f"data.{key}",
+            getattr(value, "value", value),
+            f"read by {which} only, but this run's data is {d.name.value} ({chosen}): add "
+            f"{which.split(' or ')[0]} to train on it, or leave data.{key} out",
+        )
 
 
 def fit_precision(cfg: C.Config, names: set[str], host, native: bool | None = None) -> tuple[C.Config, str | None]:
@@ -56,8 +59,10 @@ def fit_precision(cfg: C.Config, names: set[str], host, native: bool | None = No
         return cfg, None
     if native_bf16() if native is None else native:
         return cfg, None
-    note = ("precision=fp32: this CPU has no native bf16 (no AVX-512 BF16 or AMX), where bf16 runs several times "
-            "slower than fp32; precision=bf16 to have it anyway")
+    note = (
+        "precision=fp32: this CPU has no native bf16 (no AVX-512 BF16 or AMX), where bf16 runs several times "
+        "slower than fp32; precision=bf16 to have it anyway"
+    )
     return dataclasses.replace(cfg, precision=dataclasses.replace(p, name=C.Precision.fp32)), note
 
 
@@ -82,8 +87,11 @@ def keep_run_values(cfg: C.Config, names: set[str], run_dir: Path, host) -> tupl
                 kept.append(f"{leaf}={_plain(was)}")
     cfg = C.to_typed(new_d) if kept else cfg
     cfg, batch = _keep_global_batch(cfg, old, names, host)
-    words = ([f"the run's own {', '.join(_grouped(kept))}"] if kept else []) + \
-            ([f"changed by this launch: {', '.join(changed)}"] if changed else []) + ([batch] if batch else [])
+    words = (
+        ([f"the run's own {', '.join(_grouped(kept))}"] if kept else [])
+        + ([f"changed by this launch: {', '.join(changed)}"] if changed else [])
+        + ([batch] if batch else [])
+    )
     line = f"{run_dir} resumes its run with {'; '.join(words)} (name a key to change it)" if words else None
     return cfg, line, set(KEPT)
 
@@ -100,8 +108,10 @@ def _keep_global_batch(cfg: C.Config, old: C.Config, names: set[str], host) -> t
         return cfg, f"a global batch of {now} samples (was {was})"
     per_step = cfg.train.micro_batch * data_parallel_size(cfg, worlds[1])
     if was % per_step:
-        return cfg, (f"a global batch of {now} samples instead of the run's {was}: {was} is not a multiple of "
-                     f"micro_batch x data-parallel size = {per_step} at {worlds[1]} process(es); set train.global_batch")
+        return cfg, (
+            f"a global batch of {now} samples instead of the run's {was}: {was} is not a multiple of "
+            f"micro_batch x data-parallel size = {per_step} at {worlds[1]} process(es); set train.global_batch"
+        )
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=was))
     return cfg, f"its global batch of {was} samples at {worlds[1]} process(es) (train.global_batch={was})"
 

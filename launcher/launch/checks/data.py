@@ -14,8 +14,12 @@ def validate_token_data(cfg: Config) -> None:
     d, t = cfg.data, cfg.train
     if d.sources is None:
         if not d.path:
-            raise ConfigError("data.path", d.path, "missing: data=memmap needs a token file, a folder of shards or "
-                              "data.sources (scripts/prepare_data.py and make data make them)")
+            raise ConfigError(
+                "data.path",
+                d.path,
+                "missing: data=memmap needs a token file, a folder of shards or "
+                "data.sources (scripts/prepare_data.py and make data make them)",
+            )
         windows_of("data.path", d.path, d.dtype, t.seq_len)
         return
     if d.path is not None:
@@ -27,32 +31,52 @@ def validate_token_data(cfg: Config) -> None:
         if s.val_path:
             windows_of(f"data.sources.{s.name}.val_path", s.val_path, d.dtype, t.seq_len)
         elif windows - held_out_windows(windows, d.val_fraction) < 1:
-            raise ConfigError("data.val_fraction", d.val_fraction, f"leaves source {s.name} no training window of its {windows}")
+            raise ConfigError(
+                "data.val_fraction", d.val_fraction, f"leaves source {s.name} no training window of its {windows}"
+            )
 
 
 def validate_evaluation(cfg: Config, dp: int, grad_accum: int) -> None:
-    from launcher.data.sources import sources as sources_of, windows_of  # numpy: ~1 s of start-up (measured)
+    from launcher.data.sources import sources as sources_of  # numpy: ~1 s of start-up (measured)
+    from launcher.data.sources import windows_of
 
     t, d = cfg.train, cfg.data
     if t.eval_every < 0:
         raise ConfigError("train.eval_every", t.eval_every, "must be >= 0 (0: never)")
     step = t.micro_batch * dp * (grad_accum if cfg.parallel.pp > 1 else 1)
     if t.eval_every and (t.eval_samples < 1 or t.eval_samples % step):
-        raise ConfigError("train.eval_samples", t.eval_samples, f"must be a positive multiple of micro_batch({t.micro_batch})"
-                          f" x data-parallel size({dp})" + (f" x grad_accum({grad_accum}): a pipeline evaluates a "
-                          "step's batch at a time" if cfg.parallel.pp > 1 else "") + f" = {step}")
+        raise ConfigError(
+            "train.eval_samples",
+            t.eval_samples,
+            f"must be a positive multiple of micro_batch({t.micro_batch})"
+            f" x data-parallel size({dp})"
+            + (
+                f" x grad_accum({grad_accum}): a pipeline evaluates a step's batch at a time"
+                if cfg.parallel.pp > 1
+                else ""
+            )
+            + f" = {step}",
+        )
     if not 0 <= d.val_fraction <= 0.5:
         raise ConfigError("data.val_fraction", d.val_fraction, "must be in [0, 0.5]")
     if d.val_path is not None and d.name != DataKind.memmap:
-        raise ConfigError("data.val_path", d.val_path, f"is for data=memmap (data={d.name.value}: "
-                          + ("held-out samples of its own source" if d.name == DataKind.synthetic else "data.val_fraction") + ")")
+        raise ConfigError(
+            "data.val_path",
+            d.val_path,
+            f"is for data=memmap (data={d.name.value}: "
+            + ("held-out samples of its own source" if d.name == DataKind.synthetic else "data.val_fraction")
+            + ")",
+        )
     if d.val_fraction and d.name == DataKind.synthetic:
         raise ConfigError("data.val_fraction", d.val_fraction, "synthetic data holds out samples of its own (use 0)")
     if d.sources is not None and d.name != DataKind.memmap:
         raise ConfigError("data.sources", str(d.sources)[:80], f"is for data=memmap (data={d.name.value})")
     if d.val_path is not None and d.val_fraction:
-        raise ConfigError("data.val_fraction", d.val_fraction, "data.val_path names the held-out data already: "
-                          "use one of them (data.val_fraction=0)")
+        raise ConfigError(
+            "data.val_fraction",
+            d.val_fraction,
+            "data.val_path names the held-out data already: use one of them (data.val_fraction=0)",
+        )
     if d.val_path is not None:
         windows_of("data.val_path", d.val_path, d.dtype, t.seq_len)
     if d.val_fraction and d.name == DataKind.memmap and d.sources is None:  # data.path itself was checked before
@@ -62,8 +86,17 @@ def validate_evaluation(cfg: Config, dp: int, grad_accum: int) -> None:
     if t.eval_every and d.sources is not None and not d.val_fraction:
         lacking = [s.name for s in sources_of(d) if not s.val_path]
         if lacking:
-            raise ConfigError("train.eval_every", t.eval_every, f"source {lacking[0]} has no held-out data: a val_path "
-                              "in its entry, or data.val_fraction=0.01 for every source without one")
+            raise ConfigError(
+                "train.eval_every",
+                t.eval_every,
+                f"source {lacking[0]} has no held-out data: a val_path "
+                "in its entry, or data.val_fraction=0.01 for every source without one",
+            )
     elif t.eval_every and d.name != DataKind.synthetic and d.val_path is None and not d.val_fraction:
-        raise ConfigError("train.eval_every", t.eval_every, f"data={d.name.value} needs held-out data: "
-                          + ("data.val_path=<token file> or " if d.name == DataKind.memmap else "") + "data.val_fraction=0.01")
+        raise ConfigError(
+            "train.eval_every",
+            t.eval_every,
+            f"data={d.name.value} needs held-out data: "
+            + ("data.val_path=<token file> or " if d.name == DataKind.memmap else "")
+            + "data.val_fraction=0.01",
+        )

@@ -36,14 +36,20 @@ def check(cfg: C.Config, run_dir: Path) -> None:
         return
     folder = folders[-1]
     key, value = "checkpoint.resume", cfg.checkpoint.resume
-    out = ("use another hydra.run.dir for a new run, or checkpoint.resume=never checkpoint.on_existing=archive "
-           "to start over here (the old run is kept)")
+    out = (
+        "use another hydra.run.dir for a new run, or checkpoint.resume=never checkpoint.on_existing=archive "
+        "to start over here (the old run is kept)"
+    )
     for fmt, marker, name in FORMATS:
         can = readers(fmt)
         if (folder / marker).exists() and cfg.recipe.strategy not in can:
-            raise C.ConfigError(key, value, f"{folder} is {name}, which recipe={cfg.recipe.name} cannot load; "
-                                            f"resume it with recipe.strategy {'/'.join(sorted(can))}, "
-                                            f"or {out}")
+            raise C.ConfigError(
+                key,
+                value,
+                f"{folder} is {name}, which recipe={cfg.recipe.name} cannot load; "
+                f"resume it with recipe.strategy {'/'.join(sorted(can))}, "
+                f"or {out}",
+            )
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -60,9 +66,13 @@ def check(cfg: C.Config, run_dir: Path) -> None:
     example = f"{first} {_shape(old.get(first))} there, {_shape(new.get(first))} here"
     keys = _changed(manifest.get("model") or {}, C.to_dict(cfg)["model"], "model")
     what = ", ".join(f"{k}={a} there, {b} here" for k, a, b in keys) or "the same model.* keys, other model files"
-    raise C.ConfigError(key, value, f"{folder} holds another model ({what}; {len(differ)} of "
-                                    f"{len(old.keys() | new.keys())} tensors differ, e.g. {example}); "
-                                    f"set the keys back to continue it, or {out}")
+    raise C.ConfigError(
+        key,
+        value,
+        f"{folder} holds another model ({what}; {len(differ)} of "
+        f"{len(old.keys() | new.keys())} tensors differ, e.g. {example}); "
+        f"set the keys back to continue it, or {out}",
+    )
 
 
 def check_base(cfg: C.Config, folder: Path, manifest, out: str) -> None:
@@ -71,9 +81,13 @@ def check_base(cfg: C.Config, folder: Path, manifest, out: str) -> None:
     lora = ((manifest.get("model") or {}).get("lora") or {}) if isinstance(manifest, dict) else {}
     old, new = lora.get("base_digest") if isinstance(lora, dict) else None, cfg.model.lora.base_digest
     if old and new and old != new:
-        raise C.ConfigError("model.pretrained", cfg.model.pretrained, f"{folder} holds adapters trained over another "
-                            f"base (sha256 {old[:12]}... there, {new[:12]}... here); give the base they were trained "
-                            f"on to continue, or {out}")
+        raise C.ConfigError(
+            "model.pretrained",
+            cfg.model.pretrained,
+            f"{folder} holds adapters trained over another "
+            f"base (sha256 {old[:12]}... there, {new[:12]}... here); give the base they were trained "
+            f"on to continue, or {out}",
+        )
 
 
 def _shape(s) -> str:

@@ -20,17 +20,31 @@ def validate_levers(cfg: Config, host, world: int = 1) -> None:
     if chunks is not None and not 1 <= chunks <= t.seq_len:
         raise ConfigError("train.loss_chunks", chunks, f"must be in 1..train.seq_len={t.seq_len}, or null (auto)")
     if chunks is not None and chunks > 1 and not sliceable_loss(cfg, p.pp, p.tp):
-        why = ("model=hf computes its loss whole (slices: the project's decoder)" if cfg.model.kind == ModelKind.hf
-               else f"recipe {name}: a pipeline's last stage computes the loss whole" if p.pp > 1
-               else f"parallel.tp={p.tp} splits the head by vocabulary (its logits are gathered whole)")
+        why = (
+            "model=hf computes its loss whole (slices: the project's decoder)"
+            if cfg.model.kind == ModelKind.hf
+            else f"recipe {name}: a pipeline's last stage computes the loss whole"
+            if p.pp > 1
+            else f"parallel.tp={p.tp} splits the head by vocabulary (its logits are gathered whole)"
+        )
         raise ConfigError("train.loss_chunks", chunks, f"{why}; use 1 or null (auto)")
 
     if t.activation_offload:  # the blocks' saved tensors, through launcher/models/offload.py
-        why = ("model=hf runs its own blocks" if cfg.model.kind == ModelKind.hf else f"parallel.tp={p.tp} saves DTensors"
-               if p.tp > 1 else "train.compile=true traces the blocks" if t.compile else None)
+        why = (
+            "model=hf runs its own blocks"
+            if cfg.model.kind == ModelKind.hf
+            else f"parallel.tp={p.tp} saves DTensors"
+            if p.tp > 1
+            else "train.compile=true traces the blocks"
+            if t.compile
+            else None
+        )
         if why:
-            raise ConfigError("train.activation_offload", True, f"{why}; allowed with the project's decoder "
-                              "(model=gpt_*), parallel.tp=1 and train.compile=false")
+            raise ConfigError(
+                "train.activation_offload",
+                True,
+                f"{why}; allowed with the project's decoder (model=gpt_*), parallel.tp=1 and train.compile=false",
+            )
 
     if cfg.precision.fp8:
         validate_fp8(cfg, host)
@@ -48,32 +62,52 @@ def validate_moe(cfg: Config, world: int = 1) -> None:
     if p.ep < 1:
         raise ConfigError("parallel.ep", p.ep, "must be >= 1 (1: every rank holds every expert)")
     if not e.experts:
-        raise ConfigError("parallel.ep", p.ep, "expert parallel needs an MoE model (model.moe.experts > 0, e.g. model=moe_tiny)")
+        raise ConfigError(
+            "parallel.ep", p.ep, "expert parallel needs an MoE model (model.moe.experts > 0, e.g. model=moe_tiny)"
+        )
     if m.kind == ModelKind.hf:
-        raise ConfigError("model.moe.experts", e.experts, "model.moe shapes the project's decoder; model=hf takes its shape "
-                          "from the Hugging Face config")
+        raise ConfigError(
+            "model.moe.experts",
+            e.experts,
+            "model.moe shapes the project's decoder; model=hf takes its shape from the Hugging Face config",
+        )
     if e.experts < 2 or not 1 <= e.top_k <= e.experts:
-        raise ConfigError("model.moe.top_k" if e.experts >= 2 else "model.moe.experts",
-                          e.top_k if e.experts >= 2 else e.experts, f"needs experts >= 2 and 1 <= top_k <= experts={e.experts}")
+        raise ConfigError(
+            "model.moe.top_k" if e.experts >= 2 else "model.moe.experts",
+            e.top_k if e.experts >= 2 else e.experts,
+            f"needs experts >= 2 and 1 <= top_k <= experts={e.experts}",
+        )
     for key in ("expert_dim", "shared_dim", "capacity_factor"):
         value = getattr(e, key)
         if value is not None and value <= 0:
             raise ConfigError(f"model.moe.{key}", value, "must be > 0, or null")
     if e.shared_experts < 0 or not 0 <= e.first_dense <= m.n_layers:
         key, value = ("shared_experts", e.shared_experts) if e.shared_experts < 0 else ("first_dense", e.first_dense)
-        raise ConfigError(f"model.moe.{key}", value, f"allowed: shared_experts >= 0, first_dense in 0..model.n_layers={m.n_layers}")
+        raise ConfigError(
+            f"model.moe.{key}", value, f"allowed: shared_experts >= 0, first_dense in 0..model.n_layers={m.n_layers}"
+        )
     if e.shared_gate and not e.shared_experts:
-        raise ConfigError("model.moe.shared_gate", "true", "gates the shared expert: needs model.moe.shared_experts >= 1")
+        raise ConfigError(
+            "model.moe.shared_gate", "true", "gates the shared expert: needs model.moe.shared_experts >= 1"
+        )
     if p.tp > 1 or p.pp > 1:
         key, value = ("parallel.tp", p.tp) if p.tp > 1 else ("parallel.pp", p.pp)
         engines = ", ".join(n for n in recipes.names() if not recipes.spec(n).parallelism.required)
-        raise ConfigError(key, value, f"an MoE model (model.moe.experts={e.experts}) runs under the engines {engines} "
-                          "(recipe=ddp, fsdp, zero1..zero3_offload), with parallel.ep for its experts")
+        raise ConfigError(
+            key,
+            value,
+            f"an MoE model (model.moe.experts={e.experts}) runs under the engines {engines} "
+            "(recipe=ddp, fsdp, zero1..zero3_offload), with parallel.ep for its experts",
+        )
     if p.ep > 1:
         able = [n for n in recipes.names() if recipes.spec(n).parallelism.ep]
         if not recipes.spec(name).parallelism.ep:
-            raise ConfigError("parallel.ep", p.ep, f"recipe {cfg.recipe.name} has no expert parallel; "
-                              f"{'use recipe=' + ' or recipe='.join(able) if able else 'no recipe has one yet'}")
+            raise ConfigError(
+                "parallel.ep",
+                p.ep,
+                f"recipe {cfg.recipe.name} has no expert parallel; "
+                f"{'use recipe=' + ' or recipe='.join(able) if able else 'no recipe has one yet'}",
+            )
         if e.experts % p.ep:
             raise ConfigError("parallel.ep", p.ep, f"must divide model.moe.experts={e.experts}")
         validate_ep_ranks(cfg, world)
@@ -85,16 +119,24 @@ def validate_ep_ranks(cfg: Config, world: int) -> None:
     p, deg = cfg.parallel, degrees(cfg, world)
     if recipes.spec(cfg.recipe.strategy).parallelism.shards:
         if p.dp_replicate > 1:
-            raise ConfigError("parallel.ep", p.ep, f"not with parallel.dp_replicate={p.dp_replicate} (HSDP) yet: the "
-                              "experts split over the dp_shard x cp ranks; use dp_replicate=1")
+            raise ConfigError(
+                "parallel.ep",
+                p.ep,
+                f"not with parallel.dp_replicate={p.dp_replicate} (HSDP) yet: the "
+                "experts split over the dp_shard x cp ranks; use dp_replicate=1",
+            )
         ranks, what = deg.dp_shard * deg.cp, f"the FSDP ranks dp_shard x cp = {deg.dp_shard} x {deg.cp}"
     else:
         ranks, what = world, f"the world size {world}"
     if ranks % p.ep:
         raise ConfigError("parallel.ep", p.ep, f"must divide {what} = {ranks} (ep of them split the experts)")
     if cfg.precision.name == Precision.fp16:  # each rank's scaler would skip on its own experts' overflow
-        raise ConfigError("parallel.ep", p.ep, "not with precision=fp16: the loss scaler's overflow check is per rank "
-                          "and the experts' gradients differ between ranks; use precision=bf16")
+        raise ConfigError(
+            "parallel.ep",
+            p.ep,
+            "not with precision=fp16: the loss scaler's overflow check is per rank "
+            "and the experts' gradients differ between ranks; use precision=bf16",
+        )
 
 
 def validate_fp8(cfg: Config, host) -> None:
@@ -102,24 +144,43 @@ def validate_fp8(cfg: Config, host) -> None:
     pipeline parallel, and float8 tensor cores (or precision.fp8_emulate=true)."""
     p = cfg.parallel
     if cfg.precision.name != Precision.bf16:
-        raise ConfigError("precision", "fp8", f"runs inside bf16 autocast; precision.name={cfg.precision.name.value} "
-                                     "(use precision=fp8, which sets both)")
+        raise ConfigError(
+            "precision",
+            "fp8",
+            f"runs inside bf16 autocast; precision.name={cfg.precision.name.value} "
+            "(use precision=fp8, which sets both)",
+        )
     if not recipes.spec(cfg.recipe.strategy).fp8 or p.tp > 1 or p.pp > 1:
         engines = [name for name, spec in recipes.specs().items() if spec.fp8]  # RecipeSpec.fp8
-        raise ConfigError("precision", "fp8", f"recipe {cfg.recipe.name} (tp {p.tp}, pp {p.pp}): float8 linear layers run "
-                                     f"under {' and '.join(engines)} (recipe={' or '.join(engines)}, tp 1, pp 1)")
+        raise ConfigError(
+            "precision",
+            "fp8",
+            f"recipe {cfg.recipe.name} (tp {p.tp}, pp {p.pp}): float8 linear layers run "
+            f"under {' and '.join(engines)} (recipe={' or '.join(engines)}, tp 1, pp 1)",
+        )
     if importlib.util.find_spec("torchao") is None:
-        raise ConfigError("precision", "fp8", "needs torchao, the fp8 extra (.venv/bin/pip install -e '.[fp8]'; make test installs it)")
+        raise ConfigError(
+            "precision",
+            "fp8",
+            "needs torchao, the fp8 extra (.venv/bin/pip install -e '.[fp8]'; make test installs it)",
+        )
     if cfg.precision.fp8_emulate:
         return
     if not host.cuda:
-        raise ConfigError("precision", "fp8", "float8 matmuls need an NVIDIA GPU with compute capability 8.9+ (H100, H200, "
-                                     "L40S, L4, B200, ...); this machine has none (precision.fp8_emulate=true "
-                                     "emulates them, for tests)")
+        raise ConfigError(
+            "precision",
+            "fp8",
+            "float8 matmuls need an NVIDIA GPU with compute capability 8.9+ (H100, H200, "
+            "L40S, L4, B200, ...); this machine has none (precision.fp8_emulate=true "
+            "emulates them, for tests)",
+        )
     name = gpu_name()
     if fp8_capable(name) is False:
-        raise ConfigError("precision", "fp8", f"the {name} has no float8 tensor cores (compute capability 8.9+: H100, H200, "
-                                     "L40S, L4, B200, ...)")
+        raise ConfigError(
+            "precision",
+            "fp8",
+            f"the {name} has no float8 tensor cores (compute capability 8.9+: H100, H200, L40S, L4, B200, ...)",
+        )
 
 
 def validate_context_parallel(cfg: Config, m, name: str, allowed: bool) -> None:
@@ -128,30 +189,50 @@ def validate_context_parallel(cfg: Config, m, name: str, allowed: bool) -> None:
     sequence and heads that divide."""
     p = cfg.parallel
     if cfg.data.document_masking:
-        raise ConfigError("parallel.cp", p.cp, "not with data.document_masking=true: each rank attends the whole "
-                          "sequence for its heads, and the packed samples' positions and mask would have to follow "
-                          "the split; use parallel.cp=1 (or data.document_masking=false)")
+        raise ConfigError(
+            "parallel.cp",
+            p.cp,
+            "not with data.document_masking=true: each rank attends the whole "
+            "sequence for its heads, and the packed samples' positions and mask would have to follow "
+            "the split; use parallel.cp=1 (or data.document_masking=false)",
+        )
     if not allowed:
         which = ", ".join(n for n, s in recipes.specs().items() if s.parallelism.cp)
-        raise ConfigError("parallel.cp", p.cp, f"recipe {cfg.recipe.name} does not split the sequence; allowed recipes: {which}")
+        raise ConfigError(
+            "parallel.cp", p.cp, f"recipe {cfg.recipe.name} does not split the sequence; allowed recipes: {which}"
+        )
     if cfg.model.kind == ModelKind.hf:
-        raise ConfigError("parallel.cp", p.cp, "model=hf runs its own attention; context parallel needs the "
-                          "project's decoder (model=gpt_*, llama3_*)")
+        raise ConfigError(
+            "parallel.cp",
+            p.cp,
+            "model=hf runs its own attention; context parallel needs the project's decoder (model=gpt_*, llama3_*)",
+        )
     if cfg.train.seq_len % p.cp:
-        raise ConfigError("parallel.cp", p.cp, f"must divide train.seq_len={cfg.train.seq_len} (each rank holds "
-                          f"seq_len / cp positions)")
+        raise ConfigError(
+            "parallel.cp",
+            p.cp,
+            f"must divide train.seq_len={cfg.train.seq_len} (each rank holds seq_len / cp positions)",
+        )
     heads = m.n_heads // max(1, p.tp)
     if heads % p.cp:
-        raise ConfigError("parallel.cp", p.cp, f"must divide the attention heads per tensor-parallel rank: "
-                          f"model.n_heads={m.n_heads} / parallel.tp={p.tp} = {heads} (all-to-all splits them)")
+        raise ConfigError(
+            "parallel.cp",
+            p.cp,
+            f"must divide the attention heads per tensor-parallel rank: "
+            f"model.n_heads={m.n_heads} / parallel.tp={p.tp} = {heads} (all-to-all splits them)",
+        )
 
 
 def check_trainable(cfg: Config) -> None:
     """train and submit (make plan takes any decoder's shape): the base is a pretrained folder."""
     if cfg.model.lora.rank > 0 and (cfg.model.kind != ModelKind.hf or cfg.model.pretrained is None):
-        raise ConfigError("model.lora.rank", cfg.model.lora.rank, "adapters train over a pretrained base: model=hf "
-                          "model.pretrained=<folder> (not a random start: model.config or the project's decoder; "
-                          "make plan takes any shape)")
+        raise ConfigError(
+            "model.lora.rank",
+            cfg.model.lora.rank,
+            "adapters train over a pretrained base: model=hf "
+            "model.pretrained=<folder> (not a random start: model.config or the project's decoder; "
+            "make plan takes any shape)",
+        )
 
 
 def validate_lora(cfg: Config) -> None:
@@ -163,39 +244,64 @@ def validate_lora(cfg: Config) -> None:
     if lora.rank < 0:
         raise ConfigError("model.lora.rank", lora.rank, "must be >= 0 (0: off, every weight trains)")
     if cfg.recipe.strategy not in ENGINES or p.tp > 1 or p.pp > 1:
-        raise ConfigError("model.lora.rank", lora.rank, f"not with recipe={cfg.recipe.name} (tp={p.tp}, pp={p.pp}): "
-                          "adapters train under ddp, fsdp and zero1-3 without tensor or pipeline parallel")
+        raise ConfigError(
+            "model.lora.rank",
+            lora.rank,
+            f"not with recipe={cfg.recipe.name} (tp={p.tp}, pp={p.pp}): "
+            "adapters train under ddp, fsdp and zero1-3 without tensor or pipeline parallel",
+        )
     if lora.alpha <= 0:
         raise ConfigError("model.lora.alpha", lora.alpha, "must be > 0 (the adapters' scale is alpha / rank)")
     if not 0 <= lora.dropout < 1:
         raise ConfigError("model.lora.dropout", lora.dropout, "must be in [0, 1)")
     if lora.targets is not None and (not isinstance(lora.targets, (list, tuple)) or not lora.targets):
-        raise ConfigError("model.lora.targets", lora.targets, "a non-empty list of projection names, or null (every "
-                          "linear inside the decoder layers)")
+        raise ConfigError(
+            "model.lora.targets",
+            lora.targets,
+            "a non-empty list of projection names, or null (every linear inside the decoder layers)",
+        )
     if lora.base_dtype.value == "nf4" and cfg.recipe.strategy != "ddp":
-        raise ConfigError("model.lora.base_dtype", "nf4", f"the 4-bit base runs under the ddp engine for now (one GPU "
-                          f"or replicas), not recipe={cfg.recipe.name}; use base_dtype auto or bf16 there")
+        raise ConfigError(
+            "model.lora.base_dtype",
+            "nf4",
+            f"the 4-bit base runs under the ddp engine for now (one GPU "
+            f"or replicas), not recipe={cfg.recipe.name}; use base_dtype auto or bf16 there",
+        )
     if cfg.precision.fp8:
         raise ConfigError("precision", "fp8", "not with model.lora (float8 layers would replace the adapted linears)")
     if lora.base_dtype.value == "nf4" and importlib.util.find_spec("torchao") is None:
-        raise ConfigError("model.lora.base_dtype", "nf4", "needs torchao's NF4 tensor, the fp8 extra (.venv/bin/pip "
-                          "install -e '.[fp8]')")
+        raise ConfigError(
+            "model.lora.base_dtype",
+            "nf4",
+            "needs torchao's NF4 tensor, the fp8 extra (.venv/bin/pip install -e '.[fp8]')",
+        )
     if lora.base_dtype.value == "bf16" and cfg.precision.name.value != "bf16":
-        raise ConfigError("model.lora.base_dtype", "bf16", f"under precision={cfg.precision.name.value} nothing casts "
-                          "the activations for the fp32 adapters; use base_dtype=auto (the compute dtype) or "
-                          "precision=bf16")
+        raise ConfigError(
+            "model.lora.base_dtype",
+            "bf16",
+            f"under precision={cfg.precision.name.value} nothing casts "
+            "the activations for the fp32 adapters; use base_dtype=auto (the compute dtype) or "
+            "precision=bf16",
+        )
     from launcher import models  # imports torch: only for a LoRA run
     from launcher.models.lora import plain, targets  # torch: the launch side imports none when imported (test_imports)
 
     base = models.on_meta(plain(cfg))
     linears = sorted({n.rsplit(".", 1)[-1] for n in targets(base, models.model_layout(base).layers, None)})
     if not linears:  # GPT-2's Conv1D, say: nothing would train
-        raise ConfigError("model.lora.rank", lora.rank, "this model has no nn.Linear inside its decoder layers to adapt "
-                          "(GPT-2's Conv1D, for one); LoRA here takes Llama-family models")
+        raise ConfigError(
+            "model.lora.rank",
+            lora.rank,
+            "this model has no nn.Linear inside its decoder layers to adapt "
+            "(GPT-2's Conv1D, for one); LoRA here takes Llama-family models",
+        )
     missing = [t for t in (lora.targets or []) if str(t) not in linears]
     if missing:
-        raise ConfigError("model.lora.targets", missing[0], f"names no linear inside the decoder layers; this model's "
-                          f"are {', '.join(linears)}")
+        raise ConfigError(
+            "model.lora.targets",
+            missing[0],
+            f"names no linear inside the decoder layers; this model's are {', '.join(linears)}",
+        )
     if cfg.model.kind == ModelKind.hf and cfg.model.pretrained is not None:  # what the adapters train over
         from launcher.data.cache import cache_root  # numpy: ~1 s of start-up (measured)
 

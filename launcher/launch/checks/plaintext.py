@@ -23,8 +23,12 @@ def check(cfg: C.Config) -> None:
     """ConfigError naming the first value (by its dotted key) that holds a control character."""
     for key, text in _texts(cfg, ""):
         if _CONTROL.search(text):
-            raise C.ConfigError(key, repr(text), "one line of printable characters: line breaks, tabs and other "
-                                                 "control characters are refused (values reach command.sh and job.sbatch)")
+            raise C.ConfigError(
+                key,
+                repr(text),
+                "one line of printable characters: line breaks, tabs and other "
+                "control characters are refused (values reach command.sh and job.sbatch)",
+            )
 
 
 def _texts(value, key: str):
@@ -54,9 +58,14 @@ def check_remote_shell(cfg: C.Config, run_dir: Path, workdir: str) -> None:
     may go there: refused otherwise, naming the value."""
     if cfg.cluster.runner != C.Runner.deepspeed or cfg.cluster.nnodes <= 1:
         return
-    why = ("DeepSpeed's multi-node runner passes it to a remote shell unquoted: letters, digits and @%+=:,./_- only "
-           "(or cluster.runner=torchrun)")
-    for key, text in [("hydra.run.dir", str(run_dir)), ("the working directory", workdir),
-                      *((f"cluster.env.{k}", v) for k, v in cfg.cluster.env.items())]:
+    why = (
+        "DeepSpeed's multi-node runner passes it to a remote shell unquoted: letters, digits and @%+=:,./_- only "
+        "(or cluster.runner=torchrun)"
+    )
+    for key, text in [
+        ("hydra.run.dir", str(run_dir)),
+        ("the working directory", workdir),
+        *((f"cluster.env.{k}", v) for k, v in cfg.cluster.env.items()),
+    ]:
         if not _REMOTE_PLAIN.fullmatch(text):
             raise C.ConfigError(key, text, why)

@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
 import recipes
-from launcher import config as C, models
+from launcher import config as C
+from launcher import models
 from launcher.launch.checks.levers import base_digest
 from launcher.launch.compose import UsageError
 from launcher.launch.start.supervise import interrupts_held
@@ -29,8 +31,10 @@ from launcher.untrusted import check_checkpoint
 def cmd_export(args: list[str]) -> int:
     """`launcher export RUN_DIR [export.key=value ...]`: consolidated weights."""
     if not args or "=" in args[0]:
-        raise UsageError("usage: launcher export RUN_DIR [export.format=safetensors export.dtype=fp32|bf16 "
-                         "export.step=N export.out=DIR]")
+        raise UsageError(
+            "usage: launcher export RUN_DIR [export.format=safetensors export.dtype=fp32|bf16 "
+            "export.step=N export.out=DIR]"
+        )
     run_dir = Path(args[0]).resolve()
     if not (run_dir / "config.yaml").is_file():
         raise C.ConfigError("RUN", args[0], "not a run directory (no config.yaml in it)")
@@ -76,8 +80,12 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
     out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / f"{folder.name}{suffix}"
     out.mkdir(parents=True, exist_ok=True)
     path = out / "model.safetensors"
-    meta = {"format": "launcher", "step": folder.name, "recipe": cfg.recipe.name,
-            "model": json.dumps(OmegaConf.to_container(OmegaConf.structured(cfg.model), enum_to_str=True))}
+    meta = {
+        "format": "launcher",
+        "step": folder.name,
+        "recipe": cfg.recipe.name,
+        "model": json.dumps(OmegaConf.to_container(OmegaConf.structured(cfg.model), enum_to_str=True)),
+    }
     save_file(tensors, str(path), metadata=meta)
     return readable(path)
 
@@ -89,8 +97,9 @@ def export_config(run_dir: Path, overrides: list[str]) -> C.Config:
     base.export.out = None
     cfg: C.Config = C.to_typed(OmegaConf.merge(base, OmegaConf.from_dotlist(overrides)))
     if cfg.model.kind == C.ModelKind.hf and cfg.export.format != C.ExportFormat.hf:
-        raise C.ConfigError("export.format", cfg.export.format.value,
-                            "model=hf exports as export.format=hf (a from_pretrained folder)")
+        raise C.ConfigError(
+            "export.format", cfg.export.format.value, "model=hf exports as export.format=hf (a from_pretrained folder)"
+        )
     return cfg
 
 
@@ -121,9 +130,13 @@ def same_base(cfg: C.Config, folder: Path) -> None:
     recorded = ((manifest.get("model") or {}).get("lora") or {}).get("base_digest")
     here = base_digest(cfg.model.pretrained, cache_root(cfg.data))
     if recorded and recorded != here:
-        raise C.ConfigError("model.pretrained", cfg.model.pretrained, f"{folder} holds adapters trained over another "
-                            f"base (sha256 {recorded[:12]}... there, {here[:12]}... here): merged into this one they "
-                            "would make another model; give the base they were trained on")
+        raise C.ConfigError(
+            "model.pretrained",
+            cfg.model.pretrained,
+            f"{folder} holds adapters trained over another "
+            f"base (sha256 {recorded[:12]}... there, {here[:12]}... here): merged into this one they "
+            "would make another model; give the base they were trained on",
+        )
 
 
 def readable(path: Path) -> Path:
@@ -147,7 +160,9 @@ def load_exported(path: str | Path, device: str = "cpu"):
     with safe_open(str(path), framework="pt", device=device) as f:
         meta = f.metadata()
         state = {k: f.get_tensor(k) for k in f.keys()}
-    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(C.ModelConfig), json.loads(meta["model"])))
+    model_cfg: Any = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(C.ModelConfig), json.loads(meta["model"]))
+    )
     with torch.device(device):
         model = GPT(model_cfg)
     model.load_state_dict({k: v.float() for k, v in state.items()})

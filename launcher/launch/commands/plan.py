@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import recipes
 from launcher import config as C
-from launcher.host import gpu_memory_bytes, gpu_name, HostInfo, table_tflops
+from launcher.host import HostInfo, gpu_memory_bytes, gpu_name, table_tflops
 from launcher.launch.checks import asked
 from launcher.launch.checks.asked import fit_precision, named
 from launcher.launch.checks.validate import validate
-from launcher.launch.compose import compose_config, recipe_configs, UsageError
+from launcher.launch.compose import UsageError, compose_config, recipe_configs
 from launcher.launch.submit import slurm
 from launcher.parallel import degrees as D
 
@@ -47,8 +47,12 @@ def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "Hardwar
     else:
         gpn = c.gpus_per_node or (host.gpus if host.cuda else None)
         if gpn is None:
-            raise C.ConfigError("cluster.gpus_per_node", None, "needed with cluster.gpu_memory_gb on a machine "
-                                                               "without GPUs (e.g. 8); without both, the plan is for this machine's CPU")
+            raise C.ConfigError(
+                "cluster.gpus_per_node",
+                None,
+                "needed with cluster.gpu_memory_gb on a machine "
+                "without GPUs (e.g. 8); without both, the plan is for this machine's CPU",
+            )
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's memory
     mem = int(c.gpu_memory_gb * 2**30) if c.gpu_memory_gb else gpu_memory_bytes()
     shared = mem is None and world_from_launch and not host.cuda
@@ -60,8 +64,9 @@ def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "Hardwar
     host_bytes = int(cfg.plan.host_memory_gb * 2**30) if cfg.plan.host_memory_gb else None
     if host_bytes is None and world_from_launch:  # planning for this machine: its memory
         host_bytes = ram
-    return planner.Hardware(gpu_bytes=mem, gpus_per_node=gpn, nnodes=c.nnodes, tflops=tflops, host_bytes=host_bytes,
-                            cpu=shared)
+    return planner.Hardware(
+        gpu_bytes=mem, gpus_per_node=gpn, nnodes=c.nnodes, tflops=tflops, host_bytes=host_bytes, cpu=shared
+    )
 
 
 def on_this_cpu(cfg: C.Config, host: HostInfo) -> bool:
@@ -91,14 +96,20 @@ def check_cpu_fit(cfg: C.Config, host: HostInfo) -> None:
         shaped = planner.planned_model(cfg)
     except C.ConfigError:  # a model the planner's formulas do not cover: not refused on a guess
         return
-    row = planner.memory_row(shaped, planner.layout_for(shaped, hw.world), t.activation_checkpointing, t.micro_batch, hw)
+    row = planner.memory_row(
+        shaped, planner.layout_for(shaped, hw.world), t.activation_checkpointing, t.micro_batch, hw
+    )
     if planner.fits(shaped, hw, row):
         return
     GiB = 2**30
-    raise C.ConfigError("model", m.name, f"{cfg.recipe.name} at train.micro_batch={t.micro_batch} needs about "
-                        f"{row.peak / GiB:.1f} GiB per process (the planner), but {n} process(es) share this machine's "
-                        f"{ram / GiB:.0f} GiB ({hw.gpu_bytes / GiB - cfg.plan.reserve_gb:.1f} GiB each, less "
-                        f"plan.reserve_gb): `make plan` with the same model shows what fits here")
+    raise C.ConfigError(
+        "model",
+        m.name,
+        f"{cfg.recipe.name} at train.micro_batch={t.micro_batch} needs about "
+        f"{row.peak / GiB:.1f} GiB per process (the planner), but {n} process(es) share this machine's "
+        f"{ram / GiB:.0f} GiB ({hw.gpu_bytes / GiB - cfg.plan.reserve_gb:.1f} GiB each, less "
+        f"plan.reserve_gb): `make plan` with the same model shows what fits here",
+    )
 
 
 def available_recipes(cuda: bool = True) -> dict[str, C.RecipeConfig]:
@@ -114,11 +125,18 @@ def recommended_command(overrides: list[str], best) -> str:
     """`make train RECIPE=.. ARGS=".."` that trains exactly the planned row: every override
     the user gave (the model, the sequence length, the cluster planned for), less the ones
     the plan chose anew and the plan's own options, then the plan's choices."""
-    chosen = best.layout.overrides()[1:] + [f"train.activation_checkpointing={best.ac.value}",
-                                            f"train.micro_batch={best.micro_batch}"]
+    chosen = best.layout.overrides()[1:] + [
+        f"train.activation_checkpointing={best.ac.value}",
+        f"train.micro_batch={best.micro_batch}",
+    ]
     replaced = {o.split("=", 1)[0] for o in chosen} | {"recipe", "parallel.tp", "parallel.pp", "parallel.cp"}
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in replaced
-            and not o.lstrip("+~").startswith("plan.") and not o.startswith("--")]
+    kept = [
+        o
+        for o in overrides
+        if o.split("=", 1)[0].lstrip("+~") not in replaced
+        and not o.lstrip("+~").startswith("plan.")
+        and not o.startswith("--")
+    ]
     args = " ".join(shlex.quote(o) for o in kept + chosen)
     return f'make train RECIPE={best.layout.recipe} ARGS="{args}"'
 
@@ -126,8 +144,9 @@ def recommended_command(overrides: list[str], best) -> str:
 def validate_for_cluster(cfg: C.Config, world: int, host: HostInfo) -> None:
     """Validate against the cluster being planned for, not this machine: one node with all
     its `world` GPUs stands for it (the same data-parallel size, no rendezvous to check)."""
-    as_one_node = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, nnodes=1, node_rank=0,
-                                                                       nproc_per_node=None, gpus_per_node=world))
+    as_one_node = dataclasses.replace(
+        cfg, cluster=dataclasses.replace(cfg.cluster, nnodes=1, node_rank=0, nproc_per_node=None, gpus_per_node=world)
+    )
     for note in validate(as_one_node, HostInfo(cuda=True, gpus=world, cpus=host.cpus)):
         print(f"warning: {note}", file=sys.stderr, flush=True)
 
@@ -140,7 +159,9 @@ def cmd_rehearse(overrides: list[str], as_json: bool = False, ranks: str | None 
     c = cfg.cluster
     per_node = c.nproc_per_node or c.gpus_per_node
     if per_node is None:
-        raise C.ConfigError("cluster.gpus_per_node", None, "needed: the ranks per node of the layout to rehearse (e.g. 8)")
+        raise C.ConfigError(
+            "cluster.gpus_per_node", None, "needed: the ranks per node of the layout to rehearse (e.g. 8)"
+        )
     world = per_node * c.nnodes
     # Validated as a launch on that cluster's nodes would be (its GPUs, its node count: the
     # messages name them); the rendezvous is not rehearsed, so no port is asked for.
@@ -159,16 +180,21 @@ def cmd_rehearse(overrides: list[str], as_json: bool = False, ranks: str | None 
         except ValueError:
             chosen = [-1]
         if not all(0 <= r < world for r in chosen):
-            raise UsageError(f"--ranks {ranks}: comma-separated ranks in [0, {world - 1}] (the world is "
-                             f"cluster.nnodes x cluster.gpus_per_node = {c.nnodes} x {per_node})")
+            raise UsageError(
+                f"--ranks {ranks}: comma-separated ranks in [0, {world - 1}] (the world is "
+                f"cluster.nnodes x cluster.gpus_per_node = {c.nnodes} x {per_node})"
+            )
     deg = D.degrees(cfg, world)
     layout = layout_of(cfg, deg)
     gpu_bytes = int(c.gpu_memory_gb * 2**30) if c.gpu_memory_gb else None
     if not as_json:
-        print(f"rehearsal: model={cfg.model.name}, {layout.label} on {world} ranks ({c.nnodes} node(s) x {per_node}), "
-              f"{cfg.precision.name.value}; ranks {' '.join(map(str, chosen or R.chosen_ranks(deg)))} "
-              f"built one at a time under a fake process group, "
-              f"{'by DeepSpeed on the host (zero.Init)' if R.partitioned(cfg) else 'on the meta device'}", flush=True)
+        print(
+            f"rehearsal: model={cfg.model.name}, {layout.label} on {world} ranks ({c.nnodes} node(s) x {per_node}), "
+            f"{cfg.precision.name.value}; ranks {' '.join(map(str, chosen or R.chosen_ranks(deg)))} "
+            f"built one at a time under a fake process group, "
+            f"{'by DeepSpeed on the host (zero.Init)' if R.partitioned(cfg) else 'on the meta device'}",
+            flush=True,
+        )
     show = None if as_json else (lambda r: print("\n".join(R.rank_lines(r)), flush=True))
     result = R.rehearse(cfg, world, per_node, gpu_bytes, chosen, progress=show)
     if as_json:
@@ -188,7 +214,6 @@ def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
     hw = hardware(cfg, host, world_from_launch=False)
     cpu = on_this_cpu(cfg, host)
     if cpu:  # this machine's ranks, as `make train` starts them here (its default precision too)
-
         cfg, note = fit_precision(cfg, named(overrides), host)
         for note in [note] * bool(note) + validate(cfg, host):
             print(f"warning: {note}", file=sys.stderr, flush=True)
@@ -197,9 +222,12 @@ def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
     rows = planner.plan(cfg, hw, available_recipes(not cpu))
     best, reserve = planner.recommended(rows), cfg.plan.reserve_gb
     command = recommended_command(overrides, best) if best is not None else None
-    where = (f"this machine: {hw.gpus_per_node} CPU process(es) sharing {hw.host_bytes / 2**30:.0f} GiB (no GPU; "
-             f"cluster.gpus_per_node and cluster.gpu_memory_gb plan for GPUs)" if cpu else
-             f"{hw.nnodes} node(s) x {hw.gpus_per_node} GPU(s) of {hw.gpu_bytes / 2**30:.0f} GiB")
+    where = (
+        f"this machine: {hw.gpus_per_node} CPU process(es) sharing {hw.host_bytes / 2**30:.0f} GiB (no GPU; "
+        f"cluster.gpus_per_node and cluster.gpu_memory_gb plan for GPUs)"
+        if cpu
+        else f"{hw.nnodes} node(s) x {hw.gpus_per_node} GPU(s) of {hw.gpu_bytes / 2**30:.0f} GiB"
+    )
     title = f"{cfg.model.name}: seq {cfg.train.seq_len}, {cfg.precision.name.value}, {where}"
     from launcher.planner import memory, moe  # the planner imports torch (its meta-device counts)
 
@@ -214,8 +242,11 @@ def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
         console.print(planner.table(rows, hw, title, reserve))
         if moe.enabled(shaped):
             console.print(moe.dispatch_line(shaped, cfg.train.seq_len, rows, best), markup=False, soft_wrap=True)
-        console.print(f"recommended: {command}" if command else planner.no_fit_message(rows, hw, reserve), markup=False,
-                      soft_wrap=True)  # one line, to paste
+        console.print(
+            f"recommended: {command}" if command else planner.no_fit_message(rows, hw, reserve),
+            markup=False,
+            soft_wrap=True,
+        )  # one line, to paste
     if cfg.plan.chart:
         from launcher.planner.chart import chart  # the planner imports torch (its meta-device counts)
 
@@ -246,8 +277,11 @@ def resolve_auto(overrides: list[str], host: HostInfo) -> tuple[list[str], str |
         rows = [r for r in rows if r.layout == mine and r.ac == cfg.train.activation_checkpointing]
     fitting = [r for r in rows if r.fits]
     if not fitting:
-        raise C.ConfigError("recipe" if auto_recipe else "train.micro_batch", "auto",
-                            planner.no_fit_message(rows, hw, cfg.plan.reserve_gb))
+        raise C.ConfigError(
+            "recipe" if auto_recipe else "train.micro_batch",
+            "auto",
+            planner.no_fit_message(rows, hw, cfg.plan.reserve_gb),
+        )
     best = min(fitting, key=lambda r: r.step_time_s / r.tokens_per_step)
     chosen = list(rest)
     if auto_recipe:
@@ -255,7 +289,10 @@ def resolve_auto(overrides: list[str], host: HostInfo) -> tuple[list[str], str |
     if auto_mb:  # and, should a step not fit after all, the back-off that keeps the batch
         chosen += [f"train.micro_batch={best.micro_batch}", "train.oom_backoff=true"]
     per = "per GPU" if host.cuda or cfg.cluster.gpu_memory_gb else "per rank: this machine's memory, shared"
-    print(f"planner chose: {best.layout.label}, activation checkpointing {best.ac.value}, micro-batch "
-          f"{best.micro_batch} ({best.peak / 2**30:.2f} of {hw.gpu_bytes / 2**30:.2f} GiB {per})", flush=True)
-    record = {"chosen": chosen[len(rest):], "plan": json.loads(planner.to_json(rows, hw, cfg.plan.reserve_gb))}
+    print(
+        f"planner chose: {best.layout.label}, activation checkpointing {best.ac.value}, micro-batch "
+        f"{best.micro_batch} ({best.peak / 2**30:.2f} of {hw.gpu_bytes / 2**30:.2f} GiB {per})",
+        flush=True,
+    )
+    record = {"chosen": chosen[len(rest) :], "plan": json.loads(planner.to_json(rows, hw, cfg.plan.reserve_gb))}
     return chosen, json.dumps(record, indent=1)

@@ -52,9 +52,16 @@ def comparison(points: list[Point]) -> Table:
         t.add_column(col, justify="left" if col in ("point", "run", "exit") else "right")
     for p, s in zip(points, summaries):
         ended = "nothing to train" if p.rc is None else "ok" if p.rc == 0 else f"exit {p.rc}"
-        figures = ["-"] * (4 if val else 3) if s is None else [
-            f"{s['final_loss']:.4f}", *([f"{s['val_loss']:.4f}" if "val_loss" in s else "-"] if val else []),
-            f"{s['tokens_per_s']:,.0f}", f"{s['peak_mem_bytes'] / 2**20:,.0f} MiB"]
+        figures = (
+            ["-"] * (4 if val else 3)
+            if s is None
+            else [
+                f"{s['final_loss']:.4f}",
+                *([f"{s['val_loss']:.4f}" if "val_loss" in s else "-"] if val else []),
+                f"{s['tokens_per_s']:,.0f}",
+                f"{s['peak_mem_bytes'] / 2**20:,.0f} MiB",
+            ]
+        )
         t.add_row(p.name or "-", p.run_dir.name, ended, *figures)
     return t
 

@@ -26,13 +26,27 @@ import secrets
 import time
 from pathlib import Path
 
-from launcher import config as C, runlock
+from launcher import config as C
+from launcher import runlock
 from launcher.manifest import UNREADABLE, complete_checkpoints, root_of, run_of
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ARCHIVE = "archive"
-RECORD = ("config.yaml", "command.sh", "ds_config.json", "plan.json", "metrics.jsonl", "summary.json", "wandb_id",
-          "tensorboard", "profile", "preempted.json", "hang.json", "checkpoint_failed.json", "oom.json")
+RECORD = (
+    "config.yaml",
+    "command.sh",
+    "ds_config.json",
+    "plan.json",
+    "metrics.jsonl",
+    "summary.json",
+    "wandb_id",
+    "tensorboard",
+    "profile",
+    "preempted.json",
+    "hang.json",
+    "checkpoint_failed.json",
+    "oom.json",
+)
 """What a run directory keeps of one run, moved beside its checkpoints by an archive."""
 
 
@@ -53,8 +67,11 @@ def decide(cfg: C.Config, run_dir: Path) -> Decision:
     exit 2) for a fresh start into another run's folder. Reads manifests only."""
     ck = cfg.checkpoint
     if ck.run_id is not None and not RUN_ID.match(ck.run_id):
-        raise C.ConfigError("checkpoint.run_id", ck.run_id, "letters, digits, '.', '_' and '-' (at most 64), "
-                                                            "or null for one the launcher makes")
+        raise C.ConfigError(
+            "checkpoint.run_id",
+            ck.run_id,
+            "letters, digits, '.', '_' and '-' (at most 64), or null for one the launcher makes",
+        )
     root = root_of(cfg, run_dir)
     folders = complete_checkpoints(root)
     if not folders:
@@ -65,17 +82,23 @@ def decide(cfg: C.Config, run_dir: Path) -> Decision:
     continues = ck.resume == "auto" or _same(Path(ck.resume), newest)
     if continues:
         if ck.run_id is not None and held is not None and ck.run_id != held:
-            raise C.ConfigError("checkpoint.run_id", ck.run_id, f"{root} holds run {held}'s checkpoints, which "
-                                                                "this launch resumes; leave checkpoint.run_id unset")
+            raise C.ConfigError(
+                "checkpoint.run_id",
+                ck.run_id,
+                f"{root} holds run {held}'s checkpoints, which this launch resumes; leave checkpoint.run_id unset",
+            )
         return Decision(held or ck.run_id or new_id(), [])
     span = f"{folders[0].name}..{newest.name}" if len(folders) > 1 else newest.name
     who = f"run {held}'s" if held else "a run's"
     if ck.on_existing == C.OnExisting.archive:
         return Decision(ck.run_id or new_id(), folders, held)
-    raise C.ConfigError("checkpoint.resume", ck.resume,
-                        f"{root} holds {who} checkpoints ({span}); a fresh start there would mix two runs. Use "
-                        f"another hydra.run.dir (or checkpoint.dir), checkpoint.resume=auto to continue that run, "
-                        f"or checkpoint.on_existing=archive to move that run aside (into {run_dir / ARCHIVE}/) first")
+    raise C.ConfigError(
+        "checkpoint.resume",
+        ck.resume,
+        f"{root} holds {who} checkpoints ({span}); a fresh start there would mix two runs. Use "
+        f"another hydra.run.dir (or checkpoint.dir), checkpoint.resume=auto to continue that run, "
+        f"or checkpoint.on_existing=archive to move that run aside (into {run_dir / ARCHIVE}/) first",
+    )
 
 
 def settle(cfg: C.Config, run_dir: Path) -> C.Config:
@@ -86,8 +109,10 @@ def settle(cfg: C.Config, run_dir: Path) -> C.Config:
     resume = cfg.checkpoint.resume
     if d.archive:
         moved = archive(root_of(cfg, run_dir), run_dir, d.archive, d.old_id)
-        print(f"checkpoint.on_existing=archive: the checkpoints of run {d.old_id or '(no id)'} moved to {moved}",
-              flush=True)
+        print(
+            f"checkpoint.on_existing=archive: the checkpoints of run {d.old_id or '(no id)'} moved to {moved}",
+            flush=True,
+        )
         source = Path(resume)
         if resume not in ("auto", "never") and any(_same(source, f) for f in d.archive):
             resume = str(moved / source.name)
@@ -100,8 +125,10 @@ def archive(root: Path, run_dir: Path, folders: list[Path], old_id: str | None) 
     elsewhere, CKPT_DIR/archive/<name>/). Renames on one filesystem: nothing is copied or
     deleted. Returns where the checkpoints went."""
     if not all(runlock.held_here(f) for f in {root, run_dir} if f.exists()):  # a command that forgot its locks
-        raise runlock.Held(f"{root}: checkpoints are moved only under the locks of {run_dir} and {root} "
-                           "(runlock.hold_all(lock_folders(...)))")
+        raise runlock.Held(
+            f"{root}: checkpoints are moved only under the locks of {run_dir} and {root} "
+            "(runlock.hold_all(lock_folders(...)))"
+        )
     name = old_id or "run-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime(folders[-1].stat().st_mtime))
     own = root == run_dir / "checkpoints"
     home = _fresh(run_dir / ARCHIVE / name, root / ARCHIVE / name)

@@ -14,10 +14,19 @@ import tempfile
 from pathlib import Path
 
 import recipes
-from launcher import config as C, models
-from launcher.host import deepspeed_env, HostInfo
-from launcher.launch.start.argv import (ACCELERATE_CONFIG, accelerate_config_text, command_script, HOSTFILE,
-                                        hostfile_text, launch_argv, launch_env, LaunchPlan)
+from launcher import config as C
+from launcher import models
+from launcher.host import HostInfo, deepspeed_env
+from launcher.launch.start.argv import (
+    ACCELERATE_CONFIG,
+    HOSTFILE,
+    LaunchPlan,
+    accelerate_config_text,
+    command_script,
+    hostfile_text,
+    launch_argv,
+    launch_env,
+)
 from launcher.manifest import complete_checkpoints, manifest_step, resumable, root_of, verify
 from launcher.parallel import ds_config
 from launcher.untrusted import check_checkpoint
@@ -33,8 +42,9 @@ def make_plan(cfg: C.Config, host: HostInfo) -> LaunchPlan:
     nproc = C.nproc_per_node(cfg, host)
     threads = cfg.cluster.cpu_threads or exported_threads() or max(1, host.cpus // nproc)
     port = cfg.cluster.master_port or free_port()
-    return LaunchPlan(python=sys.executable, nproc_per_node=nproc, master_port=port, threads_per_rank=threads,
-                      workdir=os.getcwd())
+    return LaunchPlan(
+        python=sys.executable, nproc_per_node=nproc, master_port=port, threads_per_rank=threads, workdir=os.getcwd()
+    )
 
 
 def exported_threads() -> int | None:
@@ -44,8 +54,11 @@ def exported_threads() -> int | None:
     if not value:
         return None
     if not value.isdigit() or int(value) < 1:
-        raise C.ConfigError("OMP_NUM_THREADS", value, "a positive integer (threads per rank), or unset it "
-                            "(then cluster.cpu_threads, else cores / processes)")
+        raise C.ConfigError(
+            "OMP_NUM_THREADS",
+            value,
+            "a positive integer (threads per rank), or unset it (then cluster.cpu_threads, else cores / processes)",
+        )
     return int(value)
 
 
@@ -108,13 +121,23 @@ def check_checkpoint_space(cfg: C.Config, run_dir: Path, dry_run: bool = False) 
         return None
     written = checkpoints_written(cfg)
     fewer = "lower checkpoint.keep, raise checkpoint.every, " if at_once > 1 else ""
-    what = (f"{at_once} checkpoints at once (keep={cfg.checkpoint.keep}, {written} written by this run) of up to "
-            f"{each / 2**30:.2f} GiB need" if at_once > 1 else f"a checkpoint of up to {each / 2**30:.2f} GiB needs")
+    what = (
+        f"{at_once} checkpoints at once (keep={cfg.checkpoint.keep}, {written} written by this run) of up to "
+        f"{each / 2**30:.2f} GiB need"
+        if at_once > 1
+        else f"a checkpoint of up to {each / 2**30:.2f} GiB needs"
+    )
     if dry_run:
-        return (f"checkpoint.dir={root}: {what} {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free on this machine "
-                f"(a dry run: the disk of the machine that launches it is checked there)")
-    raise C.ConfigError("checkpoint.dir", str(root), f"{free / 2**30:.2f} GiB free, but {what} {need / 2**30:.2f} GiB; "
-                                                     f"free space, {fewer}or choose another checkpoint.dir")
+        return (
+            f"checkpoint.dir={root}: {what} {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free on this machine "
+            f"(a dry run: the disk of the machine that launches it is checked there)"
+        )
+    raise C.ConfigError(
+        "checkpoint.dir",
+        str(root),
+        f"{free / 2**30:.2f} GiB free, but {what} {need / 2**30:.2f} GiB; "
+        f"free space, {fewer}or choose another checkpoint.dir",
+    )
 
 
 def schedule_change(cfg: C.Config, run_dir: Path) -> str | None:
@@ -128,9 +151,11 @@ def schedule_change(cfg: C.Config, run_dir: Path) -> str | None:
     was, now = C.lr_factor(step, old.train.steps, old.optim), C.lr_factor(step, cfg.train.steps, cfg.optim)
     if abs(was - now) <= 0.01 * max(was, now):
         return None
-    return (f"the learning rate where this launch resumes (step {step}) changes from {was:.3g} to {now:.3g} x "
-            f"optim.lr: the run had train.steps={old.train.steps} optim.warmup_steps={old.optim.warmup_steps}, this "
-            f"launch train.steps={cfg.train.steps} optim.warmup_steps={cfg.optim.warmup_steps}")
+    return (
+        f"the learning rate where this launch resumes (step {step}) changes from {was:.3g} to {now:.3g} x "
+        f"optim.lr: the run had train.steps={old.train.steps} optim.warmup_steps={old.optim.warmup_steps}, this "
+        f"launch train.steps={cfg.train.steps} optim.warmup_steps={cfg.optim.warmup_steps}"
+    )
 
 
 def check_resume_is_data(cfg: C.Config, run_dir: Path) -> None:
@@ -156,8 +181,9 @@ def run_files(cfg: C.Config, plan: LaunchPlan, ds: dict | None) -> dict[str, str
     return files
 
 
-def prepare_run(cfg: C.Config, run_dir: Path, plan: LaunchPlan,
-                files: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+def prepare_run(
+    cfg: C.Config, run_dir: Path, plan: LaunchPlan, files: dict[str, str] | None = None
+) -> tuple[list[str], dict[str, str]]:
     """Write RUN_DIR/config.yaml, command.sh and `files`; return the command and its
     environment. A failure here removes a run directory this call created."""
     argv = launch_argv(cfg, str(run_dir), plan)
@@ -189,9 +215,12 @@ def write_run_dir(cfg: C.Config, run_dir: Path, scripts: dict[str, str], files: 
     if prepared and cfg.cluster.node_rank == 0:
         prepare_data(cfg, run_dir, created)
     elif prepared:  # node 0's launcher prepares; this node's ranks start after it
-        print(f"node {cfg.cluster.node_rank}: data={cfg.data.name.value} is prepared by node 0 (its ranks read "
-              f"{run_dir / 'data' / cfg.data.name.value}.json); for a large corpus run `make data` first, so the nodes do not "
-              f"wait for it in the rendezvous (cluster.join_timeout_s)", flush=True)
+        print(
+            f"node {cfg.cluster.node_rank}: data={cfg.data.name.value} is prepared by node 0 (its ranks read "
+            f"{run_dir / 'data' / cfg.data.name.value}.json); for a large corpus run `make data` first, so the nodes do not "
+            f"wait for it in the rendezvous (cluster.join_timeout_s)",
+            flush=True,
+        )
     return created
 
 
@@ -227,11 +256,17 @@ def nothing_to_train(cfg: C.Config, run_dir: Path) -> bool:
         return False
     problem = verify(folders[-1], threads=min(8, os.cpu_count() or 1))  # what it believes, by its digests
     if problem is not None:
-        print(f"checkpoint {folders[-1]} fails its check ({problem}): the ranks set it aside and resume from the "
-              f"newest one that passes", flush=True)
+        print(
+            f"checkpoint {folders[-1]} fails its check ({problem}): the ranks set it aside and resume from the "
+            f"newest one that passes",
+            flush=True,
+        )
         return False
-    print(f"nothing to train: {run_dir} has a checkpoint at step {step} of train.steps={cfg.train.steps}; "
-          f"raise train.steps to train on", flush=True)
+    print(
+        f"nothing to train: {run_dir} has a checkpoint at step {step} of train.steps={cfg.train.steps}; "
+        f"raise train.steps to train on",
+        flush=True,
+    )
     return True
 
 

@@ -9,7 +9,7 @@ import hashlib
 import re
 import shlex
 from dataclasses import dataclass
-from importlib.metadata import distribution, PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, distribution, version
 from pathlib import Path
 
 import yaml
@@ -83,7 +83,9 @@ def torchrun_argv(cfg: Config, run_dir: str, plan: LaunchPlan, node: NodeArgs | 
     c = cfg.cluster
     node = node or node_args(cfg, plan)
     argv = [
-        plan.python, "-m", "torch.distributed.run",
+        plan.python,
+        "-m",
+        "torch.distributed.run",
         _option("nnodes", node.nnodes),
         *([_option("node-rank", node.node_rank)] if node.node_rank is not None else []),
         f"--nproc-per-node={plan.nproc_per_node}",
@@ -111,7 +113,7 @@ def torchrun_takes(option: str) -> bool:
     """Whether the installed torch's torchrun takes `option`, read from its source (a site's
     older torch, TORCH=system, lacks the newer options), without importing torch."""
     try:
-        return f'"{option}"' in Path(distribution("torch").locate_file("torch/distributed/run.py")).read_text()
+        return f'"{option}"' in Path(str(distribution("torch").locate_file("torch/distributed/run.py"))).read_text()
     except (PackageNotFoundError, OSError):
         return True
 
@@ -126,8 +128,14 @@ def deepspeed_argv(cfg: Config, run_dir: str, plan: LaunchPlan) -> list[str]:
     only the run directory).
     """
     c = cfg.cluster
-    argv = [plan.python, "-m", "deepspeed.launcher.runner", f"--num_nodes={c.nnodes}",
-            f"--num_gpus={plan.nproc_per_node}", f"--master_port={plan.master_port}"]
+    argv = [
+        plan.python,
+        "-m",
+        "deepspeed.launcher.runner",
+        f"--num_nodes={c.nnodes}",
+        f"--num_gpus={plan.nproc_per_node}",
+        f"--master_port={plan.master_port}",
+    ]
     if c.nnodes > 1:
         argv += [f"--hostfile={run_dir}/{HOSTFILE}", f"--master_addr={c.hosts[0]}", "--launcher=pdsh"]
     argv += ["--no_local_rank", "--log_level=warning", "--module", "launcher.rank", run_dir]
@@ -153,9 +161,18 @@ def accelerate_argv(cfg: Config, run_dir: str, plan: LaunchPlan) -> list[str]:
     process, which stays our child; gloo ranks on CPU too). accelerate's own defaults win over
     both its config file and torchrun's environment for rdzv_backend, rdzv_conf and
     max_restarts: they are flags here; torchrun's other options come from accelerate_env."""
-    return [plan.python, "-m", "accelerate.commands.launch", f"--config_file={run_dir}/{ACCELERATE_CONFIG}",
-            "--rdzv_backend=c10d", f"--rdzv_conf=join_timeout={join_timeout(cfg)}",
-            f"--max_restarts={cfg.cluster.max_restarts}", "--module", "launcher.rank", run_dir]
+    return [
+        plan.python,
+        "-m",
+        "accelerate.commands.launch",
+        f"--config_file={run_dir}/{ACCELERATE_CONFIG}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_conf=join_timeout={join_timeout(cfg)}",
+        f"--max_restarts={cfg.cluster.max_restarts}",
+        "--module",
+        "launcher.rank",
+        run_dir,
+    ]
 
 
 def accelerate_config_text(cfg: Config, plan: LaunchPlan) -> str:
@@ -164,15 +181,29 @@ def accelerate_config_text(cfg: Config, plan: LaunchPlan) -> str:
     127.0.0.1:master_port. Precision, compilation and devices stay the ranks' own (no mixed
     precision, no dynamo, every GPU visible): accelerate only starts the ranks, which never
     build its Accelerator."""
-    values = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_machines": 1,
-              "machine_rank": 0, "num_processes": plan.nproc_per_node, "main_process_ip": "127.0.0.1",
-              "main_process_port": plan.master_port, "rdzv_backend": "c10d", "same_network": False, "gpu_ids": "all",
-              "mixed_precision": "no", "use_cpu": False, "debug": False, "downcast_bf16": False,
-              "enable_cpu_affinity": False, "dynamo_config": {}}
-    return ("# This run's accelerate config (cluster.runner=accelerate): command.sh runs `accelerate launch\n"
-            "# --config_file` on it; torchrun's other options are that command's flags and PET_* variables\n"
-            "# (accelerate takes rdzv_backend from its flag, not from here).\n"
-            + yaml.safe_dump(values, sort_keys=False))
+    values = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "MULTI_GPU",
+        "num_machines": 1,
+        "machine_rank": 0,
+        "num_processes": plan.nproc_per_node,
+        "main_process_ip": "127.0.0.1",
+        "main_process_port": plan.master_port,
+        "rdzv_backend": "c10d",
+        "same_network": False,
+        "gpu_ids": "all",
+        "mixed_precision": "no",
+        "use_cpu": False,
+        "debug": False,
+        "downcast_bf16": False,
+        "enable_cpu_affinity": False,
+        "dynamo_config": {},
+    }
+    return (
+        "# This run's accelerate config (cluster.runner=accelerate): command.sh runs `accelerate launch\n"
+        "# --config_file` on it; torchrun's other options are that command's flags and PET_* variables\n"
+        "# (accelerate takes rdzv_backend from its flag, not from here).\n" + yaml.safe_dump(values, sort_keys=False)
+    )
 
 
 def accelerate_env(cfg: Config, run_dir: str, plan: LaunchPlan) -> dict[str, str]:
@@ -180,8 +211,11 @@ def accelerate_env(cfg: Config, run_dir: str, plan: LaunchPlan) -> dict[str, str
     environment (PET_<OPTION>, in accelerate's process where torchrun parses them): the c10d
     endpoint and id, the signals it passes on (SIGUSR1 too), the ranks' time to save."""
     c = cfg.cluster
-    env = {"PET_RDZV_ENDPOINT": node_args(cfg, plan).endpoint, "PET_RDZV_ID": rendezvous_id(run_dir),
-           "PET_SIGNALS_TO_HANDLE": SIGNALS}
+    env = {
+        "PET_RDZV_ENDPOINT": node_args(cfg, plan).endpoint,
+        "PET_RDZV_ID": rendezvous_id(run_dir),
+        "PET_SIGNALS_TO_HANDLE": SIGNALS,
+    }
     if torchrun_takes("--shutdown-timeout"):
         env["PET_SHUTDOWN_TIMEOUT"] = str(c.shutdown_timeout_s)
     if c.local_addr:
@@ -266,11 +300,13 @@ def command_script(argv: list[str], env: dict[str, str], workdir: str, run_dir: 
         f"cd {shlex.quote(workdir)}",
     ]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
-    lines += ["# A launch still running there: say so now (its rendezvous would keep this one waiting).",
-              f"{shell_word(argv[0])} -m launcher.runlock {shlex.quote(run_dir)}",
-              "# Supervised as `launcher train` supervises it: a Ctrl-C saves and exits 130 in one line.",
-              f"exec {shell_word(argv[0])} -m launcher.launch.start.supervise {shlex.quote(run_dir)} "
-              + " ".join(shell_word(a) for a in argv)]
+    lines += [
+        "# A launch still running there: say so now (its rendezvous would keep this one waiting).",
+        f"{shell_word(argv[0])} -m launcher.runlock {shlex.quote(run_dir)}",
+        "# Supervised as `launcher train` supervises it: a Ctrl-C saves and exits 130 in one line.",
+        f"exec {shell_word(argv[0])} -m launcher.launch.start.supervise {shlex.quote(run_dir)} "
+        + " ".join(shell_word(a) for a in argv),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -327,8 +363,7 @@ def torchrun_step(cfg: Config, run_dir: str, plan: LaunchPlan) -> str:
     """The job step: one srun task per node, each starting torchrun for its node. The
     node's count, rank and the first node's name are evaluated by the task (bash -c);
     everything else is quoted twice: once for that bash, once for the batch shell."""
-    node = NodeArgs(ShellExpr('"$SLURM_NNODES"'), ShellExpr('"$SLURM_NODEID"'),
-                    ShellExpr('"$HEAD_NODE:$MASTER_PORT"'))
+    node = NodeArgs(ShellExpr('"$SLURM_NNODES"'), ShellExpr('"$SLURM_NODEID"'), ShellExpr('"$HEAD_NODE:$MASTER_PORT"'))
     inner = "exec " + _continued([shell_word(a) for a in torchrun_argv(cfg, run_dir, plan, node)], "    ")
     # --wait: once one node's task has ended, the others get 60 s to finish (a preempted
     # rank 0 still closes W&B) before srun stops them (a crashed node does not hang the job).

@@ -86,8 +86,10 @@ class Console:
         self._states: dict[str, tuple[str, list[str]]] = {}  # per writer: what its lines are inside
         self._rules: dict[str, int] = {}
         self._done = threading.Event()
-        self._threads = [threading.Thread(target=self._read, name="torchrun-stderr", daemon=True),
-                         threading.Thread(target=self._sample, name="host-memory", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._read, name="torchrun-stderr", daemon=True),
+            threading.Thread(target=self._sample, name="host-memory", daemon=True),
+        ]
         for t in self._threads:
             t.start()
 
@@ -136,7 +138,7 @@ class Console:
         """One line through its writer's state (torchrun prefixes each rank's lines with
         `[rankN]:`, so interleaved tracebacks of several ranks are told apart)."""
         found = PREFIX.match(line)
-        who, text = (found.group(0), line[found.end():].rstrip("\n")) if found else ("", line.rstrip("\n"))
+        who, text = (found.group(0), line[found.end() :].rstrip("\n")) if found else ("", line.rstrip("\n"))
         state, block = self._states.get(who, ("pass", []))
         if state == "pass":
             if text.startswith("Traceback (most recent call last):"):
@@ -167,11 +169,14 @@ class Console:
 def root_cause(report: list[str]) -> Failure:
     """The rank, exit code and pid of torchrun's "Root Cause (first observed failure)"."""
     text = "".join(report)
-    text = text[text.find("Root Cause"):] if "Root Cause" in text else text
+    text = text[text.find("Root Cause") :] if "Root Cause" in text else text
     rank = re.search(r"rank\s*:\s*(\d+)", text)
     code = re.search(r"exitcode\s*:\s*(-?\d+)(?: \(pid: (\d+)\))?", text)
-    return Failure(int(rank.group(1)) if rank else None, int(code.group(1)) if code else None,
-                   int(code.group(2)) if code and code.group(2) else None)
+    return Failure(
+        int(rank.group(1)) if rank else None,
+        int(code.group(1)) if code else None,
+        int(code.group(2)) if code and code.group(2) else None,
+    )
 
 
 def killed(failure: Failure, memory: Memory) -> str:
@@ -184,10 +189,15 @@ def killed(failure: Failure, memory: Memory) -> str:
     peak = memory.peaks.get(failure.pid) if failure.pid else None
     mine = f"; its peak resident memory {peak / 2**30:.2f} GiB" if peak else ""
     low = min((a for _, a in memory.recent), default=None)
-    host = (f"the host had {low / 2**30:.2f} of {memory.total / 2**30:.2f} GiB available in the seconds before"
-            if low is not None and memory.total else "the host's memory was not sampled")
+    host = (
+        f"the host had {low / 2**30:.2f} of {memory.total / 2**30:.2f} GiB available in the seconds before"
+        if low is not None and memory.total
+        else "the host's memory was not sampled"
+    )
     if name == "SIGKILL" and low is not None and memory.total and low < LOW_MEMORY * memory.total:
-        cause = f"most likely the kernel's out-of-memory killer ({host}{mine}): lower train.micro_batch, or free the host"
+        cause = (
+            f"most likely the kernel's out-of-memory killer ({host}{mine}): lower train.micro_batch, or free the host"
+        )
     elif name == "SIGKILL":
         cause = f"not for memory, it seems ({host}{mine}): another process or the scheduler killed it"
     elif name in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGABRT"):

@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from launcher import config as C
 from launcher.launch.start.argv import join_timeout
@@ -36,10 +37,14 @@ def check_master_addr(cfg: C.Config) -> None:
     c = cfg.cluster
     key = "cluster.master_addr"
     try:
-        found = {info[4][0] for info in socket.getaddrinfo(c.master_addr, c.master_port, type=socket.SOCK_STREAM)}
+        found = {str(info[4][0]) for info in socket.getaddrinfo(c.master_addr, c.master_port, type=socket.SOCK_STREAM)}
     except (socket.gaierror, UnicodeError) as e:
-        raise C.ConfigError(key, c.master_addr, f"does not resolve ({e.strerror if hasattr(e, 'strerror') else e}); "
-                                                f"give node 0's address or hostname, the same on every node") from None
+        raise C.ConfigError(
+            key,
+            c.master_addr,
+            f"does not resolve ({e.strerror if hasattr(e, 'strerror') else e}); "
+            f"give node 0's address or hostname, the same on every node",
+        ) from None
     if c.node_rank != 0:
         return
     for addr in sorted(found):
@@ -50,9 +55,13 @@ def check_master_addr(cfg: C.Config) -> None:
                 return
             except OSError:
                 continue
-    raise C.ConfigError(key, c.master_addr, f"resolves to {', '.join(sorted(found))}, none of which is this "
-                                            f"machine's; node 0 (cluster.node_rank=0) hosts the rendezvous at "
-                                            f"cluster.master_addr:{c.master_port}, so it must be node 0's own address")
+    raise C.ConfigError(
+        key,
+        c.master_addr,
+        f"resolves to {', '.join(sorted(found))}, none of which is this "
+        f"machine's; node 0 (cluster.node_rank=0) hosts the rendezvous at "
+        f"cluster.master_addr:{c.master_port}, so it must be node 0's own address",
+    )
 
 
 class RendezvousFailed(Exception):
@@ -63,8 +72,11 @@ def config_digest(cfg: C.Config) -> str:
     """The settings every node must share: all but the node's own rank, address and
     environment (interface names differ between machines), how long it waits for node 0,
     and the run id node 0 settles."""
-    same = replace(cfg, cluster=replace(cfg.cluster, node_rank=0, local_addr=None, env={}, rdzv_timeout_s=0),
-                   checkpoint=replace(cfg.checkpoint, run_id=None))
+    same = replace(
+        cfg,
+        cluster=replace(cfg.cluster, node_rank=0, local_addr=None, env={}, rdzv_timeout_s=0),
+        checkpoint=replace(cfg.checkpoint, run_id=None),
+    )
     return hashlib.sha256(C.to_yaml(same).encode()).hexdigest()[:16]
 
 
@@ -77,7 +89,7 @@ class NodeRendezvous:
         self.reach_timeout = c.rdzv_timeout_s
         self.me = {"host": socket.gethostname(), "run_dir": str(run_dir), "config": config_digest(cfg)}
         self.where = f"the rendezvous at {self.addr}:{self.port}"
-        self.store = None
+        self.store: Any = None  # a TCPStore once joined
         self.nodes: dict[int, dict] = {}
 
     # ------------------------------------------------------------------ enter / exit
@@ -87,15 +99,23 @@ class NodeRendezvous:
         deadline = time.monotonic() + self.timeout
         if self.rank == 0:
             try:
-                self.store = dist.TCPStore(self.addr, self.port, is_master=True, wait_for_workers=False,
-                                           timeout=timedelta(seconds=self.timeout))
+                self.store = dist.TCPStore(
+                    self.addr,
+                    self.port,
+                    is_master=True,
+                    wait_for_workers=False,
+                    timeout=timedelta(seconds=self.timeout),
+                )
             except Exception as e:  # noqa: BLE001 - the store's errors are RuntimeError or DistNetworkError
-                raise RendezvousFailed(f"node 0 cannot host {self.where} (is the port in use, or the address "
-                                       f"not this machine's?): {str(e).splitlines()[0]}") from None
+                raise RendezvousFailed(
+                    f"node 0 cannot host {self.where} (is the port in use, or the address "
+                    f"not this machine's?): {str(e).splitlines()[0]}"
+                ) from None
         else:
             self._wait_reachable(min(deadline, time.monotonic() + self.reach_timeout))
-            self.store = dist.TCPStore(self.addr, self.port, is_master=False,
-                                       timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+            self.store = dist.TCPStore(
+                self.addr, self.port, is_master=False, timeout=timedelta(seconds=max(1.0, deadline - time.monotonic()))
+            )
         self._register()
         if self.rank == 0:
             self._gather(deadline)
@@ -134,14 +154,17 @@ class NodeRendezvous:
                     raise RendezvousFailed(
                         f"node {self.rank} of {self.nnodes}: node 0 never opened {self.where} within "
                         f"{waited} s (cluster.rdzv_timeout_s): start node 0 first (it hosts the rendezvous), "
-                        f"check cluster.master_addr and cluster.master_port, or raise cluster.rdzv_timeout_s") from None
+                        f"check cluster.master_addr and cluster.master_port, or raise cluster.rdzv_timeout_s"
+                    ) from None
                 time.sleep(POLL_S)
 
     def _register(self) -> None:
         claims = self.store.add(self._key(f"claims/{self.rank}"), 1)
         if claims > 1:
-            raise RendezvousFailed(f"cluster.node_rank={self.rank} is given to two nodes (this one: "
-                                   f"{self.me['host']}); give each node its own rank in 0..{self.nnodes - 1}")
+            raise RendezvousFailed(
+                f"cluster.node_rank={self.rank} is given to two nodes (this one: "
+                f"{self.me['host']}); give each node its own rank in 0..{self.nnodes - 1}"
+            )
         self.store.set(self._key(f"node/{self.rank}"), json.dumps(self.me))
 
     def _gather(self, deadline: float) -> None:
@@ -151,18 +174,24 @@ class NodeRendezvous:
                 missing = [k for k, key in keys.items() if not self.store.check([key])]
                 joined = [k for k in keys if k not in missing]
                 self._read(joined)
-                self._abort(f"node{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {self.nnodes} "
-                            f"never joined {self.where} within {self.timeout} s (cluster.join_timeout_s); "
-                            f"joined: {self.describe()}")
+                self._abort(
+                    f"node{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {self.nnodes} "
+                    f"never joined {self.where} within {self.timeout} s (cluster.join_timeout_s); "
+                    f"joined: {self.describe()}"
+                )
             time.sleep(POLL_S)
         self._read(range(self.nnodes))
         for k, node in self.nodes.items():
             if node["run_dir"] != self.me["run_dir"]:
-                self._abort(f"node {k} ({node['host']}) uses the run directory {node['run_dir']}, node 0 uses "
-                            f"{self.me['run_dir']}: give every node the same hydra.run.dir (a shared folder)")
+                self._abort(
+                    f"node {k} ({node['host']}) uses the run directory {node['run_dir']}, node 0 uses "
+                    f"{self.me['run_dir']}: give every node the same hydra.run.dir (a shared folder)"
+                )
             if node["config"] != self.me["config"]:
-                self._abort(f"node {k} ({node['host']}) has other settings than node 0: launch every node with "
-                            f"the same overrides (only cluster.node_rank, local_addr and env may differ)")
+                self._abort(
+                    f"node {k} ({node['host']}) has other settings than node 0: launch every node with "
+                    f"the same overrides (only cluster.node_rank, local_addr and env may differ)"
+                )
         self.store.set(self._key("go"), "1")
 
     def _await_go(self, deadline: float) -> None:
@@ -179,11 +208,15 @@ class NodeRendezvous:
             except RendezvousFailed:
                 raise
             except Exception:  # noqa: BLE001 - the store went away with node 0
-                raise RendezvousFailed(f"node {self.rank} of {self.nnodes}: node 0 left {self.where} "
-                                       f"before all nodes had joined (see node 0's output)") from None
+                raise RendezvousFailed(
+                    f"node {self.rank} of {self.nnodes}: node 0 left {self.where} "
+                    f"before all nodes had joined (see node 0's output)"
+                ) from None
             if time.monotonic() >= deadline + 5:  # node 0 decides at the deadline; allow it to say so
-                raise RendezvousFailed(f"node {self.rank} of {self.nnodes}: node 0 did not report all nodes "
-                                       f"at {self.where} within {self.timeout} s (cluster.join_timeout_s)")
+                raise RendezvousFailed(
+                    f"node {self.rank} of {self.nnodes}: node 0 did not report all nodes "
+                    f"at {self.where} within {self.timeout} s (cluster.join_timeout_s)"
+                )
             time.sleep(POLL_S)
 
     def _read(self, ranks) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from launcher import config as C
 from launcher.data.progress import duration
 from launcher.exits import EXIT_BAD_INPUT, EXIT_CHECKPOINT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED, MARKERS
-from launcher.launch.start.console import Console, killed, LOG
+from launcher.launch.start.console import LOG, Console, killed
 from launcher.manifest import root_of, whole
 
 
@@ -47,8 +47,14 @@ def clear_markers(run_dir: Path) -> None:
         (run_dir / name).unlink(missing_ok=True)
 
 
-def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bool = False,
-              drain_s: float = 300, ckpt_root: Path | None = None) -> int:
+def supervise(
+    argv: list[str],
+    env: dict[str, str],
+    run_dir: Path,
+    own_group: bool = False,
+    drain_s: float = 300,
+    ckpt_root: Path | None = None,
+) -> int:
     """Run torchrun as a child, forward stop signals to it, map the exit code.
 
     torchrun leads its own session, so a Ctrl-C in the terminal reaches the launcher alone:
@@ -65,8 +71,15 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
     try:
         # torchrun's stderr (its ranks' too) through the console: the ranks' lines live, torchrun's
         # report and the tracebacks into RUN_DIR/torchrun.log (launch/start/console.py)
-        proc = subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True,
-                                errors="replace", preexec_fn=functools.partial(stop_with_parent, os.getpid()))
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            start_new_session=True,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            preexec_fn=functools.partial(stop_with_parent, os.getpid()),
+        )
         console = Console(proc.stderr, run_dir, lambda: children(proc.pid))
         forwarder.started(proc)
         rc = proc.wait()
@@ -76,13 +89,15 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path, own_group: bo
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return explain(rc, run_dir, ckpt_root or run_dir / "checkpoints", interrupted=bool(forwarder.interrupts),
-                   console=console)
+    return explain(
+        rc, run_dir, ckpt_root or run_dir / "checkpoints", interrupted=bool(forwarder.interrupts), console=console
+    )
 
 
 class _Forwarder:
     """supervise's signal handler: where each stop signal goes (see supervise), and the
     Ctrl-Cs taken so far."""
+
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
     def __init__(self, run_dir: Path, own_group: bool):
@@ -115,8 +130,11 @@ class _Forwarder:
             return
         if sig == signal.SIGINT:
             self.interrupts.append(time.monotonic())
-            print(stop_line(self.run_dir) if len(self.interrupts) == 1 else "Ctrl-C again: stopping now",
-                  file=sys.stderr, flush=True)
+            print(
+                stop_line(self.run_dir) if len(self.interrupts) == 1 else "Ctrl-C again: stopping now",
+                file=sys.stderr,
+                flush=True,
+            )
         if sig == signal.SIGINT and len(self.interrupts) > 1:
             stop_now(proc, self.own_group)
         elif self.own_group:
@@ -169,7 +187,7 @@ def children(pid: int) -> list[int]:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
                 out.append(int(entry.name))
     return out
 
@@ -195,9 +213,12 @@ def explain(rc: int, run_dir: Path, ckpt_root: Path, interrupted: bool = False, 
         if code == EXIT_PREEMPTED:
             by = info.get("signal", "a signal")
             what = "interrupted (Ctrl-C)" if by == "SIGINT" else f"preempted by {by}"
-            where = (f"after step {info.get('step', '?')}; checkpoint {info.get('checkpoint', '(see the log)')}. "
-                     f"Launch the same run directory again to resume." if info.get("step", "?") is not None
-                     else f"before the first step; {relaunch(ckpt_root)}")
+            where = (
+                f"after step {info.get('step', '?')}; checkpoint {info.get('checkpoint', '(see the log)')}. "
+                f"Launch the same run directory again to resume."
+                if info.get("step", "?") is not None
+                else f"before the first step; {relaunch(ckpt_root)}"
+            )
             print(f"{what} {where}", flush=True)
             return EXIT_INTERRUPTED if by == "SIGINT" else code
         if code == EXIT_CHECKPOINT_FAILED:
@@ -221,9 +242,13 @@ def explain(rc: int, run_dir: Path, ckpt_root: Path, interrupted: bool = False, 
         return 128 - failure.exitcode
     if console is not None and console.held:
         more = len(console.held) - 1
-        print("".join(console.held[0]) + f"error: the ranks failed (torchrun exited {rc}); the first traceback a rank "
-              f"printed is above{f' ({more} more)' if more else ''}, torchrun's report in {run_dir / LOG}",
-              file=sys.stderr, end="\n", flush=True)
+        print(
+            "".join(console.held[0]) + f"error: the ranks failed (torchrun exited {rc}); the first traceback a rank "
+            f"printed is above{f' ({more} more)' if more else ''}, torchrun's report in {run_dir / LOG}",
+            file=sys.stderr,
+            end="\n",
+            flush=True,
+        )
     return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
 
 
@@ -246,8 +271,10 @@ def relaunch(ckpt_root: Path, first: str | None = None) -> str:
     then = f"{first}, then launch" if first else "Launch"
     if done:
         return f"the last complete checkpoint, {done[-1]}, is untouched. {then} the same run directory again to resume from it."
-    return (f"no complete checkpoint was written, so there is nothing to resume. {then} the same run directory "
-            f"again to start the run over.")
+    return (
+        f"no complete checkpoint was written, so there is nothing to resume. {then} the same run directory "
+        f"again to start the run over."
+    )
 
 
 AGREE_S = 1.0
@@ -259,8 +286,13 @@ def stop_line(run_dir: Path) -> str:
     """The first Ctrl-C's line: how soon the ranks finish their step, from the last step
     time rank 0 logged (a step of minutes is not 'about a second'); none before any."""
     step = last_step_s(run_dir)
-    when = "" if step is None else " (within about a second)" if step + AGREE_S < 1.5 else \
-        f" (within about {duration(step + AGREE_S)}: the last step took {duration(step)})"
+    when = (
+        ""
+        if step is None
+        else " (within about a second)"
+        if step + AGREE_S < 1.5
+        else f" (within about {duration(step + AGREE_S)}: the last step took {duration(step)})"
+    )
     return f"Ctrl-C: the ranks finish this step{when}, save and stop (Ctrl-C again to stop at once)"
 
 
@@ -282,8 +314,10 @@ def disk_report(ckpt_root: Path, cause: str | None) -> str:
     """One line: what failed, the folder, its free space, the last complete checkpoint."""
     free = free_bytes(ckpt_root)
     cause = cause or ("no space left on device" if free < LOW_DISK else "the ranks stopped")
-    return (f"error: a checkpoint could not be written in {ckpt_root} ({cause}; "
-            f"{free / 2**20:,.1f} MiB free there); {relaunch(ckpt_root, 'Free space (or choose another checkpoint.dir)')}")
+    return (
+        f"error: a checkpoint could not be written in {ckpt_root} ({cause}; "
+        f"{free / 2**20:,.1f} MiB free there); {relaunch(ckpt_root, 'Free space (or choose another checkpoint.dir)')}"
+    )
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # looked up before any fork
@@ -324,8 +358,14 @@ def main(argv: list[str]) -> int:
     for the checkpoint folder and the runner; imports no torch."""
     run_dir = Path(argv[0]).resolve()
     cfg = C.load_frozen(run_dir)
-    return supervise(argv[1:], dict(os.environ), run_dir, own_group=cfg.cluster.runner == C.Runner.deepspeed,
-                     drain_s=cfg.cluster.shutdown_timeout_s, ckpt_root=root_of(cfg, run_dir))
+    return supervise(
+        argv[1:],
+        dict(os.environ),
+        run_dir,
+        own_group=cfg.cluster.runner == C.Runner.deepspeed,
+        drain_s=cfg.cluster.shutdown_timeout_s,
+        ckpt_root=root_of(cfg, run_dir),
+    )
 
 
 if __name__ == "__main__":

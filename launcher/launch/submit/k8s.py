@@ -25,8 +25,9 @@ from pathlib import Path
 
 import yaml
 
-from launcher import config as C, user_env
-from launcher.launch.start.argv import job_env, NodeArgs, shell_word, ShellExpr, torchrun_argv
+from launcher import config as C
+from launcher import user_env
+from launcher.launch.start.argv import NodeArgs, ShellExpr, job_env, shell_word, torchrun_argv
 
 MANIFEST = "job.yaml"
 PORT = 29500
@@ -51,29 +52,46 @@ def validate_k8s(cfg: C.Config, run_dir: Path) -> None:
     """The Kubernetes fields, each wrong value one line (exit 2) before anything is written."""
     c, k = cfg.cluster, cfg.cluster.k8s
     if not k.image or not _IMAGE.fullmatch(k.image):
-        raise C.ConfigError("cluster.k8s.image", k.image, "required: the container image the pods run, e.g. "
-                            "ghcr.io/me/train:1 (letters, digits and ._/:@- only)")
+        raise C.ConfigError(
+            "cluster.k8s.image",
+            k.image,
+            "required: the container image the pods run, e.g. ghcr.io/me/train:1 (letters, digits and ._/:@- only)",
+        )
     if not re.fullmatch(r"[\w./+-]+", k.python):
         raise C.ConfigError("cluster.k8s.python", k.python, "the image's interpreter: a command name or a path")
     for key in ("namespace", "service_account", "volume_claim"):
         value = getattr(k, key)
         if value is not None and not _DNS_LABEL.fullmatch(value):
-            raise C.ConfigError(f"cluster.k8s.{key}", value, "a Kubernetes name: lower-case letters, digits and -, "
-                                "at most 63 characters")
+            raise C.ConfigError(
+                f"cluster.k8s.{key}",
+                value,
+                "a Kubernetes name: lower-case letters, digits and -, at most 63 characters",
+            )
     if k.context is not None and not re.fullmatch(r"[\w.:@/-]+", k.context):
         raise C.ConfigError("cluster.k8s.context", k.context, "a kubectl context name: letters, digits and ._:@/- only")
     if k.volume_claim is None:
-        raise C.ConfigError("cluster.k8s.volume_claim", None, "required: a ReadWriteMany PersistentVolumeClaim for the "
-                            "run directory (a restarted pod resumes from its checkpoints)")
+        raise C.ConfigError(
+            "cluster.k8s.volume_claim",
+            None,
+            "required: a ReadWriteMany PersistentVolumeClaim for the "
+            "run directory (a restarted pod resumes from its checkpoints)",
+        )
     mount = Path(k.mount_path)
     if not mount.is_absolute() or mount in (Path("/"), Path("/dev/shm")) or not run_dir.is_relative_to(mount):
-        raise C.ConfigError("hydra.run.dir", str(run_dir), f"a Kubernetes job's run directory lies under "
-                            f"cluster.k8s.mount_path={k.mount_path} (the shared volume, the same path here and in the pods)")
+        raise C.ConfigError(
+            "hydra.run.dir",
+            str(run_dir),
+            f"a Kubernetes job's run directory lies under "
+            f"cluster.k8s.mount_path={k.mount_path} (the shared volume, the same path here and in the pods)",
+        )
     for entry in k.node_selector:
         key, eq, value = str(entry).partition("=")
         if not eq or not _LABEL_KEY.fullmatch(key) or not _LABEL_VALUE.fullmatch(value):
-            raise C.ConfigError("cluster.k8s.node_selector", entry, "each entry key=value, a Kubernetes label: key "
-                                "[prefix/]name, value up to 63 letters, digits and -_.")
+            raise C.ConfigError(
+                "cluster.k8s.node_selector",
+                entry,
+                "each entry key=value, a Kubernetes label: key [prefix/]name, value up to 63 letters, digits and -_.",
+            )
     if not str(run_dir).isprintable():  # YAML reads \x85, \u2028 and \u2029 as line breaks
         raise C.ConfigError("hydra.run.dir", ascii(str(run_dir)), "a Kubernetes job's run directory is printable text")
     for t in k.tolerations:
@@ -83,17 +101,25 @@ def validate_k8s(cfg: C.Config, run_dir: Path) -> None:
     if k.shm_gb < 1:
         raise C.ConfigError("cluster.k8s.shm_gb", k.shm_gb, "must be >= 1 (GiB of /dev/shm per pod)")
     if not 1 <= c.preempt_grace_s <= 65535 or c.preempt_grace_s < c.shutdown_timeout_s:
-        raise C.ConfigError("cluster.preempt_grace_s", c.preempt_grace_s, f"must be in 1..65535 and >= "
-                            f"cluster.shutdown_timeout_s={c.shutdown_timeout_s} (the ranks' save fits in the grace)")
+        raise C.ConfigError(
+            "cluster.preempt_grace_s",
+            c.preempt_grace_s,
+            f"must be in 1..65535 and >= "
+            f"cluster.shutdown_timeout_s={c.shutdown_timeout_s} (the ranks' save fits in the grace)",
+        )
     if c.local_addr is not None:
         raise C.ConfigError("cluster.local_addr", c.local_addr, "each pod has its own address: leave it null")
     if cfg.checkpoint.resume != "auto":
-        raise C.ConfigError("checkpoint.resume", cfg.checkpoint.resume,
-                            "a restarted pod must resume from the run's latest checkpoint: use auto")
+        raise C.ConfigError(
+            "checkpoint.resume",
+            cfg.checkpoint.resume,
+            "a restarted pod must resume from the run's latest checkpoint: use auto",
+        )
 
 
 def _check_toleration(t) -> None:
     """One toleration as the API server takes it, or one line saying what is wrong."""
+
     def bad(why: str) -> C.ConfigError:
         return C.ConfigError("cluster.k8s.tolerations", t, why)
 
@@ -104,12 +130,15 @@ def _check_toleration(t) -> None:
         raise bad("operator Equal or Exists")
     if "key" in t and not (isinstance(t["key"], str) and _LABEL_KEY.fullmatch(t["key"])):
         raise bad("key: a Kubernetes label name")
-    if "value" in t and (operator == "Exists" or not isinstance(t["value"], str) or not _LABEL_VALUE.fullmatch(t["value"])):
+    if "value" in t and (
+        operator == "Exists" or not isinstance(t["value"], str) or not _LABEL_VALUE.fullmatch(t["value"])
+    ):
         raise bad("value: a label value (text, quoted if it looks like a number), and none with operator Exists")
     if "effect" in t and t["effect"] not in _EFFECTS:
         raise bad(f"effect: one of {', '.join(sorted(_EFFECTS))}")
-    if "tolerationSeconds" in t and (t.get("effect") != "NoExecute" or type(t["tolerationSeconds"]) is not int
-                                     or t["tolerationSeconds"] < 0):
+    if "tolerationSeconds" in t and (
+        t.get("effect") != "NoExecute" or type(t["tolerationSeconds"]) is not int or t["tolerationSeconds"] < 0
+    ):
         raise bad("tolerationSeconds: whole seconds >= 0, with effect NoExecute")
 
 
@@ -119,16 +148,23 @@ def node_script(cfg: C.Config, run_dir: str, plan) -> str:
     Service's DNS, or the Trainer's PET_* variables); everything else is quoted."""
     if cfg.cluster.k8s.kind == C.K8sKind.trainjob:
         rank = "PET_NODE_RANK"
-        node = NodeArgs(ShellExpr('"$PET_NNODES"'), ShellExpr(f'"${rank}"'), ShellExpr('"$PET_MASTER_ADDR:$PET_MASTER_PORT"'))
+        node = NodeArgs(
+            ShellExpr('"$PET_NNODES"'), ShellExpr(f'"${rank}"'), ShellExpr('"$PET_MASTER_ADDR:$PET_MASTER_PORT"')
+        )
     else:
         name, rank = job_name(run_dir), "JOB_COMPLETION_INDEX"
-        node = NodeArgs(str(cfg.cluster.nnodes), ShellExpr(f'"${rank}"'), f"{name}-0.{name}:{cfg.cluster.master_port or PORT}")
+        node = NodeArgs(
+            str(cfg.cluster.nnodes), ShellExpr(f'"${rank}"'), f"{name}-0.{name}:{cfg.cluster.master_port or PORT}"
+        )
     # Node 0 hosts the rendezvous store, said outright: torchrun would otherwise decide by
     # resolving pod 0's DNS name, which may not exist yet when the pod starts.
-    argv = [ShellExpr(f'{a},is_host="$IS_HOST"') if a.startswith("--rdzv-conf=") else a
-            for a in torchrun_argv(cfg, run_dir, plan, node)]
-    return (f'IS_HOST=false; [ "${rank}" = 0 ] && IS_HOST=true; cd {shlex.quote(run_dir)} && exec '
-            + " ".join(shell_word(a) for a in argv))
+    argv = [
+        ShellExpr(f'{a},is_host="$IS_HOST"') if a.startswith("--rdzv-conf=") else a
+        for a in torchrun_argv(cfg, run_dir, plan, node)
+    ]
+    return f'IS_HOST=false; [ "${rank}" = 0 ] && IS_HOST=true; cd {shlex.quote(run_dir)} && exec ' + " ".join(
+        shell_word(a) for a in argv
+    )
 
 
 def literal(text: str) -> str:
@@ -142,8 +178,10 @@ def _env(cfg: C.Config, run_dir: str, plan) -> list[dict]:
 
 
 def _volumes(k) -> tuple[list[dict], list[dict]]:
-    volumes = [{"name": "run", "persistentVolumeClaim": {"claimName": k.volume_claim}},
-               {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{k.shm_gb}Gi"}}]
+    volumes = [
+        {"name": "run", "persistentVolumeClaim": {"claimName": k.volume_claim}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{k.shm_gb}Gi"}},
+    ]
     mounts = [{"name": "run", "mountPath": k.mount_path}, {"name": "shm", "mountPath": "/dev/shm"}]
     return volumes, mounts
 
@@ -176,23 +214,68 @@ def manifests(cfg: C.Config, run_dir: str, plan) -> list[dict]:
     if k.kind == C.K8sKind.trainjob:
         patch = {**_placement(cfg), "volumes": volumes, "containers": [{"name": "node", "volumeMounts": mounts}]}
         template = {"spec": {"replicatedJobs": [{"name": "node", "template": {"spec": {"template": {"spec": patch}}}}]}}
-        trainer = {"image": k.image, "command": command, "env": _env(cfg, run_dir, plan),
-                   "numNodes": cfg.cluster.nnodes, "numProcPerNode": plan.nproc_per_node}
+        trainer = {
+            "image": k.image,
+            "command": command,
+            "env": _env(cfg, run_dir, plan),
+            "numNodes": cfg.cluster.nnodes,
+            "numProcPerNode": plan.nproc_per_node,
+        }
         if _resources(cfg):
             trainer["resourcesPerNode"] = _resources(cfg)
-        return [{"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": meta,
-                 "spec": {"runtimeRef": {"name": "torch-distributed"}, "trainer": trainer,
-                          "runtimePatches": [{"manager": "launcher", "trainingRuntimeSpec": {"template": template}}]}}]
-    container = {"name": "node", "image": k.image, "command": command, "env": _env(cfg, run_dir, plan), "volumeMounts": mounts, "resources": _resources(cfg)}
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": {**meta, "labels": dict(labels)},
-               "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {"launcher/job": name},
-                        "ports": [{"name": "rendezvous", "port": cfg.cluster.master_port or PORT}]}}
-    pod = {"metadata": {"labels": dict(labels)},  # a copy: the YAML holds no anchors
-           "spec": {**_placement(cfg), "subdomain": name, "restartPolicy": "OnFailure",
-                    "containers": [container], "volumes": volumes}}
-    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
-           "spec": {"completionMode": "Indexed", "completions": cfg.cluster.nnodes, "parallelism": cfg.cluster.nnodes,
-                    "backoffLimit": k.backoff_limit * cfg.cluster.nnodes, "template": pod}}
+        return [
+            {
+                "apiVersion": "trainer.kubeflow.org/v1alpha1",
+                "kind": "TrainJob",
+                "metadata": meta,
+                "spec": {
+                    "runtimeRef": {"name": "torch-distributed"},
+                    "trainer": trainer,
+                    "runtimePatches": [{"manager": "launcher", "trainingRuntimeSpec": {"template": template}}],
+                },
+            }
+        ]
+    container = {
+        "name": "node",
+        "image": k.image,
+        "command": command,
+        "env": _env(cfg, run_dir, plan),
+        "volumeMounts": mounts,
+        "resources": _resources(cfg),
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {**meta, "labels": dict(labels)},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {"launcher/job": name},
+            "ports": [{"name": "rendezvous", "port": cfg.cluster.master_port or PORT}],
+        },
+    }
+    pod = {
+        "metadata": {"labels": dict(labels)},  # a copy: the YAML holds no anchors
+        "spec": {
+            **_placement(cfg),
+            "subdomain": name,
+            "restartPolicy": "OnFailure",
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": cfg.cluster.nnodes,
+            "parallelism": cfg.cluster.nnodes,
+            "backoffLimit": k.backoff_limit * cfg.cluster.nnodes,
+            "template": pod,
+        },
+    }
     return [service, job]
 
 
@@ -224,8 +307,10 @@ def apply(cfg: C.Config, run_dir: Path) -> str:
         raise SubmitError(" | ".join(lines) or f"kubectl exited {proc.returncode}")
     said = proc.stdout.strip()
     if " unchanged" in said:  # a Job's pods run once: the same Job applied again starts nothing
-        return (f"kubectl left the job as it was ({said}): it exists already; to start it again, first: "
-                f"{shlex.join(['kubectl', *argv[1:-3], 'delete', '-f', argv[-1]])}")
+        return (
+            f"kubectl left the job as it was ({said}): it exists already; to start it again, first: "
+            f"{shlex.join(['kubectl', *argv[1:-3], 'delete', '-f', argv[-1]])}"
+        )
     return f"applied {run_dir / MANIFEST} ({said})"
 
 

@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher import config as C, user_env
+from launcher import config as C
+from launcher import user_env
 from launcher.host import HostInfo
 from launcher.provenance import PROJECT
 
@@ -33,9 +34,12 @@ def node_host(cfg: C.Config, here: HostInfo) -> HostInfo:
 def check_client() -> None:
     """sbatch must be reachable before anything is written."""
     if shutil.which("sbatch") is None:
-        raise C.ConfigError("cluster.scheduler", "slurm",
-                            "sbatch not found on PATH: submit from a machine with Slurm's client tools "
-                            "(or scripts/slurm/local_cluster.sh here)")
+        raise C.ConfigError(
+            "cluster.scheduler",
+            "slurm",
+            "sbatch not found on PATH: submit from a machine with Slurm's client tools "
+            "(or scripts/slurm/local_cluster.sh here)",
+        )
 
 
 class SubmitError(Exception):
@@ -46,8 +50,7 @@ def submit(run_dir: Path) -> str:
     """`sbatch --parsable job.sbatch` in RUN_DIR; writes and returns the job id. sbatch gets
     the user's environment, less what the launch side set for this machine
     (launcher.user_env: DS_ACCELERATOR=cpu on a login node without GPUs stays there)."""
-    proc = subprocess.run(["sbatch", "--parsable", SCRIPT], cwd=run_dir, capture_output=True, text=True,
-                          env=user_env())
+    proc = subprocess.run(["sbatch", "--parsable", SCRIPT], cwd=run_dir, capture_output=True, text=True, env=user_env())
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
         raise SubmitError(" | ".join(lines) or f"sbatch exited {proc.returncode}")
@@ -65,11 +68,18 @@ def code_dir(cfg: C.Config, run_dir: Path) -> str | None:
     off, or a Python without PYTHONSAFEPATH (3.10), which says so in one line."""
     if not cfg.cluster.snapshot_code:
         return None
-    why = ("needs Python 3.11+ (PYTHONSAFEPATH)" if sys.version_info < (3, 11) else
-           "cannot name a run directory with ':' in PYTHONPATH" if ":" in str(run_dir) else None)
+    why = (
+        "needs Python 3.11+ (PYTHONSAFEPATH)"
+        if sys.version_info < (3, 11)
+        else "cannot name a run directory with ':' in PYTHONPATH"
+        if ":" in str(run_dir)
+        else None
+    )
     if why:
-        print(f"note: cluster.snapshot_code {why}; the job imports the checkout as it is when the job starts",
-              file=sys.stderr)
+        print(
+            f"note: cluster.snapshot_code {why}; the job imports the checkout as it is when the job starts",
+            file=sys.stderr,
+        )
         return None
     return str(run_dir / CODE)
 
