@@ -12,13 +12,13 @@ import shutil
 import pytest
 import torch
 from hf_models import mixtral_args, tiny_mixtral
+from parts import check_parts_read_alone
 
 from launcher import models
 from launcher.config import ConfigError
 from launcher.launch import cli
 from launcher.models import hf_adapter
 from launcher.models.hf_sources import flat_boxes
-from parts import check_parts_read_alone
 
 CPU = torch.device("cpu")
 

@@ -12,13 +12,13 @@ import shutil
 import pytest
 import torch
 from hf_models import TINY_QWEN, qwen_args, tiny_qwen
+from parts import check_parts_read_alone
 
 from launcher import models
 from launcher.config import ConfigError, num_params
 from launcher.launch import cli
 from launcher.models import hf_adapter
 from launcher.models.moe import routers
-from parts import check_parts_read_alone
 
 CPU = torch.device("cpu")
 KINDS = ("qwen3_moe", "qwen2_moe")
