@@ -334,6 +334,9 @@ class PlanConfig:
     """Collective bandwidth per GPU inside a node, GB/s (NVLink: 150-450)."""
     inter_node_gbps: float = 25.0
     """Collective bandwidth per GPU across nodes, GB/s (200 Gb/s InfiniBand = 25)."""
+    collective_latency_us: float = 20.0
+    """Start-up time of one collective (NCCL: about 10-20 us in a node, 20-50 across nodes):
+    what makes many small buckets slower than a few big ones at the same bytes."""
     pcie_gbps: float = 20.0
     """Host <-> GPU copy bandwidth for offload, GB/s (PCIe 4 x16: about 25)."""
     cpu_adam_params_per_s: float = 1.0e9
