@@ -36,6 +36,7 @@ CASES = [
         ["recipe.engine=nope"],
         ["recipe.engine=nope", "no such engine", "allowed: ddp, fsdp, pp, pp_fsdp, tp, tp_fsdp, zero"],
     ),
+    (["recipe.strategy=zero"], ["recipe.strategy=zero: renamed; use recipe.engine=zero"]),  # the key's old name
     (["model=gpt_huge"], ["model=gpt_huge", "gpt_tiny"]),
     (["data=nope"], ["data=nope", "synthetic"]),
     (["precision=fp4"], ["precision=fp4", "bf16", "fp32", "fp8"]),

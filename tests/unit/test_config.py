@@ -174,9 +174,12 @@ def test_a_relaunch_that_changes_the_schedule_says_so(tmp_path):
 
 
 def test_a_config_yaml_of_an_earlier_version_still_loads(tmp_path):
-    """config.yaml once held dry_run (a flag now): a run directory made then still resumes."""
-    cfg, _, _ = cli.compose_config([])
-    (tmp_path / "config.yaml").write_text(C.to_yaml(cfg) + "dry_run: false\n")
+    """config.yaml once held dry_run (a flag now) and recipe.strategy (recipe.engine now): a
+    run directory made then still resumes (ranks, relaunch and export read it through read_frozen)."""
+    cfg, _, _ = cli.compose_config(["recipe=zero2"])
+    old = C.to_yaml(cfg).replace("  engine: zero\n", "  strategy: zero\n")
+    assert "strategy: zero" in old and "engine: zero" not in old
+    (tmp_path / "config.yaml").write_text(old + "dry_run: false\n")
     assert C.load_frozen(tmp_path) == cfg
 
 
