@@ -27,7 +27,7 @@ def needed(cfg: C.Config, cuda: bool) -> list[str]:
     (recipe.zero.offload_optimizer), DeepSpeed's shared-memory collectives on a CPU."""
     import recipes
 
-    if not recipes.spec(cfg.recipe.strategy).deepspeed:
+    if not recipes.spec(cfg.recipe.engine).deepspeed:
         return []
     offload = cfg.recipe.zero.offload_optimizer != C.OffloadDevice.none
     return [name for name, use in ((CPU_ADAM, offload), (SHM_COMM, not cuda)) if use]

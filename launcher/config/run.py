@@ -130,7 +130,7 @@ class ClusterConfig:
     name: str = "local"
     runner: Runner = Runner.torchrun
     """How ranks start: torchrun (python -m torch.distributed.run), or deepspeed (DeepSpeed's
-    own launcher, `deepspeed --num_nodes --num_gpus`, recipe.strategy=zero only; several nodes
+    own launcher, `deepspeed --num_nodes --num_gpus`, recipe.engine=zero only; several nodes
     are started from the first one over ssh/pdsh with a generated RUN_DIR/hostfile), or
     accelerate (`accelerate launch --config_file RUN_DIR/accelerate_config.yaml`, for those who
     start everything with it: torchrun underneath, the same ranks and losses, every recipe; one
