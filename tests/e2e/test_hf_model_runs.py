@@ -19,6 +19,7 @@ import pytest
 import torch
 from hf_models import TINY_LLAMA, tiny_llama_config
 from runs import launch, read_metrics
+from shared import Run, SharedRuns
 
 from launcher import config as C
 from launcher import models
@@ -47,18 +48,19 @@ COMMON = [
 STEP2, STEP4 = "checkpoints/step_00000002", "checkpoints/step_00000004"
 
 
-# name: (overrides, where the weights come from: "config" or "pretrained")
+# Each run by name (tests/helpers/shared.py); extra["weights"]: where they come from, "config" (random
+# init of the untied config) or "pretrained" (the saved folder)
+CONFIG, PRETRAINED = {"weights": "config"}, {"weights": "pretrained"}
 RUNS = {
-    "ddp": (["recipe=ddp", "train.activation_checkpointing=full"], "config"),
-    "fsdp": (["recipe=fsdp"], "config"),
-    "tp": (["recipe=tp", "train.activation_checkpointing=selective"], "pretrained"),
-    "pp": (["recipe=pp", "parallel.pp_schedule=1f1b"], "pretrained"),
-    "zero3": (["recipe=zero3"], "pretrained"),
+    "ddp": Run(["recipe=ddp", "train.activation_checkpointing=full"], extra=CONFIG),
+    "fsdp": Run(["recipe=fsdp"], extra=CONFIG),
+    "tp": Run(["recipe=tp", "train.activation_checkpointing=selective"], extra=PRETRAINED),
+    "pp": Run(["recipe=pp", "parallel.pp_schedule=1f1b"], extra=PRETRAINED),
+    "zero3": Run(["recipe=zero3"], extra=PRETRAINED),
     # step 1 only: the same pretrained folder under the other recipes, and random init of its config
-    "ddp_pretrained": (["recipe=ddp", "train.stop_at=1", "checkpoint.every=0"], "pretrained"),
-    "tp_fsdp_pretrained": (
-        ["recipe=tp_fsdp", "cluster.nproc_per_node=4", "train.stop_at=1", "checkpoint.every=0"],
-        "pretrained",
+    "ddp_pretrained": Run(["recipe=ddp", "train.stop_at=1", "checkpoint.every=0"], extra=PRETRAINED),
+    "tp_fsdp_pretrained": Run(
+        ["recipe=tp_fsdp", "cluster.nproc_per_node=4", "train.stop_at=1", "checkpoint.every=0"], extra=PRETRAINED
     ),
 }
 
@@ -81,20 +83,16 @@ def saved(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, saved):
+def runs(tmp_path_factory, saved) -> SharedRuns:
     root = tmp_path_factory.mktemp("hf_runs")
-    done: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in done:
-            overrides, source = RUNS[name]
-            untied = tiny_llama_config(root / "untied")
-            weights = f"model.config={untied}" if source == "config" else f"model.pretrained={saved}"
-            launch(*COMMON, weights, *overrides, run_dir=root / name)
-            done[name] = root / name
-        return done[name]
-
-    return get
+    weights = {
+        "config": f"model.config={tiny_llama_config(root / 'untied')}",
+        "pretrained": f"model.pretrained={saved}",
+    }
+    defined = {
+        n: dataclasses.replace(r, overrides=[weights[r.extra["weights"]], *r.overrides]) for n, r in RUNS.items()
+    }
+    return SharedRuns(root, defined, common=COMMON)
 
 
 def losses(run: Path) -> list[float]:
@@ -166,7 +164,7 @@ def test_random_init_is_the_same_on_every_rank_ddp_and_fsdp_agree(runs):
 @pytest.mark.slow
 def test_resume_from_step_2_is_bit_identical(runs, tmp_path):
     straight = runs("ddp")
-    overrides, _ = RUNS["ddp"]
+    overrides = RUNS["ddp"].overrides
     cfg = C.load_frozen(straight)
     resumed = tmp_path / "resumed"
     proc = launch(

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hf_models import TINY_LLAMA
 from runs import assert_refused, launch, read_metrics
+from shared import Run, SharedRuns
 
 from launcher import config as C
 from launcher import models
@@ -42,8 +43,14 @@ COMMON = [
     "checkpoint.every=2",
     "data.vocab_size=256",
 ]
-RUNS = {"ddp": [], "fsdp": ["train.stop_at=2"], "zero2": [], "zero3": ["train.stop_at=2"]}
-"""recipe: what its first launch adds (the resumed ones then train on to step 4)."""
+STOP = ["train.stop_at=2"]  # stopped at step 2, then relaunched: it resumes and trains on to step 4
+RUNS = {
+    "ddp": Run(["recipe=ddp"]),
+    "fsdp": Run(["recipe=fsdp", *STOP], then=[["recipe=fsdp"]]),
+    "zero2": Run(["recipe=zero2"]),
+    "zero3": Run(["recipe=zero3", *STOP], then=[["recipe=zero3"]]),
+}
+"""Each engine's run by name (tests/helpers/shared.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +67,8 @@ def base(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(base, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("lora-runs")
-    out = {}
-    for recipe, first in RUNS.items():
-        run = root / recipe
-        launch(f"recipe={recipe}", f"model.pretrained={base}", *COMMON, *first, run_dir=run)
-        if first:
-            launch(f"recipe={recipe}", f"model.pretrained={base}", *COMMON, run_dir=run)
-        out[recipe] = run
-    return out
+def runs(base, tmp_path_factory) -> SharedRuns:
+    return SharedRuns(tmp_path_factory.mktemp("lora-runs"), RUNS, common=[f"model.pretrained={base}", *COMMON])
 
 
 def test_every_engine_trains_the_same_adapters(runs):

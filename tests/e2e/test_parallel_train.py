@@ -10,12 +10,14 @@ once, on first use, and shared by the tests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from runs import evaluated, here, launch, read_metrics
+from runs import evaluated, here, read_metrics
+from shared import Run, SharedRuns
 
 from launcher import config as C
 from launcher.config import block_matmul_params, num_params
@@ -43,23 +45,22 @@ COMMON = [
 STEP_HALF = f"checkpoints/step_{HALF:08d}"
 ASYNC = "checkpoint.async_save=true"
 
-# name: (overrides, the run it resumes from at step HALF or None[, overrides of a second
-# launch of the same run directory, which resumes it by itself])
+# Each run by name (tests/helpers/shared.py): its overrides (fp32 unless they say a precision), the run whose
+# step-HALF checkpoint it resumes, a second launch of its own directory (which resumes it by itself)
 RUNS = {
-    "ddp": (["recipe=ddp"], None),
+    "ddp": Run(["recipe=ddp"]),
     # 2 ranks to step HALF, then the same run directory relaunched on 4 (the issue's command);
     # the loss in 4 slices of the sequence (train.loss_chunks), the head in FSDP's root unit
-    "fsdp": (
+    "fsdp": Run(
         ["recipe=fsdp", "train.activation_checkpointing=full", f"train.stop_at={HALF}", "train.loss_chunks=4"],
-        None,
-        ["recipe=fsdp", "cluster.nproc_per_node=4", "train.loss_chunks=4"],
+        then=[["recipe=fsdp", "cluster.nproc_per_node=4", "train.loss_chunks=4", "precision=fp32"]],
     ),
     # tp, pp and tp_fsdp save asynchronously (DCP's async_save): the runs resumed from them
     # prove those checkpoints whole
     # (tp and tp_fsdp4 recompute at op level: blocks keep their matmuls' outputs, DTensors)
-    "tp": (["recipe=tp", "parallel.tp=2", "train.activation_checkpointing=op", ASYNC], None),
-    "pp": (["recipe=pp", "parallel.pp_schedule=1f1b", "train.activation_checkpointing=selective", ASYNC], None),
-    "tp_fsdp4": (
+    "tp": Run(["recipe=tp", "parallel.tp=2", "train.activation_checkpointing=op", ASYNC]),
+    "pp": Run(["recipe=pp", "parallel.pp_schedule=1f1b", "train.activation_checkpointing=selective", ASYNC]),
+    "tp_fsdp4": Run(
         [
             "recipe=tp_fsdp",
             "cluster.nproc_per_node=4",
@@ -67,18 +68,17 @@ RUNS = {
             "train.activation_checkpointing=op",
             ASYNC,
         ],
-        None,
     ),
     # resharding: another layout picks up a step-HALF checkpoint
     # pp x fsdp: two stages, each sharded over two ranks, two virtual stages per rank
-    "pp_fsdp_interleaved4_from_ddp": (
+    "pp_fsdp_interleaved4_from_ddp": Run(
         ["recipe=pp_fsdp", "cluster.nproc_per_node=4", "parallel.pp_schedule=interleaved_1f1b"],
-        "ddp",
+        resume_from="ddp",
     ),
-    "fsdp_from_tp": (["recipe=fsdp"], "tp"),
-    "one_from_pp": (["recipe=ddp", "cluster.nproc_per_node=1"], "pp"),
+    "fsdp_from_tp": Run(["recipe=fsdp"], resume_from="tp"),
+    "one_from_pp": Run(["recipe=ddp", "cluster.nproc_per_node=1"], resume_from="pp"),
     # pp x tp with sequence parallel: each stage split over two ranks, uneven stages
-    "pp_tp_gpipe4_from_tp_fsdp4": (
+    "pp_tp_gpipe4_from_tp_fsdp4": Run(
         [
             "recipe=pp",
             "parallel.tp=2",
@@ -87,21 +87,20 @@ RUNS = {
             "parallel.pp_schedule=gpipe",
             "parallel.pp_split=[1]",
         ],
-        "tp_fsdp4",
+        resume_from="tp_fsdp4",
     ),
     # untied embeddings: vocabulary-parallel embedding, column-parallel head, HSDP
-    "ddp_untied": (["recipe=ddp", "model.tie_embeddings=false"], None),
-    "tp4_untied": (
+    "ddp_untied": Run(["recipe=ddp", "model.tie_embeddings=false"]),
+    "tp4_untied": Run(
         ["recipe=tp", "model.tie_embeddings=false", "cluster.nproc_per_node=4", "parallel.sequence_parallel=true"],
-        None,
     ),
-    "hsdp4_from_tp4_untied": (
+    "hsdp4_from_tp4_untied": Run(
         ["recipe=fsdp", "model.tie_embeddings=false", "cluster.nproc_per_node=4", "parallel.dp_replicate=2"],
-        "tp4_untied",
+        resume_from="tp4_untied",
     ),
     # pp x tp x fsdp (dp_shard 1 on 4 processes): FSDP over tensor-parallel DTensors in each
     # stage, two stage roots per rank, a vocabulary-parallel embedding and column head
-    "pp_tp_fsdp4_untied_from_tp4_untied": (
+    "pp_tp_fsdp4_untied_from_tp4_untied": Run(
         [
             "recipe=pp_fsdp",
             "parallel.tp=2",
@@ -109,12 +108,12 @@ RUNS = {
             "cluster.nproc_per_node=4",
             "parallel.pp_schedule=interleaved_1f1b",
         ],
-        "tp4_untied",
+        resume_from="tp4_untied",
     ),
     # one process: the weights at step 0 must be those of every layout above
-    "fsdp1": (["recipe=fsdp", "cluster.nproc_per_node=1", "train.stop_at=1", "checkpoint.every=0"], None),
+    "fsdp1": Run(["recipe=fsdp", "cluster.nproc_per_node=1", "train.stop_at=1", "checkpoint.every=0"]),
     # bf16: FSDP's mixed-precision policy; the first 8 of the STEPS
-    "fsdp_bf16": (
+    "fsdp_bf16": Run(
         [
             "recipe=fsdp",
             "precision=bf16",
@@ -122,36 +121,21 @@ RUNS = {
             "recipe.fsdp.cpu_offload=true",
             "recipe.fsdp.reshard_after_forward=false",
         ],
-        None,
     ),
 }
 FRESH = ["fsdp", "tp", "pp", "tp_fsdp4"]
 RESUMED = ["fsdp_from_tp", "one_from_pp", "pp_tp_gpipe4_from_tp_fsdp4", "pp_fsdp_interleaved4_from_ddp"]
 
 
-class Runs:
-    def __init__(self, root: Path):
-        self.root, self.done = root, {}
-
-    def __call__(self, name: str) -> Path:
-        if name not in self.done:
-            overrides, source, *then = RUNS[name]
-            extra = [f"checkpoint.resume={self(source) / STEP_HALF}"] if source else []
-            run = self.root / name
-            if not any(o.startswith("precision=") for o in overrides):
-                extra.append("precision=fp32")
-            proc = launch(*COMMON, *overrides, *extra, run_dir=run, timeout=600)
-            (run / "stdout.txt").write_text(proc.stdout)
-            if then:
-                proc = launch(*COMMON, *then[0], "precision=fp32", run_dir=run, timeout=600)
-                (run / "stdout2.txt").write_text(proc.stdout)
-            self.done[name] = run
-        return self.done[name]
+def in_fp32(run: Run) -> Run:
+    said = any(o.startswith("precision=") for o in run.overrides)
+    return run if said else dataclasses.replace(run, overrides=[*run.overrides, "precision=fp32"])
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("parallel"))
+def runs(tmp_path_factory) -> SharedRuns:
+    defined = {name: in_fp32(run) for name, run in RUNS.items()}
+    return SharedRuns(tmp_path_factory.mktemp("parallel"), defined, common=COMMON, checkpoint=STEP_HALF)
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -176,7 +160,7 @@ def test_losses_match_ddp_over_every_step(runs, name):
 
 @pytest.mark.parametrize("name", ["tp", "pp", "tp_fsdp4"])
 def test_async_saves_of_the_dcp_layouts_were_written_in_the_background(runs, name):
-    out = (runs(name) / "stdout.txt").read_text()
+    out = (runs(name) / "stdout1.txt").read_text()
     assert "checkpoint.async_save: " in out, out[-2000:]  # the host buffers, made after the first step
     for step in (HALF, STEPS):
         assert f"step_{step:08d} written in the background" in out, out[-2000:]
@@ -184,8 +168,8 @@ def test_async_saves_of_the_dcp_layouts_were_written_in_the_background(runs, nam
 
 @pytest.mark.parametrize("name", RESUMED)
 def test_resume_at_another_layout_continues_the_loss(runs, name):
-    run, source = runs(name), runs(RUNS[name][1])
-    out = (run / "stdout.txt").read_text()
+    run, source = runs(name), runs(RUNS[name].resume_from)
+    out = (run / "stdout1.txt").read_text()
     assert f"resumed from {source / STEP_HALF} at step {HALF}" in out
     worst = assert_same_losses(run, runs("ddp"), range(HALF + 1, STEPS + 1))
     print(f"{name}: max relative loss difference to ddp {worst:.1e}")
@@ -262,11 +246,11 @@ def test_untied_tensor_parallel_and_hsdp_match_ddp(runs):
     assert_same_losses(runs("hsdp4_from_tp4_untied"), ref, range(HALF + 1, STEPS + 1))
     assert (
         "mesh: pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1"
-        in (runs("hsdp4_from_tp4_untied") / "stdout.txt").read_text()
+        in (runs("hsdp4_from_tp4_untied") / "stdout1.txt").read_text()
     )
     three = runs("pp_tp_fsdp4_untied_from_tp4_untied")
     assert_same_losses(three, ref, range(HALF + 1, STEPS + 1))
-    assert "mesh: pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2" in (three / "stdout.txt").read_text()
+    assert "mesh: pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2" in (three / "stdout1.txt").read_text()
 
 
 def _model(*overrides):

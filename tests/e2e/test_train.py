@@ -23,10 +23,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_default_run_learns_logs_and_checkpoints(run_dir):
-    """The default run (bf16, as a user gets it; the suite's other runs are fp32 unless
-    they check a precision) for 60 steps: it learns, logs and checkpoints."""
+    """The default run for 60 steps: it learns, logs and checkpoints. In the precision a user
+    gets on this machine: fp32 on a CPU without native bf16 (this one's and CI's; bf16 there
+    is emulated, 8x slower, and checked where bf16 is the point: test_zero, test_parallel_train)."""
     proc = launch(
-        "precision=bf16",
         "train.steps=60",
         "optim.warmup_steps=6",
         "logger.log_every=1",
@@ -36,7 +36,7 @@ def test_default_run_learns_logs_and_checkpoints(run_dir):
         "debug.final_digest=true",
         run_dir=run_dir,
         timeout=600,
-    )  # emulated bf16: about 100 s alone, 240 s beside another worker
+    )
     assert f"run directory: {run_dir}" in proc.stdout
 
     rows = read_metrics(run_dir)
@@ -58,7 +58,7 @@ def test_default_run_learns_logs_and_checkpoints(run_dir):
 
     # The run directory: frozen config, the exact command, checkpoints behind `latest`.
     frozen = C.load_frozen(run_dir)
-    assert frozen.train.steps == 60 and frozen.recipe.name == "ddp" and frozen.precision.name == "bf16"
+    assert frozen.train.steps == 60 and frozen.recipe.name == "ddp" and frozen.precision.name == "fp32"
     assert str(run_dir) in (run_dir / "command.sh").read_text()
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "latest").read_text().splitlines()[0] == "step_00000060"

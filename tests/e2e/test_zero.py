@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from runs import REPO, evaluated, here, launch, processes_of, read_metrics, start, wait_for_step
+from shared import Run, SharedRuns
 
 from launcher import config as C
 from launcher.host import deepspeed_env
@@ -59,21 +60,21 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+FP32_RUNS = {
+    "ddp": Run(["recipe=ddp", "checkpoint.every=0"]),
+    "zero1": Run(["recipe=zero1", "checkpoint.every=0"]),
+    "zero2": Run(["recipe=zero2", "checkpoint.every=5", "checkpoint.keep=4"]),
+    "zero3": Run(["recipe=zero3", "checkpoint.every=0", "train.loss_chunks=4", "train.activation_checkpointing=op"]),
+}
+"""ddp, zero1, zero2, zero3 in fp32 on 2 ranks (tests/helpers/shared.py); zero2 keeps a checkpoint every 5
+steps; zero3 computes its loss in 4 slices of the sequence (train.loss_chunks: the head is called as a module,
+so ZeRO-3 gathers its weight, and its gradient comes back through autograd) and recomputes its blocks at op
+level (train.activation_checkpointing=op), still ddp's losses. Each evaluates its held-out loss (EVAL)."""
+
+
 @pytest.fixture(scope="module")
-def fp32_runs(tmp_path_factory) -> dict[str, Path]:
-    """ddp, zero1, zero2, zero3 in fp32 on 2 ranks; zero2 keeps a checkpoint every 5 steps;
-    zero3 computes its loss in 4 slices of the sequence (train.loss_chunks: the head is
-    called as a module, so ZeRO-3 gathers its weight, and its gradient comes back through
-    autograd) and recomputes its blocks at op level (train.activation_checkpointing=op), still
-    ddp's losses. Each evaluates its held-out loss (EVAL)."""
-    root = tmp_path_factory.mktemp("fp32")
-    runs = {}
-    for recipe in ("ddp", "zero1", "zero2", "zero3"):
-        ckpt = ["checkpoint.every=5", "checkpoint.keep=4"] if recipe == "zero2" else ["checkpoint.every=0"]
-        sliced = ["train.loss_chunks=4", "train.activation_checkpointing=op"] if recipe == "zero3" else []
-        launch(f"recipe={recipe}", *FP32, *ckpt, *sliced, *EVAL, run_dir=root / recipe)
-        runs[recipe] = root / recipe
-    return runs
+def fp32_runs(tmp_path_factory) -> SharedRuns:
+    return SharedRuns(tmp_path_factory.mktemp("fp32"), FP32_RUNS, common=[*FP32, *EVAL])
 
 
 def startup(run: Path) -> dict:

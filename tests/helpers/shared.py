@@ -75,6 +75,12 @@ class SharedRuns:
                 raise
         return self.done[name]
 
+    __getitem__ = __call__  # runs["ddp"] reads as the dict of run directories it replaces
+
+    def items(self) -> list[tuple[str, Path]]:
+        """Every run, launched where it is not yet, in the order RUNS names them."""
+        return [(name, self(name)) for name in self.runs]
+
     def _launch(self, name: str, run: Run) -> Path:
         run_dir = self.root / name
         first = list(run.overrides)
