@@ -27,18 +27,67 @@ def needed(cfg: C.Config, cuda: bool) -> list[str]:
     (recipe.zero.offload_optimizer), DeepSpeed's shared-memory collectives on a CPU."""
     import recipes
 
-    if not recipes.spec(cfg.recipe.strategy).deepspeed:
+    if not recipes.spec(cfg.recipe.engine).deepspeed:
         return []
     offload = cfg.recipe.zero.offload_optimizer != C.OffloadDevice.none
     return [name for name, use in ((CPU_ADAM, offload), (SHM_COMM, not cuda)) if use]
 
 
+STALE_LOCK_S = 600.0
+"""A build lock this old with no build running is left over: a build takes 1-3 minutes on 2
+cores, and a live one keeps its compiler running in the folder."""
+
+
+def build_folder(name: str) -> str:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return _get_build_directory(name, verbose=False)
+
+
+def clear_stale_lock(folder: str, min_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove `folder`/lock when an interrupted build left it: torch takes that file for every
+    load of the op, built or not (cpp_extension._jit_compile's FileBaton), and waits for it
+    without end or message, so one killed build hung every later DeepSpeed run of the host.
+    Stale: older than `min_age_s` and no process working in the folder (torch runs ninja
+    there, and ninja the compiler). Says so in one line; True when it removed one."""
+    lock = os.path.join(folder, "lock")
+    try:
+        age = time.time() - os.stat(lock).st_mtime
+    except FileNotFoundError:
+        return False
+    if age < min_age_s or working_in(folder):
+        return False
+    try:
+        os.remove(lock)
+    except FileNotFoundError:  # another launch removed it first
+        return False
+    print(
+        f"DeepSpeed ops: removed {lock}, a build lock left by an interrupted build "
+        f"({age / 3600:.1f} h old, no build running); torch would wait for it without end",
+        file=sys.stderr,
+        flush=True,
+    )
+    return True
+
+
+def working_in(folder: str) -> bool:
+    """Whether a process of this host has its working directory at or under `folder`."""
+    real = os.path.realpath(folder)
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if pid.isdigit():
+            try:
+                cwd = os.readlink(f"/proc/{pid}/cwd")
+            except OSError:  # gone, or another user's
+                continue
+            if cwd == real or cwd.startswith(real + os.sep):
+                return True
+    return False
+
+
 def built(builder) -> bool:
     """Whether torch's cache holds the op's library (a changed build command still rebuilds
     it, in torch's own load)."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    return os.path.isfile(os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so"))
+    return os.path.isfile(os.path.join(build_folder(builder.name), f"{builder.name}.so"))
 
 
 def build(names: list[str] | tuple[str, ...], quiet_when_built: bool = True) -> None:
@@ -61,6 +110,7 @@ def build(names: list[str] | tuple[str, ...], quiet_when_built: bool = True) -> 
         builder = accelerator.create_op_builder(name)
         if builder is None or not builder.is_compatible(verbose=False):
             continue
+        clear_stale_lock(build_folder(builder.name))
         if built(builder) and quiet_when_built:
             continue
         print(

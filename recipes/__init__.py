@@ -1,11 +1,11 @@
-"""The registry of engines: one module (or package) per engine, recipes/<strategy>, each
+"""The registry of engines: one module (or package) per engine, recipes/<engine>, each
 declaring its `SPEC` (a RecipeSpec). The spec is the launch side's whole view of an
 engine and imports no torch; the code that builds the engine, `build(ctx)` and
 `consolidate(cfg, engine_dir)`, lives in the module the spec names (`SPEC.engine`, e.g.
 recipes/ddp/engine.py), imported only by a rank or by `make export`.
 
 A recipe is a YAML file, conf/recipe/<name>.yaml: its name, the engine it runs
-(`recipe.strategy`, a module of this package) and that engine's options (zero1/2/3 and
+(`recipe.engine`, a module of this package) and that engine's options (zero1/2/3 and
 their offload variants are one engine, recipes/zero/, with other options). A new recipe
 on an existing engine is one YAML; a new engine is one module here plus its YAML.
 Validation, the planner, the launch side and the ranks read the specs through `spec()`;
@@ -107,38 +107,39 @@ def names() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
 
 
-def module(strategy: str):
-    """The recipe's module (its SPEC), imported on first use; it imports no torch."""
-    strategy = getattr(strategy, "value", strategy)
-    if strategy not in names():
+def module(name: str):
+    """The engine's module (its SPEC), imported on first use; it imports no torch."""
+    name = getattr(name, "value", name)
+    if name not in names():
         raise ConfigError(
-            "recipe.strategy",
-            strategy,
+            "recipe.engine",
+            name,
             f"no such engine; allowed: {', '.join(names())} "
             "(recipes/<engine>: a module or package; a recipe, conf/recipe/<name>.yaml, names one)",
         )
-    return importlib.import_module(f"recipes.{strategy}")
+    return importlib.import_module(f"recipes.{name}")
 
 
-def spec(strategy: str) -> RecipeSpec:
-    return module(strategy).SPEC
+def spec(name: str) -> RecipeSpec:
+    """The spec of engine `name` (a recipe's `recipe.engine`)."""
+    return module(name).SPEC
 
 
 def specs() -> dict[str, RecipeSpec]:
     return {name: spec(name) for name in names()}
 
 
-def engine(strategy: str):
+def engine(name: str):
     """The module with the engine's build and consolidate (SPEC.engine)."""
-    name = spec(strategy).engine
-    return importlib.import_module(name) if name else module(strategy)
+    builder = spec(name).engine
+    return importlib.import_module(builder) if builder else module(name)
 
 
 def build(ctx):
-    """The engine for `ctx.cfg.recipe.strategy` (see launcher.rank.engine.Engine)."""
-    return engine(ctx.cfg.recipe.strategy).build(ctx)
+    """The engine for `ctx.cfg.recipe.engine` (see launcher.rank.engine.Engine)."""
+    return engine(ctx.cfg.recipe.engine).build(ctx)
 
 
 def consolidate(cfg, engine_dir):
     """Full fp32 weights from a checkpoint's engine/ folder, on one process (export)."""
-    return engine(cfg.recipe.strategy).consolidate(cfg, engine_dir)
+    return engine(cfg.recipe.engine).consolidate(cfg, engine_dir)

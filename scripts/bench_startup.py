@@ -57,7 +57,7 @@ def probe(tree: str, overrides: list[str]) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir = Path(os.environ["PROBE_RUN_DIR"])
-    if getattr(cfg.recipe.strategy, "value", cfg.recipe.strategy) == "zero":
+    if getattr(cfg.recipe.engine, "value", cfg.recipe.engine) == "zero":
         deepspeed_env()
         if rank == 0:
             (run_dir / ds_config.FILE).write_text(ds_config.text(ds_config.launch_config(cfg, world, False)))

@@ -71,6 +71,7 @@ from launcher.config.moe import MoEBalance, MoEConfig, MoEScore
 from launcher.config.recipe import DDPOptions, FSDPOptions, ParallelConfig, RecipeConfig, ZeroOptions
 from launcher.config.root import (
     GROUPS,
+    RENAMED,
     RETIRED,
     Config,
     load_frozen,
@@ -139,6 +140,7 @@ __all__ = [
     "ProfileConfig",
     "Config",
     "GROUPS",
+    "RENAMED",
     "RETIRED",
     "read_frozen",
     "load_frozen",

@@ -77,6 +77,14 @@ flag now): dropped when a frozen config is read, so a run directory made before 
 resumes (command.sh, a requeued job, export)."""
 
 
+RENAMED = {"recipe.strategy": "recipe.engine"}
+"""Keys with a new name, old -> new. recipe.strategy was a third word for the engine a recipe
+runs (issue 50: a recipe is what a user picks, an engine the code that runs it). A frozen
+config written before holds the old key: read_frozen translates it, so a run directory made
+then still resumes; on the command line the old key is refused in one line that names the
+new one (launcher/launch/compose.py)."""
+
+
 def to_typed(cfg_node) -> Config:
     """An OmegaConf node (composed or loaded) to dataclasses with Enums."""
     merged = OmegaConf.merge(OmegaConf.structured(Config), cfg_node)
@@ -84,11 +92,26 @@ def to_typed(cfg_node) -> Config:
 
 
 def read_frozen(path: Path):
-    """RUN_DIR/config.yaml as an OmegaConf node, less the RETIRED keys."""
+    """RUN_DIR/config.yaml as an OmegaConf node, less the RETIRED keys, the RENAMED ones
+    under their new names."""
     node = cast(DictConfig, OmegaConf.load(path))  # a YAML mapping
     for key in RETIRED:
         node.pop(key, None)
+    for old, new in RENAMED.items():
+        _rename(node, old, new)
     return node
+
+
+def _rename(node: DictConfig, old: str, new: str) -> None:
+    """Move the value at dotted key `old` to `new` (a run directory written before the
+    rename); the new key wins where a file holds both."""
+    parent, _, leaf = old.rpartition(".")
+    group = OmegaConf.select(node, parent) if parent else node
+    if not isinstance(group, DictConfig) or leaf not in group:
+        return
+    value = group.pop(leaf)
+    if OmegaConf.select(node, new) is None:
+        OmegaConf.update(node, new, value, merge=False)
 
 
 def load_frozen(path: str | Path) -> Config:

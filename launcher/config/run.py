@@ -130,7 +130,7 @@ class ClusterConfig:
     name: str = "local"
     runner: Runner = Runner.torchrun
     """How ranks start: torchrun (python -m torch.distributed.run), or deepspeed (DeepSpeed's
-    own launcher, `deepspeed --num_nodes --num_gpus`, recipe.strategy=zero only; several nodes
+    own launcher, `deepspeed --num_nodes --num_gpus`, recipe.engine=zero only; several nodes
     are started from the first one over ssh/pdsh with a generated RUN_DIR/hostfile), or
     accelerate (`accelerate launch --config_file RUN_DIR/accelerate_config.yaml`, for those who
     start everything with it: torchrun underneath, the same ranks and losses, every recipe; one
@@ -334,6 +334,9 @@ class PlanConfig:
     """Collective bandwidth per GPU inside a node, GB/s (NVLink: 150-450)."""
     inter_node_gbps: float = 25.0
     """Collective bandwidth per GPU across nodes, GB/s (200 Gb/s InfiniBand = 25)."""
+    collective_latency_us: float = 20.0
+    """Start-up time of one collective (NCCL: about 10-20 us in a node, 20-50 across nodes):
+    what makes many small buckets slower than a few big ones at the same bytes."""
     pcie_gbps: float = 20.0
     """Host <-> GPU copy bandwidth for offload, GB/s (PCIe 4 x16: about 25)."""
     cpu_adam_params_per_s: float = 1.0e9

@@ -38,6 +38,7 @@ class UsageError(Exception):
 def compose_config(overrides: list[str]) -> tuple[C.Config, Path, Any]:
     """Compose conf/ with the overrides; return the typed config, the run directory
     Hydra resolved (hydra.run.dir, ${now:} evaluated once, here) and Hydra's node."""
+    refuse_renamed(overrides)
     C.register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         node = compose("config", overrides=overrides, return_hydra_config=True)
@@ -46,6 +47,16 @@ def compose_config(overrides: list[str]) -> tuple[C.Config, Path, Any]:
     with open_dict(node):
         del node["hydra"]
     return C.to_typed(node), run_dir, hydra_node
+
+
+def refuse_renamed(overrides: list[str]) -> None:
+    """An override of a key that has a new name (C.RENAMED): one line naming the new key and
+    the same value, not Hydra's unknown key."""
+    for o in overrides:
+        key, _, value = o.partition("=")
+        new = C.RENAMED.get(key.lstrip("+~"))
+        if new:
+            raise C.ConfigError(key.lstrip("+~"), value, f"renamed; use {new}={value}")
 
 
 def expand_sweep(overrides: list[str]) -> list[list[str]]:
@@ -105,6 +116,8 @@ def describe(e: BaseException) -> str:
 def _describe_omegaconf(e: OmegaConfBaseException) -> str:
     key = getattr(e, "full_key", None) or "?"
     msg = str(getattr(e, "msg", "") or e).strip().splitlines()[0]
+    if isinstance(e, (ConfigKeyError, ConfigAttributeError)) and key in C.RENAMED:  # a recipe file of the user's
+        return f"{key}: renamed; use {C.RENAMED[key]}"
     if isinstance(e, (ConfigKeyError, ConfigAttributeError)) and "not in" in msg:
         parent, _, leaf = key.rpartition(".")
         schema = C.GROUPS.get(parent.split(".")[0]) if parent else C.Config

@@ -424,7 +424,7 @@ def check(cfg: Config) -> None:
         )
     import recipes
 
-    can = recipes.spec(cfg.recipe.strategy).parallelism
+    can = recipes.spec(cfg.recipe.engine).parallelism
     if can.tp and p.tp > 1:
         if not lay.colwise:
             raise ConfigError(

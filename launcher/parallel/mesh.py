@@ -77,7 +77,7 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, deg: D.Degrees, cfg: C
 
         experts = split_mesh(dense_shard_mesh(mesh, deg), deg.ep)
         shard_as_dtensors(model, experts["ep"])
-    if recipes.spec(cfg.recipe.strategy).parallelism.shards:
+    if recipes.spec(cfg.recipe.engine).parallelism.shards:
         apply_fsdp(
             model,
             data_parallel_mesh(mesh, deg),

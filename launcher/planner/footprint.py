@@ -429,7 +429,7 @@ def temporaries(
 ) -> int:
     """Transient buffers at the step's peak: the logits while the loss runs (whole, or one
     slice of `loss_chunks`: M.loss_temporaries; whole on every tensor-parallel rank), one block's activations while it is recomputed,
-    ZeRO-3/FSDP's gathered layers (the current and the prefetched one, bf16), and under
+    ZeRO-3/FSDP's gathered layers (the current and the prefetched one, 16-bit; fp32 in an fp32 run), and under
     FSDP an untied embedding: the root unit is held gathered through forward and backward
     (launcher/parallel/mesh.py::apply_fsdp), and autograd saves the head's weight
     (activations count it: Numerics.gathered_head) but not the embedding's."""
@@ -446,7 +446,8 @@ def temporaries(
     # (a pipeline's FSDP stages hold all their layers gathered: pipeline_unsharded; model.moe: the largest block)
     # (DeepSpeed: `gathered` elements, zero.gathered: its prefetch and max-live settings)
     block = x.block_params + moe.largest_block_delta(m, layout.ep)
-    held = 2 * (2 * block // layout.tp if gathered is None else gathered)
+    w = 4 if precision == Precision.fp32 else 2  # the gathered weights' dtype: fp32 in an fp32 run (ds_weight_bytes)
+    held = w * (2 * block // layout.tp if gathered is None else gathered)
     gathered = held if layout.shard == "zero3" and not pipelined_fsdp(layout) else 0
     embedding = n.compute * x.V * x.h // layout.tp if layout.fsdp and not m.tie_embeddings else 0
     return logits + recompute + gathered + embedding

@@ -115,12 +115,12 @@ def enabled(m: ModelConfig) -> bool:
     return m.lora.rank > 0
 
 
-def runs_under(m: ModelConfig, strategy: str, tp: int, pp: int) -> bool:
+def runs_under(m: ModelConfig, engine: str, tp: int, pp: int) -> bool:
     """Whether a LoRA run of `m` can use this engine and these degrees (any, without LoRA)."""
     if not enabled(m):
         return True
     allowed = ("ddp",) if m.lora.base_dtype == LoraBase.nf4 else ENGINES
-    return strategy in allowed and tp == pp == 1
+    return engine in allowed and tp == pp == 1
 
 
 def base_bytes(m: ModelConfig, precision: Precision) -> int:

@@ -143,7 +143,7 @@ def candidates(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig]) ->
     kv = m.n_kv_heads or m.n_heads
     out: list[tuple[tuple, Layout]] = []
     for name, rc in available.items():
-        spec = recipes.spec(rc.strategy)
+        spec = recipes.spec(rc.engine)
         h, can = spec.holds(rc), spec.parallelism
         held = holding(rc)
         # Ties (the same step time) go to the first: replicated before sharded, ZeRO's stages
@@ -188,7 +188,7 @@ def holding(rc: RecipeConfig) -> dict:
     """A Layout's fields for how the recipe holds model states (its spec's `holds`)."""
     import recipes
 
-    h = recipes.spec(rc.strategy).holds(rc)
+    h = recipes.spec(rc.engine).holds(rc)
     return dict(
         shard=h.shard,
         fsdp=h.fsdp,
@@ -360,7 +360,7 @@ def plan(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig], micro_ba
     cfg = planned_model(cfg)
     rows = []
     for layout in candidates(cfg, hw, available):
-        if not runs_under(cfg, available[layout.recipe].strategy, layout):
+        if not runs_under(cfg, available[layout.recipe].engine, layout):
             continue
         for ac in (ACMode.none, ACMode.op, ACMode.selective, ACMode.full):
             if micro_batch is None:
@@ -406,15 +406,15 @@ def planned_model(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(shape, lora=cfg.model.lora))
 
 
-def runs_under(cfg: Config, strategy: str, layout: Layout) -> bool:
+def runs_under(cfg: Config, engine: str, layout: Layout) -> bool:
     """The launch would take this layout: model.lora's engines and degrees, and DeepSpeed's
     own AdamW only (launcher/optim: the other optimizers are refused under zero*)."""
     import recipes
     from launcher import optim
 
-    if recipes.spec(strategy).deepspeed and cfg.optim.name not in optim.ZERO_TAKES:
+    if recipes.spec(engine).deepspeed and cfg.optim.name not in optim.ZERO_TAKES:
         return False
-    return lora.runs_under(cfg.model, strategy, layout.tp, layout.pp)
+    return lora.runs_under(cfg.model, engine, layout.tp, layout.pp)
 
 
 def recommended(rows: list[Row]) -> Row | None:

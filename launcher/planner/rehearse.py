@@ -99,7 +99,7 @@ def rehearsable(cfg: C.Config) -> None:
             "not rehearsed: it holds the whole model on every rank (make "
             f"plan gives its figures); rehearsed: {', '.join(on)}, and zero3, zero3_offload",
         )
-    if recipes.spec(cfg.recipe.strategy).parallelism.shards and cfg.parallel.dp_replicate > 1:
+    if recipes.spec(cfg.recipe.engine).parallelism.shards and cfg.parallel.dp_replicate > 1:
         raise C.ConfigError(
             "parallel.dp_replicate",
             cfg.parallel.dp_replicate,
@@ -112,14 +112,14 @@ def rehearsable(cfg: C.Config) -> None:
 def on_meta(cfg: C.Config) -> bool:
     import recipes
 
-    return recipes.spec(cfg.recipe.strategy).builds_on_meta
+    return recipes.spec(cfg.recipe.engine).builds_on_meta
 
 
 def partitioned(cfg: C.Config) -> bool:
     """ZeRO-3: DeepSpeed partitions the parameters inside zero.Init."""
     import recipes
 
-    spec = recipes.spec(cfg.recipe.strategy)
+    spec = recipes.spec(cfg.recipe.engine)
     return spec.deepspeed and spec.holds(cfg.recipe).shard == "zero3"
 
 

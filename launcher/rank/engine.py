@@ -1,8 +1,8 @@
-"""The one interface every recipe implements, and the helpers recipes share.
+"""The one interface every engine implements, and the helpers engines share.
 
-A recipe module exposes `build(ctx) -> Engine`, a subclass of `Engine`. The engine owns
-how micro-batches become one optimizer step (DDP with no_sync, DeepSpeed's engine, a
-pipeline schedule); the loop only calls it. The base class is the contract and its
+An engine's module (recipes/<engine>) exposes `build(ctx) -> Engine`, a subclass of
+`Engine`. The engine owns how micro-batches become one optimizer step (DDP with no_sync,
+DeepSpeed's engine, a pipeline schedule); the loop only calls it. The base class is the contract and its
 defaults; the rest engines share are the helpers below.
 """
 
@@ -57,7 +57,7 @@ class MemoryBreakdown:
     params: int = 0
     grads: int = 0
     optim: int = 0
-    """Optimizer states, including fp32 master copies where the recipe keeps them."""
+    """Optimizer states, including fp32 master copies where the engine keeps them."""
     where: dict[str, str] = field(default_factory=lambda: {"params": "device", "grads": "device", "optim": "device"})
     """Where each part lives: "device", "cpu" (host memory: ZeRO offload) or "device+cpu"."""
     host: int = 0
@@ -79,7 +79,7 @@ class MemoryBreakdown:
 
 @dataclass
 class BuildContext:
-    """Everything a recipe needs to build its engine."""
+    """Everything an engine's `build` needs."""
 
     cfg: Config
     model: nn.Module
@@ -127,7 +127,7 @@ UNGUARDED = Unguarded()
 
 
 class Engine(abc.ABC):
-    """The contract of an engine (a recipe's `build(ctx) -> Engine`). Each engine implements
+    """The contract of an engine (what `build(ctx)` of recipes/<engine> returns). Each engine implements
     the abstract methods; the hooks after them have defaults most engines keep. `check`
     holds every engine of the registry to it (tests/unit/test_engines.py), and a rank
     refuses a build that is not an Engine (rank/entry.py)."""

@@ -82,7 +82,7 @@ def build_engine(
     )
     if not isinstance(engine, Engine):  # the loop relies on the contract's hooks and defaults
         raise TypeError(
-            f"recipe.strategy={cfg.recipe.strategy}: its build() returned a {type(engine).__name__}, "
+            f"recipe.engine={cfg.recipe.engine}: its build() returned a {type(engine).__name__}, "
             "not a launcher.rank.engine.Engine"
         )
     return engine
@@ -93,8 +93,8 @@ def start(
 ):
     """From a process group to a ready engine: (engine, this rank's start-up figures,
     launcher.device.startup_peaks). scripts/bench_startup.py measures start-up through here."""
-    spec = recipes.spec(cfg.recipe.strategy)
-    recipes.engine(cfg.recipe.strategy)  # its imports (DCP, FSDP, pipelining) belong to the baseline, not to the model
+    spec = recipes.spec(cfg.recipe.engine)
+    recipes.engine(cfg.recipe.engine)  # its imports (DCP, FSDP, pipelining) belong to the baseline, not to the model
     if spec.preload:  # the engine's libraries (DeepSpeed) too
         spec.preload()
     seed_everything(cfg.train.seed)

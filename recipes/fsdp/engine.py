@@ -39,7 +39,7 @@ class ShardedEngine(Engine):
         self.deg = D.degrees(cfg, ctx.world_size)
         mesh = build_mesh(self.deg, ctx.device)
         # Parallelize the meta-device model, then allocate only this rank's shards.
-        self.sharded = recipes.spec(cfg.recipe.strategy).parallelism.shards
+        self.sharded = recipes.spec(cfg.recipe.engine).parallelism.shards
         self.model = ctx.model
         parallelize(self.model, mesh, self.deg, cfg)
         offload = self.sharded and cfg.recipe.fsdp.cpu_offload

@@ -61,7 +61,7 @@ class PipelineEngine(Engine):
         # as its root (the schedule defers FSDP's gradient reduction to the step's last
         # micro-batch only for a stage module that is an FSDP module).
         chunks = [Stage(full, range(*self.bounds[s])) for s in mine]
-        self.sharded = recipes.spec(cfg.recipe.strategy).parallelism.shards
+        self.sharded = recipes.spec(cfg.recipe.engine).parallelism.shards
         for chunk in chunks:
             if self.deg.tp > 1:
                 apply_tp(chunk, mesh["tp"], p.sequence_parallel)

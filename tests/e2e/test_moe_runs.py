@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import here, launch, read_metrics
+from runs import here, read_metrics
+from shared import Run, SharedRuns
 
 from launcher import config as C
 from launcher.models.gpt import GPT
@@ -38,50 +39,38 @@ COMMON = [
 STEP_HALF = f"checkpoints/step_{HALF:08d}"
 CAP = ["model.moe.capacity_factor=1.0", f"train.stop_at={HALF}", "checkpoint.save_final=false"]
 
-# name: (overrides, the run whose step-HALF checkpoint it resumes, or None[, a relaunch's overrides])
+# Each run by name (tests/helpers/shared.py): its overrides, the run whose step-HALF checkpoint it resumes,
+# a relaunch of its own directory
 RUNS = {
-    "one": (["recipe=ddp", "cluster.nproc_per_node=1"], None),
-    "fsdp": (["recipe=fsdp"], None),
+    "one": Run(["recipe=ddp", "cluster.nproc_per_node=1"]),
+    "fsdp": Run(["recipe=fsdp"]),
     # stopped at HALF with a checkpoint, then the run directory relaunched: it resumes itself
-    "fsdp_ep2": (
+    "fsdp_ep2": Run(
         ["recipe=fsdp", "parallel.ep=2", f"checkpoint.every={HALF}", f"train.stop_at={HALF}"],
-        None,
-        ["recipe=fsdp", "parallel.ep=2"],
+        then=[["recipe=fsdp", "parallel.ep=2"]],
     ),
-    "ddp_ep2": (["recipe=ddp", "parallel.ep=2", f"checkpoint.every={HALF}"], None),
-    "ddp_ep2_resumed": (["recipe=ddp", "parallel.ep=2"], "ddp_ep2"),
+    "ddp_ep2": Run(["recipe=ddp", "parallel.ep=2", f"checkpoint.every={HALF}"]),
+    "ddp_ep2_resumed": Run(["recipe=ddp", "parallel.ep=2"], resume_from="ddp_ep2"),
     # ddp's expert files at another ep: joined and cut again (ddp), read whole into DTensor shards (fsdp)
-    "one_from_ddp_ep2": (["recipe=ddp", "cluster.nproc_per_node=1"], "ddp_ep2"),
-    "fsdp_ep2_from_ddp_ep2": (["recipe=fsdp", "parallel.ep=2"], "ddp_ep2"),
+    "one_from_ddp_ep2": Run(["recipe=ddp", "cluster.nproc_per_node=1"], resume_from="ddp_ep2"),
+    "fsdp_ep2_from_ddp_ep2": Run(["recipe=fsdp", "parallel.ep=2"], resume_from="ddp_ep2"),
     # experts over 2 ep ranks and FSDP-sharded over the other 2 (efsdp): 2-D expert shards
-    "fsdp4_ep2": (["recipe=fsdp", "parallel.ep=2", "cluster.nproc_per_node=4"], None),
+    "fsdp4_ep2": Run(["recipe=fsdp", "parallel.ep=2", "cluster.nproc_per_node=4"]),
     # 2 experts on 4 ranks: more ranks than experts, so FSDP cuts them on dimension 1 (at ep=1 over 4
     # ranks, at ep=2 one expert over 2), against one process with the same 2 experts
-    "one_e2": (["recipe=ddp", "cluster.nproc_per_node=1", "model.moe.experts=2"], None),
-    "fsdp4_e2": (["recipe=fsdp", "cluster.nproc_per_node=4", "model.moe.experts=2"], None),
-    "fsdp4_e2_ep2": (["recipe=fsdp", "cluster.nproc_per_node=4", "model.moe.experts=2", "parallel.ep=2"], None),
+    "one_e2": Run(["recipe=ddp", "cluster.nproc_per_node=1", "model.moe.experts=2"]),
+    "fsdp4_e2": Run(["recipe=fsdp", "cluster.nproc_per_node=4", "model.moe.experts=2"]),
+    "fsdp4_e2_ep2": Run(["recipe=fsdp", "cluster.nproc_per_node=4", "model.moe.experts=2", "parallel.ep=2"]),
     # a capacity: tokens dropped where they are, before dispatch
-    "fsdp_cap": (["recipe=fsdp", *CAP], None),
-    "ddp_ep2_cap": (["recipe=ddp", "parallel.ep=2", *CAP], None),
+    "fsdp_cap": Run(["recipe=fsdp", *CAP]),
+    "ddp_ep2_cap": Run(["recipe=ddp", "parallel.ep=2", *CAP]),
 }
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory) -> SharedRuns:
     """name -> its run directory, launched (and relaunched) on first use."""
-    root, done = tmp_path_factory.mktemp("moe"), {}
-
-    def run(name: str) -> Path:
-        if name not in done:
-            overrides, source, *then = RUNS[name]
-            resume = [f"checkpoint.resume={run(source) / STEP_HALF}"] if source else []
-            for i, more in enumerate([overrides + resume, *then], start=1):
-                proc = launch(*COMMON, *more, run_dir=root / name, timeout=600)
-                (root / name / f"stdout{i}.txt").write_text(proc.stdout)
-            done[name] = root / name
-        return done[name]
-
-    return run
+    return SharedRuns(tmp_path_factory.mktemp("moe"), RUNS, common=COMMON, checkpoint=STEP_HALF)
 
 
 def rows(run: Path) -> dict[int, dict]:

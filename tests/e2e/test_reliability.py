@@ -73,32 +73,43 @@ ASYNC = {
     "zero2": ["checkpoint.async_save=true", "debug.async_save_delay_s=1"],
 }
 KILLS = [
-    (recipe, step)
+    (recipe, tuple(sorted(random.Random(f"{recipe}-6").sample(range(2, 15), n))))
     for recipe, n in (("ddp", 2), ("fsdp", 1), ("zero2", 1))
-    for step in sorted(random.Random(f"{recipe}-6").sample(range(2, 15), n))
 ]
+"""recipe: the steps after which rank 1 is killed, one run each recipe. ddp's two kills
+(steps 2 and 7: one before the first checkpoint, one after) hit the same run, the second
+in the group the first kill restarted: one launch, one set of start-ups fewer."""
 
 
-@pytest.mark.parametrize("recipe,kill_after", KILLS)
-def test_a_killed_rank_restarts_resumes_and_ends_bit_identical(recipe, kill_after, tmp_path_factory, tmp_path):
-    reference = reference_for(recipe, tmp_path_factory)
-    run = tmp_path / "run"
-    proc = start(run, *COMMON, f"recipe={recipe}", "cluster.max_restarts=2", *ASYNC[recipe])
-    wait_for_step(run, kill_after, proc)
+def kill_rank_1_after(run: Path, step: int, proc: subprocess.Popen) -> int:
+    """SIGKILL of rank 1 (the rank that does not log) once metrics.jsonl holds `step` rows
+    (a restarted group rewrites it from its checkpoint on); the step of `latest` then."""
+    wait_for_step(run, step, proc)
     victim = rank_process(run, 1)
     assert victim is not None, "no rank 1 process"
-    victim.kill()  # SIGKILL, mid-run, the rank that does not log
-    # `latest` now, or (rank 0 may finish a save whose digests rank 1 had sent) one save later
+    victim.kill()
     pointer = run / "checkpoints" / "latest"
-    newest = int(pointer.read_text().splitlines()[0][5:]) if pointer.exists() else 0
+    return int(pointer.read_text().splitlines()[0][5:]) if pointer.exists() else 0
+
+
+@pytest.mark.parametrize("recipe,kills", KILLS, ids=[f"{r}-{'-'.join(map(str, k))}" for r, k in KILLS])
+def test_a_killed_rank_restarts_resumes_and_ends_bit_identical(recipe, kills, tmp_path_factory, tmp_path):
+    reference = reference_for(recipe, tmp_path_factory)
+    run = tmp_path / "run"
+    restarts = f"cluster.max_restarts={len(kills) + 1}"
+    proc = start(run, *COMMON, f"recipe={recipe}", restarts, *ASYNC[recipe])
+    newest = [kill_rank_1_after(run, step, proc) for step in kills]
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
-    assert out.count("rank(s) on cpu") == 2, "the group was not restarted"
-    resumed = re.search(r"resumed from \S+/step_(\d+) at step (\d+) ", out)
-    # the restarted group starts from the newest complete checkpoint
-    assert (int(resumed.group(2)) if resumed else 0) in (newest, newest + 5), out[-2000:]
+    starts = out.split("rank(s) on cpu")
+    assert len(starts) == 2 + len(kills), "the group was not restarted once per kill"
+    for i, latest in enumerate(newest, start=1):  # the text before attempt i's announcement
+        resumed = re.search(r"resumed from \S+/step_(\d+) at step (\d+) ", starts[i])
+        # the restarted group starts from the newest complete checkpoint: `latest` when rank 1
+        # was killed, or (rank 0 may finish a save whose digests rank 1 had sent) one save later
+        assert (int(resumed.group(2)) if resumed else 0) in (latest, latest + 5), (kills, i, starts[i][-2000:])
     want, got = final_weights(reference), final_weights(run)
-    assert all(torch.equal(want[k], got[k]) for k in want), f"weights differ after a kill after step {kill_after}"
+    assert all(torch.equal(want[k], got[k]) for k in want), f"weights differ after kills after steps {kills}"
     assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[-1]["loss"]
     if ASYNC[recipe]:  # the saves were asynchronous indeed, into buffers made after the first step
         assert "written in the background" in out and "MiB of host memory staged in" in out, out[-2000:]

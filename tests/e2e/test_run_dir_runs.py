@@ -157,7 +157,11 @@ def test_a_fresh_start_never_mixes_two_runs(tmp_path):
         (["model.dim=96"], ["holds another model (model.dim=128 there, 96 here;", "tensors differ"]),
         (
             ["recipe=zero2"],
-            ["is a ddp checkpoint", "recipe=zero2 cannot load", "recipe.strategy ddp/fsdp/pp/pp_fsdp/tp/tp_fsdp"],
+            [
+                "is a ddp checkpoint",
+                "recipe=zero2 cannot load",
+                "a recipe whose engine is ddp/fsdp/pp/pp_fsdp/tp/tp_fsdp",
+            ],
         ),
     ):
         proc = launch(*base, *change, run_dir=run, check=False)

@@ -27,6 +27,9 @@ NOTHING_TO_RESUME = (
 Launch the same run directory again to resume from it.", with nothing to resume)."""
 
 
+STOP_STEPS = 12
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
 def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
     import signal
@@ -34,9 +37,9 @@ def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
     from launcher.exits import EXIT_PREEMPTED
 
     run = tmp_path / "run"
-    args = [
-        "train.steps=30",
-        "optim.warmup_steps=5",
+    args = [  # the signal after step 3 and the stop of the step in flight: 12 steps leave room
+        f"train.steps={STOP_STEPS}",
+        "optim.warmup_steps=2",
         "logger=none",
         "logger.log_every=1",
         "checkpoint.every=1000",
@@ -50,7 +53,7 @@ def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
     marker = json.loads((run / "preempted.json").read_text())
-    assert marker["signal"] == sig and 3 <= marker["step"] < 30
+    assert marker["signal"] == sig and 3 <= marker["step"] < STOP_STEPS
     assert (run / "checkpoints" / "latest").read_text().splitlines()[0] == f"step_{marker['step']:08d}"
     assert verify(run / "checkpoints" / f"step_{marker['step']:08d}") is None
     assert marker["checkpoint"] == str(run / "checkpoints" / f"step_{marker['step']:08d}")
@@ -62,7 +65,7 @@ def test_stop_signal_saves_and_exits_as_preempted_then_resumes(tmp_path, sig):
     if sig == "SIGTERM":  # the next launch of the same run directory resumes and finishes
         proc2 = launch(*args, run_dir=run)
         assert f"at step {marker['step']}" in proc2.stdout
-        assert [r["step"] for r in read_metrics(run)] == list(range(1, 31))
+        assert [r["step"] for r in read_metrics(run)] == list(range(1, STOP_STEPS + 1))
         assert not (run / "preempted.json").exists()
 
 

@@ -127,6 +127,10 @@ def test_resume_continues_bit_identically(straight, tmp_path):
     launch(*common, *wandb_on, "train.stop_at=10", run_dir=split)
     assert (split / "checkpoints" / "latest").read_text().splitlines()[0] == "step_00000010"
     assert not (split / "checkpoints" / "step_00000020").exists()
+    # A run directory written before recipe.strategy was renamed recipe.engine resumes (C.RENAMED).
+    frozen = split / "config.yaml"
+    frozen.write_text(frozen.read_text().replace("  engine: ddp\n", "  strategy: ddp\n"))
+    assert "  strategy: ddp\n" in frozen.read_text()
     # RUN_DIR/command.sh, run again, resumes (its config.yaml still says stop_at=10).
     proc = subprocess.run(["bash", str(split / "command.sh")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -33,9 +33,10 @@ def chat(name: str, *more: str) -> list[str]:
 CASES = [
     (["recipe=nope"], ["recipe=nope", "allowed: ddp"]),
     (
-        ["recipe.strategy=nope"],
-        ["recipe.strategy=nope", "no such engine", "allowed: ddp, fsdp, pp, pp_fsdp, tp, tp_fsdp, zero"],
+        ["recipe.engine=nope"],
+        ["recipe.engine=nope", "no such engine", "allowed: ddp, fsdp, pp, pp_fsdp, tp, tp_fsdp, zero"],
     ),
+    (["recipe.strategy=zero"], ["recipe.strategy=zero: renamed; use recipe.engine=zero"]),  # the key's old name
     (["model=gpt_huge"], ["model=gpt_huge", "gpt_tiny"]),
     (["data=nope"], ["data=nope", "synthetic"]),
     (["precision=fp4"], ["precision=fp4", "bf16", "fp32", "fp8"]),
@@ -288,7 +289,7 @@ CASES = [
         ["recipe=zero2", "+recipe.zero.extra.scheduler.type=WarmupCosineLR"],
         ["recipe.zero.extra.scheduler", "lr_factor"],
     ),
-    (["cluster.runner=deepspeed"], ["cluster.runner=deepspeed", "recipe.strategy=zero", "cluster.runner=torchrun"]),
+    (["cluster.runner=deepspeed"], ["cluster.runner=deepspeed", "recipe.engine=zero", "cluster.runner=torchrun"]),
     (["cluster.runner=mpirun"], ["cluster.runner=mpirun", "torchrun, deepspeed, accelerate"]),
     (
         ["cluster.runner=accelerate", "cluster.nnodes=2", "cluster.master_port=29400"],

@@ -27,7 +27,7 @@ def run_dir(cfg, folder: Path, rank: int, world: int) -> Path:
     recipe; every rank waits for it."""
     if rank == 0:
         folder.mkdir()
-        if cfg.recipe.strategy == "zero":
+        if cfg.recipe.engine == "zero":
             (folder / ds_config.FILE).write_text(ds_config.text(ds_config.launch_config(cfg, world, cuda=False)))
     dist.barrier()
     return folder

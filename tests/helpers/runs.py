@@ -43,7 +43,13 @@ def launch(
         argv.append(f"hydra.run.dir={run_dir}")
     argv += in_fp32(overrides) if command in ("train", "submit") else list(overrides)
     full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if v is not None}
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    try:
+        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    except subprocess.TimeoutExpired as e:  # say where the run was: the last lines, not a truncated repr
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        raise AssertionError(
+            f"{' '.join(argv)} still running after {timeout} s\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-6000:]}"
+        ) from None
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(argv)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"

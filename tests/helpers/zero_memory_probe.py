@@ -46,7 +46,7 @@ def measure(recipe: str, model: str, rank: int, world: int, scratch: Path) -> di
     run_dir = scratch / f"{recipe}-{model}"
     if rank == 0:
         run_dir.mkdir()
-        if cfg.recipe.strategy == "zero":
+        if cfg.recipe.engine == "zero":
             (run_dir / ds_config.FILE).write_text(ds_config.text(ds_config.launch_config(cfg, world, cuda=False)))
     dist.barrier()
     torch.manual_seed(cfg.train.seed)

@@ -85,13 +85,13 @@ def test_combination_composes_and_validates(recipe, model, data, precision, tmp_
         True,
     )
     assert isinstance(cfg.train.activation_checkpointing, C.ACMode)
-    if precision == "fp8" and (not HOST.cuda or cfg.recipe.strategy not in ("ddp", "fsdp")):
+    if precision == "fp8" and (not HOST.cuda or cfg.recipe.engine not in ("ddp", "fsdp")):
         with pytest.raises(C.ConfigError, match="precision=fp8"):
             validate(cfg, HOST)
     elif precision == "fp16" and not HOST.cuda:
         with pytest.raises(C.ConfigError, match="fp16 needs CUDA"):
             validate(cfg, HOST)
-    elif precision == "fp16" and not recipes.spec(cfg.recipe.strategy).fp16:
+    elif precision == "fp16" and not recipes.spec(cfg.recipe.engine).fp16:
         with pytest.raises(C.ConfigError, match="no fp16 loss scaler"):
             validate(cfg, HOST)
     elif cfg.model.moe.experts and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
@@ -174,9 +174,12 @@ def test_a_relaunch_that_changes_the_schedule_says_so(tmp_path):
 
 
 def test_a_config_yaml_of_an_earlier_version_still_loads(tmp_path):
-    """config.yaml once held dry_run (a flag now): a run directory made then still resumes."""
-    cfg, _, _ = cli.compose_config([])
-    (tmp_path / "config.yaml").write_text(C.to_yaml(cfg) + "dry_run: false\n")
+    """config.yaml once held dry_run (a flag now) and recipe.strategy (recipe.engine now): a
+    run directory made then still resumes (ranks, relaunch and export read it through read_frozen)."""
+    cfg, _, _ = cli.compose_config(["recipe=zero2"])
+    old = C.to_yaml(cfg).replace("  engine: zero\n", "  strategy: zero\n")
+    assert "strategy: zero" in old and "engine: zero" not in old
+    (tmp_path / "config.yaml").write_text(old + "dry_run: false\n")
     assert C.load_frozen(tmp_path) == cfg
 
 
@@ -213,13 +216,13 @@ def test_every_engine_is_one_module_with_its_spec():
     assert proc.stdout.strip() == "False False", proc.stderr[-2000:]
     names = sorted(p.stem for p in (compose.CONF_DIR / "recipe").glob("*.yaml"))
     assert len(names) >= 10 and set(compose.recipe_configs()) == set(names)
-    strategies = set()
+    engines = set()
     for name in names:
         cfg, _, _ = cli.compose_config([f"recipe={name}"])
-        assert cfg.recipe.strategy in recipes.names(), name
+        assert cfg.recipe.engine in recipes.names(), name
         assert compose.recipe_configs({name})[name] == cfg.recipe, name
-        strategies.add(cfg.recipe.strategy)
-    assert strategies == set(recipes.names())
+        engines.add(cfg.recipe.engine)
+    assert engines == set(recipes.names())
 
 
 def test_a_group_file_read_alone_is_what_composition_gives():
@@ -236,7 +239,7 @@ def test_a_group_file_read_alone_is_what_composition_gives():
 def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
     """In a copy of the project, recipes/mine.py (ddp's engine, ZeRO-2's sharding declared) and
     conf/recipe/mine.yaml, and nothing else: `make plan` offers it, a dry run composes,
-    validates and writes its command, and a strategy with no module is refused in one line."""
+    validates and writes its command, and an engine with no module is refused in one line."""
     import shutil
     import subprocess
     import sys
@@ -250,7 +253,7 @@ def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
         "from recipes import Holding, RecipeSpec\n\n"
         "SPEC = RecipeSpec(engine='recipes.ddp.engine', reads=('ddp', 'dcp'), holds=lambda recipe: Holding(shard='zero2'))\n"
     )
-    (tmp_path / "conf" / "recipe" / "mine.yaml").write_text("name: mine\nstrategy: mine\n")
+    (tmp_path / "conf" / "recipe" / "mine.yaml").write_text("name: mine\nengine: mine\n")
 
     def run(*args):
         return subprocess.run(
@@ -263,10 +266,10 @@ def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
     assert mine and all(lay["shard"] == "zero2" and lay["dp"] == 4 for lay in mine), mine
     dry = run("train", "recipe=mine", f"hydra.run.dir={tmp_path / 'run'}", "--dry-run")
     assert dry.returncode == 0 and "-m launcher.rank" in dry.stdout, dry.stdout[-2000:] + dry.stderr[-2000:]
-    bad = run("train", "recipe=mine", "recipe.strategy=nope", f"hydra.run.dir={tmp_path / 'bad'}", "--dry-run")
+    bad = run("train", "recipe=mine", "recipe.engine=nope", f"hydra.run.dir={tmp_path / 'bad'}", "--dry-run")
     allowed = ", ".join(sorted([*recipes.names(), "mine"]))
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        f"error: recipe.strategy=nope: no such engine; allowed: {allowed} (recipes/<engine>: a module or package; "
+        f"error: recipe.engine=nope: no such engine; allowed: {allowed} (recipes/<engine>: a module or package; "
         "a recipe, conf/recipe/<name>.yaml, names one)"
     ], bad.stderr
 

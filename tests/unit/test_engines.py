@@ -16,8 +16,8 @@ from launcher.rank.engine import UNGUARDED, Engine, MemoryBreakdown, StepResult,
 
 
 def engine_classes() -> dict[type, list[str]]:
-    """Each engine class, from the registry: the class the `build` of the module each
-    strategy's spec names returns (its annotation), with the strategies it runs."""
+    """Each engine class, from the registry: the class that `build` returns (its annotation)
+    in the module each engine's spec names, with the engines (recipes/ modules) it runs."""
     out: dict[type, list[str]] = {}
     for name in recipes.names():
         hints = typing.get_type_hints(recipes.engine(name).build)

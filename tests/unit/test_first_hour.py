@@ -106,6 +106,43 @@ def test_the_deepspeed_ops_a_run_compiles_first(recipe, cuda, want):
     assert ops.needed(cfg, cuda) == want
 
 
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path, capsys):
+    """torch takes <op folder>/lock for every load of a DeepSpeed op and waits for it without
+    end: one build killed mid-way hung every later DeepSpeed run of the host, silently. The
+    launch removes a lock older than ops.STALE_LOCK_S when no process works in the folder
+    (a live build runs ninja there), and says so in one line."""
+    import os
+    import subprocess
+    import time
+
+    from torch.utils.file_baton import FileBaton
+
+    from launcher import ops
+
+    folder = tmp_path / "cpu_adam"
+    folder.mkdir()
+    lock = folder / "lock"
+    lock.write_text("")
+    assert not FileBaton(str(lock)).try_acquire()  # what a rank's load would wait on
+    assert not ops.clear_stale_lock(str(folder)) and lock.exists()  # young: a build may have just begun
+    old = time.time() - 2 * ops.STALE_LOCK_S
+    os.utime(lock, (old, old))
+    building = subprocess.Popen(["sleep", "60"], cwd=folder)  # stands where ninja would
+    try:
+        deadline = time.time() + 10
+        while not ops.working_in(str(folder)) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not ops.clear_stale_lock(str(folder)) and lock.exists()
+    finally:
+        building.kill()
+        building.wait()
+    assert ops.clear_stale_lock(str(folder)) and not lock.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(lock) in err[0] and "interrupted build" in err[0]
+    assert FileBaton(str(lock)).try_acquire()  # the next load builds or loads at once
+    assert not ops.clear_stale_lock(str(folder / "absent"))
+
+
 # ----------------------------------------------------------------------------- small untruths (issue 48, 9)
 def png_size(path) -> tuple[int, int]:
     import struct

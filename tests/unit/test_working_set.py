@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.launch import cli, compose
-from launcher.planner import collectives
+from launcher.planner import collectives, cost
 from launcher.planner import gathered as G
 from launcher.planner import plan as planner
 
@@ -110,6 +110,34 @@ def test_collectives_per_step():
     assert c3["all_gather"]["bytes"] > 2 * psi  # forward, and backward's re-gathers
     z2 = composed("model=llama3_70b", "recipe=zero2")
     assert collectives.per_step(z2, planner.layout_for(z2, 8))["all_gather"]["bytes"] == 2 * psi
+
+
+def test_step_time_prices_each_counted_collective():
+    """The step time's data-parallel term is the counted collectives: llama3_70b zero2 on 8
+    GPUs of one node, its ring share (7/8) of every collective's bytes at plan.intra_node_gbps
+    plus plan.collective_latency_us a launch. Smaller reduce buckets cost only their extra
+    launches; accumulation repeats zero2's reduce-scatters, not its one all-gather; fp32 moves
+    twice the bytes of bf16."""
+
+    def seconds(*extra: str) -> tuple[float, dict]:
+        cfg = composed("model=llama3_70b", "recipe=zero2", *extra)
+        layout = planner.layout_for(cfg, 8)
+        return cost.data_parallel_seconds(cfg, layout, cfg.plan.intra_node_gbps * 1e9), collectives.per_step(
+            cfg, layout
+        )
+
+    base, c = seconds()
+    bw, latency = 200e9, 20e-6
+    moved = 7 / 8 * (c["all_gather"]["bytes"] + c["reduce_scatter"]["bytes"])
+    assert base == pytest.approx(moved / bw + (c["all_gather"]["count"] + c["reduce_scatter"]["count"]) * latency)
+    small, cs = seconds(f"recipe.zero.reduce_bucket_size={8192**2 // 4}")
+    assert cs["reduce_scatter"]["count"] == -(-70_553_706_496 // (8192**2 // 4)) == 4206
+    assert small - base == pytest.approx((cs["reduce_scatter"]["count"] - c["reduce_scatter"]["count"]) * latency)
+    accum, ca = seconds("train.grad_accum=4")
+    assert ca["reduce_scatter"]["bytes"] == 4 * c["reduce_scatter"]["bytes"]
+    assert ca["all_gather"] == c["all_gather"] and accum > 2.4 * base
+    fp32, _ = seconds("precision=fp32")
+    assert fp32 > 1.9 * base
 
 
 @pytest.mark.parametrize("recipe,per_rank", [("zero3_offload", 20), ("zero2_offload", 18)])

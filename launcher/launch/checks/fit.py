@@ -42,12 +42,12 @@ def check(cfg: C.Config, run_dir: Path) -> None:
     )
     for fmt, marker, name in FORMATS:
         can = readers(fmt)
-        if (folder / marker).exists() and cfg.recipe.strategy not in can:
+        if (folder / marker).exists() and cfg.recipe.engine not in can:
             raise C.ConfigError(
                 key,
                 value,
                 f"{folder} is {name}, which recipe={cfg.recipe.name} cannot load; "
-                f"resume it with recipe.strategy {'/'.join(sorted(can))}, "
+                f"resume it with a recipe whose engine is {'/'.join(sorted(can))}, "
                 f"or {out}",
             )
     try:

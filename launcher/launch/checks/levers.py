@@ -15,7 +15,7 @@ from launcher.parallel.degrees import degrees
 
 
 def validate_levers(cfg: Config, host, world: int = 1) -> None:
-    p, t, name = cfg.parallel, cfg.train, cfg.recipe.strategy
+    p, t, name = cfg.parallel, cfg.train, cfg.recipe.engine
     chunks = t.loss_chunks
     if chunks is not None and not 1 <= chunks <= t.seq_len:
         raise ConfigError("train.loss_chunks", chunks, f"must be in 1..train.seq_len={t.seq_len}, or null (auto)")
@@ -58,7 +58,7 @@ def validate_moe(cfg: Config, world: int = 1) -> None:
     """model.moe (launcher/models/moe.py) and parallel.ep: the router's numbers, the recipes
     that take an MoE (no tensor or pipeline parallel: the experts are not split by tp, and a
     pipeline's auxiliary losses would be on other stages), and ep against the experts."""
-    e, m, p, name = cfg.model.moe, cfg.model, cfg.parallel, cfg.recipe.strategy
+    e, m, p, name = cfg.model.moe, cfg.model, cfg.parallel, cfg.recipe.engine
     if p.ep < 1:
         raise ConfigError("parallel.ep", p.ep, "must be >= 1 (1: every rank holds every expert)")
     if not e.experts:
@@ -117,7 +117,7 @@ def validate_ep_ranks(cfg: Config, world: int) -> None:
     """ep > 1 splits the experts over ep of the ranks that share the dense weights' data
     parallel: fsdp's dp_shard x cp (not across HSDP's replicas), ddp's whole world."""
     p, deg = cfg.parallel, degrees(cfg, world)
-    if recipes.spec(cfg.recipe.strategy).parallelism.shards:
+    if recipes.spec(cfg.recipe.engine).parallelism.shards:
         if p.dp_replicate > 1:
             raise ConfigError(
                 "parallel.ep",
@@ -150,7 +150,7 @@ def validate_fp8(cfg: Config, host) -> None:
             f"runs inside bf16 autocast; precision.name={cfg.precision.name.value} "
             "(use precision=fp8, which sets both)",
         )
-    if not recipes.spec(cfg.recipe.strategy).fp8 or p.tp > 1 or p.pp > 1:
+    if not recipes.spec(cfg.recipe.engine).fp8 or p.tp > 1 or p.pp > 1:
         engines = [name for name, spec in recipes.specs().items() if spec.fp8]  # RecipeSpec.fp8
         raise ConfigError(
             "precision",
@@ -243,7 +243,7 @@ def validate_lora(cfg: Config) -> None:
     p, lora = cfg.parallel, cfg.model.lora
     if lora.rank < 0:
         raise ConfigError("model.lora.rank", lora.rank, "must be >= 0 (0: off, every weight trains)")
-    if cfg.recipe.strategy not in ENGINES or p.tp > 1 or p.pp > 1:
+    if cfg.recipe.engine not in ENGINES or p.tp > 1 or p.pp > 1:
         raise ConfigError(
             "model.lora.rank",
             lora.rank,
@@ -260,7 +260,7 @@ def validate_lora(cfg: Config) -> None:
             lora.targets,
             "a non-empty list of projection names, or null (every linear inside the decoder layers)",
         )
-    if lora.base_dtype.value == "nf4" and cfg.recipe.strategy != "ddp":
+    if lora.base_dtype.value == "nf4" and cfg.recipe.engine != "ddp":
         raise ConfigError(
             "model.lora.base_dtype",
             "nf4",

@@ -145,7 +145,7 @@ def validate_optimizer(cfg: Config, host) -> list[str]:
     """optim.* against the recipe and the machine; warmup clamped to a short run (a note)."""
     notes: list[str] = []
     t, o = cfg.train, cfg.optim
-    spec = recipes.spec(cfg.recipe.strategy)
+    spec = recipes.spec(cfg.recipe.engine)
     optim.validate(
         o, cfg.recipe.name, spec.deepspeed, spec.parallelism.shards and cfg.recipe.fsdp.cpu_offload, host.cuda
     )
@@ -295,7 +295,7 @@ def validate_parallel(cfg: Config, world: int) -> None:
 
 def validate_degrees(cfg: Config, m: ModelConfig) -> None:
     """Each degree positive and one the recipe's engine has (recipes.spec(...).parallelism)."""
-    p, name = cfg.parallel, cfg.recipe.strategy
+    p, name = cfg.parallel, cfg.recipe.engine
     spec = recipes.spec(name)
     can = spec.parallelism
     for key in ("dp_replicate", "tp", "cp", "pp", "pp_microbatches", "pp_virtual_stages"):
@@ -496,14 +496,14 @@ def validate_slurm(cfg: Config) -> None:
 
 def validate_zero(cfg: Config, host) -> None:
     """ZeRO options, offload and the deepspeed runner: what combinations make sense."""
-    z, c, strategy = cfg.recipe.zero, cfg.cluster, cfg.recipe.strategy
-    deepspeed = recipes.spec(strategy).deepspeed
+    z, c, engine = cfg.recipe.zero, cfg.cluster, cfg.recipe.engine
+    deepspeed = recipes.spec(engine).deepspeed
     if c.runner == Runner.deepspeed and not deepspeed:
         raise ConfigError(
             "cluster.runner",
             "deepspeed",
-            f"DeepSpeed's launcher is for recipe.strategy=zero; recipe {cfg.recipe.name} "
-            f"(strategy {strategy}) does not use DeepSpeed: use cluster.runner=torchrun",
+            f"DeepSpeed's launcher is for recipe.engine=zero; recipe {cfg.recipe.name} "
+            f"(engine {engine}) does not use DeepSpeed: use cluster.runner=torchrun",
         )
     if not deepspeed:
         for key in ("offload_optimizer", "offload_param"):
@@ -511,7 +511,7 @@ def validate_zero(cfg: Config, host) -> None:
                 raise ConfigError(
                     f"recipe.zero.{key}",
                     getattr(z, key).value,
-                    f"recipe {cfg.recipe.name} (strategy {strategy}) cannot offload; "
+                    f"recipe {cfg.recipe.name} (engine {engine}) cannot offload; "
                     "offload needs a ZeRO recipe (zero2_offload, zero3_offload)",
                 )
         return

@@ -117,7 +117,7 @@ def available_recipes(cuda: bool = True) -> dict[str, C.RecipeConfig]:
     memory is the host's: a recipe that offloads saves nothing there and is left out."""
     out = recipe_configs()
     if not cuda:
-        out = {name: rc for name, rc in out.items() if not recipes.spec(rc.strategy).holds(rc).offload_optim}
+        out = {name: rc for name, rc in out.items() if not recipes.spec(rc.engine).holds(rc).offload_optim}
     return out
 
 
