@@ -64,7 +64,7 @@ def parse_args(argv: list[str]) -> Args:
         allow_abbrev=False,
         description=ABOUT[command],
         epilog="Overrides are Hydra's key=value on conf/ (model=gpt_350m optim.lr=3e-4; export: "
-        "export.dtype=bf16); every option, its default and its allowed values: conf/ and README.md.",
+        "export.dtype=bf16); every option, its default and its allowed values: conf/ and launcher/config/.",
     )
     parser.add_argument(
         "overrides",

@@ -193,7 +193,7 @@ def test_the_plan_holds_the_model_states_the_ranks_hold(runs):
 
 
 def test_100_lora_steps_on_the_shipped_chat_data_learn(tmp_path):
-    """The README's fine-tune: the shipped chat file, the tiny chat model, rank-16 adapters,
+    """docs/models.md's fine-tune: the shipped chat file, the tiny chat model, rank-16 adapters,
     packed windows whose samples do not see each other, the loss on the assistant's tokens.
     100 steps lower the held-out assistant loss by at least 10% from the base model's own
     (computed here on the same held-out windows)."""

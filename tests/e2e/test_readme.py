@@ -1,9 +1,9 @@
-"""Every command line the README shows, run the way a user types it, so that the README
-cannot drift from the program: a line that stops working, or a new line nobody runs, fails
-here.
+"""Every command line the README shows, and the docs pages its sections moved to, run the
+way a user types it, so that they cannot drift from the program: a line that stops
+working, or a new line nobody runs, fails here.
 
-The lines are read from README.md itself: code-block lines that start a command, and
-inline commands that carry arguments. Placeholders (`outputs/<run>`, `path/to/folder`,
+The lines are read from README.md and PAGES themselves: code-block lines that start a
+command, and inline commands that carry arguments. Placeholders (`outputs/<run>`, `path/to/folder`,
 `...`) become real things made here: a run trained by the README's own fsdp line
 (shortened to 2 steps), a tiny Llama saved with save_pretrained, a corpus. `make` lines go
 through the real Makefile (`make -n` prints the command it would run, which then runs in
@@ -29,6 +29,8 @@ from launcher.host import HostInfo
 from launcher.launch import cli
 
 README = REPO / "README.md"
+PAGES = tuple(REPO / "docs" / f"{name}.md" for name in ("recipes", "runs", "launching", "models"))
+"""The docs pages that took the README's sections (issue 50): their lines are the README's."""
 BIN = Path(sys.executable).parent  # the environment running the suite: `make test`'s .venv/bin
 STARTS = ("make ", ".venv/bin/", "cd RUN_DIR ", "RUN_DIR/")
 TESTED = ".venv/.installed-test"  # the test set-up (make test, gpu-check); like .venv/.installed, never remade here
@@ -41,8 +43,8 @@ def shell_env() -> dict[str, str]:
 
 
 def readme_commands() -> list[str]:
-    """The README's command lines, in order, without their trailing comments."""
-    text = README.read_text()
+    """The command lines of the README and PAGES, in order, without their trailing comments."""
+    text = "\n".join(page.read_text() for page in (README, *PAGES))
     found = [
         re.sub(r"\s+# .*$", "", line.strip())
         for line in text.splitlines()
@@ -55,8 +57,8 @@ def readme_commands() -> list[str]:
 
 
 def readme_line(line: str) -> str:
-    """A command line as the README shows it (for the tests that run it elsewhere)."""
-    assert line in readme_commands(), f"the README no longer shows {line!r}"
+    """A command line as the README or a page of PAGES shows it (for the tests that run it elsewhere)."""
+    assert line in readme_commands(), f"neither the README nor {[p.name for p in PAGES]} shows {line!r}"
     return line
 
 

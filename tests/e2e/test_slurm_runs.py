@@ -122,7 +122,7 @@ SETUP_WRITES = ("job.env",)  # cluster.setup's `env > job.env` runs in every job
 
 
 def resubmit_a_finished_run_by_hand(cluster, run_dir: Path) -> None:
-    """The README's line for resuming by hand, on a finished run: a new job that says there
+    """docs/launching.md's line for resuming by hand, on a finished run: a new job that says there
     is nothing to train and rewrites nothing (its summary, metrics and checkpoints stay)."""
     line = readme_line("cd RUN_DIR && sbatch job.sbatch").replace("RUN_DIR", shlex.quote(str(run_dir)))
     before = {

@@ -28,7 +28,7 @@ SNAPSHOT = pytest.mark.skipif(
 
 @SNAPSHOT
 def test_dry_run_prints_the_script_and_submits_nothing(capsys, monkeypatch):
-    """The 4-node job of the README, as `make submit ... --dry-run` prints it."""
+    """The 4-node job of docs/launching.md, as `make submit ... --dry-run` prints it."""
     monkeypatch.chdir(REPO)
     run_dir = Path("/tmp/launcher-golden/four-nodes")  # fixed: the rendezvous id hashes it
     code = cli.main(
