@@ -16,7 +16,9 @@ import os
 import sys
 import time
 
+import recipes
 from launcher import config as C
+from launcher.host import deepspeed_env
 
 CPU_ADAM, SHM_COMM = "CPUAdamBuilder", "ShareMemCommBuilder"
 ALL = (CPU_ADAM, SHM_COMM)
@@ -25,8 +27,6 @@ ALL = (CPU_ADAM, SHM_COMM)
 def needed(cfg: C.Config, cuda: bool) -> list[str]:
     """The ops a run of this config loads: CPU Adam where the optimizer steps on the host
     (recipe.zero.offload_optimizer), DeepSpeed's shared-memory collectives on a CPU."""
-    import recipes
-
     if not recipes.spec(cfg.recipe.strategy).deepspeed:
         return []
     offload = cfg.recipe.zero.offload_optimizer != C.OffloadDevice.none
@@ -36,7 +36,7 @@ def needed(cfg: C.Config, cuda: bool) -> list[str]:
 def built(builder) -> bool:
     """Whether torch's cache holds the op's library (a changed build command still rebuilds
     it, in torch's own load)."""
-    from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.cpp_extension import _get_build_directory  # local: torch (launch side)
 
     return os.path.isfile(os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so"))
 
@@ -46,13 +46,11 @@ def build(names: list[str] | tuple[str, ...], quiet_when_built: bool = True) -> 
     stderr). An op that cannot be built (no compiler, no CUDA toolkit) is said in one line and
     left to the rank that needs it, which fails with DeepSpeed's own message: nothing here
     ends a run."""
-    from launcher.host import deepspeed_env
-
     if not names:
         return
     deepspeed_env()  # the accelerator and the cache folder a rank will use
     try:
-        from deepspeed.accelerator import get_accelerator
+        from deepspeed.accelerator import get_accelerator  # local: optional (deepspeed's ops)
     except ImportError as err:
         print(f"DeepSpeed ops: DeepSpeed is not installed ({err}); nothing to build", file=sys.stderr, flush=True)
         return
