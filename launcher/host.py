@@ -126,7 +126,6 @@ def visible_gpus(cuda_visible_devices: str | None, installed: int | None) -> int
 
 def _nvidia_smi(field: str) -> str | None:
     """One field of GPU 0 from nvidia-smi: no CUDA context is created on the launch side."""
-
     if not shutil.which("nvidia-smi"):
         return None
     try:

@@ -50,7 +50,8 @@ def build(names: list[str] | tuple[str, ...], quiet_when_built: bool = True) -> 
         return
     deepspeed_env()  # the accelerator and the cache folder a rank will use
     try:
-        from deepspeed.accelerator import get_accelerator  # local: optional (deepspeed's ops)
+        # local: order (deepspeed_env() first: DeepSpeed reads DS_ACCELERATOR when imported)
+        from deepspeed.accelerator import get_accelerator
     except ImportError as err:
         print(f"DeepSpeed ops: DeepSpeed is not installed ({err}); nothing to build", file=sys.stderr, flush=True)
         return

@@ -395,7 +395,6 @@ def _recorded(folder: Path, n: int, width: int) -> dict[int, dict]:
 def _run(jobs: list[dict], nproc: int, lock_fd: int, meter: Meter, work=None) -> dict[int, dict]:
     """The units of `jobs` by a pool of processes, each by `work` (units.run_unit's), with
     progress: the records by unit."""
-
     if not jobs:
         return {}
     fork = "fork" in mp.get_all_start_methods()  # workers start at once, with the tokenizer loaded

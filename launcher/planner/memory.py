@@ -111,7 +111,6 @@ class ParamCounts:
 def _meta_gpt(m: ModelConfig) -> nn.Module:
     """The decoder's structure on the meta device, its init skipped: the first init call on
     meta costs about a second of torch's own set-up, on every launch."""
-
     with torch.device("meta"), skip_torch_init():
         return GPT(m)
 

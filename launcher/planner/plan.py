@@ -407,7 +407,6 @@ def planned_model(cfg: Config) -> Config:
 def runs_under(cfg: Config, strategy: str, layout: Layout) -> bool:
     """The launch would take this layout: model.lora's engines and degrees, and DeepSpeed's
     own AdamW only (launcher/optim: the other optimizers are refused under zero*)."""
-
     if recipes.spec(strategy).deepspeed and cfg.optim.name not in optim.ZERO_TAKES:
         return False
     return lora.runs_under(cfg.model, strategy, layout.tp, layout.pp)

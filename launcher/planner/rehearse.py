@@ -143,7 +143,6 @@ def chosen_ranks(deg: D.Degrees) -> list[int]:
 
 def rehearse_rank(cfg: C.Config, world: int, rank: int, local_rank: int) -> RankReport:
     """Build rank `rank` of `world` under a fake process group (see the module's docstring)."""
-
     started = time.perf_counter()
     deg = D.degrees(cfg, world)
     layout = layout_of(cfg, deg)

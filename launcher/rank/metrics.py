@@ -333,7 +333,6 @@ def _has_wandb_credentials() -> bool:
 def wandb_unreachable(timeout_s: float = 5.0) -> str | None:
     """None when the W&B server (WANDB_BASE_URL, else api.wandb.ai) accepts a connection
     within timeout_s; else why not, in a few words. Compute nodes often have no route out."""
-
     if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
         return None  # through a proxy: a direct connection proves nothing; the ranks fall back if need be
     settings = configparser.ConfigParser()  # where `wandb login --host` records a server

@@ -119,7 +119,6 @@ class DDPEngine(Engine):
         """parallel.ep: groups of ep neighbouring ranks split the experts; the ranks at one
         position of every group hold the same ones. DDP is told to leave the experts alone.
         Returns the group of ranks holding this rank's experts."""
-
         mesh = init_device_mesh(device.type, (self.world // self.ep, self.ep), mesh_dim_names=("efsdp", "ep"))
         shard_locally(model, mesh["ep"].get_group())
         DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
