@@ -166,7 +166,8 @@ def as_messages(value, role: str, name: str) -> list[dict]:
 def texts(tok, template: Template, conversations: list[tuple[list[dict], bool]]) -> list[str]:
     """Each (messages, add_generation_prompt) rendered as apply_chat_template renders it
     (the tokenizer's special tokens in the template's variables); an empty conversation too."""
-    from transformers.utils.chat_template_utils import render_jinja_template  # local: optional (transformers)
+    # local: optional (transformers, after offline())
+    from transformers.utils.chat_template_utils import render_jinja_template
 
     out = []
     for messages, generation in conversations:

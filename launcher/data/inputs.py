@@ -129,7 +129,7 @@ class LocalTokenizer:
     """A tokenizer folder AutoTokenizer loads without the network; its EOS ends documents."""
 
     def __init__(self, path: Path):
-        from transformers import AutoTokenizer  # local: optional (transformers)
+        from transformers import AutoTokenizer  # local: optional (transformers, after offline())
 
         code = remote_code(path)
         if code:

@@ -53,7 +53,7 @@ TP_STYLES = ("colwise", "rowwise")  # base_model_tp_plan styles applied here (th
 def _transformers():
     offline()  # before huggingface_hub is imported: nothing is fetched
     try:
-        import transformers  # local: optional (transformers)
+        import transformers  # local: optional (transformers, after offline())
     except ImportError:
         raise ConfigError(
             "model", "hf", "needs transformers, the optional extra: pip install -e '.[hf]' (make setup installs it)"
@@ -105,9 +105,9 @@ def _config(key: str, path: str):
     if code:
         raise ConfigError(key, path, code)
     tf = _transformers()
-    from transformers import CONFIG_MAPPING  # local: optional (transformers)
+    from transformers import CONFIG_MAPPING  # local: optional (transformers, after offline())
 
-    # local: optional (transformers)
+    # local: optional (transformers, after offline())
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
@@ -150,8 +150,8 @@ def build(m: ModelConfig, device: torch.device) -> "HFCausalLM":
     config.json) on `device` (the launcher builds on meta; launcher.models.materialize then
     draws or reads the weights, each rank only its part), in fp32, in training mode."""
     offline()
-    from transformers import AutoModelForCausalLM  # local: optional (transformers)
-    from transformers.initialization import no_init_weights  # local: optional (transformers)
+    from transformers import AutoModelForCausalLM  # local: optional (transformers, after offline())
+    from transformers.initialization import no_init_weights  # local: optional (transformers, after offline())
 
     kwargs = dict(dtype=torch.float32, attn_implementation=m.attn_implementation.value, trust_remote_code=False)
     skip = no_init_weights() if init_skipped() else contextlib.nullcontext()
@@ -211,7 +211,7 @@ class HFCausalLM(nn.Module):
         """(index, layer) pairs in order on hidden states `h`, as the base model's forward
         calls them (a pipeline stage's middle): positions, rotary table and causal mask
         for the whole sequence (`positions`: packed samples, block-causal)."""
-        from transformers.masking_utils import create_causal_mask  # local: optional (transformers)
+        from transformers.masking_utils import create_causal_mask  # local: optional (transformers, after offline())
 
         base = self.hf.get_submodule(self.hf.base_model_prefix)
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0) if positions is None else positions

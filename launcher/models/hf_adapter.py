@@ -77,7 +77,8 @@ def converted(model_type: str) -> str | None:
     """model=hf, whose tensors did not match the folder's: why, when transformers converts
     this model type's files at load (its conversion mapping: Mixtral's and Qwen's MoE experts
     are stored one by one and fused in the model), which model=hf does not apply."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping  # local: optional (transformers)
+    # local: optional (transformers, after offline())
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     if not get_checkpoint_conversion_mapping(model_type):
         return None

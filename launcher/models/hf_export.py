@@ -21,7 +21,7 @@ def save_pretrained(cfg: Config, state: dict[str, torch.Tensor], out: Path, dtyp
     shards, generation_config.json, and the tokenizer when the run's data named a local
     tokenizer folder. `state`: consolidated full weights under this model's names."""
     offline()
-    from transformers import AutoModelForCausalLM, GenerationConfig  # local: optional (transformers)
+    from transformers import AutoModelForCausalLM, GenerationConfig  # local: optional (transformers, after offline())
 
     if cfg.model.kind == ModelKind.hf:
         config = hf_config(cfg.model)
@@ -39,7 +39,7 @@ def save_pretrained(cfg: Config, state: dict[str, torch.Tensor], out: Path, dtyp
         GenerationConfig.from_model_config(model.config).save_pretrained(out)
     tokenizer = getattr(cfg.data, "tokenizer", None)  # data=hf_text's local tokenizer folder, when there is one
     if tokenizer and Path(tokenizer).is_dir():
-        from transformers import AutoTokenizer  # local: optional (transformers)
+        from transformers import AutoTokenizer  # local: optional (transformers, after offline())
 
         AutoTokenizer.from_pretrained(tokenizer, local_files_only=True, trust_remote_code=False).save_pretrained(out)
     return out

@@ -214,7 +214,7 @@ def recorded_specs(model: nn.Module, hf: nn.Module) -> dict[str, InitSpec]:
     parameter it leaves alone gets normal(0, initializer_range) when it is a matrix, ones
     when it is a vector named weight, zeros otherwise."""
     offline()
-    from transformers import initialization as hf_init  # local: optional (transformers)
+    from transformers import initialization as hf_init  # local: optional (transformers, after offline())
 
     names: dict[int, list[str]] = {}  # a tied weight has two names
     for n, p in model.named_parameters(remove_duplicate=False):
