@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import torch
-import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
@@ -108,6 +106,8 @@ class PackMeter:
         the step's losses divide by (launcher/models/gpt.py::COUNTED)."""
         if not self.on:
             return None
+        import torch  # local: torch (launch side: cli.py imports this module to check W&B)
+        import torch.distributed as dist  # local: torch (launch side: cli.py imports this module to check W&B)
 
         total = torch.tensor([self.this_step], dtype=torch.int64)
         dist.all_reduce(total, group=self.group)
@@ -117,6 +117,8 @@ class PackMeter:
     def metrics(self, samples_seen: int) -> dict:
         if not self.on or samples_seen == self.seen:
             return {}
+        import torch  # local: torch (launch side: cli.py imports this module to check W&B)
+        import torch.distributed as dist  # local: torch (launch side: cli.py imports this module to check W&B)
 
         counted = torch.tensor([self.counted], dtype=torch.int64)
         dist.all_reduce(counted, group=self.group)  # every rank logs at the same steps
