@@ -1,5 +1,6 @@
 """launcher: a distributed training launcher for PyTorch (see README.md)."""
 
+import logging
 import os as _os
 
 USER_ENV: dict[str, str] = dict(_os.environ)
@@ -56,8 +57,6 @@ model=hf run, export and plan, issue 48): logger name -> the messages dropped.""
 def quiet_imports() -> None:
     """Drop IMPORT_NOISE's lines at their loggers (a filter on each; their other messages
     pass). Called by offline(), so before any import of transformers or torchao of ours."""
-    import logging
-
     for name, starts in IMPORT_NOISE.items():
         logger = logging.getLogger(name)
         if not any(getattr(f, "drops", None) == starts for f in logger.filters):

@@ -3,6 +3,8 @@
 import signal
 import sys
 
+from launcher.exits import EXIT_INTERRUPTED
+
 
 def entry() -> int:
     # A Ctrl-C while the launch side and Hydra import is recorded, not raised: a
@@ -12,8 +14,7 @@ def entry() -> int:
     # a Ctrl-C the same way while they import it (launch/start/supervise.py::interrupts_held).
     pressed: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
-    from launcher.exits import EXIT_INTERRUPTED
-    from launcher.launch.cli import main
+    from launcher.launch.cli import main  # local: order (SIGINT caught first: a Ctrl-C while importing is recorded)
 
     if pressed:
         print("interrupted (Ctrl-C) before training started", file=sys.stderr)

@@ -8,12 +8,14 @@ from here, so the rest of the code runs unchanged on a CPU-only machine with glo
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import resource
 import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity
 
 from launcher.host import current_rss, table_tflops
 
@@ -105,8 +107,6 @@ def returned_to_the_os():
         yield
         return
     try:
-        import ctypes
-
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
     except (OSError, AttributeError):
@@ -127,8 +127,6 @@ _M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1  # glibc malloc.h
 # ----------------------------------------------------------------------------- profiler
 def profiler_activities(device: torch.device) -> list:
     """What torch.profiler records: CPU operators always, CUDA kernels on a GPU."""
-    from torch.profiler import ProfilerActivity
-
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
 
 

@@ -6,8 +6,13 @@ called."""
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import os
 import re
+import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -66,7 +71,7 @@ class HostInfo:
             return HostInfo(cuda=False, gpus=0, cpus=cpus)
         gpus = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), nvidia_gpus())
         if gpus is None:  # only CUDA can tell (ROCm, WSL, devices named by UUID): ask torch
-            import torch  # counting GPUs creates no CUDA context
+            import torch  # local: torch (launch side); counting GPUs creates no CUDA context
 
             gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return HostInfo(cuda=gpus > 0, gpus=gpus, cpus=cpus)
@@ -83,8 +88,6 @@ def usable_cores() -> int:
 def gpu_driver() -> bool:
     """Whether a GPU driver shows on this host (NVIDIA's device files or /proc entry, ROCm's
     /dev/kfd, WSL's /dev/dxg). Without one, torch.cuda finds no device."""
-    import glob
-
     return bool(
         glob.glob("/dev/nvidia[0-9]*")
         or glob.glob("/proc/driver/nvidia/gpus/*")
@@ -96,8 +99,6 @@ def nvidia_gpus() -> int | None:
     """NVIDIA GPUs this process can reach: the fewer of the driver's (/proc/driver/nvidia/gpus/,
     one folder each) and the device files (/dev/nvidia0, 1, ...: a container gets only its
     own), or None where neither shows one (ROCm, WSL, no NVIDIA driver)."""
-    import glob
-
     counts = [n for n in (len(glob.glob("/proc/driver/nvidia/gpus/*")), len(glob.glob("/dev/nvidia[0-9]*"))) if n]
     return min(counts) if counts else None
 
@@ -125,9 +126,6 @@ def visible_gpus(cuda_visible_devices: str | None, installed: int | None) -> int
 
 def _nvidia_smi(field: str) -> str | None:
     """One field of GPU 0 from nvidia-smi: no CUDA context is created on the launch side."""
-    import shutil
-    import subprocess
-
     if not shutil.which("nvidia-smi"):
         return None
     try:
@@ -200,7 +198,7 @@ def native_bf16(cpuinfo: str | None = None) -> bool:
 def process_start_time() -> float:
     """When this process started (time.time() scale): the kernel's record, so imports count."""
     try:
-        import psutil
+        import psutil  # local: start-up (psutil, 0.09 s)
 
         return psutil.Process().create_time()
     except Exception:  # noqa: BLE001 -- no /proc: count from the first call instead
@@ -221,7 +219,7 @@ def deepspeed_env() -> None:
     and print a warning on a CPU-only machine (on stdout, into every launch's output). And
     where its just-in-time ops are cached: one folder per Python environment
     (`ops_cache_dir`), unless TORCH_EXTENSIONS_DIR says otherwise."""
-    import torch
+    import torch  # local: torch (launch side)
 
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", ops_cache_dir())
@@ -234,10 +232,8 @@ def ops_cache_dir() -> str:
     environments on one host (two checkouts, a CI clone beside a work tree) sharing one
     folder rebuild each other's ops (20-40 s each on 2 cores), inside the first rank that
     loads one."""
-    import hashlib
-    import sys
 
-    import torch._appdirs
+    import torch._appdirs  # local: torch (launch side)
 
     root = os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions"))
     env = os.path.realpath(sys.prefix)

@@ -25,6 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher import models
+from launcher.config import to_dict
+
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
 
@@ -264,14 +267,10 @@ def lock_folders(cfg, run_dir: Path) -> list[Path]:
 
 def shapes(cfg) -> dict[str, list[int]]:
     """The full model's parameters, name -> shape, from its meta-device build (no storage)."""
-    from launcher import models
-
     return {name: list(p.shape) for name, p in models.on_meta(cfg).named_parameters()}
 
 
 def describe(cfg) -> dict:
     """What a checkpoint's manifest records about the model that wrote it (the launch side
     compares it with the model a launch builds: launcher/launch/checks/fit.py)."""
-    from launcher.config import to_dict
-
     return {"model": to_dict(cfg)["model"], "params": shapes(cfg)}

@@ -16,7 +16,9 @@ import os
 import sys
 import time
 
+import recipes
 from launcher import config as C
+from launcher.host import deepspeed_env
 
 CPU_ADAM, SHM_COMM = "CPUAdamBuilder", "ShareMemCommBuilder"
 ALL = (CPU_ADAM, SHM_COMM)
@@ -25,8 +27,6 @@ ALL = (CPU_ADAM, SHM_COMM)
 def needed(cfg: C.Config, cuda: bool) -> list[str]:
     """The ops a run of this config loads: CPU Adam where the optimizer steps on the host
     (recipe.zero.offload_optimizer), DeepSpeed's shared-memory collectives on a CPU."""
-    import recipes
-
     if not recipes.spec(cfg.recipe.engine).deepspeed:
         return []
     offload = cfg.recipe.zero.offload_optimizer != C.OffloadDevice.none
@@ -39,7 +39,7 @@ cores, and a live one keeps its compiler running in the folder."""
 
 
 def build_folder(name: str) -> str:
-    from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.cpp_extension import _get_build_directory  # local: torch (launch side)
 
     return _get_build_directory(name, verbose=False)
 
@@ -95,12 +95,11 @@ def build(names: list[str] | tuple[str, ...], quiet_when_built: bool = True) -> 
     stderr). An op that cannot be built (no compiler, no CUDA toolkit) is said in one line and
     left to the rank that needs it, which fails with DeepSpeed's own message: nothing here
     ends a run."""
-    from launcher.host import deepspeed_env
-
     if not names:
         return
     deepspeed_env()  # the accelerator and the cache folder a rank will use
     try:
+        # local: order (deepspeed_env() first: DeepSpeed reads DS_ACCELERATOR when imported)
         from deepspeed.accelerator import get_accelerator
     except ImportError as err:
         print(f"DeepSpeed ops: DeepSpeed is not installed ({err}); nothing to build", file=sys.stderr, flush=True)

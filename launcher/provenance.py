@@ -108,7 +108,7 @@ def torch_cuda() -> str | None:
 
 def rank_versions() -> dict:
     """torch, CUDA and NCCL as a rank's imported torch reports them (NCCL only with CUDA)."""
-    import torch
+    import torch  # local: torch (launch side)
 
     out = {"torch": torch.__version__, "cuda": torch.version.cuda}
     if torch.cuda.is_available():
@@ -211,7 +211,7 @@ def record_hosts(run_dir: Path, rank: int, world_size: int, group=None) -> None:
     """Every rank's host name, gathered once as the ranks start (one small collective on
     `group`, a CPU one); rank 0 appends them to RUN_DIR/provenance/hosts.jsonl with where
     this rank imported the project from (RUN_DIR/code for a Slurm job's snapshot)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # local: torch (launch side)
 
     hosts = [None] * world_size
     dist.all_gather_object(hosts, socket.gethostname(), group=group)

@@ -16,6 +16,7 @@ here: whoever crafts a file can rewrite them.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from pathlib import Path
 
@@ -34,14 +35,14 @@ REFUSE = "refusing to load it (a checkpoint must never run code)"
 def check_file(path: Path) -> str | None:
     """None when `path` can be read without running code; else one line why not."""
     if path.name == ".metadata":
-        from launcher.parallel import dcp
+        from launcher.parallel import dcp  # local: side (launch -> rank)
 
         try:
             dcp.read_metadata(path.parent)
         except dcp.CheckpointRefused as e:
             return str(e)
         return None
-    import torch
+    import torch  # local: torch (launch side)
 
     try:
         unsafe = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(str(path))) - set(DEEPSPEED_GLOBALS))
@@ -80,8 +81,6 @@ def _safe_globals() -> list:
     """The non-tensor types DeepSpeed pickles into its checkpoint files
     (launcher.untrusted.DEEPSPEED_GLOBALS, which the launch side's check allows too);
     nothing else may load."""
-    import importlib
-
     out = []
     for name in DEEPSPEED_GLOBALS:
         module, attr = name.rsplit(".", 1)
@@ -94,7 +93,7 @@ def weights_only_loads():
     """Every torch.load DeepSpeed makes in this block runs with weights_only=True (it passes
     weights_only=False itself; TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides that), allowing only
     the DeepSpeed types listed in `_safe_globals`."""
-    import torch
+    import torch  # local: torch (launch side)
 
     previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
-from launcher.config.enums import PPSchedule
-from launcher.config.model import ModelConfig
+from launcher.config.enums import ModelKind, PPSchedule
+from launcher.config.model import ModelConfig, MoEConfig
 from launcher.config.moe import moe_key
 from launcher.config.recipe import ParallelConfig
 from launcher.config.root import Config
@@ -134,8 +134,6 @@ def loss_chunks(cfg: Config, vocab_size: int, micro_batch: int, sliceable: bool)
 
 def sliceable_loss(cfg: Config, pp: int, tp: int) -> bool:
     """Whether the loss can be sliced (train.loss_chunks) under these degrees."""
-    from launcher.config.enums import ModelKind
-
     return cfg.model.kind != ModelKind.hf and pp == 1 and tp == 1
 
 
@@ -147,8 +145,6 @@ def shape_key(m: ModelConfig) -> tuple:
 
 def from_shape_key(key: tuple) -> ModelConfig:
     """The ModelConfig a shape_key was made from (adapters off)."""
-    from launcher.config.model import MoEConfig
-
     fields = dict(key)
     if "moe" in fields:
         fields["moe"] = MoEConfig(**dict(fields["moe"]))

@@ -33,19 +33,25 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import multiprocessing as mp
 import os
+import queue as queues
 import shutil
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from launcher.config import Config, ConfigError, DataConfig, DataKind, TextFormat
 from launcher.data import chat_units, shards, units
 from launcher.data.chat import settings as chat_settings
 from launcher.data.inputs import file_format, load_tokenizer, resolve_files, token_dtype
 from launcher.data.progress import Meter, count
+from launcher.data.sources import indexed
 from launcher.host import usable_cores
 from launcher.manifest import _fsync_dir
 
@@ -317,8 +323,6 @@ def whole(folder: Path, out, threads: int = 1) -> bool:
     it, and after any change). A damaged one (a shard purged from scratch, cut short,
     rewritten) loses its index and is prepared again, in one line; a name that is not its
     own file (/etc/passwd, ../other/shard_000000.bin) is refused."""
-    from launcher.data.sources import indexed
-
     index = folder / INDEX
     if not index.is_file():
         return False
@@ -391,11 +395,6 @@ def _recorded(folder: Path, n: int, width: int) -> dict[int, dict]:
 def _run(jobs: list[dict], nproc: int, lock_fd: int, meter: Meter, work=None) -> dict[int, dict]:
     """The units of `jobs` by a pool of processes, each by `work` (units.run_unit's), with
     progress: the records by unit."""
-    import multiprocessing as mp
-    import queue as queues
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-    from concurrent.futures.process import BrokenProcessPool
-
     if not jobs:
         return {}
     fork = "fork" in mp.get_all_start_methods()  # workers start at once, with the tokenizer loaded
@@ -497,8 +496,6 @@ def _tidy(folder: Path, index: dict, n: int) -> None:
 def read_tokens(folder: Path):
     """A prepared directory's whole token stream in memory, and its index: for small data
     (tests, a look at what was made); the ranks read window by window (launcher/data/read.py)."""
-    import numpy as np
-
     index = json.loads((Path(folder) / INDEX).read_text())
     dtype = np.dtype(index["dtype"])
     parts = [np.fromfile(Path(folder) / s["file"], dtype=dtype) for s in index["shards"]]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -68,8 +69,6 @@ def first_line(err: BaseException) -> str:
 def load_template(d: DataConfig, tok) -> Template:
     """data.chat_template's file, else the tokenizer's own template; refused in one line
     when there is none, or when it does not render a two-turn conversation."""
-    from pathlib import Path
-
     if d.chat_template:
         path = Path(d.chat_template).expanduser()
         if not path.is_file():
@@ -167,6 +166,7 @@ def as_messages(value, role: str, name: str) -> list[dict]:
 def texts(tok, template: Template, conversations: list[tuple[list[dict], bool]]) -> list[str]:
     """Each (messages, add_generation_prompt) rendered as apply_chat_template renders it
     (the tokenizer's special tokens in the template's variables); an empty conversation too."""
+    # local: optional (transformers, after offline())
     from transformers.utils.chat_template_utils import render_jinja_template
 
     out = []

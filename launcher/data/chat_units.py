@@ -21,6 +21,7 @@ import numpy as np
 from launcher.config import ConfigError, TextFormat, TrainOn
 from launcher.data import units
 from launcher.data.chat import COUNTS, RowError, Template, conversation, render
+from launcher.data.inputs import load_tokenizer
 
 MASK, LENGTHS = ".mask", ".len"
 
@@ -42,7 +43,7 @@ def rows(piece: dict, fmt: TextFormat, columns: list[str]):
     the byte offset of its line (JSON) or its 1-based row number (parquet, as -n)."""
     path = Path(piece["path"])
     if fmt == TextFormat.parquet:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # local: optional (pyarrow)
 
         f = pq.ParquetFile(path)
         before = [sum(f.metadata.row_group(g).num_rows for g in range(k)) for k in piece["row_groups"]]
@@ -76,8 +77,6 @@ def where_text(path: Path, where: int) -> str:
 def tokenize_chat_unit(job: dict, report) -> dict:
     """Unit job["unit"] into its shard, mask and lengths (each written whole or not at all),
     then its record unit_<k>.json; returns the record."""
-    from launcher.data.inputs import load_tokenizer
-
     unit, folder, fmt = job["unit"], Path(job["dir"]), TextFormat(job["format"])
     tok = load_tokenizer(job["tokenizer"]).tok  # type: ignore[union-attr]  # data=chat: data.tokenizer=byte is refused
     dtype = np.dtype(job["dtype"])

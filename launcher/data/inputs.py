@@ -84,7 +84,7 @@ def fields_of(path: Path, fmt: TextFormat) -> list[str] | None:
     if fmt == TextFormat.text:
         return ["text"]
     if fmt == TextFormat.parquet:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # local: optional (pyarrow)
 
         try:
             return list(pq.read_schema(path).names)
@@ -129,7 +129,7 @@ class LocalTokenizer:
     """A tokenizer folder AutoTokenizer loads without the network; its EOS ends documents."""
 
     def __init__(self, path: Path):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # local: optional (transformers, after offline())
 
         code = remote_code(path)
         if code:

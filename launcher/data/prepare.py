@@ -32,7 +32,9 @@ from launcher.config import (
     held_out_windows,
 )
 from launcher.data.cache import INDEX, cache_root, describe, prepare
+from launcher.data.chat import load_template
 from launcher.data.inputs import fields_of, file_format, load_tokenizer, patterns, resolve_files
+from launcher.data.packing import Packed
 from launcher.data.sources import indexed
 from launcher.data.units import write_json_atomic
 from launcher.host import usable_cores
@@ -89,8 +91,6 @@ def validate_hf_text(cfg: Config, against_model: bool = True) -> None:
 def validate_chat(cfg: Config, against_model: bool = True) -> None:
     """data=chat: files (JSON lines or parquet) with a conversation column, a tokenizer
     folder with a chat template that renders (or data.chat_template), the vocabulary."""
-    from launcher.data.chat import load_template
-
     offline()
     validate_prepare_fields(cfg)
     d = cfg.data
@@ -165,8 +165,6 @@ def prepare_cache(cfg: Config, run_dir: Path) -> str:
 def chat_line(cfg: Config, got) -> str:
     """data=chat's console line(s): samples, tokens, counted ones, the packing at train.seq_len
     and the samples longer than a window (cut to one)."""
-    from launcher.data.packing import Packed
-
     index, seq_len, d = got.index, cfg.train.seq_len, cfg.data
     if not index["documents"]:
         raise ConfigError("data.files", ",".join(patterns(d)), "hold no conversation")

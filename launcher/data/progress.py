@@ -40,11 +40,12 @@ class Meter:
         self.task: Any = None
 
     def __enter__(self) -> "Meter":
-        from rich.console import Console
+        from rich.console import Console  # local: start-up (rich, 0.4 s)
 
         console = Console(file=self.out)
         self.t0 = self.last = time.monotonic()
         if console.is_terminal:
+            # local: start-up (rich, 0.4 s)
             from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
             self.bar = Progress(

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from launcher.config import Config, DataConfig, DataKind, TokenDtype, held_out_windows
 from launcher.data import sources
 from launcher.data.packing import Packed, restart_positions
+from launcher.data.prepare import token_file_config
 
 IGNORE = -100
 """A target no loss counts (torch's cross_entropy ignore_index, transformers' labels)."""
@@ -357,8 +358,6 @@ def build_dataset(cfg: Config, run_dir: Path | None = None) -> Dataset:
     if cfg.data.name == DataKind.synthetic:
         return MarkovSource(cfg.data, cfg.train.seq_len)
     if cfg.data.name in (DataKind.hf_text, DataKind.chat):  # prepared by the launch side, in the shared cache
-        from launcher.data.prepare import token_file_config
-
         d = token_file_config(cfg, run_dir)
         if cfg.data.name == DataKind.chat:
             return ChatFile(d.path, cfg.train.seq_len, cfg.train.seed, d.val_fraction, d.document_masking)

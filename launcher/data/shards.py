@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from launcher.config import ConfigError
+from launcher.data.units import write_json_atomic
 
 
 class NotItsOwn(ConfigError):
@@ -90,8 +91,6 @@ def _memo() -> dict:
 def _remember(found: dict[str, str]) -> None:
     """Record each path's stamp and digest in this user's memo (best effort: a read-only
     home only means hashing again next time)."""
-    from launcher.data.units import write_json_atomic
-
     memo = _memo()
     for path, digest in found.items():
         memo[path] = {"stamp": _stamp(Path(path)), "sha256": digest}

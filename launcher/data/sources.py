@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from launcher.config import ConfigError, DataConfig, TokenDtype
+from launcher.data.shards import NotItsOwn, bad_name
 
 INDEX = "index.json"
 BLEND_PERIOD = 1 << 16
@@ -122,7 +123,6 @@ def indexed(key: str, path: str, index: Path) -> Stream:
         raise ConfigError(key, path, f"{index} has no {err} (not an index make data wrote)")
     except (ValueError, TypeError, AttributeError) as err:  # not JSON, a wrong type, an unknown dtype
         raise ConfigError(key, path, f"{index}: {err}")
-    from launcher.data.shards import NotItsOwn, bad_name
 
     wrong = next((w for w in (bad_name(index.parent, s) for s in meta["shards"]) if w), None)
     if wrong:  # /etc/passwd, ../other/shard_000000.bin: never read

@@ -13,6 +13,7 @@ it is whole. Progress goes to the parent through a queue, batch by batch.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import os
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from launcher.config import ConfigError, TextFormat
+from launcher.data.inputs import load_tokenizer
 
 CHUNK_BYTES = 4 << 20
 """Input read, parsed and tokenized at once by a worker (JSON lines, text)."""
@@ -112,7 +114,7 @@ def piece_bytes(piece: dict) -> int:
 
 
 def row_group_sizes(path: Path) -> list[tuple[int, int]]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # local: optional (pyarrow)
 
     try:
         meta = pq.ParquetFile(path).metadata
@@ -184,8 +186,8 @@ def _chunks(path: Path, start: int, end: int):
 
 
 def _json_texts(chunk: bytes, field: str, path: Path, offset: int) -> list:
-    import pyarrow as pa
-    import pyarrow.json as pj
+    import pyarrow as pa  # local: optional (pyarrow)
+    import pyarrow.json as pj  # local: optional (pyarrow)
 
     if not chunk.strip():
         return []
@@ -235,8 +237,8 @@ def _text_lines(chunk: bytes, path: Path, offset: int) -> list[str]:
 
 
 def _parquet(path: Path, groups: list[int], sizes: list[int], field: str):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # local: optional (pyarrow)
+    import pyarrow.parquet as pq  # local: optional (pyarrow)
 
     f = pq.ParquetFile(path)
     for group, size in zip(groups, sizes):
@@ -267,8 +269,6 @@ def init_worker(queue, parent: int, inherited_fd: int | None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        import ctypes
-
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: a worker notices its parent is gone when it reports
         pass
@@ -299,8 +299,6 @@ def _report(unit: int, nbytes: int, docs: int, tokens: int) -> None:
 def tokenize_unit(job: dict, report) -> dict:
     """Tokenize unit job["unit"] into shard_<k>.bin (written whole or not at all), then its
     record unit_<k>.json; returns the record."""
-    from launcher.data.inputs import load_tokenizer
-
     unit, folder, fmt = job["unit"], Path(job["dir"]), TextFormat(job["format"])
     tok, dtype = load_tokenizer(job["tokenizer"]), np.dtype(job["dtype"])
     name = shard_name(unit)

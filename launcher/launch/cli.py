@@ -324,7 +324,7 @@ def wandb_reachable_or_offline(cfg: C.Config, run_dir: Path) -> C.Config:
     answers. logger.mode=auto: if not, the run logs offline (one line; config.yaml says
     offline); logger.mode=online: refused. The ranks fall back to offline on their own too
     (a key the server rejects, a network that drops; launcher/rank/metrics.py)."""
-    from launcher.rank.metrics import sinks, wandb_mode, wandb_unreachable  # the rank side: lazy (test_imports)
+    from launcher.rank.metrics import sinks, wandb_mode, wandb_unreachable  # local: side (launch -> rank)
 
     if C.LoggerKind.wandb not in sinks(cfg) or wandb_mode(cfg) != "online":
         return cfg

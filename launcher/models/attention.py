@@ -25,9 +25,11 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from launcher.config import ModelConfig, head_dim
 from launcher.models.layers import RMSNorm
+from launcher.parallel.context import heads_to_seq, seq_to_heads
 
 
 def rotary_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -108,8 +110,6 @@ class DocumentMask:
     def block_mask(self):
         """FlexAttention's BlockMask (heads broadcast), made once."""
         if self._block is None:
-            from torch.nn.attention.flex_attention import create_block_mask
-
             docs = self.docs
 
             def same_sample_causal(b, h, q, k):
@@ -131,8 +131,6 @@ class DocumentMask:
 
 @functools.cache
 def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -145,9 +143,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask
     if mask.flex:
         if q.is_cuda:
             return _compiled_flex()(q, k, v, block_mask=mask.block_mask())
-        from torch.nn.attention.flex_attention import flex_attention  # CPU, forward only (tests)
-
-        return flex_attention(q, k, v, block_mask=mask.block_mask())
+        return flex_attention(q, k, v, block_mask=mask.block_mask())  # CPU, forward only (tests)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.additive(q.dtype))
 
 
@@ -178,8 +174,6 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.cp_group is not None:  # this rank's positions, all heads -> all positions, its heads
-            from launcher.parallel.context import seq_to_heads
-
             cp = self.cp_group.size()
             if k.shape[2] % cp:  # key/value heads that do not split: repeated to the query heads first
                 k, v = (y.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for y in (k, v))
@@ -192,7 +186,5 @@ class Attention(nn.Module):
             v = v.repeat_interleave(rep, dim=1)
         y = attend(q, k, v, mask).transpose(1, 2)
         if self.cp_group is not None:
-            from launcher.parallel.context import heads_to_seq
-
             y = heads_to_seq(y, self.cp_group)
         return self.wo(y.reshape(b, t, -1))

@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from launcher.config import Config, ModelConfig, ModelKind
+from launcher.config.derived import loss_chunks, sliceable_loss
+from launcher.models import hf_adapter
 from launcher.models.layout import Layout
 
 if TYPE_CHECKING:
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
 
 def layout(cfg: Config) -> Layout:
     if cfg.model.kind == ModelKind.hf:
-        from launcher.models import hf
+        from launcher.models import hf  # local: torch (launch side)
 
         return hf.layout(cfg.model)
     return Layout(tied=cfg.model.tie_embeddings)
@@ -44,7 +46,7 @@ def build(cfg: Config, device: torch.device) -> nn.Module:
 
 def on_meta(cfg: Config) -> nn.Module:
     """The model's structure on the meta device: names and shapes, no storage."""
-    import torch
+    import torch  # local: torch (launch side)
 
     return skeleton(cfg, torch.device("meta"))
 
@@ -55,21 +57,21 @@ def skeleton(cfg: Config, device: torch.device, dtype: torch.dtype | None = None
     (default: torch's default). On meta nothing is allocated; under deepspeed.zero.Init
     each module is partitioned as soon as it is built, and cast to the engine's dtype:
     made in that dtype, no layer is first allocated and read whole in fp32."""
-    import torch
+    import torch  # local: torch (launch side)
 
-    from launcher.models.init import default_dtype, skip_torch_init
+    from launcher.models.init import default_dtype, skip_torch_init  # local: torch (launch side)
 
     with skip_torch_init(), default_dtype(dtype), torch.device(device):
         if cfg.model.kind == ModelKind.hf:
-            from launcher.models import hf
+            from launcher.models import hf  # local: torch (launch side)
 
             model = hf.build(cfg.model, device)
         else:
-            from launcher.models.gpt import GPT
+            from launcher.models.gpt import GPT  # local: torch (launch side)
 
             model = GPT(cfg.model)
         if cfg.model.lora.rank > 0:  # adapters before any recipe parallelizes (launcher/models/lora.py)
-            from launcher.models import lora
+            from launcher.models import lora  # local: torch (launch side)
 
             lora.inject(
                 model,
@@ -86,19 +88,17 @@ def materialize(model: nn.Module, cfg: Config, device: torch.device, storage: to
     pipeline stage, a ZeRO-3 partition), its buffers computed, its parameters drawn
     layout-independently from train.seed on `device` or read from the owned slices of
     model.pretrained (launcher/models/init.py). No collective."""
-    from launcher.models import init
+    from launcher.models import init  # local: torch (launch side)
 
     specs = init_specs(cfg)
     fresh: dict = {}  # the LoRA adapters' specs
     if cfg.model.lora.rank > 0:  # the adapters are drawn, whatever the base is read from
-        from launcher.models import lora
+        from launcher.models import lora  # local: torch (launch side)
 
         fresh = lora.init_specs(model, cfg.model.lora.rank)
         specs |= fresh
     pretrained = cfg.model.pretrained
     if pretrained is not None and cfg.model.kind != ModelKind.hf and device.type != "meta":  # an HF folder, our decoder
-        from launcher.models import hf_adapter
-
         pretrained = hf_adapter.reader(cfg.model)
     init.materialize(
         model,
@@ -112,7 +112,7 @@ def materialize(model: nn.Module, cfg: Config, device: torch.device, storage: to
         fresh=fresh,
     )
     if cfg.model.lora.base_dtype.value == "nf4" and cfg.model.lora.rank > 0 and device.type != "meta":
-        from launcher.models import lora
+        from launcher.models import lora  # local: torch (launch side)
 
         lora.quantize_base(model)
     return model
@@ -121,7 +121,7 @@ def materialize(model: nn.Module, cfg: Config, device: torch.device, storage: to
 def cast_params(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """The parameters (not the buffers: the rotary table stays fp32) in `dtype`, ties kept.
     Meant for a model still on meta, where it costs nothing."""
-    from torch import nn
+    from torch import nn  # local: torch (launch side)
 
     new: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -139,13 +139,11 @@ def prepare(model: nn.Module, cfg: Config) -> nn.Module:
     recipe sharded it), and the loss's slices (train.loss_chunks)."""
     set_activation_checkpointing(model, cfg)
     if cfg.model.kind != ModelKind.hf:
-        from launcher.config.derived import loss_chunks, sliceable_loss
-
         sliceable = sliceable_loss(cfg, cfg.parallel.pp, cfg.parallel.tp)
         model.loss_chunks = loss_chunks(cfg, cfg.model.vocab_size, cfg.train.micro_batch, sliceable)
         model.offload_activations = cfg.train.activation_offload
     if cfg.precision.fp8:  # before compile, which traces the float8 layers
-        from launcher.models import fp8
+        from launcher.models import fp8  # local: torch (launch side)
 
         fp8.convert(model, cfg, model_layout(model).head)
     if cfg.train.compile:
@@ -169,7 +167,7 @@ def after_step(model: nn.Module, cfg: Config) -> dict:
     biases moved, the step's expert-load metrics (launcher/models/moe.py); {} for a dense model."""
     if not cfg.model.moe.experts:
         return {}
-    from launcher.models import moe
+    from launcher.models import moe  # local: torch (launch side)
 
     return moe.after_step(model)
 
@@ -177,17 +175,17 @@ def after_step(model: nn.Module, cfg: Config) -> dict:
 def init_specs(cfg: Config) -> dict:
     """Parameter name -> InitSpec: what each parameter is drawn from."""
     if cfg.model.kind == ModelKind.hf:
-        from launcher.models import hf
+        from launcher.models import hf  # local: torch (launch side)
 
         return hf.init_specs(cfg.model)
-    from launcher.models.gpt import init_specs as gpt_specs
+    from launcher.models.gpt import init_specs as gpt_specs  # local: torch (launch side)
 
     return gpt_specs(cfg.model)
 
 
 def init_buffers(model: nn.Module, device: torch.device) -> None:
     """Computed buffers (rotary tables) of every model inside `model`, on `device`."""
-    from launcher.models.gpt import GPT
+    from launcher.models.gpt import GPT  # local: torch (launch side)
 
     for module in list(model.modules()):
         if isinstance(module, GPT):
@@ -199,20 +197,20 @@ def init_buffers(model: nn.Module, device: torch.device) -> None:
 def set_activation_checkpointing(model: nn.Module, cfg: Config) -> None:
     t = cfg.train
     if cfg.model.kind == ModelKind.hf:
-        from launcher.models import hf
+        from launcher.models import hf  # local: torch (launch side)
 
         return hf.set_activation_checkpointing(model, t.activation_checkpointing, t.ac_every)
-    from launcher.models.gpt import set_activation_checkpointing as gpt_ac
+    from launcher.models.gpt import set_activation_checkpointing as gpt_ac  # local: torch (launch side)
 
     gpt_ac(model, t.activation_checkpointing, t.ac_every)
 
 
 def flops_per_token(cfg: Config, seq_len: int) -> float:
     """Training FLOPs per token for MFU (see launcher.models.gpt.flops_per_token)."""
-    from launcher.models.gpt import flops_per_token as gpt_flops
+    from launcher.models.gpt import flops_per_token as gpt_flops  # local: torch (launch side)
 
     if cfg.model.kind == ModelKind.hf:
-        from launcher.models import hf
+        from launcher.models import hf  # local: torch (launch side)
 
         return hf.flops_per_token(cfg.model, seq_len)
     return gpt_flops(cfg.model, seq_len)
@@ -223,7 +221,7 @@ def model_shape(cfg: Config) -> ModelConfig:
     tying): model=hf reads it from the Hugging Face config (launcher.models.hf.gpt_shape),
     so degree checks, pipeline cuts and the planner's formulas see one kind of model."""
     if cfg.model.kind == ModelKind.hf:
-        from launcher.models.hf import gpt_shape
+        from launcher.models.hf import gpt_shape  # local: torch (launch side)
 
         return gpt_shape(cfg.model)
     return cfg.model

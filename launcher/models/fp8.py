@@ -17,7 +17,7 @@ from launcher.config import Config
 
 def convert(model: nn.Module, cfg: Config, head: str) -> None:
     """Swap the qualifying nn.Linear layers in place."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # local: optional (torchao)
 
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=cfg.precision.fp8_emulate)
 

@@ -18,12 +18,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from launcher.config import ACMode, ModelConfig, head_dim, is_moe_block, matmul_params
 from launcher.models.attention import Attention, DocumentMask, rotary_at, rotary_table
 from launcher.models.init import InitSpec, init_skipped
 from launcher.models.layers import FeedForward, RMSNorm
+from launcher.models.moe import MoE, routers, take_aux
+from launcher.models.moe import init_specs as moe_specs
+from launcher.models.offload import ActivationOffload
 
 
 class Block(nn.Module):
@@ -33,8 +36,6 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if is_moe_block(cfg, index):  # model.moe: routed experts (launcher/models/moe.py)
-            from launcher.models.moe import MoE
-
             self.feed_forward = MoE(cfg)
         else:
             self.feed_forward = FeedForward(cfg)
@@ -88,7 +89,6 @@ class GPT(nn.Module):
         an MoE's routers' balancing biases and step counts zero (a checkpoint loads the biases after)."""
         table = rotary_table(head_dim(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta)
         self.register_buffer("rope", table.to(self.rope.device), persistent=False)
-        from launcher.models.moe import routers
 
         for buffer in (b for _, router in routers(self) for b in router.buffers()):
             buffer.data = torch.zeros(buffer.shape, dtype=torch.float32, device=buffer.device)
@@ -109,8 +109,6 @@ class GPT(nn.Module):
 
     def with_aux(self, loss: torch.Tensor) -> torch.Tensor:
         """Training an MoE with balance=aux_loss: plus the blocks' auxiliary losses (moe.py)."""
-        from launcher.models.moe import take_aux
-
         aux = take_aux() if self.cfg.moe.experts and torch.is_grad_enabled() else None
         return loss if aux is None else loss + aux.to(loss.device)
 
@@ -126,8 +124,6 @@ class GPT(nn.Module):
         if not self.offload_activations or not torch.is_grad_enabled():
             return None
         if self._offload is None:
-            from launcher.models.offload import ActivationOffload
-
             self._offload = ActivationOffload(h.device).watch(self)
         return self._offload
 
@@ -177,7 +173,6 @@ def init_specs(cfg: ModelConfig) -> dict[str, InitSpec]:
         if is_moe_block(cfg, i):  # the dense names above replaced by the router's and experts'
             for name in ("w1", "w2", "w3"):
                 del specs[f"layers.{i}.feed_forward.{name}.weight"]
-            from launcher.models.moe import init_specs as moe_specs
 
             specs |= moe_specs(cfg, f"layers.{i}.feed_forward", std, resid)
     return specs
@@ -248,8 +243,6 @@ ATTENTION_OPS |= {torch.ops.higher_order.flex_attention} if hasattr(torch.ops.hi
 def _keep_policy():
     """A fresh policy for one checkpointed block: it counts the block's matmuls, in forward
     and in the recomputation separately (each must decide alike), and keeps the odd ones."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
     seen = {False: 0, True: 0}
 
     def policy(ctx, op, *args, **kwargs):
@@ -267,8 +260,6 @@ def _keep_policy():
 def keep_matmuls():
     """checkpoint's context_fn for activation_checkpointing=op (also handed to Hugging Face
     models' own checkpointing, launcher/models/hf.py): called once per block and forward."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     return create_selective_checkpoint_contexts(_keep_policy())
 
 

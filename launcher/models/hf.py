@@ -35,9 +35,14 @@ from typing import Any
 import torch
 from torch import nn
 
+import recipes
 from launcher import offline
 from launcher.config import ACMode, Config, ConfigError, HFAttention, ModelConfig, ModelKind
-from launcher.models.gpt import lm_loss
+from launcher.models import weights
+from launcher.models.attention import DocumentMask
+from launcher.models.gpt import keep_matmuls, lm_loss
+from launcher.models.hf_adapter import converted
+from launcher.models.init import init_skipped, recorded_specs
 from launcher.models.layout import Layout
 from launcher.remote_code import remote_code
 
@@ -48,7 +53,7 @@ TP_STYLES = ("colwise", "rowwise")  # base_model_tp_plan styles applied here (th
 def _transformers():
     offline()  # before huggingface_hub is imported: nothing is fetched
     try:
-        import transformers
+        import transformers  # local: optional (transformers, after offline())
     except ImportError:
         raise ConfigError(
             "model", "hf", "needs transformers, the optional extra: pip install -e '.[hf]' (make setup installs it)"
@@ -100,7 +105,9 @@ def _config(key: str, path: str):
     if code:
         raise ConfigError(key, path, code)
     tf = _transformers()
-    from transformers import CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING  # local: optional (transformers, after offline())
+
+    # local: optional (transformers, after offline())
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
@@ -143,10 +150,8 @@ def build(m: ModelConfig, device: torch.device) -> "HFCausalLM":
     config.json) on `device` (the launcher builds on meta; launcher.models.materialize then
     draws or reads the weights, each rank only its part), in fp32, in training mode."""
     offline()
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    from launcher.models.init import init_skipped
+    from transformers import AutoModelForCausalLM  # local: optional (transformers, after offline())
+    from transformers.initialization import no_init_weights  # local: optional (transformers, after offline())
 
     kwargs = dict(dtype=torch.float32, attn_implementation=m.attn_implementation.value, trust_remote_code=False)
     skip = no_init_weights() if init_skipped() else contextlib.nullcontext()
@@ -169,8 +174,6 @@ def init_specs(m: ModelConfig) -> dict:
 
 @functools.lru_cache(maxsize=8)
 def _init_specs(key: str, path: str, attn: str) -> tuple:
-    from launcher.models.init import recorded_specs
-
     model = _meta(key, path, attn)
     return tuple(recorded_specs(model, model.hf).items())
 
@@ -208,7 +211,7 @@ class HFCausalLM(nn.Module):
         """(index, layer) pairs in order on hidden states `h`, as the base model's forward
         calls them (a pipeline stage's middle): positions, rotary table and causal mask
         for the whole sequence (`positions`: packed samples, block-causal)."""
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask  # local: optional (transformers, after offline())
 
         base = self.hf.get_submodule(self.hf.base_model_prefix)
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0) if positions is None else positions
@@ -267,8 +270,6 @@ def packed_mask(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     from packed position_ids itself (masking_utils.find_packed_sequence_indices: the same
     logits, tests/unit/test_packing.py), but as booleans, which SDPA copies to floats at
     every layer and saves for backward: B x T x T per layer instead of once."""
-    from launcher.models.attention import DocumentMask
-
     device = positions.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
@@ -393,8 +394,6 @@ def set_activation_checkpointing(model: HFCausalLM, mode: ACMode, every: int) ->
     n = every if mode == ACMode.selective else 1
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if mode == ACMode.op:  # the layers keep attention's and every other matmul's outputs
-        from launcher.models.gpt import keep_matmuls
-
         kwargs["context_fn"] = keep_matmuls
     if hasattr(model.hf, "activation_checkpointing_enable"):  # transformers >= 5.23 (the old name is deprecated)
         model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=n)
@@ -422,7 +421,6 @@ def check(cfg: Config) -> None:
         raise ConfigError(
             "train.seq_len", cfg.train.seq_len, f"must be <= the model's max_position_embeddings={shape.max_seq_len}"
         )
-    import recipes
 
     can = recipes.spec(cfg.recipe.engine).parallelism
     if can.tp and p.tp > 1:
@@ -458,8 +456,6 @@ def check_weights(m: ModelConfig) -> None:
     buffers a file may carry (an old rotary inv_freq) are ignored. One line naming the
     tensor and the file, before any rank starts: otherwise each rank would stop at the
     tensor it owns, some ranks never."""
-    from launcher.models import weights
-
     model = structure(m)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     ignore = [name for name, _ in model.named_buffers()]
@@ -469,6 +465,4 @@ def check_weights(m: ModelConfig) -> None:
     try:
         weights.check(weights.index(m.pretrained), expected, ignore=ignore)
     except weights.WeightsError as e:
-        from launcher.models.hf_adapter import converted
-
         raise ConfigError("model.pretrained", m.pretrained, converted(hf_config(m).model_type) or str(e)) from None

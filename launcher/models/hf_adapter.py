@@ -40,16 +40,17 @@ import json
 import math
 from pathlib import Path
 
+from launcher import offline
 from launcher.config import Config, ConfigError, ModelConfig, head_dim
-from launcher.models.hf_families import EXAMPLES, TYPES, pairs, problems, router_wants
+from launcher.models.hf_families import EXAMPLES, TYPES, hf_config, pairs, problems, router_wants
+from launcher.models.layout import Layout
+from launcher.remote_code import remote_code
 
 KEY = "model.pretrained"
 
 
 def folder_config(path: str) -> dict:
     """config.json of model.pretrained (read as JSON: no transformers on the launch side)."""
-    from launcher.remote_code import remote_code
-
     p = Path(path)
     if not p.is_dir():
         raise ConfigError(KEY, path, "no such folder (a save_pretrained folder with config.json and *.safetensors)")
@@ -76,6 +77,7 @@ def converted(model_type: str) -> str | None:
     """model=hf, whose tensors did not match the folder's: why, when transformers converts
     this model type's files at load (its conversion mapping: Mixtral's and Qwen's MoE experts
     are stored one by one and fused in the model), which model=hf does not apply."""
+    # local: optional (transformers, after offline())
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     if not get_checkpoint_conversion_mapping(model_type):
@@ -129,12 +131,11 @@ def check(cfg: Config) -> None:
     """Launch side, before any rank: config.json matches (check_config), and every parameter of
     the decoder is in the folder's *.safetensors with its shape, nothing else is, no file cut
     short (headers and file sizes only; nothing is loaded)."""
-    import torch
+    import torch  # local: torch (launch side)
 
-    from launcher.models import weights
-    from launcher.models.gpt import GPT
-    from launcher.models.init import canonical, skip_torch_init
-    from launcher.models.layout import Layout
+    from launcher.models import weights  # local: torch (launch side)
+    from launcher.models.gpt import GPT  # local: torch (launch side)
+    from launcher.models.init import canonical, skip_torch_init  # local: torch (launch side)
 
     check_config(cfg)
     with skip_torch_init(), torch.device("meta"):
@@ -207,7 +208,7 @@ def rotary(key: str) -> bool:
 
 def source(m: ModelConfig, entries: dict, key: str):
     """How the folder holds project parameter `key` (a Source); WeightsError when it does not."""
-    from launcher.models import hf_sources as S
+    from launcher.models import hf_sources as S  # local: torch (launch side)
 
     if ".feed_forward.experts." in key or ".feed_forward.router." in key:
         i, leaf = key.split(".")[1], key.rsplit(".", 1)[1]
@@ -233,7 +234,7 @@ def _moe_prefix(entries: dict, layer: str) -> str:
 
 
 def _entry(entries: dict, name: str):
-    from launcher.models.weights import WeightsError
+    from launcher.models.weights import WeightsError  # local: torch (launch side)
 
     if name not in entries:
         folder = next(iter(entries.values())).file.parent if entries else "the folder"
@@ -246,7 +247,7 @@ def _entry(entries: dict, name: str):
 def reader(m: ModelConfig):
     """The rank side: read(key, dst, shape, box, flat) filling this rank's part of `key` from
     model.pretrained (launcher/models/init.py calls it for every parameter)."""
-    from launcher.models import weights
+    from launcher.models import weights  # local: torch (launch side)
 
     entries = weights.index(m.pretrained)
 
@@ -266,10 +267,7 @@ def to_hf(m: ModelConfig, state: dict):
     Qwen2-MoE with fused experts for an MoE, Llama for a dense decoder: hf_families.export_type);
     save_pretrained then writes the files' per-expert layout. Refused in one line for a decoder
     none of them holds."""
-    import torch
-
-    from launcher import offline
-    from launcher.models.hf_families import hf_config
+    import torch  # local: torch (launch side)
 
     offline()
     config = hf_config(m)  # refuses first

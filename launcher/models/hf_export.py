@@ -13,6 +13,7 @@ import torch
 from launcher import offline
 from launcher.config import Config, ModelKind
 from launcher.models.hf import hf_config
+from launcher.models.hf_adapter import to_hf
 
 
 def save_pretrained(cfg: Config, state: dict[str, torch.Tensor], out: Path, dtype: torch.dtype) -> Path:
@@ -20,13 +21,11 @@ def save_pretrained(cfg: Config, state: dict[str, torch.Tensor], out: Path, dtyp
     shards, generation_config.json, and the tokenizer when the run's data named a local
     tokenizer folder. `state`: consolidated full weights under this model's names."""
     offline()
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig  # local: optional (transformers, after offline())
 
     if cfg.model.kind == ModelKind.hf:
         config = hf_config(cfg.model)
     else:
-        from launcher.models.hf_adapter import to_hf
-
         config, state = to_hf(cfg.model, state)
     with torch.device("meta"):  # names and shapes only: the weights are `state`
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -40,7 +39,7 @@ def save_pretrained(cfg: Config, state: dict[str, torch.Tensor], out: Path, dtyp
         GenerationConfig.from_model_config(model.config).save_pretrained(out)
     tokenizer = getattr(cfg.data, "tokenizer", None)  # data=hf_text's local tokenizer folder, when there is one
     if tokenizer and Path(tokenizer).is_dir():
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # local: optional (transformers, after offline())
 
         AutoTokenizer.from_pretrained(tokenizer, local_files_only=True, trust_remote_code=False).save_pretrained(out)
     return out

@@ -195,7 +195,7 @@ def export_type(m: ModelConfig) -> str:
 
 def hf_config(m: ModelConfig):
     """The transformers config of the export (export_type's model)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # local: optional (transformers, after offline())
 
     kind, e = export_type(m), m.moe
     fields = dict(

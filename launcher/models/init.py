@@ -37,7 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from launcher import offline
+from launcher.models import weights
 
 BLOCK = 1 << 18
 """Elements drawn per generator call (1 MiB in fp32): the memory init needs beyond the
@@ -104,8 +108,6 @@ def dtensor_box(shape: tuple[int, ...], mesh, placements) -> tuple[tuple[int, in
 
 
 def _ds_rank(p) -> int:
-    import torch.distributed as dist
-
     return dist.get_rank(group=p.ds_process_group)
 
 
@@ -211,10 +213,8 @@ def recorded_specs(model: nn.Module, hf: nn.Module) -> dict[str, InitSpec]:
     recorded on the meta-device structure, an embedding's zeroed padding row included. A
     parameter it leaves alone gets normal(0, initializer_range) when it is a matrix, ones
     when it is a vector named weight, zeros otherwise."""
-    from launcher import offline
-
     offline()
-    from transformers import initialization as hf_init
+    from transformers import initialization as hf_init  # local: optional (transformers, after offline())
 
     names: dict[int, list[str]] = {}  # a tied weight has two names
     for n, p in model.named_parameters(remove_duplicate=False):
@@ -305,8 +305,6 @@ def materialize(
     init_buffers(model, device)
     entries = pretrained if callable(pretrained) else None  # a reader of another layout (models/hf_adapter.py)
     if pretrained is not None and entries is None:
-        from launcher.models import weights
-
         entries = weights.index(pretrained)
     # Plain tensors that are a box of a larger one (ddp's experts under parallel.ep) say where.
     held = held_boxes(model)
@@ -353,8 +351,6 @@ def full_numel(model: nn.Module, trainable: bool = False) -> int:
 
 
 def _read(entries, key: str, dst: torch.Tensor, shape, box, flat) -> None:
-    from launcher.models import weights
-
     if callable(entries):
         return entries(key, dst, shape, box, flat)
     entry = entries.get(key)

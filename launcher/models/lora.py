@@ -17,14 +17,17 @@ loads an export over the untouched base (launcher/launch/commands/export.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 
 from launcher.config import Config, LoraBase, LoraConfig
+from launcher.models.init import InitSpec
 
 ADAPTERS = ("lora_A", "lora_B")
 PEFT_PREFIX = "base_model.model."
@@ -52,7 +55,7 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_nf4(self.weight):
-            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4  # local: optional (torchao)
 
             out = linear_nf4(x, self.weight)
             out = out if self.bias is None else out + self.bias
@@ -121,7 +124,7 @@ def quantize_base(model: nn.Module) -> None:
     by its NF4 tensor (torchao; blocks of 64, their scales quantized in blocks of 256).
     The model is first materialized whole in the base dtype: start-up holds 2 bytes a
     base parameter (launcher/planner counts it)."""
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4  # local: optional (torchao)
 
     for module in model.modules():
         if isinstance(module, LoRALinear) and not is_nf4(module.weight):
@@ -140,8 +143,6 @@ NF4_BLOCK = 64
 def init_specs(model: nn.Module, rank: int) -> dict:
     """InitSpec of every adapter: A normal(0, 1/r) (PEFT's init_lora_weights="gaussian"),
     B zeros: the adapted model starts equal to its base."""
-    from launcher.models.init import InitSpec
-
     return {
         name: InitSpec(std=1.0 / rank) if ".lora_A." in f".{name}" else InitSpec("zeros")
         for name, _ in model.named_parameters()
@@ -155,8 +156,6 @@ def adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def plain(cfg: Config) -> Config:
     """The same config without adapters: the base model."""
-    import dataclasses
-
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoraConfig()))
 
 
@@ -189,8 +188,6 @@ def peft_config(cfg: Config, adapted: list[str]) -> dict:
 
 
 def write_peft(cfg: Config, state: dict[str, torch.Tensor], out: Path, dtype: torch.dtype) -> Path:
-    from safetensors.torch import save_file
-
     adapted = sorted({k.rsplit(".lora_", 1)[0] for k in adapters(state)})
     out.mkdir(parents=True, exist_ok=True)
     save_file(

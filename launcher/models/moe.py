@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -187,8 +188,6 @@ def _block(name: str, i: int) -> str:
 
 
 def _summed(t: torch.Tensor, group) -> torch.Tensor:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         t = t.clone()
         dist.all_reduce(t, group=group)

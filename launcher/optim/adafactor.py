@@ -33,6 +33,6 @@ def validate(cfg: OptimConfig) -> None:
 
 
 def build(groups: list[dict], model, cfg: OptimConfig, device):
-    from launcher.optim.classes import WholeAdafactor  # torch: ranks only
+    from launcher.optim.classes import WholeAdafactor  # local: torch (launch side)
 
     return WholeAdafactor(groups, lr=cfg.lr, beta2_decay=cfg.adafactor_beta2_decay, d=cfg.adafactor_clip)

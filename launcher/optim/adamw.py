@@ -14,7 +14,7 @@ def validate(cfg: OptimConfig) -> None:
 
 
 def build(groups: list[dict], model, cfg: OptimConfig, device):
-    import torch  # here, not at the top: the launch side imports this module for its bytes
+    import torch  # local: torch (launch side)
 
     fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)

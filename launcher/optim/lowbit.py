@@ -42,6 +42,6 @@ def validate(cfg: OptimConfig) -> None:
 
 
 def build(groups: list[dict], model, cfg: OptimConfig, device):
-    from launcher.optim.classes import low_bit_adamw  # torch and torchao: ranks only
+    from launcher.optim.classes import low_bit_adamw  # local: torch (launch side)
 
     return low_bit_adamw(BITS[cfg.name], groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)

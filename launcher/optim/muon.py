@@ -36,7 +36,7 @@ def validate(cfg: OptimConfig) -> None:
 
 
 def build(groups: list[dict], model, cfg: OptimConfig, device):
-    from launcher.optim.classes import MuonAdamW, muon_groups  # torch: ranks only
+    from launcher.optim.classes import MuonAdamW, muon_groups  # local: torch (launch side)
 
     fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
     extra = dict(

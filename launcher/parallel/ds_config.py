@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections.abc
 import contextlib
 import copy
+import inspect
 import json
 import logging
 import math
@@ -309,8 +310,8 @@ def check(merged: dict, extra: dict, world_size: int) -> None:
     """Parse `merged` with DeepSpeed's DeepSpeedConfig as `world_size` ranks would, without
     starting any. Refuses what the parser refuses, and any key of recipe.zero.extra that it
     never reads (a key DeepSpeed does not know)."""
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from pydantic import ValidationError
+    from deepspeed.runtime.config import DeepSpeedConfig  # local: torch (launch side)
+    from pydantic import ValidationError  # local: start-up (pydantic, 0.4 s, launch side)
 
     class Planned(DeepSpeedConfig):
         # Outside a process group DeepSpeed assumes one rank; the batch check needs the real count.
@@ -373,18 +374,16 @@ def _section_of(model_title: str, extra: dict) -> str:
 def _check_optimizer_params(merged: dict, extra: dict) -> None:
     """DeepSpeed passes optimizer.params on to the optimizer's constructor unread: a key
     that constructor does not take would only fail on the ranks, so check it here."""
-    import inspect
-
     added = set(extra.get("optimizer", {}).get("params", {}))
     if not added:
         return
     params = merged["optimizer"]["params"]
     if params.get("torch_adam"):
-        import torch
+        import torch  # local: torch (launch side)
 
         takes = set(inspect.signature(torch.optim.AdamW).parameters) | {"torch_adam"}
     else:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # local: torch (launch side)
 
         takes = set(inspect.signature(DeepSpeedCPUAdam).parameters) | {"fp32_optimizer_states", "adam_w_mode"}
     for key in sorted(added - takes):

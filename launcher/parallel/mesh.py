@@ -21,7 +21,9 @@ import recipes
 from launcher import config as C
 from launcher.device import autocast_dtype
 from launcher.parallel import degrees as D
+from launcher.parallel.context import attach
 from launcher.parallel.cuts import apply_tp, held_blocks
+from launcher.parallel.experts import expert_fsdp, expert_placement, shard_as_dtensors, split_mesh
 from launcher.rank.engine import local_shard
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -68,13 +70,9 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, deg: D.Degrees, cfg: C
     if deg.tp > 1:
         apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel)
     if deg.cp > 1:
-        from launcher.parallel.context import attach
-
         attach(model, mesh["cp"].get_group())
     experts = None
     if deg.ep > 1:  # FSDP's recipes only (ddp splits its experts itself)
-        from launcher.parallel.experts import shard_as_dtensors, split_mesh
-
         experts = split_mesh(dense_shard_mesh(mesh, deg), deg.ep)
         shard_as_dtensors(model, experts["ep"])
     if recipes.spec(cfg.recipe.engine).parallelism.shards:
@@ -115,10 +113,7 @@ def apply_fsdp(
     offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if opts.cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
     if efsdp is not None:  # parallel.ep: the experts over their own ranks, before their blocks
-        from launcher.parallel.experts import expert_fsdp
-
         expert_fsdp(model, efsdp, shards, dict(mp_policy=mp, offload_policy=offload), opts.reshard_after_forward)
-    from launcher.parallel.experts import expert_placement
 
     for layer in held_blocks(model):  # ep = 1: the experts with their block, on dimension 1 where needed
         place = expert_placement(layer, mesh.size()) if efsdp is None else None

@@ -22,10 +22,10 @@ def chart_rows(rows: list[Row]) -> list[Row]:
 def chart(rows: list[Row], hw: Hardware, path: Path, reserve_gb: float, title: str = "") -> None:
     """Stacked horizontal bars, one per layout (chart_rows), against the memory lines; about
     1200 pixels wide and 1 + 0.3 inch per layout high at any cluster size."""
-    import matplotlib
+    import matplotlib  # local: order (the Agg backend is chosen when drawing, not when imported)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # local: order (after matplotlib.use("Agg"))
 
     rows = chart_rows(rows)
     labels = [

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 from launcher.config import Config
+from launcher.parallel import ds_config
 from launcher.planner import gathered as G
 from launcher.planner import lora
 from launcher.planner.footprint import Layout, ds_weight_bytes, param_share
@@ -37,7 +38,6 @@ def per_step(cfg: Config, layout: Layout) -> dict[str, dict[str, int]]:
     {} where no data-parallel rank shares the parameters (dp x cp = 1) or for a pipeline."""
     if layout.dp * layout.cp == 1 or layout.pp > 1:
         return {}
-    from launcher.parallel import ds_config
 
     accum, P = cfg.train.grad_accum, param_share(cfg, layout)
     T = lora.counts(cfg.model).trainable if lora.enabled(cfg.model) else P

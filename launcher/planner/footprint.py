@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from launcher.config import ACMode, Config, ModelConfig, Precision, loss_chunks, sliceable_loss
 from launcher.parallel import ds_config
+from launcher.parallel.cuts import stage_bounds
 from launcher.planner import lora, moe
 from launcher.planner import memory as M
 from launcher.planner import zero as Z
@@ -84,8 +85,6 @@ def pipeline(cfg: Config) -> tuple[int, int, str, list[int] | None]:
 def stage_ranks(cfg: Config, layout: Layout) -> list[list[tuple[int, int, bool, bool]]]:
     """For each pipeline rank, its stages as (first layer, end layer, has embedding,
     has head) -- launcher.parallel.cuts.stage_bounds, as the pp recipe cuts them."""
-    from launcher.parallel.cuts import stage_bounds
-
     _, virtual, _, split = pipeline(cfg)
     n_stages = layout.pp * virtual
     bounds = stage_bounds(cfg.model, n_stages, split)

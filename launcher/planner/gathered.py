@@ -43,7 +43,9 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from launcher.config import ModelConfig, ffn_dim, from_shape_key, shape_key
+from launcher.config import ModelConfig, block_matmul_params, ffn_dim, from_shape_key, shape_key
+from launcher.parallel import ds_config
+from launcher.planner import lora, moe
 
 
 @dataclass(frozen=True)
@@ -153,13 +155,9 @@ class Step(NamedTuple):
 def of_layout(cfg, layout) -> dict:
     """The working set of a plan's row (WorkingSet's fields) under DeepSpeed ZeRO-3 or FSDP2
     (reshard_after_forward as the recipe sets it); {} for the other layouts, model.moe, model.lora, a pipeline."""
-    from launcher.planner import lora, moe
-
     if layout.shard != "zero3" or moe.enabled(cfg.model) or lora.enabled(cfg.model) or layout.pp > 1:
         return {}
     if layout.fsdp:
-        from launcher.config import block_matmul_params
-
         ws = fsdp(cfg.model, block_matmul_params(cfg.model), cfg.recipe.fsdp.reshard_after_forward, layout.tp)
     else:
         ws = of_config(cfg)
@@ -168,8 +166,6 @@ def of_layout(cfg, layout) -> dict:
 
 def of_config(cfg) -> WorkingSet:
     """DeepSpeed ZeRO-3's working set for a composed config, its thresholds as ds_config.json has them."""
-    from launcher.parallel import ds_config
-
     z = cfg.recipe.zero
     return _cached(
         shape_key(cfg.model),

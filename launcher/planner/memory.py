@@ -31,6 +31,8 @@ from launcher.config import (
     num_params,
     shape_key,
 )
+from launcher.models.gpt import GPT
+from launcher.models.init import skip_torch_init
 
 
 @dataclass(frozen=True)
@@ -109,9 +111,6 @@ class ParamCounts:
 def _meta_gpt(m: ModelConfig) -> nn.Module:
     """The decoder's structure on the meta device, its init skipped: the first init call on
     meta costs about a second of torch's own set-up, on every launch."""
-    from launcher.models.gpt import GPT
-    from launcher.models.init import skip_torch_init
-
     with torch.device("meta"), skip_torch_init():
         return GPT(m)
 

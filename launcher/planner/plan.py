@@ -12,8 +12,13 @@ import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
-from launcher import jsonout
+from rich.table import Table
+
+import recipes
+from launcher import jsonout, optim
 from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig
+from launcher.models import hf
+from launcher.parallel import degrees as D
 from launcher.planner import collectives, lora, moe
 from launcher.planner import gathered as G
 from launcher.planner import memory as M
@@ -137,8 +142,6 @@ def candidates(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig]) ->
     layouts first, then tensor parallel by degree, then pipeline by degree (and tensor
     parallel inside the stages where the recipe may: pp x tp, pp x tp x fsdp). An MoE runs under
     neither tensor nor pipeline parallel; its ep degrees: launcher/planner/moe.py::ep_degrees."""
-    import recipes
-
     m, world = cfg.model, hw.world
     kv = m.n_kv_heads or m.n_heads
     out: list[tuple[tuple, Layout]] = []
@@ -186,8 +189,6 @@ def candidates(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig]) ->
 
 def holding(rc: RecipeConfig) -> dict:
     """A Layout's fields for how the recipe holds model states (its spec's `holds`)."""
-    import recipes
-
     h = recipes.spec(rc.engine).holds(rc)
     return dict(
         shard=h.shard,
@@ -209,8 +210,6 @@ def layout_of(cfg: Config, deg) -> Layout:
 
 def layout_for(cfg: Config, world: int) -> Layout:
     """The layout a composed config runs: its recipe with its degrees on `world` ranks."""
-    from launcher.parallel import degrees as D
-
     return layout_of(cfg, D.degrees(cfg, world))
 
 
@@ -392,7 +391,6 @@ def planned_model(cfg: Config) -> Config:
     wrong numbers for it."""
     if cfg.model.kind != ModelKind.hf:
         return cfg
-    from launcher.models import hf
 
     shape = hf.gpt_shape(cfg.model)
     params = hf.structure(cfg.model).num_params()
@@ -409,9 +407,6 @@ def planned_model(cfg: Config) -> Config:
 def runs_under(cfg: Config, engine: str, layout: Layout) -> bool:
     """The launch would take this layout: model.lora's engines and degrees, and DeepSpeed's
     own AdamW only (launcher/optim: the other optimizers are refused under zero*)."""
-    import recipes
-    from launcher import optim
-
     if recipes.spec(engine).deepspeed and cfg.optim.name not in optim.ZERO_TAKES:
         return False
     return lora.runs_under(cfg.model, engine, layout.tp, layout.pp)
@@ -472,8 +467,6 @@ def to_json(
 
 
 def table(rows: list[Row], hw: Hardware, title: str, reserve_gb: float):
-    from rich.table import Table
-
     t = Table(title=title, show_lines=False)
     for col in (
         "",

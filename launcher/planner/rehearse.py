@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import re
 import tempfile
@@ -41,10 +42,22 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import recipes
 from launcher import config as C
+from launcher import models
+from launcher.models.init import is_dtensor
 from launcher.parallel import degrees as D
+from launcher.parallel import ds_config
 from launcher.planner import footprint
+from launcher.planner import plan as planner
 from launcher.planner.plan import GiB, Layout, layout_of, planned_model
+from launcher.rank.engine import local_shard, tensor_bytes
+from launcher.rank.entry import build_engine
+from recipes.zero.engine import restore_linear
 
 TOLERANCE = 0.02
 """The planner's model states must be within this of a rehearsed rank's (issue's target)."""
@@ -89,8 +102,6 @@ class RankReport:
 
 def rehearsable(cfg: C.Config) -> None:
     """What a rehearsal can set beside the planner, or one line saying why not."""
-    import recipes
-
     if not (on_meta(cfg) or partitioned(cfg)):
         on = [n for n, s in recipes.specs().items() if s.builds_on_meta]
         raise C.ConfigError(
@@ -110,15 +121,11 @@ def rehearsable(cfg: C.Config) -> None:
 
 
 def on_meta(cfg: C.Config) -> bool:
-    import recipes
-
     return recipes.spec(cfg.recipe.engine).builds_on_meta
 
 
 def partitioned(cfg: C.Config) -> bool:
     """ZeRO-3: DeepSpeed partitions the parameters inside zero.Init."""
-    import recipes
-
     spec = recipes.spec(cfg.recipe.engine)
     return spec.deepspeed and spec.holds(cfg.recipe).shard == "zero3"
 
@@ -136,16 +143,6 @@ def chosen_ranks(deg: D.Degrees) -> list[int]:
 
 def rehearse_rank(cfg: C.Config, world: int, rank: int, local_rank: int) -> RankReport:
     """Build rank `rank` of `world` under a fake process group (see the module's docstring)."""
-    import gc
-
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from launcher import models
-    from launcher.rank.engine import local_shard, tensor_bytes
-    from launcher.rank.entry import build_engine
-
     started = time.perf_counter()
     deg = D.degrees(cfg, world)
     layout = layout_of(cfg, deg)
@@ -158,8 +155,6 @@ def rehearse_rank(cfg: C.Config, world: int, rank: int, local_rank: int) -> Rank
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
             if zero3:  # what the launch side writes for DeepSpeed; its engine is built on the host
-                from launcher.parallel import ds_config
-
                 (Path(scratch) / ds_config.FILE).write_text(ds_config.text(ds_config.launch_config(cfg, world, False)))
             device = torch.device("cpu" if zero3 else "meta")
             engine = build_engine(
@@ -208,13 +203,9 @@ def rehearse_rank(cfg: C.Config, world: int, rank: int, local_rank: int) -> Rank
 def leave_group(zero3: bool) -> None:
     """The fake group torn down, whatever happened: DeepSpeed's own teardown where DeepSpeed
     joined it (it drops the groups it keeps, so the next rank's engine finds its own)."""
-    import torch.distributed as dist
-
     if zero3:
-        from recipes.zero.engine import restore_linear
-
         restore_linear()
-        import deepspeed.comm as ds_comm
+        import deepspeed.comm as ds_comm  # local: order (DS_ACCELERATOR first: recipes.zero.import_deepspeed)
 
         if ds_comm.comm.cdb is not None and dist.is_initialized():
             ds_comm.destroy_process_group()
@@ -234,6 +225,7 @@ def as_rank(rank: int, world: int, local_rank: int, zero3: bool):
     before = {k: os.environ.get(k) for k in keys}
     os.environ.update(keys)
     try:
+        # local: order (DS_ACCELERATOR first: recipes.zero.import_deepspeed)
         from deepspeed.accelerator import get_accelerator
 
         if get_accelerator().device_name() != "cpu":
@@ -253,8 +245,6 @@ def as_rank(rank: int, world: int, local_rank: int, zero3: bool):
 
 
 def placements(p) -> str:
-    from launcher.models.init import is_dtensor
-
     if not is_dtensor(p):
         return "whole"
     names = p.device_mesh.mesh_dim_names or ()
@@ -314,8 +304,6 @@ def rehearse(
     """Rehearse `ranks` (default chosen_ranks) of the configured layout on `world` ranks;
     the plan's verdict for `gpu_bytes` devices (and plan.host_memory_gb of host memory a
     node, when given), as `make plan` gives it."""
-    from launcher.planner import plan as planner
-
     deg = D.degrees(cfg, world)
     layout = layout_of(cfg, deg)
     reports = []

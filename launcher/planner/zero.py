@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 from launcher.config import ModelConfig, from_shape_key, shape_key
+from launcher.parallel import ds_config
 from launcher.planner import lora
 from launcher.planner.memory import _meta_gpt
 
@@ -215,6 +216,4 @@ def gathered(cfg, block: int) -> int:
     the coordinator prefetches for the next, stage3_prefetch_bucket_size at most and no more
     than stage3_max_live_parameters in all (partitioned_param_coordinator.py:452-457). The
     launcher's default prefetch is one block (ds_config.prefetch_bucket): two blocks."""
-    from launcher.parallel import ds_config
-
     return block + min(ds_config.prefetch_bucket(cfg), max(0, cfg.recipe.zero.max_live_parameters - block))

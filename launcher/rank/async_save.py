@@ -35,6 +35,7 @@ class Saver:
     def stager(self):
         """DCP's stager (what DCP's own async_save takes): host buffers, pinned on CUDA, kept
         for the life of the run: this rank's share of the checkpoint in host memory."""
+        # local: start-up (torch.distributed.checkpoint, 3.2 s)
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         if self._stager is None:

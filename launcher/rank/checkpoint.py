@@ -270,7 +270,7 @@ class Checkpointer:
 def write_failure_cause(err: BaseException, root: Path) -> str:
     """Why a write failed, in words: a full disk says so (torch's zip writer reports it as
     "unexpected pos 64 vs 0"), anything else is the error's first line."""
-    from launcher.launch.start.supervise import LOW_DISK, free_bytes  # the launch side: lazy (test_imports)
+    from launcher.launch.start.supervise import LOW_DISK, free_bytes  # local: side (rank -> launch)
 
     free = free_bytes(root)
     if getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err) or free < LOW_DISK:

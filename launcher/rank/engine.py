@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from launcher import optim
@@ -299,8 +300,6 @@ def owners_sum(loss: torch.Tensor, owner: bool, device: torch.device) -> torch.T
     """The sum over ranks of the owners' losses (one rank per data-parallel slice owns its
     slice's loss; each of a cp group its positions' mean: equal counts, so their mean is
     the slice's); the caller divides by the slices. A collective: every rank calls it."""
-    import torch.distributed as dist
-
     total = loss.detach().clone() if owner else torch.zeros((), device=device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total

@@ -14,6 +14,7 @@ import time
 import torch
 
 from launcher.config import DebugConfig, FaultPoint
+from launcher.rank.engine import parameter_leaves
 
 STRUCK = "fault_oom_struck"
 """debug.fault=oom strikes once per run directory (this file says it has)."""
@@ -82,8 +83,6 @@ def poisoned(debug: DebugConfig | None, step: int, rank: int, model):
         return
     print(f"rank {rank}: injected fault {debug.fault.value} at step {step}", file=sys.stderr, flush=True)
     if debug.fault == FaultPoint.slow:
-        from launcher.rank.engine import parameter_leaves
-
         layer = parameter_leaves(model)[0]
         handle = layer.register_forward_hook(lambda *_: time.sleep(debug.slow_s), prepend=True)
     else:

@@ -9,6 +9,7 @@ RUN_DIR/tensorboard, scalars in double precision under the same names).
 
 from __future__ import annotations
 
+import configparser
 import contextlib
 import json
 import math
@@ -20,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -104,8 +106,8 @@ class PackMeter:
         the step's losses divide by (launcher/models/gpt.py::COUNTED)."""
         if not self.on:
             return None
-        import torch
-        import torch.distributed as dist
+        import torch  # local: torch (launch side: cli.py imports this module to check W&B)
+        import torch.distributed as dist  # local: torch (launch side: cli.py imports this module to check W&B)
 
         total = torch.tensor([self.this_step], dtype=torch.int64)
         dist.all_reduce(total, group=self.group)
@@ -115,8 +117,8 @@ class PackMeter:
     def metrics(self, samples_seen: int) -> dict:
         if not self.on or samples_seen == self.seen:
             return {}
-        import torch
-        import torch.distributed as dist
+        import torch  # local: torch (launch side: cli.py imports this module to check W&B)
+        import torch.distributed as dist  # local: torch (launch side: cli.py imports this module to check W&B)
 
         counted = torch.tensor([self.counted], dtype=torch.int64)
         dist.all_reduce(counted, group=self.group)  # every rank logs at the same steps
@@ -302,7 +304,7 @@ def _init_tensorboard(run_dir: Path, start_step: int):
     """RUN_DIR/tensorboard. A resumed launch purges events logged after its checkpoint by
     the launch before (a crash after the last save), so each step appears once. Flushed
     every 10 s (torch's default is 120): a crash loses little of what metrics.jsonl kept."""
-    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard import SummaryWriter  # local: optional (tensorboard)
 
     return SummaryWriter(
         log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None, flush_secs=10
@@ -333,9 +335,6 @@ def _has_wandb_credentials() -> bool:
 def wandb_unreachable(timeout_s: float = 5.0) -> str | None:
     """None when the W&B server (WANDB_BASE_URL, else api.wandb.ai) accepts a connection
     within timeout_s; else why not, in a few words. Compute nodes often have no route out."""
-    import configparser
-    from urllib.parse import urlsplit
-
     if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
         return None  # through a proxy: a direct connection proves nothing; the ranks fall back if need be
     settings = configparser.ConfigParser()  # where `wandb login --host` records a server
@@ -355,7 +354,7 @@ def _init_wandb(cfg: Config, run_dir: Path):
     online start that fails (no route, a rejected key) falls back to offline files in
     RUN_DIR/wandb (`wandb sync` them later), and if even that fails the run goes on
     without W&B; each case says so in one line."""
-    import wandb
+    import wandb  # local: start-up (wandb, 3.7 s)
 
     # WANDB_SERVICE inherited from whatever started the launcher (a notebook, a sweep, a test
     # process) names that process's W&B service: this run would live and die with it, and a

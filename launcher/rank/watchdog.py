@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.exits import COMM_TRACE, EXIT_HANG, HANG_MARKER, HANG_STACKS
+from launcher.rank.store import job_store
 
 
 class Watchdog:
@@ -275,7 +276,7 @@ def collectives_entered() -> dict[str, list[int]] | None:
     """{process group id: [collectives entered, collectives completed]} on this rank, from
     torch's flight recorder (0.2 ms); None when it is off or this torch has none."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]  # private, checked
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]  # local: optional (private torch API)
 
         status = json.loads(_dump_fr_trace_json(includeCollectives=False)).get("pg_status") or {}
         return {
@@ -291,7 +292,7 @@ def write_flight_record(run_dir: Path, rank: int) -> Path | None:
     NCCL's own timeout dump, which `python -m torch.distributed.flight_recorder.fr_trace
     RUN_DIR/comm_trace` reads. Written for the user's tools; the launcher never loads it."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]  # private, checked
+        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]  # local: optional (private torch API)
 
         if not collectives_entered():
             return None
@@ -307,6 +308,4 @@ def write_flight_record(run_dir: Path, rank: int) -> Path | None:
 
 def job_store_client(world_size: int):
     """A connection of this thread's own to the job's store, in this attempt's namespace."""
-    from launcher.rank.store import job_store
-
     return job_store(rank=None, world_size=world_size, timeout_s=30)

@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import math
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher import models
 from launcher.device import autocast_dtype
 from launcher.parallel import degrees as D
-from launcher.parallel.experts import expert_param_names, join_expert_files, own_rows
+from launcher.parallel.context import attach
+from launcher.parallel.experts import expert_param_names, join_expert_files, own_rows, shard_locally
 from launcher.rank.engine import (
     BuildContext,
     Engine,
@@ -37,8 +40,6 @@ from launcher.rank.engine import (
 def no_buffer_sync() -> dict:
     """DDP's keyword that skips syncing buffers before each forward: forward_sync_buffers
     from torch 2.13, broadcast_buffers before it (a site's torch 2.11 has only that one)."""
-    import inspect
-
     if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
@@ -55,7 +56,7 @@ class DDPEngine(Engine):
             self.expert_group = self._split_experts(ctx.model, ctx.device)
         self.module = models.materialize(ctx.model, cfg, ctx.device)  # replicated: built once, on the device
         if deg.cp > 1:  # the sequence split over cp ranks; DDP averages gradients over all (dp x cp)
-            from launcher.parallel.context import attach
+            # local: start-up (torch.distributed.fsdp via launcher.parallel.mesh, 4.6 s)
             from launcher.parallel.mesh import build_mesh
 
             attach(self.module, build_mesh(deg, ctx.device)["cp"].get_group())
@@ -89,6 +90,7 @@ class DDPEngine(Engine):
         skipped, scale = False, None
         self.stepping = True
         if self.expert_group is not None:  # DDP left them out: averaged over the ranks that hold them
+            # local: start-up (torch.distributed.fsdp via launcher.parallel.mesh, 4.6 s)
             from launcher.parallel.mesh import allreduce_grads
 
             allreduce_grads(self.experts, self.expert_group, self.world)
@@ -117,10 +119,6 @@ class DDPEngine(Engine):
         """parallel.ep: groups of ep neighbouring ranks split the experts; the ranks at one
         position of every group hold the same ones. DDP is told to leave the experts alone.
         Returns the group of ranks holding this rank's experts."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from launcher.parallel.experts import shard_locally
-
         mesh = init_device_mesh(device.type, (self.world // self.ep, self.ep), mesh_dim_names=("efsdp", "ep"))
         shard_locally(model, mesh["ep"].get_group())
         DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
@@ -133,6 +131,7 @@ class DDPEngine(Engine):
         ep ranks: each is counted once over the world (launcher/parallel/mesh.py)."""
         if self.expert_group is None:
             return torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        # local: start-up (torch.distributed.fsdp via launcher.parallel.mesh, 4.6 s)
         from launcher.parallel.mesh import clip_grad_norm
 
         experts = {id(p) for p in self.experts}
@@ -239,6 +238,7 @@ class DDPEngine(Engine):
 
     def load(self, path: Path) -> None:
         if not (path / "model.pt").is_file():  # written by fsdp, tp, tp_fsdp or pp: DCP, any layout
+            # local: start-up (torch.distributed.checkpoint via launcher.parallel.dcp, 3.2 s)
             from launcher.parallel import dcp
 
             if self.expert_group is not None:

@@ -15,6 +15,7 @@ what the launcher needs around it:
 - `consolidate()`: full fp32 weights from the shards on one process, for `make export`.
 """
 
+from launcher.host import deepspeed_env
 from recipes import Holding, RecipeSpec
 
 
@@ -23,11 +24,9 @@ def import_deepspeed():
     would probe and warn on a CPU machine), with torch.distributed.tensor, which it imports
     while it builds an engine. A rank imports both before it takes its memory baseline
     (SPEC.preload): about 100 MB that are the process's, not the model's."""
-    from launcher.host import deepspeed_env
-
     deepspeed_env()
-    import deepspeed
-    import torch.distributed.tensor  # noqa: F401
+    import deepspeed  # local: order (deepspeed_env() first: DeepSpeed reads DS_ACCELERATOR when imported)
+    import torch.distributed.tensor  # noqa: F401  # local: torch (launch side)
 
     return deepspeed
 

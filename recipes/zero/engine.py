@@ -14,6 +14,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+import cpuinfo
 import torch
 import torch.distributed as dist
 
@@ -21,6 +22,7 @@ from launcher import models
 from launcher.manifest import root_of
 from launcher.parallel import ds_config
 from launcher.planner.zero import zero_states
+from launcher.rank.async_save import StagedFiles
 from launcher.rank.engine import (
     BuildContext,
     Engine,
@@ -48,6 +50,7 @@ def restore_linear() -> None:
     process ("This will persist unless manually reset"); it changes what autograd saves.
     A rank runs one engine; a process that builds several (scripts/measure_memory.py, a
     rehearsal) gives later engines torch's own back."""
+    # local: order (DS_ACCELERATOR first: recipes.zero.import_deepspeed)
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
 
     if hasattr(patcher, "linear_bk"):
@@ -59,8 +62,6 @@ def cpu_info_once() -> None:
     each call runs a Python subprocess (1.2 s here). The answer cannot change within a
     process: cached, so engines built after the first (scripts/measure_memory.py builds
     dozens per process) do not pay it again."""
-    import cpuinfo
-
     if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
         cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
@@ -174,8 +175,6 @@ class ZeroEngine(Engine):
         zero.json. No `latest` file: the Checkpointer owns that. With `staging` (an async
         save): DeepSpeed's save runs as ever (its collectives, its folders), but each file it
         would write is copied into host memory instead; the returned function writes them."""
-        from launcher.rank.async_save import StagedFiles
-
         path.mkdir(parents=True, exist_ok=True)
         own = self.engine.checkpoint_engine
         held = StagedFiles(own, staging) if staging is not None else None
@@ -240,6 +239,7 @@ class ZeroEngine(Engine):
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 master weights on every rank (a collective under stage 3)."""
+        # local: order (DS_ACCELERATOR first: recipes.zero.import_deepspeed)
         from deepspeed.utils import safe_get_full_fp32_param
 
         return {
@@ -251,6 +251,7 @@ class ZeroEngine(Engine):
 def to_universal(checkpoint: Path, out: Path) -> None:
     """DeepSpeed's ds_to_universal, in this process (serial, its output kept quiet)."""
     import_deepspeed()
+    # local: order (DS_ACCELERATOR first: recipes.zero.import_deepspeed)
     from deepspeed.checkpoint import ds_to_universal
 
     args = argparse.Namespace(
@@ -280,6 +281,7 @@ def consolidate(cfg, engine_dir: Path) -> dict[str, torch.Tensor]:
         with weights_only_loads():
             state = torch.load(engine_dir / TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
         return {k: v.float() for k, v in state["module"].items()}
+    # local: order (DS_ACCELERATOR first: recipes.zero.import_deepspeed)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     log = io.StringIO()

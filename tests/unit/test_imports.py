@@ -1,13 +1,14 @@
 """The import graph: no cycle among the project's modules (lazy imports inside functions
 included), launcher/config/ imports nothing else of the project, and no module changes
 the environment when it is imported (the hub's offline switches are set by the entry
-points: the launcher, a rank); functions short (FUNCTION_LINES, a few named exceptions) and
-no file without bound (LINES)."""
+points: the launcher, a rank); functions short (FUNCTION_LINES, a few named exceptions), no
+file without bound (LINES), and an import inside a function says why (LOCAL_REASONS)."""
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 
@@ -25,7 +26,6 @@ FUNCTION_LINES = 60
 # only scatter (or is another helper's to split); a new long function fails the test, and
 # one that gets short must leave this list.
 LONG_FUNCTIONS = {
-    "launcher/planner/rehearse.py::rehearse_rank",
     "launcher/rank/metrics.py::_init_wandb",
     "recipes/zero/engine.py::terms_held",
     # Over 60 lines once formatted (a line per argument or per dict entry), to split:
@@ -38,6 +38,19 @@ LONG_FUNCTIONS = {
     "launcher/planner/chart.py::chart",
     "launcher/rank/entry.py::run_rank",
 }
+
+# Imports stand at the module top; one inside a function says why on its line (or the line
+# above, a comment alone), `# local: <reason> (<detail>)`, with one of these reasons
+# (docs/ARCHITECTURE.md, "Imports stand at the top").
+LOCAL_REASONS = {
+    "torch": "the launch side imports this module and imports no torch (nor transformers, DeepSpeed)",
+    "side": "a call across the sides: launch -> rank or rank -> launch, never at import",
+    "cycle": "the two modules would import each other at import time",
+    "start-up": "a measured cost (package, seconds) that a path without this call would pay",
+    "optional": "an extra that may be absent (transformers, torchao, pyarrow, tensorboard)",
+    "order": "something must run first (DS_ACCELERATOR before DeepSpeed, Ctrl-C caught before the imports)",
+}
+LOCAL = re.compile(r"#.*\blocal: (" + "|".join(map(re.escape, LOCAL_REASONS)) + r") \(.+\)")
 
 
 def modules() -> dict[str, ast.Module]:
@@ -307,3 +320,38 @@ def test_functions_are_short():
     found = long_functions()
     assert set(found) - LONG_FUNCTIONS == set(), {k: v for k, v in found.items() if k not in LONG_FUNCTIONS}
     assert LONG_FUNCTIONS - set(found) == set(), "short now, drop from LONG_FUNCTIONS"
+
+
+def unexplained_local_imports(sources: dict[str, str]) -> list[str]:
+    """'path:line: import' for each import inside a function whose line (or the comment
+    line above it) gives no `# local: <reason> (<detail>)` with a reason of LOCAL_REASONS."""
+    out = set()
+    for name, text in sources.items():
+        lines = text.splitlines()
+        for fn in ast.walk(ast.parse(text)):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)):
+                        here, above = lines[node.lineno - 1], lines[node.lineno - 2].strip()
+                        if not (LOCAL.search(here) or (above.startswith("#") and LOCAL.search(above))):
+                            out.add(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return sorted(out)
+
+
+def test_an_import_inside_a_function_says_why():
+    sources = {
+        str(path.relative_to(REPO)): path.read_text() for package in PACKAGES for path in (REPO / package).rglob("*.py")
+    }
+    assert len(sources) > 100 and sum(bool(LOCAL.search(t)) for t in sources.values()) > 20  # the walk sees them
+    assert unexplained_local_imports(sources) == []
+
+
+def test_the_reason_check_finds_a_bare_local_import():
+    sources = {
+        "bare.py": "import os\n\n\ndef f():\n    import json\n\n    return json\n",
+        "said.py": "def g():\n    import torch  # local: torch (launch side)\n\n    # local: optional (transformers)\n"
+        "    from transformers import AutoConfig\n",
+        "unknown.py": "def h():\n    import json  # local: because (it was here)\n",
+        "top.py": "import json\n",
+    }
+    assert unexplained_local_imports(sources) == ["bare.py:5: import json", "unknown.py:2: import json"]

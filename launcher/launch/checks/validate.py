@@ -33,6 +33,8 @@ from launcher.config import (
 )
 from launcher.launch.checks.data import validate_evaluation, validate_token_data
 from launcher.launch.checks.levers import validate_context_parallel, validate_levers
+from launcher.models import model_shape, model_vocab_size
+from launcher.models.hf_adapter import check
 from launcher.parallel.degrees import data_parallel_size, grad_accum
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -95,8 +97,6 @@ def validate_train(cfg: Config) -> None:
 def validate_data(cfg: Config) -> None:
     """data.*: against the model's vocabulary, each source's own keys (a tokenizer is read
     only for data=hf_text and chat)."""
-    from launcher.models import model_vocab_size  # the model's package imports torch: only when checked
-
     d = cfg.data
     _positive("data.vocab_size", d.vocab_size)
     if d.vocab_size > model_vocab_size(cfg) and d.name not in (
@@ -122,11 +122,11 @@ def validate_data(cfg: Config) -> None:
         if d.dtype == TokenDtype.uint16 and d.vocab_size > 65536:
             raise ConfigError("data.vocab_size", d.vocab_size, "uint16 tokens allow at most 65536")
     elif d.name == DataKind.hf_text:
-        from launcher.data.prepare import validate_hf_text  # loads the tokenizer: only when used
+        from launcher.data.prepare import validate_hf_text  # local: start-up (numpy, 0.75 s, launch side)
 
         validate_hf_text(cfg)
     elif d.name == DataKind.chat:
-        from launcher.data.prepare import validate_chat  # loads the tokenizer and its template: only when used
+        from launcher.data.prepare import validate_chat  # local: start-up (numpy, 0.75 s, launch side)
 
         validate_chat(cfg)
     if d.document_masking and d.name not in (DataKind.chat, DataKind.hf_text):
@@ -267,23 +267,19 @@ def validate_gpt_model(cfg: Config) -> None:
     if t.seq_len > m.max_seq_len:
         raise ConfigError("train.seq_len", t.seq_len, f"must be <= model.max_seq_len={m.max_seq_len}")
     if m.pretrained is not None:  # a Hugging Face folder read into the decoder: its shape and tensors
-        from launcher.models.hf_adapter import check  # transformers and torch: only for model.pretrained
-
         check(cfg)
 
 
 def validate_hf_model(cfg: Config) -> None:
     """model=hf: the files exist, transformers builds the model offline, its shape fits the
     sequence length and the parallel degrees (launcher/models/hf.py; imports transformers)."""
-    from launcher.models.hf import check  # transformers and torch: only for model=hf
+    from launcher.models.hf import check  # local: torch (launch side)
 
     check(cfg)
 
 
 def validate_parallel(cfg: Config, world: int) -> None:
     """Degrees against the recipe, the model and the world size (numbers in every message)."""
-    from launcher.models import model_shape  # the model's package imports torch: only when checked
-
     p, m = cfg.parallel, model_shape(cfg)
     validate_degrees(cfg, m)
     if p.tp > 1:

@@ -51,8 +51,8 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
     """The checkpoint RUN_DIR's config and `overrides` name, consolidated and written as
     safetensors, a PEFT folder (model.lora, unmerged) or a from_pretrained folder."""
     with interrupts_held():  # the launch side imports torch only when it exports (test_imports)
-        import torch  # torch only here, as the with says
-        from safetensors.torch import save_file  # as torch
+        import torch  # local: torch (launch side)
+        from safetensors.torch import save_file  # local: torch (launch side)
 
     cfg = export_config(run_dir, overrides)
     folder = chosen_checkpoint(cfg, run_dir)
@@ -61,7 +61,7 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
     # Each dtype has its own default folder: a bf16 export never replaces the fp32 one.
     suffix = "" if cfg.export.dtype == C.ExportDtype.fp32 else f"-{cfg.export.dtype.value}"
     if cfg.model.lora.rank > 0:  # the checkpoint holds the adapters: alone as PEFT's folder, or merged
-        from launcher.models import lora  # imports torch, as above
+        from launcher.models import lora  # local: torch (launch side)
 
         if not cfg.export.merge_lora:
             out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / f"{folder.name}-peft{suffix}"
@@ -71,7 +71,7 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
         state = lora.merged(cfg, state, base)
         suffix = f"-merged{suffix}"
     if cfg.export.format == C.ExportFormat.hf:  # a from_pretrained folder (launcher/models/hf.py)
-        from launcher.models.hf_export import save_pretrained  # imports transformers: only for this format
+        from launcher.models.hf_export import save_pretrained  # local: torch (launch side)
 
         out = Path(cfg.export.out) if cfg.export.out else run_dir / "export" / f"{folder.name}-hf{suffix}"
         return readable(save_pretrained(cfg, state, out, dtype))
@@ -124,7 +124,7 @@ def chosen_checkpoint(cfg: C.Config, run_dir: Path) -> Path:
 def same_base(cfg: C.Config, folder: Path) -> None:
     """export.merge_lora: model.pretrained is still the base the adapters were trained over
     (its sha256 against the checkpoint's manifest), or a merge would write another model."""
-    from launcher.data.cache import cache_root  # numpy: only for export.merge_lora
+    from launcher.data.cache import cache_root  # local: start-up (numpy, 0.75 s, launch side)
 
     manifest = json.loads((folder / "manifest.json").read_text())
     recorded = ((manifest.get("model") or {}).get("lora") or {}).get("base_digest")
@@ -152,10 +152,10 @@ def readable(path: Path) -> Path:
 def load_exported(path: str | Path, device: str = "cpu"):
     """The project's model (launcher.models.gpt.GPT) with the exported weights, from the
     file alone."""
-    import torch  # the launch side imports none when imported (test_imports)
-    from safetensors import safe_open  # as torch
+    import torch  # local: torch (launch side)
+    from safetensors import safe_open  # local: torch (launch side)
 
-    from launcher.models.gpt import GPT  # as torch
+    from launcher.models.gpt import GPT  # local: torch (launch side)
 
     with safe_open(str(path), framework="pt", device=device) as f:
         meta = f.metadata()

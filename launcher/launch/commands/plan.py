@@ -38,7 +38,7 @@ def hardware(cfg: C.Config, host: HostInfo, world_from_launch: bool) -> "Hardwar
     """The GPUs to plan for: the configured cluster, or this machine's; on a machine without
     GPUs and no cluster named (cluster.gpus_per_node, cluster.gpu_memory_gb), its CPU
     processes (cluster.nproc_per_node, 2 by default), each with its share of the memory."""
-    from launcher.planner import plan as planner  # the planner imports torch (its meta-device counts)
+    from launcher.planner import plan as planner  # local: torch (launch side)
 
     c = cfg.cluster
     world_from_launch = world_from_launch or on_this_cpu(cfg, host)
@@ -89,7 +89,7 @@ def check_cpu_fit(cfg: C.Config, host: HostInfo) -> None:
         rough = 16 * C.num_params(m) + t.micro_batch * t.seq_len * (40 * m.n_layers * m.dim + 12 * m.vocab_size)
         if rough * n < ram // 8:
             return
-    from launcher.planner import plan as planner  # the planner imports torch (its meta-device counts)
+    from launcher.planner import plan as planner  # local: torch (launch side)
 
     hw = hardware(cfg, host, world_from_launch=True)
     try:
@@ -169,8 +169,8 @@ def cmd_rehearse(overrides: list[str], as_json: bool = False, ranks: str | None 
     on_nodes = dataclasses.replace(cfg, cluster=dataclasses.replace(c, master_port=c.master_port or 29500))
     for note in validate(on_nodes, HostInfo(cuda=True, gpus=per_node, cpus=HostInfo.detect().cpus)):
         print(f"warning: {note}", file=sys.stderr, flush=True)
-    from launcher.planner import rehearse as R  # the planner imports torch (its meta-device counts)
-    from launcher.planner.plan import layout_of  # the planner imports torch (its meta-device counts)
+    from launcher.planner import rehearse as R  # local: side (launch -> rank)
+    from launcher.planner.plan import layout_of  # local: torch (launch side)
 
     R.rehearsable(cfg)
     chosen = None
@@ -207,7 +207,7 @@ def cmd_rehearse(overrides: list[str], as_json: bool = False, ranks: str | None 
 def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
     """`launcher plan`: the table (or --json), optionally a chart; validates the config
     against the planned cluster, not this machine."""
-    from launcher.planner import plan as planner  # the planner imports torch (its meta-device counts)
+    from launcher.planner import plan as planner  # local: torch (launch side)
 
     cfg, _, _ = compose_config(overrides)
     host = HostInfo.detect()
@@ -229,13 +229,13 @@ def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
         else f"{hw.nnodes} node(s) x {hw.gpus_per_node} GPU(s) of {hw.gpu_bytes / 2**30:.0f} GiB"
     )
     title = f"{cfg.model.name}: seq {cfg.train.seq_len}, {cfg.precision.name.value}, {where}"
-    from launcher.planner import memory, moe  # the planner imports torch (its meta-device counts)
+    from launcher.planner import memory, moe  # local: torch (launch side)
 
     shaped = planner.planned_model(cfg).model
     if as_json:
         print(planner.to_json(rows, hw, reserve, command, memory.param_summary(shaped)))
     else:
-        from rich.console import Console  # rich: only to print a table
+        from rich.console import Console  # local: start-up (rich, 0.4 s)
 
         console = Console(width=200)
         console.print(memory.param_line(shaped), markup=False, soft_wrap=True)
@@ -248,7 +248,7 @@ def cmd_plan(overrides: list[str], as_json: bool = False) -> int:
             soft_wrap=True,
         )  # one line, to paste
     if cfg.plan.chart:
-        from launcher.planner.chart import chart  # the planner imports torch (its meta-device counts)
+        from launcher.planner.chart import chart  # local: torch (launch side)
 
         chart(rows, hw, Path(cfg.plan.chart), reserve, title)
         if not as_json:
@@ -263,7 +263,7 @@ def resolve_auto(overrides: list[str], host: HostInfo) -> tuple[list[str], str |
     auto_mb = "train.micro_batch=auto" in overrides
     if not (auto_recipe or auto_mb):
         return overrides, None
-    from launcher.planner import plan as planner  # imports torch (meta-device counts): only when asked
+    from launcher.planner import plan as planner  # local: torch (launch side)
 
     rest = [o for o in overrides if o not in ("recipe=auto", "train.micro_batch=auto")]
     cfg, _, _ = compose_config(rest)

@@ -43,7 +43,7 @@ class Point:
 def comparison(points: list[Point]) -> Table:
     """One row per point: how it ended, its final loss, its last validation loss (a column
     when any point evaluated), tokens/s and rank 0's peak memory."""
-    from rich.table import Table  # rich: only to print the table
+    from rich.table import Table  # local: start-up (rich, 0.4 s)
 
     summaries = [p.summary() for p in points]
     val = any(s and "val_loss" in s for s in summaries)
@@ -67,7 +67,7 @@ def comparison(points: list[Point]) -> Table:
 
 
 def print_comparison(points: list[Point]) -> None:
-    from rich.console import Console  # rich: only to print the table
+    from rich.console import Console  # local: start-up (rich, 0.4 s)
 
     print(f"sweep: {len(points)} points in {points[0].run_dir.parent}", flush=True)
     Console(file=sys.stdout, width=160).print(comparison(points))

@@ -229,7 +229,7 @@ def prepare_data(cfg: C.Config, run_dir: Path, created: bool) -> None:
     (reused when `make data` or another run prepared the same inputs; the ranks read the
     directory RUN_DIR/data/<data.name>.json names). A failure removes a run directory this
     launch created."""
-    from launcher.data.prepare import prepare_cache  # numpy: ~1 s of start-up (measured)
+    from launcher.data.prepare import prepare_cache  # local: start-up (numpy, 0.75 s, launch side)
 
     try:
         print(prepare_cache(cfg, run_dir), flush=True)

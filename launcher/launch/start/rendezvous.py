@@ -94,7 +94,7 @@ class NodeRendezvous:
 
     # ------------------------------------------------------------------ enter / exit
     def __enter__(self) -> "NodeRendezvous":
-        import torch.distributed as dist  # torch: the launch side imports none when imported (test_imports)
+        import torch.distributed as dist  # local: torch (launch side)
 
         deadline = time.monotonic() + self.timeout
         if self.rank == 0:
