@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-import recipes
+import engines
 from launcher import config as C
 from launcher.host import deepspeed_env
 
@@ -27,7 +27,7 @@ ALL = (CPU_ADAM, SHM_COMM)
 def needed(cfg: C.Config, cuda: bool) -> list[str]:
     """The ops a run of this config loads: CPU Adam where the optimizer steps on the host
     (recipe.zero.offload_optimizer), DeepSpeed's shared-memory collectives on a CPU."""
-    if not recipes.spec(cfg.recipe.engine).deepspeed:
+    if not engines.spec(cfg.recipe.engine).deepspeed:
         return []
     offload = cfg.recipe.zero.offload_optimizer != C.OffloadDevice.none
     return [name for name, use in ((CPU_ADAM, offload), (SHM_COMM, not cuda)) if use]

@@ -12,10 +12,10 @@ import torch
 from baseline_common import adamw, compute, finish, report, start, timed_loop
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launcher.rank.engine import optimizer_state_bytes, tensor_bytes
-from recipes.ddp.engine import (
+from engines.ddp.engine import (
     no_buffer_sync,
 )  # forward_sync_buffers=False, or broadcast_buffers=False before torch 2.13
+from launcher.rank.engine import optimizer_state_bytes, tensor_bytes
 
 
 def main() -> None:

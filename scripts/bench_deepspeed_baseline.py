@@ -64,7 +64,7 @@ def main() -> None:
 
     elapsed = timed_loop(args, optimizer, step, mcfg.vocab_size)
     # One more (untimed) step, its model-state bytes counted the way the recipe counts them.
-    from recipes.zero.engine import ZeroMemory
+    from engines.zero.engine import ZeroMemory
 
     memory = ZeroMemory(optimizer, engine.module, device)
     memory.start_step()

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-import recipes
+import engines
 from launcher import models
 from launcher.config import ACMode, ConfigError
 from launcher.data.read import build_dataset
@@ -111,7 +111,7 @@ def predicted(cfg, layout: planner.Layout, rank: int, world: int) -> dict:
 def measure_engine(cells: list, layout: planner.Layout, rank: int, world: int, device, scratch: Path) -> list[dict]:
     """One engine for cells that differ only in what its build does not read; a row per cell."""
     cfg, started = cells[0], time.perf_counter()
-    if recipes.spec(cfg.recipe.engine).deepspeed:  # what the launch side writes for DeepSpeed
+    if engines.spec(cfg.recipe.engine).deepspeed:  # what the launch side writes for DeepSpeed
         (scratch / ds_config.FILE).write_text(
             ds_config.text(ds_config.launch_config(cfg, world, device.type == "cuda"))
         )
@@ -157,8 +157,8 @@ def measure_engine(cells: list, layout: planner.Layout, rank: int, world: int, d
             flush=True,
         )
     del engine, net, runs
-    if recipes.spec(cfg.recipe.engine).deepspeed:
-        from recipes.zero.engine import restore_linear
+    if engines.spec(cfg.recipe.engine).deepspeed:
+        from engines.zero.engine import restore_linear
 
         restore_linear()
     return rows
@@ -217,7 +217,7 @@ def measure_precision(base, args, layout, rank, world, device, scratch, key) -> 
         except ConfigError as e:
             rows.append({**key, "grad_accum": accum, "ac": ac, "refused": str(e)})
             continue
-        spec = recipes.spec(cfg.recipe.engine)
+        spec = engines.spec(cfg.recipe.engine)
         shared = not (spec.deepspeed or spec.parallelism.pp)
         engines.setdefault(None if shared else accum, []).append(cfg)
     for cells in engines.values():

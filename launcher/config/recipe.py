@@ -107,7 +107,7 @@ class RecipeConfig:
     name: str = "ddp"
     """The recipe's name, as on the command line (informative; the file sets it)."""
     engine: str = "ddp"
-    """The engine that runs the recipe: the recipes/ module that builds it (its RecipeSpec says what it may split;
+    """The engine that runs the recipe: the engines/ module that builds it (its EngineSpec says what it may split;
     an unknown name is refused with the list). ddp: replicate the model, all-reduce
     gradients: model states cost 16 bytes/param on every rank (mixed-precision Adam).
     fsdp: shard them over dp_shard ranks (16Ψ/N). tp: split the matmuls over tp ranks.
@@ -125,7 +125,7 @@ class ParallelConfig:
     (pp, dp_replicate, dp_shard, cp, tp), outermost first, is built from them: tensor-parallel
     ranks are neighbours (the most traffic on the fastest links), pipeline stages the
     furthest apart (the least traffic). Each recipe file names its default degrees
-    (conf/parallel/<recipe>.yaml); which degrees a recipe may use is its engine's RecipeSpec (recipes/<engine>)."""
+    (conf/parallel/<recipe>.yaml); which degrees a recipe may use is its engine's EngineSpec (engines/<engine>)."""
 
     dp_replicate: int = 1
     """Data-parallel replicas that all-reduce gradients. With fsdp/tp_fsdp and dp_shard > 1

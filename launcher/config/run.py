@@ -236,7 +236,7 @@ class ClusterConfig:
     k8s: K8sConfig = field(default_factory=K8sConfig)
     """scheduler: k8s: the Kubernetes fields (K8sConfig)."""
     snapshot_code: bool = True
-    """`make submit` copies the project's code (launcher/, recipes/) into RUN_DIR/code and
+    """`make submit` copies the project's code (launcher/, engines/) into RUN_DIR/code and
     the job imports it from there (PYTHONPATH, with PYTHONSAFEPATH so the working directory
     does not win; Python 3.11+; cluster.env.PYTHONPATH follows it, the submitting shell's is
     not used): a job requeued days later, or resubmitted by hand, runs the code it was

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import recipes
+import engines
 from launcher import offline
 from launcher.config import ACMode, Config, ConfigError, HFAttention, ModelConfig, ModelKind
 from launcher.models import weights
@@ -422,7 +422,7 @@ def check(cfg: Config) -> None:
             "train.seq_len", cfg.train.seq_len, f"must be <= the model's max_position_embeddings={shape.max_seq_len}"
         )
 
-    can = recipes.spec(cfg.recipe.engine).parallelism
+    can = engines.spec(cfg.recipe.engine).parallelism
     if can.tp and p.tp > 1:
         if not lay.colwise:
             raise ConfigError(

@@ -189,7 +189,7 @@ class Stage(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """`positions`: packed samples' (B, T), handed to every stage by the schedule as a
-        keyword (recipes/pp/engine.py), beside the hidden states it sends between stages."""
+        keyword (engines/pp/engine.py), beside the hidden states it sends between stages."""
         if self.parts["embed"] is not None:
             h = self.parts["embed"](h)
         h = self.parts["run"](((int(i), layer) for i, layer in self.blocks.items()), h, positions)

@@ -135,7 +135,7 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config) -> Non
     set_lrs(scheduler)
 
 
-DDP_MODEL, DDP_OPTIM = "model.pt", "optim.pt"  # recipes/ddp/engine.py's files
+DDP_MODEL, DDP_OPTIM = "model.pt", "optim.pt"  # engines/ddp/engine.py's files
 
 
 def _load_ddp_files(path: Path, cfg: Config, wanted: dict[str, dict[str, torch.Tensor]]) -> None:

@@ -1,12 +1,12 @@
 """The parallel degrees of a job and the batch arithmetic, read by both sides: what the
-recipe's engine may split (its RecipeSpec, recipes/), resolved on a world size. Pure: no
+recipe's engine may split (its EngineSpec, engines/), resolved on a world size. Pure: no
 torch, no process group."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import recipes
+import engines
 from launcher.config import Config
 
 
@@ -58,7 +58,7 @@ def degrees(cfg: Config, world_size: int) -> Degrees:
     others leave; a recipe that does not shard replicates over them instead. Degrees a
     recipe does not use count as 1 (validate refuses them before a launch)."""
     p = cfg.parallel
-    can = recipes.spec(cfg.recipe.engine).parallelism
+    can = engines.spec(cfg.recipe.engine).parallelism
     tp, pp, cp = (p.tp if can.tp else 1), (p.pp if can.pp else 1), (p.cp if can.cp else 1)
     ep = p.ep if can.ep else 1
     rest = p.dp_shard if p.dp_shard != -1 else max(1, world_size // max(1, p.dp_replicate * tp * pp * cp))

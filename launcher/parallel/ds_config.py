@@ -19,7 +19,7 @@ Two things are deliberately *not* in the JSON:
   would never reach the peak (it uses (s-1)/W where lr_factor uses (s+1)/W); a `scheduler`
   key in recipe.zero.extra is refused.
 - `checkpoint.load_universal`: the engine switches it on for the one load that resumes a
-  checkpoint written at another world size (recipes/zero/engine.py), and only then.
+  checkpoint written at another world size (engines/zero/engine.py), and only then.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def expert_placement(module: nn.Module, ranks: int, ep: int = 1):
 
 
 def join_expert_files(folder, model: dict, states: dict | None = None) -> None:
-    """A ddp checkpoint under parallel.ep (recipes/ddp/engine.py: one experts file per ep
+    """A ddp checkpoint under parallel.ep (engines/ddp/engine.py: one experts file per ep
     rank): the experts joined in expert order into `model` (name -> whole tensor) and, given
     ddp's optimizer `states` (parameter index -> its state), their optimizer states too.
     Nothing without such files."""

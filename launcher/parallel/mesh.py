@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-import recipes
+import engines
 from launcher import config as C
 from launcher.device import autocast_dtype
 from launcher.parallel import degrees as D
@@ -75,7 +75,7 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, deg: D.Degrees, cfg: C
     if deg.ep > 1:  # FSDP's recipes only (ddp splits its experts itself)
         experts = split_mesh(dense_shard_mesh(mesh, deg), deg.ep)
         shard_as_dtensors(model, experts["ep"])
-    if recipes.spec(cfg.recipe.engine).parallelism.shards:
+    if engines.spec(cfg.recipe.engine).parallelism.shards:
         apply_fsdp(
             model,
             data_parallel_mesh(mesh, deg),

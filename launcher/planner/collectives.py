@@ -3,7 +3,7 @@ engines' own rules (issue 49 item 4; docs/memory.md, "The gathered working set")
 --json` shows them per row ("collectives"), beside the step time cost.py estimates.
 
     ddp     one all-reduce of the fp32 gradients a step (no_sync on the other micro-batches:
-            recipes/ddp/engine.py), in buckets of recipe.ddp.bucket_cap_mb.
+            engines/ddp/engine.py), in buckets of recipe.ddp.bucket_cap_mb.
     zero1/2 reduce-scatters of the gradients in reduce_bucket_size buckets (stage 2 every
             micro-batch, stage 1 at the step), one all-gather of the updated weights in
             allgather_bucket_size buckets.

@@ -39,7 +39,7 @@ class Layout:
     grad_buckets: bool = False
     """DDP: gradient buckets as big as the model, allocated at start-up."""
     grads_freed: bool = False
-    """The engine frees the gradients after each step (recipes.Holding.grads_freed)."""
+    """The engine frees the gradients after each step (engines.Holding.grads_freed)."""
 
     @property
     def label(self) -> str:

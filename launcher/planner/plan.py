@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from rich.table import Table
 
-import recipes
+import engines
 from launcher import jsonout, optim
 from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig
 from launcher.models import hf
@@ -137,7 +137,7 @@ PP_DEGREES = (2, 4)
 
 def candidates(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig]) -> list[Layout]:
     """Every layout of the given recipes (name -> its recipe config, conf/recipe/*.yaml)
-    that divides this world: each engine's RecipeSpec says which degrees it may use and how
+    that divides this world: each engine's EngineSpec says which degrees it may use and how
     it holds model states (its `holds`: the formula this planner applies). Data-parallel
     layouts first, then tensor parallel by degree, then pipeline by degree (and tensor
     parallel inside the stages where the recipe may: pp x tp, pp x tp x fsdp). An MoE runs under
@@ -146,7 +146,7 @@ def candidates(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig]) ->
     kv = m.n_kv_heads or m.n_heads
     out: list[tuple[tuple, Layout]] = []
     for name, rc in available.items():
-        spec = recipes.spec(rc.engine)
+        spec = engines.spec(rc.engine)
         h, can = spec.holds(rc), spec.parallelism
         held = holding(rc)
         # Ties (the same step time) go to the first: replicated before sharded, ZeRO's stages
@@ -189,7 +189,7 @@ def candidates(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig]) ->
 
 def holding(rc: RecipeConfig) -> dict:
     """A Layout's fields for how the recipe holds model states (its spec's `holds`)."""
-    h = recipes.spec(rc.engine).holds(rc)
+    h = engines.spec(rc.engine).holds(rc)
     return dict(
         shard=h.shard,
         fsdp=h.fsdp,
@@ -407,7 +407,7 @@ def planned_model(cfg: Config) -> Config:
 def runs_under(cfg: Config, engine: str, layout: Layout) -> bool:
     """The launch would take this layout: model.lora's engines and degrees, and DeepSpeed's
     own AdamW only (launcher/optim: the other optimizers are refused under zero*)."""
-    if recipes.spec(engine).deepspeed and cfg.optim.name not in optim.ZERO_TAKES:
+    if engines.spec(engine).deepspeed and cfg.optim.name not in optim.ZERO_TAKES:
         return False
     return lora.runs_under(cfg.model, engine, layout.tp, layout.pp)
 

@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import recipes
+import engines
+from engines.zero.engine import restore_linear
 from launcher import config as C
 from launcher import models
 from launcher.models.init import is_dtensor
@@ -57,7 +58,6 @@ from launcher.planner import plan as planner
 from launcher.planner.plan import GiB, Layout, layout_of, planned_model
 from launcher.rank.engine import local_shard, tensor_bytes
 from launcher.rank.entry import build_engine
-from recipes.zero.engine import restore_linear
 
 TOLERANCE = 0.02
 """The planner's model states must be within this of a rehearsed rank's (issue's target)."""
@@ -103,14 +103,14 @@ class RankReport:
 def rehearsable(cfg: C.Config) -> None:
     """What a rehearsal can set beside the planner, or one line saying why not."""
     if not (on_meta(cfg) or partitioned(cfg)):
-        on = [n for n, s in recipes.specs().items() if s.builds_on_meta]
+        on = [n for n, s in engines.specs().items() if s.builds_on_meta]
         raise C.ConfigError(
             "recipe",
             cfg.recipe.name,
             "not rehearsed: it holds the whole model on every rank (make "
             f"plan gives its figures); rehearsed: {', '.join(on)}, and zero3, zero3_offload",
         )
-    if recipes.spec(cfg.recipe.engine).parallelism.shards and cfg.parallel.dp_replicate > 1:
+    if engines.spec(cfg.recipe.engine).parallelism.shards and cfg.parallel.dp_replicate > 1:
         raise C.ConfigError(
             "parallel.dp_replicate",
             cfg.parallel.dp_replicate,
@@ -121,12 +121,12 @@ def rehearsable(cfg: C.Config) -> None:
 
 
 def on_meta(cfg: C.Config) -> bool:
-    return recipes.spec(cfg.recipe.engine).builds_on_meta
+    return engines.spec(cfg.recipe.engine).builds_on_meta
 
 
 def partitioned(cfg: C.Config) -> bool:
     """ZeRO-3: DeepSpeed partitions the parameters inside zero.Init."""
-    spec = recipes.spec(cfg.recipe.engine)
+    spec = engines.spec(cfg.recipe.engine)
     return spec.deepspeed and spec.holds(cfg.recipe).shard == "zero3"
 
 
@@ -205,7 +205,7 @@ def leave_group(zero3: bool) -> None:
     joined it (it drops the groups it keeps, so the next rank's engine finds its own)."""
     if zero3:
         restore_linear()
-        import deepspeed.comm as ds_comm  # local: order (DS_ACCELERATOR first: recipes.zero.import_deepspeed)
+        import deepspeed.comm as ds_comm  # local: order (DS_ACCELERATOR first: engines.zero.import_deepspeed)
 
         if ds_comm.comm.cdb is not None and dist.is_initialized():
             ds_comm.destroy_process_group()
@@ -225,7 +225,7 @@ def as_rank(rank: int, world: int, local_rank: int, zero3: bool):
     before = {k: os.environ.get(k) for k in keys}
     os.environ.update(keys)
     try:
-        # local: order (DS_ACCELERATOR first: recipes.zero.import_deepspeed)
+        # local: order (DS_ACCELERATOR first: engines.zero.import_deepspeed)
         from deepspeed.accelerator import get_accelerator
 
         if get_accelerator().device_name() != "cpu":

@@ -89,7 +89,7 @@ def zero_states(
     """What DeepSpeed 0.19 really holds per rank at the peak of a step with Adam:
     {"params" | "grads" | "optim": (device bytes, host bytes)}. w = weight_bytes: 2 for
     bf16/fp16 weights, 4 in fp32. Measured in every cell by tests/e2e/test_plan_runs.py (the
-    planner's matrix) and tests/e2e/test_zero.py (recipes/zero/engine.py::model_state_bytes sums it).
+    planner's matrix) and tests/e2e/test_zero.py (engines/zero/engine.py::model_state_bytes sums it).
 
     The paper's terms, plus two it leaves out. For the update DeepSpeed makes an fp32 copy
     of the rank's gradient shard (4Ψ/N) next to the shard it reduced into (wΨ/N); and it

@@ -1,6 +1,6 @@
 """The one interface every engine implements, and the helpers engines share.
 
-An engine's module (recipes/<engine>) exposes `build(ctx) -> Engine`, a subclass of
+An engine's module (engines/<engine>) exposes `build(ctx) -> Engine`, a subclass of
 `Engine`. The engine owns how micro-batches become one optimizer step (DDP with no_sync,
 DeepSpeed's engine, a pipeline schedule); the loop only calls it. The base class is the contract and its
 defaults; the rest engines share are the helpers below.
@@ -128,7 +128,7 @@ UNGUARDED = Unguarded()
 
 
 class Engine(abc.ABC):
-    """The contract of an engine (what `build(ctx)` of recipes/<engine> returns). Each engine implements
+    """The contract of an engine (what `build(ctx)` of engines/<engine> returns). Each engine implements
     the abstract methods; the hooks after them have defaults most engines keep. `check`
     holds every engine of the registry to it (tests/unit/test_engines.py), and a rank
     refuses a build that is not an Engine (rank/entry.py)."""

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-import recipes
+import engines
 from launcher import config as C
 from launcher import models, offline, provenance, runlock
 from launcher.data.read import build_dataset
@@ -68,7 +68,7 @@ def build_engine(
     handed to the recipe's engine: the recipe parallelizes it, then materializes only this
     rank's part (launcher/models/init.py: the same initial weights at every layout, no
     broadcast)."""
-    engine = recipes.build(
+    engine = engines.build(
         BuildContext(
             cfg=cfg,
             model=model,
@@ -93,8 +93,8 @@ def start(
 ):
     """From a process group to a ready engine: (engine, this rank's start-up figures,
     launcher.device.startup_peaks). scripts/bench_startup.py measures start-up through here."""
-    spec = recipes.spec(cfg.recipe.engine)
-    recipes.engine(cfg.recipe.engine)  # its imports (DCP, FSDP, pipelining) belong to the baseline, not to the model
+    spec = engines.spec(cfg.recipe.engine)
+    engines.engine(cfg.recipe.engine)  # its imports (DCP, FSDP, pipelining) belong to the baseline, not to the model
     if spec.preload:  # the engine's libraries (DeepSpeed) too
         spec.preload()
     seed_everything(cfg.train.seed)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import recipes
+import engines
 from launcher import models
 from launcher.config import Config
 from launcher.data.read import loss_floor
@@ -127,7 +127,7 @@ def announce(job: Job, log: RankZeroLogger, step: int, samples_seen: int) -> Non
         f"{job.global_batch * cfg.train.seq_len:,} tokens/step"
     )
     d = degrees(cfg, job.world_size)
-    if job.dp_size != job.world_size or recipes.spec(cfg.recipe.engine).meshed:
+    if job.dp_size != job.world_size or engines.spec(cfg.recipe.engine).meshed:
         log.print(
             f"mesh: pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp} x tp {d.tp}"
             + (f"; experts over ep {d.ep} x efsdp {job.world_size // d.ep}" if d.ep > 1 else "")

@@ -206,7 +206,7 @@ def test_export_hf_loads_with_from_pretrained_and_gives_the_trained_logits(runs,
     if name == "ddp":
         state = torch.load(run / STEP4 / "engine/model.pt", weights_only=True)
     elif name == "zero3":
-        from recipes.zero.engine import consolidate
+        from engines.zero.engine import consolidate
 
         state = consolidate(C.load_frozen(run), run / STEP4 / "engine")
     else:

@@ -29,7 +29,7 @@ from launcher.host import HostInfo
 from launcher.launch import cli
 
 README = REPO / "README.md"
-PAGES = tuple(REPO / "docs" / f"{name}.md" for name in ("recipes", "runs", "launching", "models"))
+PAGES = tuple(REPO / "docs" / f"{name}.md" for name in ("engines", "runs", "launching", "models"))
 """The docs pages that took the README's sections (issue 50): their lines are the README's."""
 BIN = Path(sys.executable).parent  # the environment running the suite: `make test`'s .venv/bin
 STARTS = ("make ", ".venv/bin/", "cd RUN_DIR ", "RUN_DIR/")

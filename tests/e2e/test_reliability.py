@@ -38,10 +38,10 @@ def start(run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess
 
 def final_weights(run_dir: Path, step: int = 16) -> dict:
     """Full weights of a checkpoint, whatever recipe wrote it (the export path)."""
-    import recipes
+    import engines
     from launcher.config import load_frozen
 
-    return recipes.consolidate(load_frozen(run_dir), run_dir / f"checkpoints/step_{step:08d}/engine")
+    return engines.consolidate(load_frozen(run_dir), run_dir / f"checkpoints/step_{step:08d}/engine")
 
 
 REFERENCES: dict[str, Path] = {}

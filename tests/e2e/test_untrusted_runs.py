@@ -81,13 +81,13 @@ def test_export_and_resume_refuse_a_crafted_checkpoint(recipe, tmp_path):
     )
 
     # The ranks' own loaders refuse it too, without the launch side's check.
-    import recipes
+    import engines
     from launcher.config import load_frozen, to_yaml
 
     cfg = load_frozen(bad / "config.yaml")
     engine = sorted((bad / "checkpoints").glob("step_*"))[-1] / "engine"
     with pytest.raises(BaseException) as refused:
-        recipes.consolidate(cfg, engine)
+        engines.consolidate(cfg, engine)
     why = str(getattr(refused.value, "failures", refused.value))
     assert "must never run code" in why or "Weights only load failed" in why, why
     assert not marker.exists()

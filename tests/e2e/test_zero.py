@@ -31,8 +31,8 @@ from launcher.planner.zero import zero_paper_bytes as paper_bytes
 from launcher.planner.zero import zero_states
 from launcher.rank.preempt import EXIT_PREEMPTED
 
-deepspeed_env()  # DeepSpeed reads its accelerator when imported (recipes/zero/__init__.py::import_deepspeed does this for a run)
-from recipes.zero.engine import model_state_bytes  # noqa: E402
+deepspeed_env()  # DeepSpeed reads its accelerator when imported (engines/zero/__init__.py::import_deepspeed does this for a run)
+from engines.zero.engine import model_state_bytes  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -294,7 +294,7 @@ def test_offload_bf16_under_the_deepspeed_launcher_stops_and_resumes(tmp_path):
 # ----------------------------------------------------------------------------- memory
 # Where DeepSpeed holds more than the paper's figure (> 10%), the measured bytes of the rank
 # holding the most (max over ranks, bf16, 2 micro-batches per step) are pinned here, for
-# DeepSpeed 0.19.8. The extra term is named by EXTRA; recipes.zero.engine.model_state_bytes has the
+# DeepSpeed 0.19.8. The extra term is named by EXTRA; engines.zero.engine.model_state_bytes has the
 # true formula, which every measurement must also meet (within 2%: buckets, padding,
 # persistent small parameters).
 PINNED = {

@@ -57,7 +57,7 @@ RECIPES = {
     "tp_fsdp": [f"parallel.tp={SPLIT}"] if SPLIT and GPUS % SPLIT == 0 else None,
     "pp_fsdp": [f"parallel.pp={SPLIT}"] if SPLIT and GPUS >= 2 * SPLIT else None,
 }
-FP16 = ("ddp", "zero2", "zero3")  # the engines with an fp16 loss scaler (RecipeSpec.fp16)
+FP16 = ("ddp", "zero2", "zero3")  # the engines with an fp16 loss scaler (EngineSpec.fp16)
 PLANNED_MODELS = ("gpt_125m", "gpt_350m", "gpt_1b")
 PLANNED_RECIPES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 PLANNED = [

@@ -5,7 +5,7 @@ loss of each step, to compare with ddp's on the same batches).
 
 For each recipe and model (composed from conf/ as a user would: precision bf16, two
 micro-batches per step), the launch side's ds_config.json is written, the real engine is
-built (recipes.build), two optimizer steps are taken (Adam creates its moments during the
+built (engines.build), two optimizer steps are taken (Adam creates its moments during the
 first), and rank 0 writes every rank's `state_bytes()` of the second step to OUT.json, with
 the losses and how far `consolidated_state_dict()` is from the first case's (ddp's) weights. Building the engines one after another in one job keeps the
 test to one launch per world size.
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import recipes
+import engines
 from launcher.exits import exit_now
 from launcher.host import deepspeed_env
 from launcher.launch import cli
@@ -53,7 +53,7 @@ def measure(recipe: str, model: str, rank: int, world: int, scratch: Path) -> di
     net = GPT(cfg.model)
     psi = net.num_params()
     largest = max(p.numel() for p in net.parameters())
-    engine = recipes.build(
+    engine = engines.build(
         BuildContext(
             cfg=cfg,
             model=net,

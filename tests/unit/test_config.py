@@ -8,7 +8,7 @@ import json
 import pytest
 from hf_models import tiny_llama_config
 
-import recipes
+import engines
 from launcher import config as C
 from launcher.host import HostInfo, native_bf16
 from launcher.launch import cli, compose
@@ -91,7 +91,7 @@ def test_combination_composes_and_validates(recipe, model, data, precision, tmp_
     elif precision == "fp16" and not HOST.cuda:
         with pytest.raises(C.ConfigError, match="fp16 needs CUDA"):
             validate(cfg, HOST)
-    elif precision == "fp16" and not recipes.spec(cfg.recipe.engine).fp16:
+    elif precision == "fp16" and not engines.spec(cfg.recipe.engine).fp16:
         with pytest.raises(C.ConfigError, match="no fp16 loss scaler"):
             validate(cfg, HOST)
     elif cfg.model.moe.experts and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
@@ -184,7 +184,7 @@ def test_a_config_yaml_of_an_earlier_version_still_loads(tmp_path):
 
 
 def test_every_engine_is_one_module_with_its_spec():
-    """recipes/ is the one list of engines: each module declares a RecipeSpec (reading the
+    """engines/ is the one list of engines: each module declares an EngineSpec (reading the
     format it writes) and names the module with build and consolidate; an engine that
     splits the model (a device mesh) shards the meta-device model; reading every spec
     imports neither torch nor DeepSpeed, and every conf/recipe/*.yaml names one of them and
@@ -194,19 +194,19 @@ def test_every_engine_is_one_module_with_its_spec():
 
     from runs import REPO
 
-    modules = {p.stem for p in (REPO / "recipes").iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
-    assert recipes.names() == sorted(modules - {"__init__"}) and len(recipes.names()) >= 2
-    for name, spec in recipes.specs().items():
+    modules = {p.stem for p in (REPO / "engines").iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    assert engines.names() == sorted(modules - {"__init__"}) and len(engines.names()) >= 2
+    for name, spec in engines.specs().items():
         assert spec.writes in spec.reads, name
-        engine = recipes.engine(name)
+        engine = engines.engine(name)
         assert callable(engine.build) and callable(engine.consolidate), name
         assert spec.meshed == spec.builds_on_meta, name
-    assert {s.meshed for s in recipes.specs().values()} == {True, False}
+    assert {s.meshed for s in engines.specs().values()} == {True, False}
     proc = subprocess.run(
         [
             sys.executable,
             "-c",
-            "import sys, recipes; recipes.specs(); print('torch' in sys.modules, 'deepspeed' in sys.modules)",
+            "import sys, engines; engines.specs(); print('torch' in sys.modules, 'deepspeed' in sys.modules)",
         ],
         cwd=REPO,
         capture_output=True,
@@ -216,13 +216,13 @@ def test_every_engine_is_one_module_with_its_spec():
     assert proc.stdout.strip() == "False False", proc.stderr[-2000:]
     names = sorted(p.stem for p in (compose.CONF_DIR / "recipe").glob("*.yaml"))
     assert len(names) >= 10 and set(compose.recipe_configs()) == set(names)
-    engines = set()
+    used = set()
     for name in names:
         cfg, _, _ = cli.compose_config([f"recipe={name}"])
-        assert cfg.recipe.engine in recipes.names(), name
+        assert cfg.recipe.engine in engines.names(), name
         assert compose.recipe_configs({name})[name] == cfg.recipe, name
-        engines.add(cfg.recipe.engine)
-    assert engines == set(recipes.names())
+        used.add(cfg.recipe.engine)
+    assert used == set(engines.names())
 
 
 def test_a_group_file_read_alone_is_what_composition_gives():
@@ -237,7 +237,7 @@ def test_a_group_file_read_alone_is_what_composition_gives():
 
 
 def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
-    """In a copy of the project, recipes/mine.py (ddp's engine, ZeRO-2's sharding declared) and
+    """In a copy of the project, engines/mine.py (ddp's engine, ZeRO-2's sharding declared) and
     conf/recipe/mine.yaml, and nothing else: `make plan` offers it, a dry run composes,
     validates and writes its command, and an engine with no module is refused in one line."""
     import shutil
@@ -246,12 +246,12 @@ def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
 
     from runs import REPO
 
-    for part in ("launcher", "recipes", "conf", "scripts"):
+    for part in ("launcher", "engines", "conf", "scripts"):
         shutil.copytree(REPO / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "recipes" / "mine.py").write_text(
+    (tmp_path / "engines" / "mine.py").write_text(
         '"""A test engine: ddp\'s, planned as ZeRO-2."""\n'
-        "from recipes import Holding, RecipeSpec\n\n"
-        "SPEC = RecipeSpec(engine='recipes.ddp.engine', reads=('ddp', 'dcp'), holds=lambda recipe: Holding(shard='zero2'))\n"
+        "from engines import Holding, EngineSpec\n\n"
+        "SPEC = EngineSpec(engine='engines.ddp.engine', reads=('ddp', 'dcp'), holds=lambda recipe: Holding(shard='zero2'))\n"
     )
     (tmp_path / "conf" / "recipe" / "mine.yaml").write_text("name: mine\nengine: mine\n")
 
@@ -267,9 +267,9 @@ def test_a_new_engine_is_one_module_and_one_yaml(tmp_path):
     dry = run("train", "recipe=mine", f"hydra.run.dir={tmp_path / 'run'}", "--dry-run")
     assert dry.returncode == 0 and "-m launcher.rank" in dry.stdout, dry.stdout[-2000:] + dry.stderr[-2000:]
     bad = run("train", "recipe=mine", "recipe.engine=nope", f"hydra.run.dir={tmp_path / 'bad'}", "--dry-run")
-    allowed = ", ".join(sorted([*recipes.names(), "mine"]))
+    allowed = ", ".join(sorted([*engines.names(), "mine"]))
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        f"error: recipe.engine=nope: no such engine; allowed: {allowed} (recipes/<engine>: a module or package; "
+        f"error: recipe.engine=nope: no such engine; allowed: {allowed} (engines/<engine>: a module or package; "
         "a recipe, conf/recipe/<name>.yaml, names one)"
     ], bad.stderr
 

@@ -43,7 +43,7 @@ def test_the_readme_is_a_front_door():
 
 def test_every_path_of_the_file_tree_exists():
     paths = layout_entries()
-    assert {"launcher/rank/loop.py", "recipes/ddp/engine.py", "docs/runs.md", "tests/helpers/runs.py"} <= set(paths)
+    assert {"launcher/rank/loop.py", "engines/ddp/engine.py", "docs/runs.md", "tests/helpers/runs.py"} <= set(paths)
     missing = [p for p in paths if p not in PLACEHOLDERS and not list(REPO.glob(p))]
     assert not missing, f"docs/ARCHITECTURE.md's tree names what is not there: {missing}"
 

@@ -11,24 +11,24 @@ import pytest
 import torch
 from torch import nn
 
-import recipes
+import engines
 from launcher.rank.engine import UNGUARDED, Engine, MemoryBreakdown, StepResult, check
 
 
 def engine_classes() -> dict[type, list[str]]:
     """Each engine class, from the registry: the class that `build` returns (its annotation)
-    in the module each engine's spec names, with the engines (recipes/ modules) it runs."""
+    in the module each engine's spec names, with the engines (engines/ modules) it runs."""
     out: dict[type, list[str]] = {}
-    for name in recipes.names():
-        hints = typing.get_type_hints(recipes.engine(name).build)
-        assert "return" in hints, f"recipes/{name}: annotate build(ctx) with the engine class it returns"
+    for name in engines.names():
+        hints = typing.get_type_hints(engines.engine(name).build)
+        assert "return" in hints, f"engines/{name}: annotate build(ctx) with the engine class it returns"
         out.setdefault(hints["return"], []).append(name)
     return out
 
 
 def test_every_engine_of_the_registry_keeps_the_contract():
     classes = engine_classes()
-    assert sum(len(names) for names in classes.values()) == len(recipes.names())
+    assert sum(len(names) for names in classes.values()) == len(engines.names())
     for cls, names in classes.items():
         assert check(cls) == [], (names, check(cls))
 

@@ -14,7 +14,7 @@ import sys
 
 from runs import REPO
 
-PACKAGES = ("launcher", "recipes")
+PACKAGES = ("launcher", "engines")
 # A file holds one concept and may be as long as that concept needs; LINES only keeps any
 # file from growing without bound (docs/ARCHITECTURE.md, "Rules about concepts").
 LINES = 600
@@ -27,7 +27,7 @@ FUNCTION_LINES = 60
 # one that gets short must leave this list.
 LONG_FUNCTIONS = {
     "launcher/rank/metrics.py::_init_wandb",
-    "recipes/zero/engine.py::terms_held",
+    "engines/zero/engine.py::terms_held",
     # Over 60 lines once formatted (a line per argument or per dict entry), to split:
     "launcher/launch/checks/data.py::validate_evaluation",
     "launcher/launch/checks/levers.py::validate_lora",
@@ -244,10 +244,10 @@ def test_deciding_a_run_imports_no_torch(tmp_path):
     disk check on the real shape, the schedule, the run files, the command) imports no
     torch: the recipes' specs are read without their engines. ZeRO's launch side imports
     DeepSpeed (and so torch) to check its JSON with DeepSpeed's own parser."""
-    import recipes
+    import engines
     from launcher.launch.compose import recipe_configs
 
-    outside = [name for name, recipe in recipe_configs().items() if not recipes.spec(recipe.engine).deepspeed]
+    outside = [name for name, recipe in recipe_configs().items() if not engines.spec(recipe.engine).deepspeed]
     assert len(outside) >= 2
     runs = [
         ["train", f"recipe={r}", "model=gpt_tiny", "train.steps=2", f"hydra.run.dir={tmp_path / r}", "--dry-run"]

@@ -60,7 +60,7 @@ def test_ranks_import_only_what_their_recipe_and_logger_use():
     """A rank of a ddp run with logger=none imports neither DeepSpeed, transformers, W&B,
     TensorBoard nor Hydra (it reads config.yaml; the launch side composed it)."""
     code = (
-        "import sys\nimport launcher.rank.entry, recipes\nrecipes.engine('ddp')\n"
+        "import sys\nimport launcher.rank.entry, engines\nengines.engine('ddp')\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & "
         "{'deepspeed', 'transformers', 'wandb', 'tensorboard', 'hydra', 'datasets'}))"
     )

@@ -196,7 +196,7 @@ def test_flex_attention_masks_as_the_dense_mask_does():
 @pytest.mark.parametrize("kind", ["gpt", "hf"])
 def test_a_pipeline_stage_takes_the_positions(kind):
     """A pipeline stage gets the positions as a keyword beside its hidden states
-    (recipes/pp/engine.py); cut in two, the stages give the whole model's logits."""
+    (engines/pp/engine.py); cut in two, the stages give the whole model's logits."""
     model = gpt() if kind == "gpt" else tiny_llama("sdpa")
     x, _, pos = packed(samples(256, seed=8))
     with torch.no_grad():

@@ -158,7 +158,7 @@ def test_a_tied_head_is_stored_once_under_the_embedding_name():
 def test_ddp_skips_the_buffer_sync_on_either_torch(monkeypatch):
     """forward_sync_buffers=False from torch 2.13; torch 2.11's DDP has only broadcast_buffers
     (every ddp run failed on the H200 with the newer keyword, bench/gpu.md)."""
-    from recipes.ddp import engine
+    from engines.ddp import engine
 
     assert engine.no_buffer_sync() == {"forward_sync_buffers": False}
 

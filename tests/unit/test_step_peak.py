@@ -25,7 +25,7 @@ from launcher.rank.entry import build_engine
 def deepspeed_buffers(engine) -> list[torch.Tensor]:
     """DeepSpeed's own model-state buffers (master shards, gradient partitions, buckets): made
     before the tracker starts and held by no module or torch optimizer, so named to it."""
-    from recipes.zero.engine import _tensors, terms_held
+    from engines.zero.engine import _tensors, terms_held
 
     return list(_tensors([ts for _, _, _, ts in terms_held(engine.optimizer, engine.model)]))
 

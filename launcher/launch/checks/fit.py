@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import recipes
+import engines
 from launcher import config as C
 from launcher.manifest import MANIFEST, resumable, shapes
 
@@ -25,8 +25,8 @@ FORMATS = [  # (format, file that marks it, its name)
 
 
 def readers(fmt: str) -> set[str]:
-    """The engines that load a checkpoint of this format (their RecipeSpec's `reads`)."""
-    return {name for name, spec in recipes.specs().items() if fmt in spec.reads}
+    """The engines that load a checkpoint of this format (their EngineSpec's `reads`)."""
+    return {name for name, spec in engines.specs().items() if fmt in spec.reads}
 
 
 def check(cfg: C.Config, run_dir: Path) -> None:

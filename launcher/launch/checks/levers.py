@@ -8,7 +8,7 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-import recipes
+import engines
 from launcher import models
 from launcher.config import Config, ConfigError, ModelKind, Precision, sliceable_loss
 from launcher.host import fp8_capable, gpu_name
@@ -93,16 +93,16 @@ def validate_moe(cfg: Config, world: int = 1) -> None:
         )
     if p.tp > 1 or p.pp > 1:
         key, value = ("parallel.tp", p.tp) if p.tp > 1 else ("parallel.pp", p.pp)
-        engines = ", ".join(n for n in recipes.names() if not recipes.spec(n).parallelism.required)
+        dense = ", ".join(n for n in engines.names() if not engines.spec(n).parallelism.required)
         raise ConfigError(
             key,
             value,
-            f"an MoE model (model.moe.experts={e.experts}) runs under the engines {engines} "
+            f"an MoE model (model.moe.experts={e.experts}) runs under the engines {dense} "
             "(recipe=ddp, fsdp, zero1..zero3_offload), with parallel.ep for its experts",
         )
     if p.ep > 1:
-        able = [n for n in recipes.names() if recipes.spec(n).parallelism.ep]
-        if not recipes.spec(name).parallelism.ep:
+        able = [n for n in engines.names() if engines.spec(n).parallelism.ep]
+        if not engines.spec(name).parallelism.ep:
             raise ConfigError(
                 "parallel.ep",
                 p.ep,
@@ -118,7 +118,7 @@ def validate_ep_ranks(cfg: Config, world: int) -> None:
     """ep > 1 splits the experts over ep of the ranks that share the dense weights' data
     parallel: fsdp's dp_shard x cp (not across HSDP's replicas), ddp's whole world."""
     p, deg = cfg.parallel, degrees(cfg, world)
-    if recipes.spec(cfg.recipe.engine).parallelism.shards:
+    if engines.spec(cfg.recipe.engine).parallelism.shards:
         if p.dp_replicate > 1:
             raise ConfigError(
                 "parallel.ep",
@@ -151,13 +151,13 @@ def validate_fp8(cfg: Config, host) -> None:
             f"runs inside bf16 autocast; precision.name={cfg.precision.name.value} "
             "(use precision=fp8, which sets both)",
         )
-    if not recipes.spec(cfg.recipe.engine).fp8 or p.tp > 1 or p.pp > 1:
-        engines = [name for name, spec in recipes.specs().items() if spec.fp8]  # RecipeSpec.fp8
+    if not engines.spec(cfg.recipe.engine).fp8 or p.tp > 1 or p.pp > 1:
+        fp8 = [name for name, spec in engines.specs().items() if spec.fp8]  # EngineSpec.fp8
         raise ConfigError(
             "precision",
             "fp8",
             f"recipe {cfg.recipe.name} (tp {p.tp}, pp {p.pp}): float8 linear layers run "
-            f"under {' and '.join(engines)} (recipe={' or '.join(engines)}, tp 1, pp 1)",
+            f"under {' and '.join(fp8)} (recipe={' or '.join(fp8)}, tp 1, pp 1)",
         )
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError(
@@ -198,7 +198,7 @@ def validate_context_parallel(cfg: Config, m, name: str, allowed: bool) -> None:
             "the split; use parallel.cp=1 (or data.document_masking=false)",
         )
     if not allowed:
-        which = ", ".join(n for n, s in recipes.specs().items() if s.parallelism.cp)
+        which = ", ".join(n for n, s in engines.specs().items() if s.parallelism.cp)
         raise ConfigError(
             "parallel.cp", p.cp, f"recipe {cfg.recipe.name} does not split the sequence; allowed recipes: {which}"
         )

@@ -12,7 +12,7 @@ import math
 import re
 from pathlib import Path
 
-import recipes
+import engines
 from launcher import optim
 from launcher.config import (
     Backend,
@@ -145,7 +145,7 @@ def validate_optimizer(cfg: Config, host) -> list[str]:
     """optim.* against the recipe and the machine; warmup clamped to a short run (a note)."""
     notes: list[str] = []
     t, o = cfg.train, cfg.optim
-    spec = recipes.spec(cfg.recipe.engine)
+    spec = engines.spec(cfg.recipe.engine)
     optim.validate(
         o, cfg.recipe.name, spec.deepspeed, spec.parallelism.shards and cfg.recipe.fsdp.cpu_offload, host.cuda
     )
@@ -290,9 +290,9 @@ def validate_parallel(cfg: Config, world: int) -> None:
 
 
 def validate_degrees(cfg: Config, m: ModelConfig) -> None:
-    """Each degree positive and one the recipe's engine has (recipes.spec(...).parallelism)."""
+    """Each degree positive and one the recipe's engine has (engines.spec(...).parallelism)."""
     p, name = cfg.parallel, cfg.recipe.engine
-    spec = recipes.spec(name)
+    spec = engines.spec(name)
     can = spec.parallelism
     for key in ("dp_replicate", "tp", "cp", "pp", "pp_microbatches", "pp_virtual_stages"):
         _positive(f"parallel.{key}", getattr(p, key))
@@ -493,7 +493,7 @@ def validate_slurm(cfg: Config) -> None:
 def validate_zero(cfg: Config, host) -> None:
     """ZeRO options, offload and the deepspeed runner: what combinations make sense."""
     z, c, engine = cfg.recipe.zero, cfg.cluster, cfg.recipe.engine
-    deepspeed = recipes.spec(engine).deepspeed
+    deepspeed = engines.spec(engine).deepspeed
     if c.runner == Runner.deepspeed and not deepspeed:
         raise ConfigError(
             "cluster.runner",

@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-import recipes
+import engines
 from launcher import config as C
 from launcher import models
 from launcher.launch.checks.levers import base_digest
@@ -56,7 +56,7 @@ def export(run_dir: Path, overrides: list[str]) -> Path:
 
     cfg = export_config(run_dir, overrides)
     folder = chosen_checkpoint(cfg, run_dir)
-    state = recipes.consolidate(cfg, folder / "engine")
+    state = engines.consolidate(cfg, folder / "engine")
     dtype = {C.ExportDtype.fp32: torch.float32, C.ExportDtype.bf16: torch.bfloat16}[cfg.export.dtype]
     # Each dtype has its own default folder: a bf16 export never replaces the fp32 one.
     suffix = "" if cfg.export.dtype == C.ExportDtype.fp32 else f"-{cfg.export.dtype.value}"

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import recipes
+import engines
 from launcher import config as C
 from launcher.host import HostInfo, gpu_memory_bytes, gpu_name, table_tflops
 from launcher.launch.checks import asked
@@ -117,7 +117,7 @@ def available_recipes(cuda: bool = True) -> dict[str, C.RecipeConfig]:
     memory is the host's: a recipe that offloads saves nothing there and is left out."""
     out = recipe_configs()
     if not cuda:
-        out = {name: rc for name, rc in out.items() if not recipes.spec(rc.engine).holds(rc).offload_optim}
+        out = {name: rc for name, rc in out.items() if not engines.spec(rc.engine).holds(rc).offload_optim}
     return out
 
 

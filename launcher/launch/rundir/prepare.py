@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import recipes
+import engines
 from launcher import config as C
 from launcher import models
 from launcher.host import HostInfo, deepspeed_env
@@ -271,10 +271,10 @@ def nothing_to_train(cfg: C.Config, run_dir: Path) -> bool:
 
 
 def zero_config(cfg: C.Config, host: HostInfo) -> dict | None:
-    """An engine that runs inside DeepSpeed (its RecipeSpec says so: recipe.engine=zero):
+    """An engine that runs inside DeepSpeed (its EngineSpec says so: recipe.engine=zero):
     DeepSpeed's config, generated, merged with recipe.zero.extra and checked by DeepSpeed's
     parser at the world size of this launch (ConfigError if not)."""
-    if not recipes.spec(cfg.recipe.engine).deepspeed:
+    if not engines.spec(cfg.recipe.engine).deepspeed:
         return None
 
     deepspeed_env()

@@ -60,7 +60,7 @@ def submit(run_dir: Path) -> str:
 
 
 CODE = "code"
-PACKAGES = ("launcher", "recipes")  # what a rank imports of the project
+PACKAGES = ("launcher", "engines")  # what a rank imports of the project
 
 
 def code_dir(cfg: C.Config, run_dir: Path) -> str | None:

@@ -1,4 +1,4 @@
-"""The ZeRO engine (the recipes' spec and design: recipes/zero/__init__.py): DeepSpeed
+"""The ZeRO engine (the recipes' spec and design: engines/zero/__init__.py): DeepSpeed
 built from RUN_DIR/ds_config.json with the project's parameter groups and schedule, the
 memory count from DeepSpeed's own buffers, checkpoints loaded with weights_only=True (and
 through the universal checkpoint at another world size), and `consolidate()` for export."""
@@ -18,6 +18,7 @@ import cpuinfo
 import torch
 import torch.distributed as dist
 
+from engines.zero import import_deepspeed
 from launcher import models
 from launcher.manifest import root_of
 from launcher.parallel import ds_config
@@ -33,7 +34,6 @@ from launcher.rank.engine import (
     param_groups,
 )
 from launcher.untrusted import weights_only_loads
-from recipes.zero import import_deepspeed
 
 # DeepSpeed 0.19 calls torch collectives torch 2.13 deprecates; one warning per rank per call
 # site, on every launch. Nothing the user can act on.
@@ -50,7 +50,7 @@ def restore_linear() -> None:
     process ("This will persist unless manually reset"); it changes what autograd saves.
     A rank runs one engine; a process that builds several (scripts/measure_memory.py, a
     rehearsal) gives later engines torch's own back."""
-    # local: order (DS_ACCELERATOR first: recipes.zero.import_deepspeed)
+    # local: order (DS_ACCELERATOR first: engines.zero.import_deepspeed)
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
 
     if hasattr(patcher, "linear_bk"):
@@ -239,7 +239,7 @@ class ZeroEngine(Engine):
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 master weights on every rank (a collective under stage 3)."""
-        # local: order (DS_ACCELERATOR first: recipes.zero.import_deepspeed)
+        # local: order (DS_ACCELERATOR first: engines.zero.import_deepspeed)
         from deepspeed.utils import safe_get_full_fp32_param
 
         return {
@@ -251,7 +251,7 @@ class ZeroEngine(Engine):
 def to_universal(checkpoint: Path, out: Path) -> None:
     """DeepSpeed's ds_to_universal, in this process (serial, its output kept quiet)."""
     import_deepspeed()
-    # local: order (DS_ACCELERATOR first: recipes.zero.import_deepspeed)
+    # local: order (DS_ACCELERATOR first: engines.zero.import_deepspeed)
     from deepspeed.checkpoint import ds_to_universal
 
     args = argparse.Namespace(
@@ -281,7 +281,7 @@ def consolidate(cfg, engine_dir: Path) -> dict[str, torch.Tensor]:
         with weights_only_loads():
             state = torch.load(engine_dir / TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
         return {k: v.float() for k, v in state["module"].items()}
-    # local: order (DS_ACCELERATOR first: recipes.zero.import_deepspeed)
+    # local: order (DS_ACCELERATOR first: engines.zero.import_deepspeed)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     log = io.StringIO()

@@ -15,8 +15,8 @@ what the launcher needs around it:
 - `consolidate()`: full fp32 weights from the shards on one process, for `make export`.
 """
 
+from engines import EngineSpec, Holding
 from launcher.host import deepspeed_env
-from recipes import Holding, RecipeSpec
 
 
 def import_deepspeed():
@@ -46,8 +46,8 @@ def holds(recipe) -> Holding:
     )
 
 
-SPEC = RecipeSpec(
-    engine="recipes.zero.engine",
+SPEC = EngineSpec(
+    engine="engines.zero.engine",
     writes="deepspeed",
     reads=("deepspeed",),
     holds=holds,

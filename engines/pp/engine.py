@@ -1,5 +1,5 @@
-"""The `pp` and `pp_fsdp` engine (the recipes' specs and design: recipes/pp/__init__.py,
-recipes/pp_fsdp.py): the meta-device model cut into this rank's stages, each made tensor
+"""The `pp` and `pp_fsdp` engine (the recipes' specs and design: engines/pp/__init__.py,
+engines/pp_fsdp.py): the meta-device model cut into this rank's stages, each made tensor
 parallel and sharded with FSDP2 where the degrees say, a torch.distributed.pipelining
 schedule over them, the tied embedding's two copies kept equal, DCP checkpoints under the
 full model's names."""
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-import recipes
+import engines
 from launcher import config as C
 from launcher import models
 from launcher.device import autocast_dtype
@@ -61,7 +61,7 @@ class PipelineEngine(Engine):
         # as its root (the schedule defers FSDP's gradient reduction to the step's last
         # micro-batch only for a stage module that is an FSDP module).
         chunks = [Stage(full, range(*self.bounds[s])) for s in mine]
-        self.sharded = recipes.spec(cfg.recipe.engine).parallelism.shards
+        self.sharded = engines.spec(cfg.recipe.engine).parallelism.shards
         for chunk in chunks:
             if self.deg.tp > 1:
                 apply_tp(chunk, mesh["tp"], p.sequence_parallel)

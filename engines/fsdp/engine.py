@@ -1,5 +1,5 @@
 """`ShardedEngine`, the engine of `fsdp`, `tp` and `tp_fsdp` (their specs:
-recipes/fsdp/__init__.py, recipes/tp.py, recipes/tp_fsdp.py): the meta-device model
+engines/fsdp/__init__.py, engines/tp.py, engines/tp_fsdp.py): the meta-device model
 parallelized for the run's degrees (launcher.parallel.mesh.parallelize), then only this
 rank's shards allocated; one step, DCP checkpoints and the memory count for all three."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-import recipes
+import engines
 from launcher import models
 from launcher.device import autocast_dtype
 from launcher.models import model_layout
@@ -39,7 +39,7 @@ class ShardedEngine(Engine):
         self.deg = D.degrees(cfg, ctx.world_size)
         mesh = build_mesh(self.deg, ctx.device)
         # Parallelize the meta-device model, then allocate only this rank's shards.
-        self.sharded = recipes.spec(cfg.recipe.engine).parallelism.shards
+        self.sharded = engines.spec(cfg.recipe.engine).parallelism.shards
         self.model = ctx.model
         parallelize(self.model, mesh, self.deg, cfg)
         offload = self.sharded and cfg.recipe.fsdp.cpu_offload

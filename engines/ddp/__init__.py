@@ -5,11 +5,11 @@ Model states per rank (mixed-precision Adam under autocast): fp32 parameters 4Ψ
 gradients 4Ψ, Adam moments 8Ψ: 16Ψ bytes, the same on every rank.
 """
 
-from recipes import Holding, Parallelism, RecipeSpec
+from engines import EngineSpec, Holding, Parallelism
 
-SPEC = RecipeSpec(
+SPEC = EngineSpec(
     Parallelism(cp=True, ep=True),
-    engine="recipes.ddp.engine",
+    engine="engines.ddp.engine",
     reads=("ddp", "dcp"),
     fp16=True,
     fp8=True,

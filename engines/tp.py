@@ -8,11 +8,11 @@ Each block all-reduces its activations twice in forward and twice in backward. T
 is in launcher/parallel/cuts.py; the engine is fsdp's ShardedEngine (no FSDP here).
 """
 
-from recipes import Holding, Parallelism, RecipeSpec
+from engines import EngineSpec, Holding, Parallelism
 
-SPEC = RecipeSpec(
+SPEC = EngineSpec(
     Parallelism(tp=True, required=("tp",)),
-    engine="recipes.fsdp.engine",
+    engine="engines.fsdp.engine",
     builds_on_meta=True,
     writes="dcp",
     reads=("ddp", "dcp"),

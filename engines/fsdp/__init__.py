@@ -12,7 +12,7 @@ what `launcher.parallel.mesh.parallelize` applies for their degrees, so they sha
 the DCP checkpoints and the memory accounting.
 """
 
-from recipes import Holding, Parallelism, RecipeSpec
+from engines import EngineSpec, Holding, Parallelism
 
 
 def fsdp_holds(recipe) -> Holding:
@@ -28,9 +28,9 @@ def fsdp_holds(recipe) -> Holding:
     )
 
 
-SPEC = RecipeSpec(
+SPEC = EngineSpec(
     Parallelism(shards=True, cp=True, ep=True),
-    engine="recipes.fsdp.engine",
+    engine="engines.fsdp.engine",
     builds_on_meta=True,
     writes="dcp",
     reads=("ddp", "dcp"),

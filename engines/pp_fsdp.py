@@ -1,4 +1,4 @@
-"""`pp_fsdp`: pipeline stages (recipes/pp/), each sharded with FSDP2 over the
+"""`pp_fsdp`: pipeline stages (engines/pp/), each sharded with FSDP2 over the
 data-parallel ranks of its stage, and tensor parallel inside them where parallel.tp > 1:
 the 3-D layout of the largest models (pp x fsdp, pp x tp x fsdp). The engine is pp's
 PipelineEngine; each stage's modules get tensor parallel, then `fully_shard` per block
@@ -14,12 +14,12 @@ planner's pipeline-FSDP term (launcher/planner/footprint.py).
 
 import dataclasses
 
-from recipes import Parallelism, RecipeSpec
-from recipes.fsdp import fsdp_holds
+from engines import EngineSpec, Parallelism
+from engines.fsdp import fsdp_holds
 
-SPEC = RecipeSpec(
+SPEC = EngineSpec(
     Parallelism(shards=True, tp=True, pp=True, required=("pp",)),
-    engine="recipes.pp.engine",
+    engine="engines.pp.engine",
     builds_on_meta=True,
     writes="dcp",
     reads=("ddp", "dcp"),

@@ -8,7 +8,7 @@ from exactly the weights ddp starts from.
 
 With parallel.tp > 1 each stage is tensor parallel too (pp x tp, the layout of a 70B
 model over nodes: launcher/parallel/cuts.py's plan applied to each stage's modules); the
-recipe `pp_fsdp` (recipes/pp_fsdp.py) shards each stage over the data-parallel ranks with
+recipe `pp_fsdp` (engines/pp_fsdp.py) shards each stage over the data-parallel ranks with
 FSDP2 (pp x fsdp, pp x tp x fsdp).
 
 The data-parallel rank's batch (micro_batch x grad_accum sequences) goes through the
@@ -24,11 +24,11 @@ bytes x the stage's parameters (the first stage adds the embedding, the last the
 head), its matrices divided by tp.
 """
 
-from recipes import Parallelism, RecipeSpec
+from engines import EngineSpec, Parallelism
 
-SPEC = RecipeSpec(
+SPEC = EngineSpec(
     Parallelism(tp=True, pp=True, required=("pp",)),
-    engine="recipes.pp.engine",
+    engine="engines.pp.engine",
     builds_on_meta=True,
     writes="dcp",
     reads=("ddp", "dcp"),

@@ -5,12 +5,12 @@ data-parallel mesh dimension. Model states per rank: 16 x (Ψ_matmul/(tp x dp) +
 applies tensor parallel, then FSDP.
 """
 
-from recipes import Parallelism, RecipeSpec
-from recipes.fsdp import fsdp_holds
+from engines import EngineSpec, Parallelism
+from engines.fsdp import fsdp_holds
 
-SPEC = RecipeSpec(
+SPEC = EngineSpec(
     Parallelism(shards=True, tp=True, cp=True, required=("tp",)),
-    engine="recipes.fsdp.engine",
+    engine="engines.fsdp.engine",
     builds_on_meta=True,
     writes="dcp",
     reads=("ddp", "dcp"),

@@ -1,12 +1,12 @@
-"""The registry of engines: one module (or package) per engine, recipes/<engine>, each
-declaring its `SPEC` (a RecipeSpec). The spec is the launch side's whole view of an
+"""The registry of engines: one module (or package) per engine, engines/<engine>, each
+declaring its `SPEC` (an EngineSpec). The spec is the launch side's whole view of an
 engine and imports no torch; the code that builds the engine, `build(ctx)` and
 `consolidate(cfg, engine_dir)`, lives in the module the spec names (`SPEC.engine`, e.g.
-recipes/ddp/engine.py), imported only by a rank or by `make export`.
+engines/ddp/engine.py), imported only by a rank or by `make export`.
 
 A recipe is a YAML file, conf/recipe/<name>.yaml: its name, the engine it runs
 (`recipe.engine`, a module of this package) and that engine's options (zero1/2/3 and
-their offload variants are one engine, recipes/zero/, with other options). A new recipe
+their offload variants are one engine, engines/zero/, with other options). A new recipe
 on an existing engine is one YAML; a new engine is one module here plus its YAML.
 Validation, the planner, the launch side and the ranks read the specs through `spec()`;
 nothing else lists the engines. So `make train` decides, writes the run directory and
@@ -63,7 +63,7 @@ class Holding:
 
 
 @dataclass(frozen=True)
-class RecipeSpec:
+class EngineSpec:
     """What the rest of the launcher knows of an engine."""
 
     parallelism: Parallelism = Parallelism()
@@ -115,17 +115,17 @@ def module(name: str):
             "recipe.engine",
             name,
             f"no such engine; allowed: {', '.join(names())} "
-            "(recipes/<engine>: a module or package; a recipe, conf/recipe/<name>.yaml, names one)",
+            "(engines/<engine>: a module or package; a recipe, conf/recipe/<name>.yaml, names one)",
         )
-    return importlib.import_module(f"recipes.{name}")
+    return importlib.import_module(f"engines.{name}")
 
 
-def spec(name: str) -> RecipeSpec:
+def spec(name: str) -> EngineSpec:
     """The spec of engine `name` (a recipe's `recipe.engine`)."""
     return module(name).SPEC
 
 
-def specs() -> dict[str, RecipeSpec]:
+def specs() -> dict[str, EngineSpec]:
     return {name: spec(name) for name in names()}
 
 

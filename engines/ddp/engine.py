@@ -1,4 +1,4 @@
-"""The `ddp` engine (the recipe's spec is recipes/ddp/__init__.py): DDP over the whole
+"""The `ddp` engine (the recipe's spec is engines/ddp/__init__.py): DDP over the whole
 model, gradient accumulation without all-reduce until the last micro-batch, the fp16
 scaler, and the plain model.pt/optim.pt checkpoint. Under parallel.ep an MoE's experts are
 split over ep ranks outside DDP (launcher/parallel/experts.py) and saved one file per ep rank."""
