@@ -210,7 +210,7 @@ def _run(args, rank: int, world: int, device, scratch: Path) -> list[dict]:
 def measure_precision(base, args, layout, rank, world, device, scratch, key) -> list[dict]:
     """One layout at one precision: every accumulation x checkpointing cell."""
     rows = []
-    engines: dict = {}
+    groups: dict = {}
     for accum, ac in itertools.product([int(g) for g in args.grad_accums.split(",")], args.ac.split(",")):
         try:
             cfg = cell(base, accum, ac)
@@ -219,8 +219,8 @@ def measure_precision(base, args, layout, rank, world, device, scratch, key) -> 
             continue
         spec = engines.spec(cfg.recipe.engine)
         shared = not (spec.deepspeed or spec.parallelism.pp)
-        engines.setdefault(None if shared else accum, []).append(cfg)
-    for cells in engines.values():
+        groups.setdefault(None if shared else accum, []).append(cfg)
+    for cells in groups.values():
         measured = measure_engine(cells, layout, rank, world, device, scratch)
         rows += [
             {**key, "grad_accum": c.train.grad_accum, "ac": c.train.activation_checkpointing.value, **r}

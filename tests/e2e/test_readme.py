@@ -29,7 +29,7 @@ from launcher.host import HostInfo
 from launcher.launch import cli
 
 README = REPO / "README.md"
-PAGES = tuple(REPO / "docs" / f"{name}.md" for name in ("engines", "runs", "launching", "models"))
+PAGES = tuple(REPO / "docs" / f"{name}.md" for name in ("recipes", "runs", "launching", "models"))
 """The docs pages that took the README's sections (issue 50): their lines are the README's."""
 BIN = Path(sys.executable).parent  # the environment running the suite: `make test`'s .venv/bin
 STARTS = ("make ", ".venv/bin/", "cd RUN_DIR ", "RUN_DIR/")
@@ -235,7 +235,17 @@ def run(command: str, home: Path, capsys) -> str:
             text=True,
             timeout=60,
         )
-        words = proc.stdout.split()  # pytest-xdist workers: half the cores, 2 on 2 cores (the Makefile's TEST_WORKERS)
+        *first, last = proc.stdout.splitlines()
+        lint = subprocess.run(
+            ["make", "-s", "-n", "-o", ".venv/.installed", "-o", TESTED, "lint"],
+            cwd=REPO,
+            env=shell_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.splitlines()
+        assert first == lint and [line.split()[2] for line in lint] == ["ruff", "ruff", "mypy"]  # make lint first
+        words = last.split()  # pytest-xdist workers: half the cores, 2 on 2 cores (the Makefile's TEST_WORKERS)
         cores = len(os.sched_getaffinity(0))  # what nproc counts
         workers = str(cores // 2 if cores > 4 else 2)
         assert words == [

@@ -81,6 +81,9 @@ class SharedRuns:
         """Every run, launched where it is not yet, in the order RUNS names them."""
         return [(name, self(name)) for name in self.runs]
 
+    def values(self) -> list[Path]:
+        return [run for _, run in self.items()]
+
     def _launch(self, name: str, run: Run) -> Path:
         run_dir = self.root / name
         first = list(run.overrides)
