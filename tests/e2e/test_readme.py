@@ -42,6 +42,18 @@ def shell_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
 
 
+def make_n(target: str) -> subprocess.CompletedProcess:
+    """What `make -s -n TARGET` would run, the set-up taken as done."""
+    return subprocess.run(
+        ["make", "-s", "-n", "-o", ".venv/.installed", "-o", TESTED, target],
+        cwd=REPO,
+        env=shell_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def readme_commands() -> list[str]:
     """The command lines of the README and PAGES, in order, without their trailing comments."""
     text = "\n".join(page.read_text() for page in (README, *PAGES))
@@ -227,23 +239,9 @@ def run(command: str, home: Path, capsys) -> str:
             timeout=300,
         )
     elif head == ["make", "test"]:  # this suite: make runs pytest over tests/, which holds this file
-        proc = subprocess.run(
-            ["make", "-s", "-n", "-o", ".venv/.installed", "-o", TESTED, "test"],
-            cwd=REPO,
-            env=shell_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        proc = make_n("test")
         *first, last = proc.stdout.splitlines()
-        lint = subprocess.run(
-            ["make", "-s", "-n", "-o", ".venv/.installed", "-o", TESTED, "lint"],
-            cwd=REPO,
-            env=shell_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout.splitlines()
+        lint = make_n("lint").stdout.splitlines()
         assert first == lint and [line.split()[2] for line in lint] == ["ruff", "ruff", "mypy"]  # make lint first
         words = last.split()  # pytest-xdist workers: half the cores, 2 on 2 cores (the Makefile's TEST_WORKERS)
         cores = len(os.sched_getaffinity(0))  # what nproc counts
