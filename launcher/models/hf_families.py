@@ -32,32 +32,11 @@ def dense_layers(raw: dict) -> list[int]:
     return [i for i in range(raw.get("num_hidden_layers") or 0) if i in only or (i + 1) % step]
 
 
-def pairs(m: ModelConfig, raw: dict) -> list[tuple[str, object, str, object]]:
-    """(project key, its value, the folder's field as it reads, the value the key must take)."""
-    kind, e, moe = raw.get("model_type"), m.moe, m.moe.experts > 0
-    heads = raw.get("num_attention_heads")
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", raw.get("rope_theta", 1e4)))
-    hd = raw.get("head_dim") or (raw.get("hidden_size") or 0) // (heads or 1)
-    fields = [
-        ("model.vocab_size", m.vocab_size, "vocab_size", raw.get("vocab_size")),
-        ("model.dim", m.dim, "hidden_size", raw.get("hidden_size")),
-        ("model.n_layers", m.n_layers, "num_hidden_layers", raw.get("num_hidden_layers")),
-        ("model.n_heads", m.n_heads, "num_attention_heads", heads),
-        ("model.n_kv_heads", m.n_kv_heads or m.n_heads, "num_key_value_heads", raw.get("num_key_value_heads") or heads),
-        ("model.head_dim", head_dim(m), "head_dim", hd),
-        (
-            "model.moe.experts",
-            e.experts,
-            "num_experts" if "num_experts" in raw else "num_local_experts",
-            experts_of(raw),
-        ),
-        ("model.rope_theta", m.rope_theta, "rope_theta", theta),
-        ("model.norm_eps", m.norm_eps, "rms_norm_eps", raw.get("rms_norm_eps")),
-        ("model.tie_embeddings", m.tie_embeddings, "tie_word_embeddings", bool(raw.get("tie_word_embeddings"))),
-    ]
-    if moe:
-        fields.append(("model.moe.top_k", e.top_k, "num_experts_per_tok", raw.get("num_experts_per_tok")))
+def family_fields(m: ModelConfig, raw: dict, kind) -> list[tuple[str, object, str, object]]:
+    """pairs' fields that depend on the family: q/k norms and biases, Qwen's expert and dense
+    widths, Qwen2-MoE's gated shared expert."""
+    e, moe = m.moe, m.moe.experts > 0
+    fields: list[tuple[str, object, str, object]] = []
     qwen2, qwen3 = kind == "qwen2_moe", kind == "qwen3_moe"
     fields.append(
         ("model.qk_norm", m.qk_norm, f"model_type={kind} ({'q_norm, k_norm' if qwen3 else 'no q/k norms'})", qwen3)
@@ -99,6 +78,36 @@ def pairs(m: ModelConfig, raw: dict) -> list[tuple[str, object, str, object]]:
             ),
             ("model.moe.shared_gate", e.shared_gate, "model_type=qwen2_moe (shared_expert_gate)", True),
         ]
+    return fields
+
+
+def pairs(m: ModelConfig, raw: dict) -> list[tuple[str, object, str, object]]:
+    """(project key, its value, the folder's field as it reads, the value the key must take)."""
+    kind, e, moe = raw.get("model_type"), m.moe, m.moe.experts > 0
+    heads = raw.get("num_attention_heads")
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", raw.get("rope_theta", 1e4)))
+    hd = raw.get("head_dim") or (raw.get("hidden_size") or 0) // (heads or 1)
+    fields: list[tuple[str, object, str, object]] = [
+        ("model.vocab_size", m.vocab_size, "vocab_size", raw.get("vocab_size")),
+        ("model.dim", m.dim, "hidden_size", raw.get("hidden_size")),
+        ("model.n_layers", m.n_layers, "num_hidden_layers", raw.get("num_hidden_layers")),
+        ("model.n_heads", m.n_heads, "num_attention_heads", heads),
+        ("model.n_kv_heads", m.n_kv_heads or m.n_heads, "num_key_value_heads", raw.get("num_key_value_heads") or heads),
+        ("model.head_dim", head_dim(m), "head_dim", hd),
+        (
+            "model.moe.experts",
+            e.experts,
+            "num_experts" if "num_experts" in raw else "num_local_experts",
+            experts_of(raw),
+        ),
+        ("model.rope_theta", m.rope_theta, "rope_theta", theta),
+        ("model.norm_eps", m.norm_eps, "rms_norm_eps", raw.get("rms_norm_eps")),
+        ("model.tie_embeddings", m.tie_embeddings, "tie_word_embeddings", bool(raw.get("tie_word_embeddings"))),
+    ]
+    if moe:
+        fields.append(("model.moe.top_k", e.top_k, "num_experts_per_tok", raw.get("num_experts_per_tok")))
+    fields += family_fields(m, raw, kind)
     return [
         (key, value, f"{theirs}={want}" if "=" not in theirs else theirs, want) for key, value, theirs, want in fields
     ]

@@ -19,6 +19,24 @@ def chart_rows(rows: list[Row]) -> list[Row]:
     return list(best.values())
 
 
+def _cut_bars(ax, rows: list[Row], hw: Hardware) -> float:
+    """The axis' end, so that the memory lines stay in sight: a bar far beyond them is cut there,
+    its size written at the cut."""
+    end = max(hw.gpu_bytes, min(max(r.peak for r in rows), 2 * hw.gpu_bytes)) / GiB * 1.05
+    for i, r in enumerate(rows):  # the memory lines stay in sight: a bar far beyond them is cut, its size written
+        if max(r.total, r.startup) / GiB > end:
+            ax.text(
+                end,
+                i,
+                f"{r.peak / GiB:,.0f} GiB ▸",
+                ha="right",
+                va="center",
+                fontsize=8,
+                bbox=dict(facecolor="white", edgecolor="none", pad=1),
+            )
+    return end
+
+
 def chart(rows: list[Row], hw: Hardware, path: Path, reserve_gb: float, title: str = "") -> None:
     """Stacked horizontal bars, one per layout (chart_rows), against the memory lines; about
     1200 pixels wide and 1 + 0.3 inch per layout high at any cluster size."""
@@ -62,18 +80,7 @@ def chart(rows: list[Row], hw: Hardware, path: Path, reserve_gb: float, title: s
     ax.axvline(
         hw.gpu_bytes / GiB - reserve_gb, color="red", linestyle=":", label=f"less plan.reserve_gb ({reserve_gb:g} GiB)"
     )
-    end = max(hw.gpu_bytes, min(max(r.peak for r in rows), 2 * hw.gpu_bytes)) / GiB * 1.05
-    for i, r in enumerate(rows):  # the memory lines stay in sight: a bar far beyond them is cut, its size written
-        if max(r.total, r.startup) / GiB > end:
-            ax.text(
-                end,
-                i,
-                f"{r.peak / GiB:,.0f} GiB ▸",
-                ha="right",
-                va="center",
-                fontsize=8,
-                bbox=dict(facecolor="white", edgecolor="none", pad=1),
-            )
+    end = _cut_bars(ax, rows, hw)
     ax.set_xlim(0, end)
     ax.set_yticks(range(len(rows)), labels, fontsize=9)
     ax.invert_yaxis()

@@ -157,8 +157,11 @@ def main(argv: list[str] | None = None, early: tuple[int, ...] | list[int] = ())
         return run_rank(cfg, run_dir, rank, world_size, preemption, started)
 
 
-def run_rank(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemption: Preemption, started: float) -> int:
-    """This rank's run: device, process group, checkpointer, engine and data, the loop; the group torn down."""
+def join_group(
+    cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemption: Preemption
+) -> tuple[torch.device, int, int]:
+    """This rank's device and threads, the process group joined (and the CPU group the stop signal
+    agrees on): (device, local rank, the collectives' timeout in seconds)."""
     local_rank = int(os.environ["LOCAL_RANK"])
     device = local_device(local_rank)
     backend = backend_for(device) if cfg.dist.backend == C.Backend.auto else cfg.dist.backend.value
@@ -180,6 +183,12 @@ def run_rank(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemptio
     )
     if backend != "gloo":  # stop-signal agreement runs on the CPU, never syncing the GPU
         preemption.group = dist.new_group(backend="gloo")
+    return device, local_rank, backstop
+
+
+def run_rank(cfg: C.Config, run_dir: Path, rank: int, world_size: int, preemption: Preemption, started: float) -> int:
+    """This rank's run: device, process group, checkpointer, engine and data, the loop; the group torn down."""
+    device, local_rank, backstop = join_group(cfg, run_dir, rank, world_size, preemption)
     try:
         ckpt = Checkpointer(
             root_of(cfg, run_dir),

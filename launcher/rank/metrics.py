@@ -349,6 +349,34 @@ def wandb_unreachable(timeout_s: float = 5.0) -> str | None:
     return None
 
 
+def _start_wandb(wandb, cfg: Config, run_dir: Path, run_id: str, mode: str):
+    """wandb.init of this run in `mode`, its id and settings fixed (_init_wandb)."""
+    timeout_s = WANDB_INIT_TIMEOUT_S if mode == "online" else WANDB_OFFLINE_INIT_TIMEOUT_S
+    return wandb.init(
+        project=cfg.logger.project,
+        entity=cfg.logger.entity,
+        group=cfg.logger.group,
+        tags=list(cfg.logger.tags) or None,
+        name=cfg.run_name or run_dir.name,
+        id=run_id,
+        resume="allow",
+        dir=str(run_dir),
+        config={**to_dict(cfg), "provenance": provenance.for_wandb(run_dir)},
+        mode=mode,  # type: ignore[arg-type]  # one of wandb's modes (logger.mode)
+        settings=wandb.Settings(
+            console="off",
+            silent=True,
+            disable_git=True,
+            save_code=False,
+            x_save_requirements=False,
+            init_timeout=timeout_s,
+            # system metrics (GPUs by NVML): W&B's service samples them
+            x_disable_stats=cfg.logger.system_metrics_s <= 0,
+            x_stats_sampling_interval=max(cfg.logger.system_metrics_s, 0.1),
+        ),
+    )
+
+
 def _init_wandb(cfg: Config, run_dir: Path):
     """The W&B run, resumed by the id in RUN_DIR/wandb_id. Logging never ends a run: an
     online start that fails (no route, a rejected key) falls back to offline files in
@@ -368,35 +396,9 @@ def _init_wandb(cfg: Config, run_dir: Path):
         run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         id_file.write_text(run_id + "\n")
 
-    def start(mode: str):
-        timeout_s = WANDB_INIT_TIMEOUT_S if mode == "online" else WANDB_OFFLINE_INIT_TIMEOUT_S
-        return wandb.init(
-            project=cfg.logger.project,
-            entity=cfg.logger.entity,
-            group=cfg.logger.group,
-            tags=list(cfg.logger.tags) or None,
-            name=cfg.run_name or run_dir.name,
-            id=run_id,
-            resume="allow",
-            dir=str(run_dir),
-            config={**to_dict(cfg), "provenance": provenance.for_wandb(run_dir)},
-            mode=mode,  # type: ignore[arg-type]  # one of wandb's modes (logger.mode)
-            settings=wandb.Settings(
-                console="off",
-                silent=True,
-                disable_git=True,
-                save_code=False,
-                x_save_requirements=False,
-                init_timeout=timeout_s,
-                # system metrics (GPUs by NVML): W&B's service samples them
-                x_disable_stats=cfg.logger.system_metrics_s <= 0,
-                x_stats_sampling_interval=max(cfg.logger.system_metrics_s, 0.1),
-            ),
-        )
-
     mode = wandb_mode(cfg)
     try:
-        return start(mode)
+        return _start_wandb(wandb, cfg, run_dir, run_id, mode)
     except Exception as e:  # noqa: BLE001 -- anything W&B raises: logging is optional
         why = f"{e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if mode != "online":
@@ -409,7 +411,7 @@ def _init_wandb(cfg: Config, run_dir: Path):
         )
     try:
         wandb.teardown()  # the failed start still holds the run id in W&B's service process
-        return start("offline")
+        return _start_wandb(wandb, cfg, run_dir, run_id, "offline")
     except Exception as e:  # noqa: BLE001
         print(
             f"W&B could not start offline either ({e.__class__.__name__}); this run goes on without W&B",

@@ -36,27 +36,11 @@ def validate_token_data(cfg: Config) -> None:
             )
 
 
-def validate_evaluation(cfg: Config, dp: int, grad_accum: int) -> None:
-    from launcher.data.sources import sources as sources_of  # local: start-up (numpy, 0.75 s, launch side)
+def validate_held_out(cfg: Config) -> None:
+    """data.val_path / data.val_fraction: for the data that can hold them out, and leaving training windows."""
     from launcher.data.sources import windows_of  # local: start-up (numpy, 0.75 s, launch side)
 
     t, d = cfg.train, cfg.data
-    if t.eval_every < 0:
-        raise ConfigError("train.eval_every", t.eval_every, "must be >= 0 (0: never)")
-    step = t.micro_batch * dp * (grad_accum if cfg.parallel.pp > 1 else 1)
-    if t.eval_every and (t.eval_samples < 1 or t.eval_samples % step):
-        raise ConfigError(
-            "train.eval_samples",
-            t.eval_samples,
-            f"must be a positive multiple of micro_batch({t.micro_batch})"
-            f" x data-parallel size({dp})"
-            + (
-                f" x grad_accum({grad_accum}): a pipeline evaluates a step's batch at a time"
-                if cfg.parallel.pp > 1
-                else ""
-            )
-            + f" = {step}",
-        )
     if not 0 <= d.val_fraction <= 0.5:
         raise ConfigError("data.val_fraction", d.val_fraction, "must be in [0, 0.5]")
     if d.val_path is not None and d.name != DataKind.memmap:
@@ -83,6 +67,29 @@ def validate_evaluation(cfg: Config, dp: int, grad_accum: int) -> None:
         windows = windows_of("data.path", d.path, d.dtype, t.seq_len)
         if windows - held_out_windows(windows, d.val_fraction) < 1:
             raise ConfigError("data.val_fraction", d.val_fraction, f"leaves no training window of the file's {windows}")
+
+
+def validate_evaluation(cfg: Config, dp: int, grad_accum: int) -> None:
+    from launcher.data.sources import sources as sources_of  # local: start-up (numpy, 0.75 s, launch side)
+
+    t, d = cfg.train, cfg.data
+    if t.eval_every < 0:
+        raise ConfigError("train.eval_every", t.eval_every, "must be >= 0 (0: never)")
+    step = t.micro_batch * dp * (grad_accum if cfg.parallel.pp > 1 else 1)
+    if t.eval_every and (t.eval_samples < 1 or t.eval_samples % step):
+        raise ConfigError(
+            "train.eval_samples",
+            t.eval_samples,
+            f"must be a positive multiple of micro_batch({t.micro_batch})"
+            f" x data-parallel size({dp})"
+            + (
+                f" x grad_accum({grad_accum}): a pipeline evaluates a step's batch at a time"
+                if cfg.parallel.pp > 1
+                else ""
+            )
+            + f" = {step}",
+        )
+    validate_held_out(cfg)
     if t.eval_every and d.sources is not None and not d.val_fraction:
         lacking = [s.name for s in sources_of(d) if not s.val_path]
         if lacking:

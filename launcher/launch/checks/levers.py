@@ -236,6 +236,29 @@ def check_trainable(cfg: Config) -> None:
         )
 
 
+def validate_lora_targets(cfg: Config) -> None:
+    """model.lora.targets name linears inside the decoder layers, and there are some."""
+    lora = cfg.model.lora
+    from launcher.models.lora import plain, targets  # local: torch (launch side)
+
+    base = models.on_meta(plain(cfg))
+    linears = sorted({n.rsplit(".", 1)[-1] for n in targets(base, models.model_layout(base).layers, None)})
+    if not linears:  # GPT-2's Conv1D, say: nothing would train
+        raise ConfigError(
+            "model.lora.rank",
+            lora.rank,
+            "this model has no nn.Linear inside its decoder layers to adapt "
+            "(GPT-2's Conv1D, for one); LoRA here takes Llama-family models",
+        )
+    missing = [t for t in (lora.targets or []) if str(t) not in linears]
+    if missing:
+        raise ConfigError(
+            "model.lora.targets",
+            missing[0],
+            f"names no linear inside the decoder layers; this model's are {', '.join(linears)}",
+        )
+
+
 def validate_lora(cfg: Config) -> None:
     """model.lora: adapters over the whole layers (ddp, fsdp, ZeRO): tensor parallel would
     have to split each adapter with its layer, a pipeline stage's optimizer is its own."""
@@ -284,24 +307,7 @@ def validate_lora(cfg: Config) -> None:
             "the activations for the fp32 adapters; use base_dtype=auto (the compute dtype) or "
             "precision=bf16",
         )
-    from launcher.models.lora import plain, targets  # local: torch (launch side)
-
-    base = models.on_meta(plain(cfg))
-    linears = sorted({n.rsplit(".", 1)[-1] for n in targets(base, models.model_layout(base).layers, None)})
-    if not linears:  # GPT-2's Conv1D, say: nothing would train
-        raise ConfigError(
-            "model.lora.rank",
-            lora.rank,
-            "this model has no nn.Linear inside its decoder layers to adapt "
-            "(GPT-2's Conv1D, for one); LoRA here takes Llama-family models",
-        )
-    missing = [t for t in (lora.targets or []) if str(t) not in linears]
-    if missing:
-        raise ConfigError(
-            "model.lora.targets",
-            missing[0],
-            f"names no linear inside the decoder layers; this model's are {', '.join(linears)}",
-        )
+    validate_lora_targets(cfg)
     if cfg.model.kind == ModelKind.hf and cfg.model.pretrained is not None:  # what the adapters train over
         from launcher.data.cache import cache_root  # local: start-up (numpy, 0.75 s, launch side)
 

@@ -490,6 +490,27 @@ def validate_slurm(cfg: Config) -> None:
         )
 
 
+def validate_deepspeed_nodes(c) -> None:
+    """cluster.runner=deepspeed over several nodes: every host named, started from node 0."""
+    if c.runner == Runner.deepspeed and c.nnodes > 1:
+        if len(c.hosts) != c.nnodes:
+            raise ConfigError(
+                "cluster.hosts",
+                list(c.hosts),
+                f"runner=deepspeed with cluster.nnodes={c.nnodes} needs {c.nnodes} hostnames "
+                "(the first runs the launcher and starts the others over ssh)",
+            )
+        if c.node_rank != 0:
+            raise ConfigError(
+                "cluster.node_rank",
+                c.node_rank,
+                "runner=deepspeed starts every node from the first one: launch once, with node_rank=0",
+            )
+        for h in c.hosts:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", h):
+                raise ConfigError("cluster.hosts", h, "a hostname or address (letters, digits, '.', '_', '-')")
+
+
 def validate_zero(cfg: Config, host) -> None:
     """ZeRO options, offload and the deepspeed runner: what combinations make sense."""
     z, c, engine = cfg.recipe.zero, cfg.cluster, cfg.recipe.engine
@@ -546,20 +567,4 @@ def validate_zero(cfg: Config, host) -> None:
             p.initial_scale,
             "DeepSpeed's loss scale starts at a power of two (2^initial_scale_power)",
         )
-    if c.runner == Runner.deepspeed and c.nnodes > 1:
-        if len(c.hosts) != c.nnodes:
-            raise ConfigError(
-                "cluster.hosts",
-                list(c.hosts),
-                f"runner=deepspeed with cluster.nnodes={c.nnodes} needs {c.nnodes} hostnames "
-                "(the first runs the launcher and starts the others over ssh)",
-            )
-        if c.node_rank != 0:
-            raise ConfigError(
-                "cluster.node_rank",
-                c.node_rank,
-                "runner=deepspeed starts every node from the first one: launch once, with node_rank=0",
-            )
-        for h in c.hosts:
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", h):
-                raise ConfigError("cluster.hosts", h, "a hostname or address (letters, digits, '.', '_', '-')")
+    validate_deepspeed_nodes(c)

@@ -48,9 +48,37 @@ def job_name(run_dir: str) -> str:
     return f"{base}-{hashlib.sha1(run_dir.encode()).hexdigest()[:8]}"
 
 
+def validate_k8s_pods(cfg: C.Config, run_dir: Path) -> None:
+    """What the pods need: a printable run directory, tolerations, limits, a grace the save fits in, resume=auto."""
+    c, k = cfg.cluster, cfg.cluster.k8s
+    if not str(run_dir).isprintable():  # YAML reads \x85, \u2028 and \u2029 as line breaks
+        raise C.ConfigError("hydra.run.dir", ascii(str(run_dir)), "a Kubernetes job's run directory is printable text")
+    for t in k.tolerations:
+        _check_toleration(t)
+    if not 0 <= k.backoff_limit <= 1000:
+        raise C.ConfigError("cluster.k8s.backoff_limit", k.backoff_limit, "must be in 0..1000")
+    if k.shm_gb < 1:
+        raise C.ConfigError("cluster.k8s.shm_gb", k.shm_gb, "must be >= 1 (GiB of /dev/shm per pod)")
+    if not 1 <= c.preempt_grace_s <= 65535 or c.preempt_grace_s < c.shutdown_timeout_s:
+        raise C.ConfigError(
+            "cluster.preempt_grace_s",
+            c.preempt_grace_s,
+            f"must be in 1..65535 and >= "
+            f"cluster.shutdown_timeout_s={c.shutdown_timeout_s} (the ranks' save fits in the grace)",
+        )
+    if c.local_addr is not None:
+        raise C.ConfigError("cluster.local_addr", c.local_addr, "each pod has its own address: leave it null")
+    if cfg.checkpoint.resume != "auto":
+        raise C.ConfigError(
+            "checkpoint.resume",
+            cfg.checkpoint.resume,
+            "a restarted pod must resume from the run's latest checkpoint: use auto",
+        )
+
+
 def validate_k8s(cfg: C.Config, run_dir: Path) -> None:
     """The Kubernetes fields, each wrong value one line (exit 2) before anything is written."""
-    c, k = cfg.cluster, cfg.cluster.k8s
+    k = cfg.cluster.k8s
     if not k.image or not _IMAGE.fullmatch(k.image):
         raise C.ConfigError(
             "cluster.k8s.image",
@@ -92,29 +120,7 @@ def validate_k8s(cfg: C.Config, run_dir: Path) -> None:
                 entry,
                 "each entry key=value, a Kubernetes label: key [prefix/]name, value up to 63 letters, digits and -_.",
             )
-    if not str(run_dir).isprintable():  # YAML reads \x85, \u2028 and \u2029 as line breaks
-        raise C.ConfigError("hydra.run.dir", ascii(str(run_dir)), "a Kubernetes job's run directory is printable text")
-    for t in k.tolerations:
-        _check_toleration(t)
-    if not 0 <= k.backoff_limit <= 1000:
-        raise C.ConfigError("cluster.k8s.backoff_limit", k.backoff_limit, "must be in 0..1000")
-    if k.shm_gb < 1:
-        raise C.ConfigError("cluster.k8s.shm_gb", k.shm_gb, "must be >= 1 (GiB of /dev/shm per pod)")
-    if not 1 <= c.preempt_grace_s <= 65535 or c.preempt_grace_s < c.shutdown_timeout_s:
-        raise C.ConfigError(
-            "cluster.preempt_grace_s",
-            c.preempt_grace_s,
-            f"must be in 1..65535 and >= "
-            f"cluster.shutdown_timeout_s={c.shutdown_timeout_s} (the ranks' save fits in the grace)",
-        )
-    if c.local_addr is not None:
-        raise C.ConfigError("cluster.local_addr", c.local_addr, "each pod has its own address: leave it null")
-    if cfg.checkpoint.resume != "auto":
-        raise C.ConfigError(
-            "checkpoint.resume",
-            cfg.checkpoint.resume,
-            "a restarted pod must resume from the run's latest checkpoint: use auto",
-        )
+    validate_k8s_pods(cfg, run_dir)
 
 
 def _check_toleration(t) -> None:
@@ -204,6 +210,33 @@ def _placement(cfg: C.Config) -> dict:
     return spec
 
 
+def trainjob(cfg: C.Config, run_dir: str, plan, meta: dict, command: list, volumes: list, mounts: list) -> dict:
+    """cluster.k8s.kind=trainjob: one Kubeflow TrainJob on the torch-distributed runtime, patched
+    with the pods' placement and the shared volume."""
+    k = cfg.cluster.k8s
+    patch = {**_placement(cfg), "volumes": volumes, "containers": [{"name": "node", "volumeMounts": mounts}]}
+    template = {"spec": {"replicatedJobs": [{"name": "node", "template": {"spec": {"template": {"spec": patch}}}}]}}
+    trainer = {
+        "image": k.image,
+        "command": command,
+        "env": _env(cfg, run_dir, plan),
+        "numNodes": cfg.cluster.nnodes,
+        "numProcPerNode": plan.nproc_per_node,
+    }
+    if _resources(cfg):
+        trainer["resourcesPerNode"] = _resources(cfg)
+    return {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": meta,
+        "spec": {
+            "runtimeRef": {"name": "torch-distributed"},
+            "trainer": trainer,
+            "runtimePatches": [{"manager": "launcher", "trainingRuntimeSpec": {"template": template}}],
+        },
+    }
+
+
 def manifests(cfg: C.Config, run_dir: str, plan) -> list[dict]:
     """The objects job.yaml holds, in the order kubectl applies them."""
     k, name = cfg.cluster.k8s, job_name(run_dir)
@@ -212,29 +245,7 @@ def manifests(cfg: C.Config, run_dir: str, plan) -> list[dict]:
     command = ["bash", "-c", literal(node_script(cfg, run_dir, plan))]
     volumes, mounts = _volumes(k)
     if k.kind == C.K8sKind.trainjob:
-        patch = {**_placement(cfg), "volumes": volumes, "containers": [{"name": "node", "volumeMounts": mounts}]}
-        template = {"spec": {"replicatedJobs": [{"name": "node", "template": {"spec": {"template": {"spec": patch}}}}]}}
-        trainer = {
-            "image": k.image,
-            "command": command,
-            "env": _env(cfg, run_dir, plan),
-            "numNodes": cfg.cluster.nnodes,
-            "numProcPerNode": plan.nproc_per_node,
-        }
-        if _resources(cfg):
-            trainer["resourcesPerNode"] = _resources(cfg)
-        return [
-            {
-                "apiVersion": "trainer.kubeflow.org/v1alpha1",
-                "kind": "TrainJob",
-                "metadata": meta,
-                "spec": {
-                    "runtimeRef": {"name": "torch-distributed"},
-                    "trainer": trainer,
-                    "runtimePatches": [{"manager": "launcher", "trainingRuntimeSpec": {"template": template}}],
-                },
-            }
-        ]
+        return [trainjob(cfg, run_dir, plan, meta, command, volumes, mounts)]
     container = {
         "name": "node",
         "image": k.image,
