@@ -5,6 +5,7 @@ and a rank blocked in C++; real torchrun, 2 gloo processes, the tiny model."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -107,10 +108,13 @@ def test_ctrl_c_saves_the_step_writes_the_summary_and_exits_130(tmp_path):
     assert read_metrics(run)[-1]["step"] == step
     summary = json.loads((run / "summary.json").read_text())
     assert summary["preempted"] == 1 and summary["weights_digest_per_rank"] is None  # not read on the way out
-    assert (
-        "Ctrl-C: the ranks finish this step (within about a second), save and stop (Ctrl-C again to stop at once)"
-        in out
-    )
+    # "(within about a second)", or the last step's time where a loaded machine made it longer
+    assert re.search(
+        r"^Ctrl-C: the ranks finish this step \(within about (a second|[^)]*: the last step took [^)]*)\), "
+        r"save and stop \(Ctrl-C again to stop at once\)$",
+        out,
+        re.M,
+    ), out[-3000:]
     assert out.strip().splitlines()[-1] == (
         f"interrupted (Ctrl-C) after step {step}; checkpoint "
         f"{run / 'checkpoints' / f'step_{step:08d}'}. Launch the same run "
