@@ -182,40 +182,66 @@ class Bench:
 
     # ------------------------------------------------------------------ the three parts
     def steps(self, cases: list[tuple[str, str]]) -> list[dict]:
-        seen = {c: ([], []) for c in cases}
+        """Round after round, each case's sides back to back, the order alternating: the recipe
+        and its hand-written loop; for the zero recipes also the loop on DeepSpeed's own
+        defaults, and the recipe with --variant's overrides when given."""
+        seen: dict[tuple[str, str], dict[str, list[dict]]] = {}
         for i in range(self.args.rounds):
             for recipe, model in cases:
-                ours, theirs = seen[(recipe, model)]
-                pair = [
-                    lambda: ours.append(self.recipe(recipe, model)),
-                    lambda: theirs.append(self.baseline(recipe, model)[0]),
-                ]
-                for run in pair if i % 2 == 0 else pair[::-1]:
-                    run()
+                sides = self.sides(recipe, model)
+                got = seen.setdefault((recipe, model), {name: [] for name in sides})
+                for name in list(sides) if i % 2 == 0 else list(sides)[::-1]:
+                    got[name].append(sides[name]())
                 print(
-                    f"round {i + 1}: {recipe:6} {model:9} {ours[-1]['tokens_per_s']:9,.0f} vs "
-                    f"{theirs[-1]['tokens_per_s']:9,.0f} tok/s",
+                    f"round {i + 1}: {recipe:6} {model:9} "
+                    + ", ".join(f"{name} {got[name][-1]['tokens_per_s']:,.0f}" for name in sides)
+                    + " tok/s",
                     flush=True,
                 )
-        results = []
-        for (recipe, model), (ours, theirs) in seen.items():
-            ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)]
-            results.append(
-                {
-                    "recipe": recipe,
-                    "model": model,
-                    "target": CASES[recipe][2],
-                    "recipe_tokens_per_s": [r["tokens_per_s"] for r in ours],
-                    "baseline_tokens_per_s": [r["tokens_per_s"] for r in theirs],
-                    "ratios": ratios,
-                    "ratio": statistics.median(ratios),
-                    "recipe_peak_bytes": max(r["peak_bytes"] for r in ours),
-                    "baseline_peak_bytes": max(r.get("peak_bytes", 0) for r in theirs),
-                    "recipe_model_state_bytes": ours[-1]["model_state_bytes"],
-                    "baseline_model_state_bytes": theirs[-1].get("model_state_bytes"),
+        return [self.result(recipe, model, got) for (recipe, model), got in seen.items()]
+
+    def sides(self, recipe: str, model: str) -> dict:
+        out = {
+            "recipe": lambda: self.recipe(recipe, model),
+            "loop": lambda: self.baseline(recipe, model)[0],
+        }
+        if CASES[recipe][0] == "bench_deepspeed_baseline.py":
+            out["loop_deepspeed_defaults"] = lambda: self.baseline(recipe, model, more=("--zero", "deepspeed"))[0]
+            if self.args.variant:
+                out["recipe_variant"] = lambda: self.recipe(recipe, model, self.args.variant.split())
+        return out
+
+    def result(self, recipe: str, model: str, got: dict[str, list[dict]]) -> dict:
+        ours, theirs = got["recipe"], got["loop"]
+        ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)]
+        out = {
+            "recipe": recipe,
+            "model": model,
+            "target": CASES[recipe][2],
+            "recipe_tokens_per_s": [r["tokens_per_s"] for r in ours],
+            "baseline_tokens_per_s": [r["tokens_per_s"] for r in theirs],
+            "ratios": ratios,
+            "ratio": statistics.median(ratios),
+            "recipe_peak_bytes": max(r["peak_bytes"] for r in ours),
+            "baseline_peak_bytes": max(r.get("peak_bytes", 0) for r in theirs),
+            "recipe_model_state_bytes": ours[-1]["model_state_bytes"],
+            "baseline_model_state_bytes": theirs[-1].get("model_state_bytes"),
+        }
+        for name in ("loop_deepspeed_defaults", "recipe_variant"):
+            if name in got:  # each against the same round's loop on DeepSpeed's defaults
+                other = got["loop_deepspeed_defaults"]
+                out[name] = {
+                    "tokens_per_s": [r["tokens_per_s"] for r in got[name]],
+                    "peak_bytes": max(r.get("peak_bytes", 0) for r in got[name]),
+                    "vs_deepspeed_defaults": [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(got[name], other)],
                 }
-            )
-        return results
+        if "loop_deepspeed_defaults" in got:
+            out["recipe_vs_deepspeed_defaults"] = [
+                a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, got["loop_deepspeed_defaults"])
+            ]
+        if "recipe_variant" in got:
+            out["recipe_variant"]["overrides"] = self.args.variant
+        return out
 
     def startup(self) -> dict:
         """Wall seconds of a whole 2-step run of gpt_tiny: `make train` (like for like: no W&B,
@@ -358,6 +384,7 @@ def write(data: dict) -> None:
             f"{_mib(r['recipe_model_state_bytes'])} / {_mib(r['baseline_model_state_bytes'])} | "
             f"{r['date']}, {r['rounds']} rounds |"
         )
+    lines += deepspeed_defaults_table(data["steps"])
     run = dict.fromkeys(r["model"] for r in data["steps"])
     lines += [
         "",
@@ -405,6 +432,35 @@ def write(data: dict) -> None:
     print(f"wrote {OUT / 'results.md'}")
 
 
+def deepspeed_defaults_table(rows: list[dict]) -> list[str]:
+    """The zero rows against the hand-written loop on DeepSpeed's own defaults (issue 49, 5):
+    what a user who writes DeepSpeed's tutorial loop would compare against."""
+    rows = [r for r in rows if "loop_deepspeed_defaults" in r]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## The zero recipes against a loop on DeepSpeed's own defaults",
+        "",
+        "The same rounds: the hand-written loop with the stage alone in `zero_optimization` "
+        "(buckets of 5e8 elements, overlap_comm at stage 3 only, prefetch 5e7, persistence 1e5), "
+        "and the recipe with the overrides named, each ratio against that loop in the same round.",
+        "",
+        "| recipe | model | loop, DeepSpeed's defaults, tokens/s | recipe / it | recipe with overrides / it | "
+        "overrides | peak MiB loop / variant |",
+        "|---|---|---:|---:|---:|---|---:|",
+    ]
+    for r in rows:
+        d, v = r["loop_deepspeed_defaults"], r.get("recipe_variant")
+        lines.append(
+            f"| {r['recipe']} | {r['model']} | {spread(d['tokens_per_s'])} | "
+            f"{spread(r['recipe_vs_deepspeed_defaults'], '.3f')} | "
+            f"{spread(v['vs_deepspeed_defaults'], '.3f') if v else '-'} | {v['overrides'] if v else '-'} | "
+            f"{_mib(d['peak_bytes'])} / {_mib(v['peak_bytes']) if v else '-'} |"
+        )
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -419,6 +475,12 @@ def main() -> int:
     ap.add_argument("--models", nargs="*", default=None, help=f"models (default: {' '.join(MODELS)})")
     ap.add_argument("--no-startup", action="store_true", help="skip the 2-step start-up runs")
     ap.add_argument("--no-parallel", action="store_true", help="skip the parallel recipes beside ddp")
+    ap.add_argument(
+        "--variant",
+        default="",
+        help="zero recipes: also run the recipe with these overrides in each round, e.g. "
+        '"recipe.zero.reduce_bucket_size=500000000 recipe.zero.allgather_bucket_size=500000000"',
+    )
     args = ap.parse_args()
     if args.nproc is None:
         import torch

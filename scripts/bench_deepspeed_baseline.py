@@ -1,8 +1,14 @@
 #!/usr/bin/env python
 """The yardstick for the zero recipes: a minimal hand-written DeepSpeed loop on the same
-model, batch, precision and threads, with the ZeRO settings the recipe files resolve to
-(stage, overlap_comm, buckets of dim^2 elements). No data loader (random tokens made up
-front), no logging, no checkpoints: the fastest honest DeepSpeed loop.
+model, batch, precision and threads. No data loader (random tokens made up front), no
+logging, no checkpoints: the fastest honest DeepSpeed loop. Its ZeRO settings (--zero):
+
+- recipe: those the recipe files resolve to (launcher/parallel/ds_config.py): overlap_comm
+  on, buckets of dim^2 elements, stage 3's prefetch of one block's matmul weights and
+  persistence below 10 x dim. The same settings: the ratio measures the wrapper.
+- deepspeed: the stage alone, every other key DeepSpeed's own default (buckets of 5e8
+  elements, overlap_comm only at stage 3, prefetch 5e7, persistence 1e5): the loop a user
+  writes from DeepSpeed's tutorial. The ratio measures the recipe's settings too.
 
     torchrun --nproc-per-node 2 scripts/bench_deepspeed_baseline.py --stage 2 --model model=gpt_tiny --steps 30 --out b.json
 """
@@ -13,6 +19,7 @@ import torch
 import torch.distributed as dist
 from baseline_common import batch, finish, model_config, param_groups, parser, report, start_process_group, timed_loop
 
+from launcher.config import block_matmul_params
 from launcher.host import deepspeed_env
 from launcher.models.gpt import GPT
 
@@ -20,6 +27,7 @@ from launcher.models.gpt import GPT
 def main() -> None:
     ap = parser()
     ap.add_argument("--stage", type=int, required=True)
+    ap.add_argument("--zero", choices=("recipe", "deepspeed"), default="recipe", help="whose ZeRO settings")
     args = ap.parse_args()
 
     deepspeed_env()
@@ -31,17 +39,23 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(mcfg).to(device)
     dim2 = mcfg.dim**2
-    zero = {
-        "stage": args.stage,
-        "overlap_comm": args.stage >= 2,
-        "contiguous_gradients": True,
-        "reduce_bucket_size": dim2,
-        "allgather_bucket_size": dim2,
-    }
-    if args.stage == 3:
+    zero = {"stage": args.stage}
+    if args.zero == "recipe":
         zero.update(
-            {"stage3_prefetch_bucket_size": int(0.9 * dim2), "stage3_param_persistence_threshold": 10 * mcfg.dim}
+            {
+                "overlap_comm": args.stage >= 2,  # conf/recipe/zero2.yaml and zero3.yaml
+                "contiguous_gradients": True,
+                "reduce_bucket_size": dim2,
+                "allgather_bucket_size": dim2,
+            }
         )
+        if args.stage == 3:
+            zero.update(
+                {
+                    "stage3_prefetch_bucket_size": block_matmul_params(mcfg),
+                    "stage3_param_persistence_threshold": 10 * mcfg.dim,
+                }
+            )
     config = {
         "train_batch_size": args.micro_batch * world,
         "train_micro_batch_size_per_gpu": args.micro_batch,
