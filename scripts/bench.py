@@ -213,7 +213,7 @@ class Bench:
 
     def result(self, recipe: str, model: str, got: dict[str, list[dict]]) -> dict:
         ours, theirs = got["recipe"], got["loop"]
-        ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)]
+        ratios = per_round(ours, theirs)
         out = {
             "recipe": recipe,
             "model": model,
@@ -227,20 +227,21 @@ class Bench:
             "recipe_model_state_bytes": ours[-1]["model_state_bytes"],
             "baseline_model_state_bytes": theirs[-1].get("model_state_bytes"),
         }
-        for name in ("loop_deepspeed_defaults", "recipe_variant"):
-            if name in got:  # each against the same round's loop on DeepSpeed's defaults
-                other = got["loop_deepspeed_defaults"]
-                out[name] = {
-                    "tokens_per_s": [r["tokens_per_s"] for r in got[name]],
-                    "peak_bytes": max(r.get("peak_bytes", 0) for r in got[name]),
-                    "vs_deepspeed_defaults": [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(got[name], other)],
+        ds = got.get("loop_deepspeed_defaults")
+        if ds:  # the recipe, and its variant, against the same round's loop on DeepSpeed's defaults
+            out["loop_deepspeed_defaults"] = {
+                "tokens_per_s": [r["tokens_per_s"] for r in ds],
+                "peak_bytes": max(r.get("peak_bytes", 0) for r in ds),
+            }
+            out["recipe_vs_deepspeed_defaults"] = per_round(ours, ds)
+            if "recipe_variant" in got:
+                v = got["recipe_variant"]
+                out["recipe_variant"] = {
+                    "overrides": self.args.variant,
+                    "tokens_per_s": [r["tokens_per_s"] for r in v],
+                    "peak_bytes": max(r["peak_bytes"] for r in v),
+                    "vs_deepspeed_defaults": per_round(v, ds),
                 }
-        if "loop_deepspeed_defaults" in got:
-            out["recipe_vs_deepspeed_defaults"] = [
-                a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, got["loop_deepspeed_defaults"])
-            ]
-        if "recipe_variant" in got:
-            out["recipe_variant"]["overrides"] = self.args.variant
         return out
 
     def startup(self) -> dict:
@@ -298,6 +299,11 @@ class Bench:
             }
             for name, extra in cases
         ]
+
+
+def per_round(ours: list[dict], theirs: list[dict]) -> list[float]:
+    """tokens/s of one side over the other's, round by round."""
+    return [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)]
 
 
 def degree(overrides: list[str]) -> int:

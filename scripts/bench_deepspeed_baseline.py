@@ -3,9 +3,10 @@
 model, batch, precision and threads. No data loader (random tokens made up front), no
 logging, no checkpoints: the fastest honest DeepSpeed loop. Its ZeRO settings (--zero):
 
-- recipe: those the recipe files resolve to (launcher/parallel/ds_config.py): overlap_comm
-  on, buckets of dim^2 elements, stage 3's prefetch of one block's matmul weights and
-  persistence below 10 x dim. The same settings: the ratio measures the wrapper.
+- recipe: those conf/recipe/zero<stage>.yaml resolves to, through the function that writes
+  the recipe's ds_config.json (launcher/parallel/ds_config.py::zero_section: buckets of dim^2
+  elements, stage 3's prefetch of one block's matmul weights, persistence below 10 x dim).
+  The same settings: the ratio measures the wrapper.
 - deepspeed: the stage alone, every other key DeepSpeed's own default (buckets of 5e8
   elements, overlap_comm only at stage 3, prefetch 5e7, persistence 1e5): the loop a user
   writes from DeepSpeed's tutorial. The ratio measures the recipe's settings too.
@@ -15,13 +16,19 @@ logging, no checkpoints: the fastest honest DeepSpeed loop. Its ZeRO settings (-
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
+import yaml
 from baseline_common import batch, finish, model_config, param_groups, parser, report, start_process_group, timed_loop
 
-from launcher.config import block_matmul_params
+from launcher.config import Config, RecipeConfig, ZeroOptions
 from launcher.host import deepspeed_env
 from launcher.models.gpt import GPT
+from launcher.parallel.ds_config import zero_section
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
@@ -38,24 +45,11 @@ def main() -> None:
     mcfg = model_config(args)
     torch.manual_seed(0)
     model = GPT(mcfg).to(device)
-    dim2 = mcfg.dim**2
     zero = {"stage": args.stage}
     if args.zero == "recipe":
-        zero.update(
-            {
-                "overlap_comm": args.stage >= 2,  # conf/recipe/zero2.yaml and zero3.yaml
-                "contiguous_gradients": True,
-                "reduce_bucket_size": dim2,
-                "allgather_bucket_size": dim2,
-            }
-        )
-        if args.stage == 3:
-            zero.update(
-                {
-                    "stage3_prefetch_bucket_size": block_matmul_params(mcfg),
-                    "stage3_param_persistence_threshold": 10 * mcfg.dim,
-                }
-            )
+        recipe = yaml.safe_load((REPO / "conf" / "recipe" / f"zero{args.stage}.yaml").read_text())
+        cfg = Config(model=mcfg, recipe=RecipeConfig(engine="zero", zero=ZeroOptions(**recipe["zero"])))
+        zero = zero_section(cfg, mcfg.dim**2)
     config = {
         "train_batch_size": args.micro_batch * world,
         "train_micro_batch_size_per_gpu": args.micro_batch,

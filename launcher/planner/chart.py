@@ -23,7 +23,7 @@ def _cut_bars(ax, rows: list[Row], hw: Hardware) -> float:
     """The axis' end, so that the memory lines stay in sight: a bar far beyond them is cut there,
     its size written at the cut."""
     end = max(hw.gpu_bytes, min(max(r.peak for r in rows), 2 * hw.gpu_bytes)) / GiB * 1.05
-    for i, r in enumerate(rows):  # the memory lines stay in sight: a bar far beyond them is cut, its size written
+    for i, r in enumerate(rows):
         if max(r.total, r.startup) / GiB > end:
             ax.text(
                 end,
