@@ -3,9 +3,10 @@
 model, batch, precision and threads. No data loader (random tokens made up front), no
 logging, no checkpoints: the fastest honest DeepSpeed loop. Its ZeRO settings (--zero):
 
-- recipe: those conf/recipe/zero<stage>.yaml resolves to, through the function that writes
-  the recipe's ds_config.json (launcher/parallel/ds_config.py::zero_section: buckets of dim^2
-  elements, stage 3's prefetch of one block's matmul weights, persistence below 10 x dim).
+- recipe: those conf/recipe/zero<stage>.yaml resolves to, through the functions that write
+  the recipe's ds_config.json (launcher/parallel/ds_config.py::for_backend, zero_section: the
+  reduce bucket of the backend, dim^2 on NCCL, the whole model up to 5e7 on gloo; stage 3's
+  prefetch of one block's matmul weights, persistence below 10 x dim).
   The same settings: the ratio measures the wrapper.
 - deepspeed: the stage alone, every other key DeepSpeed's own default (buckets of 5e8
   elements, overlap_comm only at stage 3, prefetch 5e7, persistence 1e5): the loop a user
@@ -26,7 +27,7 @@ from baseline_common import batch, finish, model_config, param_groups, parser, r
 from launcher.config import Config, RecipeConfig, ZeroOptions
 from launcher.host import deepspeed_env
 from launcher.models.gpt import GPT
-from launcher.parallel.ds_config import zero_section
+from launcher.parallel.ds_config import for_backend, zero_section
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,7 +50,7 @@ def main() -> None:
     if args.zero == "recipe":
         recipe = yaml.safe_load((REPO / "conf" / "recipe" / f"zero{args.stage}.yaml").read_text())
         cfg = Config(model=mcfg, recipe=RecipeConfig(engine="zero", zero=ZeroOptions(**recipe["zero"])))
-        zero = zero_section(cfg, mcfg.dim**2)
+        zero = zero_section(for_backend(cfg, device.type != "cuda"), mcfg.dim**2)
     config = {
         "train_batch_size": args.micro_batch * world,
         "train_micro_batch_size_per_gpu": args.micro_batch,

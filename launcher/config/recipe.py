@@ -43,13 +43,16 @@ class FSDPOptions:
 class ZeroOptions:
     """DeepSpeed ZeRO (recipe.engine=zero). Every field becomes a key of RUN_DIR/ds_config.json
     (launcher/parallel/ds_config.py); `extra` carries any other DeepSpeed key. Bucket sizes count
-    elements, as DeepSpeed does; null = model.dim^2 (the rule Hugging Face's "auto" uses),
-    so buckets grow with the model instead of DeepSpeed's fixed 5e8 elements (1-2 GB)."""
+    elements, as DeepSpeed does; a null reduce bucket is resolved for the ranks' backend by the
+    launch side and written into config.yaml (ds_config.for_backend): model.dim^2 on NCCL (the
+    rule Hugging Face's "auto" uses), so buckets grow with the model instead of DeepSpeed's
+    fixed 5e8 elements (1-2 GB); on gloo the whole model in one bucket, up to 5e7."""
 
     stage: int = 1
     """0: no sharding (DeepSpeed's data parallel). 1: shard the optimizer states (fp32 master
-    and Adam moments): 4Ψ + 12Ψ/N bytes per rank. 2: also shard gradients, reduce-scattered
-    in buckets during backward: 2Ψ + 14Ψ/N, the same traffic as DDP. 3: also shard the
+    and Adam moments): 4Ψ + 12Ψ/N bytes per rank. 2: also shard gradients, reduced in
+    buckets during backward: 2Ψ + 14Ψ/N (DeepSpeed 0.19 all-reduces each bucket, then
+    all-gathers the updated weights: 1.5x the paper's traffic, which is DDP's). 3: also shard the
     parameters, all-gathered layer by layer in forward and backward: 16Ψ/N, about 1.5x the
     traffic of DDP. Higher stages fit bigger models on the same ranks and cost more messages."""
     overlap_comm: Optional[bool] = None
@@ -59,14 +62,20 @@ class ZeroOptions:
     """Copy gradients into one contiguous buffer as they are produced: avoids fragmentation
     (stage 2 and 3) at the cost of one copy per gradient."""
     reduce_scatter: bool = True
-    """Average gradients with reduce-scatter (each rank receives only its shard) rather than
-    all-reduce: half the received bytes. Off only to debug."""
+    """Stage 1/2: reduce each bucket's slices toward the ranks that own them rather than a
+    plain all-reduce of the gradients. DeepSpeed 0.19 still does it with one all-reduce a
+    bucket, unless recipe.zero.extra sets zero_optimization.use_multi_rank_bucket_allreduce
+    false (then a reduce a slice: fewer bytes, more messages). Off only to debug."""
     reduce_bucket_size: Optional[int] = None
-    """Elements reduced per message (null: model.dim^2). Bigger buckets use the bandwidth
-    better and hold more memory (one or two buckets of this size during backward)."""
+    """Elements reduced per message (null: model.dim^2 on NCCL; on gloo every trainable
+    element, at most 5e7, because gloo pays about 2 ms a message: bench/deepspeed_defaults.md).
+    Bigger buckets use the bandwidth better and hold more memory (one or two buckets of this
+    size during backward; stage 3 keeps one for the run)."""
     allgather_bucket_size: Optional[int] = None
     """Stage 1/2: elements all-gathered per message when the updated shards are shared
-    after the step (null: model.dim^2). Bigger = fewer messages, a bigger temporary buffer."""
+    after the step (null: model.dim^2). DeepSpeed 0.19 reads it only where torch lacks
+    all_gather_into_tensor; with it (any torch 2) the weights go in one all-gather per
+    parameter group, whatever this says (runtime/utils.py all_gather_dp_groups)."""
     prefetch_bucket_size: Optional[int] = None
     """Stage 3 (stage3_prefetch_bucket_size): parameter elements fetched ahead of use (null:
     one decoder block's matmul weights, so the next block arrives whole while this one

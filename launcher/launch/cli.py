@@ -40,6 +40,7 @@ from launcher.launch.rundir.prepare import (
     check_run_dir_name,
     check_writable,
     exported_threads,
+    for_backend,
     make_plan,
     nothing_to_train,
     prepare_run,
@@ -121,6 +122,7 @@ def compose_jobs(
             cfg, kept, settled = asked.keep_run_values(cfg, names, run_dir, host)  # a relaunch: the run's own values
             cfg, note = asked.fit_precision(cfg, names | settled, host)
             notes += [kept, note, *validate(cfg, host)]
+            cfg = for_backend(cfg, host)  # a zero recipe's reduce bucket, for gloo or NCCL
             asked.check_data_keys(cfg, names)
             if command == "train":
                 check_cpu_fit(cfg, host)

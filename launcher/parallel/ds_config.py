@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections.abc
 import contextlib
 import copy
+import dataclasses
 import inspect
 import json
 import logging
@@ -67,9 +68,56 @@ QUIET = 2**31 - 1  # steps_per_print: DeepSpeed's own progress lines would repea
 
 
 # ----------------------------------------------------------------------------- generate
+GLOO_BUCKET_CAP = 50_000_000
+"""The most elements a gloo run's default reduce bucket holds (200 MB in fp32): see for_backend."""
+
+
 def reduce_bucket(cfg: C.Config) -> int:
-    """reduce_bucket_size: recipe.zero's, or model.dim^2."""
+    """reduce_bucket_size: recipe.zero's (the launch side resolves a null one for the ranks'
+    backend: for_backend), or model.dim^2, the NCCL default `make plan` prices for GPUs."""
     return cfg.recipe.zero.reduce_bucket_size or model_shape(cfg).dim ** 2
+
+
+def multi_rank_bucket_allreduce(cfg: C.Config) -> bool:
+    """zero_optimization.use_multi_rank_bucket_allreduce (recipe.zero.extra; DeepSpeed's
+    default on): stage 1/2 reduce each gradient bucket with one all-reduce."""
+    section = cfg.recipe.zero.extra.get("zero_optimization", {})
+    return bool(section.get("use_multi_rank_bucket_allreduce", True))
+
+
+def on_gloo(cfg: C.Config, cuda: bool) -> bool:
+    """Whether the ranks' collectives run on gloo: dist.backend=gloo, or auto without CUDA."""
+    return cfg.dist.backend == C.Backend.gloo or (cfg.dist.backend == C.Backend.auto and not cuda)
+
+
+def for_backend(cfg: C.Config, gloo: bool) -> C.Config:
+    """`cfg` with a null recipe.zero.reduce_bucket_size resolved for the ranks' backend, as
+    the launch side writes it into config.yaml (and make plan prices it), measured in
+    bench/deepspeed_defaults.md:
+    - NCCL: model.dim^2 elements (Hugging Face's "auto"): 16.7M-268M at dim 4096-16384,
+      33-537 MB in bf16, already past the bandwidth knee, where DeepSpeed's own 5e8 would
+      hold 1 GB (2 GB under overlap_comm) on the GPU for the whole run at stage 3.
+    - gloo: every trainable element in one bucket, at most GLOO_BUCKET_CAP. gloo pays about
+      2 ms a message: buckets of dim^2 (80 a step for a 5.3M model) cost it 13% of the step
+      (the recipe 0.86x of a loop on DeepSpeed's 5e8, 0.97x given one bucket). Above the cap
+      an extra message is milliseconds of a step of seconds, while the bucket is host memory
+      each rank holds (DeepSpeed allocates it whole: 2 GB in fp32 at 5e8)."""
+    z = cfg.recipe.zero
+    if z.reduce_bucket_size is not None:
+        return cfg
+    size = min(trainable_elements(cfg), GLOO_BUCKET_CAP) if gloo else model_shape(cfg).dim ** 2
+    zero = dataclasses.replace(z, reduce_bucket_size=size)
+    return dataclasses.replace(cfg, recipe=dataclasses.replace(cfg.recipe, zero=zero))
+
+
+def trainable_elements(cfg: C.Config) -> int:
+    """The elements DeepSpeed reduces each step: every parameter, or model.lora's adapters."""
+    m = dataclasses.replace(model_shape(cfg), lora=cfg.model.lora)  # model=hf: its shape
+    if m.lora.rank > 0:
+        from launcher.planner import lora  # local: torch (the planner's adapter count)
+
+        return lora.counts(m).trainable
+    return C.num_params(m)
 
 
 def prefetch_bucket(cfg: C.Config) -> int:

@@ -4,9 +4,14 @@ engines' own rules (issue 49 item 4; docs/memory.md, "The gathered working set")
 
     ddp     one all-reduce of the fp32 gradients a step (no_sync on the other micro-batches:
             engines/ddp/engine.py), in buckets of recipe.ddp.bucket_cap_mb.
-    zero1/2 reduce-scatters of the gradients in reduce_bucket_size buckets (stage 2 every
-            micro-batch, stage 1 at the step), one all-gather of the updated weights in
-            allgather_bucket_size buckets.
+    zero1/2 an all-reduce of the gradients per reduce_bucket_size bucket (stage 2 every
+            micro-batch, stage 1 at the step): DeepSpeed 0.19 reduces a bucket with one
+            all-reduce (stage_1_and_2.py average_tensor -> allreduce_and_scatter, under
+            use_multi_rank_bucket_allreduce, on by default), twice a reduce-scatter's traffic;
+            with it off (recipe.zero.extra), one reduce per destination rank's slice. Then one
+            all_gather_into_tensor of the updated weights per parameter group (runtime/utils.py
+            all_gather_dp_groups): allgather_bucket_size splits only the path torch without
+            all_gather_into_tensor would take, so it moves nothing here.
     zero3   all-gathers module by module as gathered.replay launches them (a fetch and a
             prefetch each one all_gather_coalesced), forward and again in backward for what
             the reuse window released, every micro-batch; reduce-scatters in
@@ -61,11 +66,13 @@ def per_step(cfg: Config, layout: Layout) -> dict[str, dict[str, int]]:
         }
     if layout.shard in ("zero1", "zero2"):
         times = accum if layout.shard == "zero2" else 1
-        gather = cfg.recipe.zero.allgather_bucket_size or cfg.model.dim**2
-        return {
-            "reduce_scatter": counted(times * math.ceil(T / ds_config.reduce_bucket(cfg)), times * w * T),
-            "all_gather": counted(math.ceil(T / gather), w * T),
-        }
+        buckets = math.ceil(T / ds_config.reduce_bucket(cfg))
+        groups = 1 if lora.enabled(cfg.model) else 2  # rank.engine.param_groups: matrices, vectors
+        if ds_config.multi_rank_bucket_allreduce(cfg):
+            reduced = {"all_reduce": counted(times * buckets, times * w * T)}
+        else:  # a reduce per slice: a bucket's slices end where a rank's partition does
+            reduced = {"reduce_scatter": counted(times * (buckets + layout.dp - 1), times * w * T)}
+        return {**reduced, "all_gather": counted(groups, w * T)}
     return {"all_reduce": counted(math.ceil(4 * T / (cfg.recipe.ddp.bucket_cap_mb * 2**20)), 4 * T)}
 
 

@@ -16,9 +16,10 @@ from rich.table import Table
 
 import engines
 from launcher import jsonout, optim
-from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig
+from launcher.config import ACMode, Backend, Config, ConfigError, ModelKind, RecipeConfig
 from launcher.models import hf
 from launcher.parallel import degrees as D
+from launcher.parallel import ds_config
 from launcher.planner import collectives, lora, moe
 from launcher.planner import gathered as G
 from launcher.planner import memory as M
@@ -355,8 +356,9 @@ def largest_fitting(cfg: Config, hw: Hardware, layout: Layout, ac: ACMode) -> Ro
 
 def plan(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig], micro_batch: int | None = None) -> list[Row]:
     """One row per layout x activation-checkpointing mode. With `micro_batch` given the
-    rows are for that micro-batch; otherwise each row has its largest fitting one."""
-    cfg = planned_model(cfg)
+    rows are for that micro-batch; otherwise each row has its largest fitting one. A zero
+    row's reduce bucket is the default of the ranks' backend: gloo on this machine's CPU."""
+    cfg = ds_config.for_backend(planned_model(cfg), hw.cpu or cfg.dist.backend == Backend.gloo)
     rows = []
     for layout in candidates(cfg, hw, available):
         if not runs_under(cfg, available[layout.recipe].engine, layout):

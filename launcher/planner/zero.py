@@ -97,14 +97,17 @@ def zero_states(
     runs hold 4Ψ weights + 4Ψ/N master: deepspeed/runtime/zero/stage_1_and_2.py,
     `single_partition_of_fp32_groups` is a `.clone().float()` of the weights' shard;
     stage3.py `_create_fp32_partitions` likewise). So, per rank:
-        stage 1: wΨ + 12Ψ/N + max(wΨ whole gradients while accumulating, (w+4)Ψ/N shards)
+        stage 1: wΨ + 12Ψ/N + max(wΨ whole gradients + a bucket while accumulating, (w+4)Ψ/N shards)
         stage 2: wΨ + 12Ψ/N + (w+4)Ψ/N
         stage 3: wΨ/N + 12Ψ/N + wΨ/N + 4S
         stage 0 (bf16, not a recipe): 2Ψ weights + 2Ψ + 4Ψ grads + 4Ψ master + 8Ψ moments
-    Left out: stage 1/2's reduce buckets (reduce_bucket_size elements, two with
-    `overlap_comm`): made at backward's start and freed at its end (stage_1_and_2.py:3256-3277
-    `setup_buckets`, 924-932 `_release_ipg_buffers`), never at the step (measured); and,
-    each under 2% here, padding of the shards to the world size, Adam's step counters.
+    Stage 1/2's reduce buckets (`bucket` elements) are made at backward's start and freed
+    when the reduction ends (stage_1_and_2.py:3256-3277 `setup_buckets`, 924-932
+    `_release_ipg_buffers`): stage 2 reduces every backward, so they are never held at the
+    step; stage 1 reduces only at the accumulation boundary, so under accumulation its bucket
+    lives beside the whole gradients from the first micro-batch on (measured: a bucket of
+    the whole model, gloo's default, is exactly 4Ψ more in fp32: tests/e2e/test_zero.py).
+    Left out, each under 2% here: padding of the shards to the world size, Adam's step counters.
     Offload: _offloaded.
     """
     n, p, w = world, psi, weight_bytes
@@ -113,7 +116,8 @@ def zero_states(
     edges = w * straddle if stage in (1, 2) else 0
     kept = w * kept_whole if stage == 3 and n > 1 else 0.0
     buckets = w * bucket if stage == 3 else 0.0
-    whole = w * p if stage == 1 and grad_accum > 1 else 0.0  # stage 1 accumulates into whole gradients
+    # stage 1 accumulates into whole gradients, its reduce bucket already made
+    whole = w * (p + bucket) if stage == 1 and grad_accum > 1 else 0.0
     params = w * p / n if stage == 3 else w * p
     if offload_optimizer:
         return _offloaded(stage, p, n, w, grad_accum, offload_param, largest_param, edges, kept, buckets, whole, params)

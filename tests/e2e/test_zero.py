@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from runs import REPO, evaluated, here, launch, processes_of, read_metrics, start, wait_for_step
 from shared import Run, SharedRuns
 
@@ -112,8 +113,16 @@ def test_zero_stages_give_ddp_losses_in_fp32(fp32_runs):
             2,
         )
         assert ds["bf16"]["enabled"] is False and "scheduler" not in ds
-        # fp32 weights, 2 micro-batches, 2 ranks: DeepSpeed's own terms (launcher/planner/zero.py::zero_states)
-        want = sum(d + h for d, h in zero_states(stage, PSI_TINY, 2, grad_accum=2, weight_bytes=4).values())
+        # fp32 weights, 2 micro-batches, 2 ranks: DeepSpeed's own terms (launcher/planner/zero.py::zero_states),
+        # the reduce bucket gloo's default, the whole model (stage 3 keeps it for the run)
+        bucket = ds["zero_optimization"]["reduce_bucket_size"]
+        assert (
+            bucket
+            == PSI_TINY
+            == yaml.safe_load((run / "config.yaml").read_text())["recipe"]["zero"]["reduce_bucket_size"]
+        )
+        states = zero_states(stage, PSI_TINY, 2, grad_accum=2, weight_bytes=4, bucket=bucket)
+        want = sum(d + h for d, h in states.values())
         assert rows[-1]["mem/model_state_bytes"] == pytest.approx(want, rel=0.02), (recipe, rows[-1], want)
         assert rows[-1]["mem/host_bytes"] == 0
     # DeepSpeed's shards inside the Checkpointer's folders: manifest, latest, keep-K.
@@ -388,17 +397,14 @@ def test_model_state_bytes_per_rank_against_the_zero_paper(tmp_path):
         assert measured - paper == pytest.approx(extra(psi, n), abs=0.008 * measured), (recipe, model, n, _name)
 
 
-def test_zero1_holds_the_whole_gradients_when_backward_ends(tmp_path):
-    """One micro-batch a step on two ranks: when backward ends, zero1 holds every gradient
-    whole (it reduces them only then), zero2 little more than its shard (its buckets reduced
-    the rest as backward made them; the last bucket's are still whole). The planner's gradients at their
-    peak (footprint.grads_at_peak) hold the whole ones for zero1, at any world size: on 8 ranks
-    of gpt_7b with full recomputation they, not the activations, set the step's peak."""
-    from launcher.launch import cli
-    from launcher.planner import plan as planner
-    from launcher.planner.memory import ParamCounts
+SMALL_BUCKET = "zero2:recipe.zero.reduce_bucket_size=16384"  # dim^2: the NCCL default of gpt_tiny
 
-    out = tmp_path / "held.json"
+
+@pytest.fixture(scope="module")
+def backward_probe(tmp_path_factory) -> dict:
+    """tests/helpers/zero_backward_probe.py on 2 ranks: each case's gradients held when the
+    reduction starts and the collectives of its second step (rank 0's, rank 1's)."""
+    out = tmp_path_factory.mktemp("probe") / "held.json"
     proc = subprocess.run(
         [
             sys.executable,
@@ -409,7 +415,9 @@ def test_zero1_holds_the_whole_gradients_when_backward_ends(tmp_path):
             "tests/helpers/zero_backward_probe.py",
             str(out),
             "zero1",
+            SMALL_BUCKET,
             "zero2",
+            "zero3",
         ],
         cwd=REPO,
         capture_output=True,
@@ -418,9 +426,23 @@ def test_zero1_holds_the_whole_gradients_when_backward_ends(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
-    ranks = json.loads(out.read_text())["ranks"]
-    assert [r["zero1"] for r in ranks] == [PSI_TINY] * 2
-    assert all(r["zero2"] < 0.6 * PSI_TINY for r in ranks), ranks  # measured: 0.52 and 0.57
+    return json.loads(out.read_text())
+
+
+def test_zero1_holds_the_whole_gradients_when_backward_ends(backward_probe):
+    """One micro-batch a step on two ranks: when backward ends, zero1 holds every gradient
+    whole (it reduces them only then), zero2 with buckets of dim^2 little more than its shard
+    (its buckets reduced the rest as backward made them; the last bucket's are still whole).
+    The planner's gradients at their
+    peak (footprint.grads_at_peak) hold the whole ones for zero1, at any world size: on 8 ranks
+    of gpt_7b with full recomputation they, not the activations, set the step's peak."""
+    from launcher.launch import cli
+    from launcher.planner import plan as planner
+    from launcher.planner.memory import ParamCounts
+
+    ranks = backward_probe["ranks"]
+    assert [r["zero1"]["held"] for r in ranks] == [PSI_TINY] * 2
+    assert all(r[SMALL_BUCKET]["held"] < 0.6 * PSI_TINY for r in ranks), ranks  # measured: 0.52 and 0.57
     for world, model in ((2, "gpt_tiny"), (8, "gpt_7b")):
         cfg, _, _ = cli.compose_config(
             [
@@ -434,3 +456,37 @@ def test_zero1_holds_the_whole_gradients_when_backward_ends(tmp_path):
         row = planner.memory_row(cfg, planner.layout_for(cfg, world), cfg.train.activation_checkpointing, 1)
         assert row.grads_peak >= 2 * ParamCounts.of(cfg.model).total, (model, world)
     assert row.total >= row.params + row.optim + row.grads_peak > row.params + row.optim + row.activations
+
+
+def test_the_planner_counts_deepspeeds_collectives(backward_probe):
+    """The collectives of one step as DeepSpeed 0.19 launches them on 2 gloo ranks, against
+    launcher/planner/collectives.py::per_step. zero1/2 reduce their gradients with an
+    all-reduce per bucket (use_multi_rank_bucket_allreduce), never a reduce-scatter, and
+    share the updated weights in one all-gather per parameter group (2: matrices, vectors),
+    whatever allgather_bucket_size says. gloo's default bucket (the whole model) makes the
+    reduction one message, where buckets of dim^2 (the NCCL default) make 31-39 of them;
+    zero3 reduce-scatters every gradient, in one message under gloo's default."""
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))
+    from zero_backward_probe import case_config
+
+    from launcher.planner import collectives
+    from launcher.planner import plan as planner
+
+    for case, seen in backward_probe["ranks"][0].items():
+        cfg = case_config(case, 2)
+        planned = collectives.per_step(cfg, planner.layout_for(cfg, 2))
+        launched: dict[str, list[int]] = {}
+        for kind, n in seen["collectives"]:
+            launched.setdefault(kind, []).append(n)
+        assert set(launched) == set(planned), (case, launched, planned)
+        total = {k: sum(v) for k, v in launched.items()}
+        if case.startswith(("zero1", "zero2")):
+            assert total["all_reduce"] == total["all_gather"] == PSI_TINY, case  # every gradient, every weight
+            assert len(launched["all_gather"]) == planned["all_gather"]["count"] == 2, case
+            many = case == SMALL_BUCKET
+            assert (len(launched["all_reduce"]) > 1) is many and (planned["all_reduce"]["count"] > 1) is many, case
+            if not many:
+                assert len(launched["all_reduce"]) == planned["all_reduce"]["count"] == 1, case
+        else:  # the reduce-scatter's output: each rank's half of every gradient
+            assert 2 * total["reduce_scatter"] == PSI_TINY, case
+            assert len(launched["reduce_scatter"]) == planned["reduce_scatter"]["count"] == 1, case

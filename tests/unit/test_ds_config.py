@@ -192,6 +192,37 @@ def test_dry_run_prints_the_deepspeed_config(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_the_reduce_bucket_is_resolved_for_the_ranks_backend(tmp_path, capsys):
+    """A null recipe.zero.reduce_bucket_size is resolved once, by the launch side, for the
+    backend the ranks use (ds_config.for_backend), and config.yaml and ds_config.json say the
+    same number: on this CPU gloo's, every trainable element (gpt_tiny's 885,888) up to 5e7;
+    for NCCL dim^2. A size the user set is kept; model.lora's adapters alone are reduced;
+    `make plan` prices this CPU's processes with gloo's and GPUs with NCCL's."""
+    from launcher.planner import plan as planner
+
+    assert cli.main(["recipe=zero3", "--dry-run", f"hydra.run.dir={tmp_path / 'run'}"]) == 0
+    out = capsys.readouterr().out
+    assert "    reduce_bucket_size: 885888\n" in out.split("# ds_config.json\n", 1)[0]  # config.yaml
+    ds = json.loads(out.split("# ds_config.json\n", 1)[1].split("# command", 1)[0])
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 885_888 == C.num_params(cli.compose_config([])[0].model)
+
+    def bucket(*overrides: str, gloo: bool) -> int:
+        return D.for_backend(cli.compose_config(["recipe=zero2", *overrides])[0], gloo).recipe.zero.reduce_bucket_size
+
+    assert bucket(gloo=False) == 128**2
+    assert bucket("recipe.zero.reduce_bucket_size=1000", gloo=True) == 1000
+    assert bucket("model=gpt_1b", gloo=True) == D.GLOO_BUCKET_CAP == 50_000_000
+    assert bucket("model=gpt_1b", gloo=False) == 2048**2
+    lora = cli.compose_config(["recipe=zero2", "model=gpt_small", "model.lora.rank=8"])[0]
+    assert bucket("model=gpt_small", "model.lora.rank=8", gloo=True) == D.trainable_elements(lora) < 2_000_000
+
+    cfg = cli.compose_config(["recipe=zero3"])[0]
+    for cpu, want in ((True, 885_888), (False, 128**2)):
+        hw = planner.Hardware(gpu_bytes=2**34, gpus_per_node=2, nnodes=1, tflops=100.0, cpu=cpu)
+        row = next(r for r in planner.plan(cfg, hw, {"zero3": cfg.recipe}, micro_batch=1) if r.layout.shard == "zero3")
+        assert row.collectives["reduce_scatter"]["count"] == -(-885_888 // want)
+
+
 def test_a_back_off_rebatches_the_json_that_deepspeed_then_reads(tmp_path):
     """train.oom_backoff on a ZeRO run: micro 8 x 1 -> 4 x 2 at the same train_batch_size."""
     cfg, _, _ = cli.compose_config(["recipe=zero2", "train.micro_batch=8"])

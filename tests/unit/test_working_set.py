@@ -93,8 +93,10 @@ def test_collectives_per_step():
     in forward and 80 blocks again in backward (161 all-gathers) and reduce-scatters 81 units
     of fp32 gradients (4Ψ bytes); without resharding the backward gathers nothing. ZeRO-3
     gathers in forward at least every parameter once (2Ψ bytes), reduce-scatters 2Ψ bytes in
-    ceil(Ψ / dim²) = 1052 buckets; zero2 reduce-scatters as many and all-gathers the updated
-    weights once."""
+    ceil(Ψ / dim²) = 1052 buckets; zero2 all-reduces as many buckets (DeepSpeed 0.19's
+    use_multi_rank_bucket_allreduce: tests/e2e/test_zero.py measures it) and all-gathers the
+    updated weights in one call per parameter group, two (allgather_bucket_size changes
+    nothing); with use_multi_rank_bucket_allreduce off, a reduce per rank's slice."""
     psi = 70_553_706_496
     cfg = composed("model=llama3_70b", "recipe=fsdp")
     c = collectives.per_step(cfg, planner.layout_for(cfg, 8))
@@ -109,14 +111,24 @@ def test_collectives_per_step():
     )
     assert c3["all_gather"]["bytes"] > 2 * psi  # forward, and backward's re-gathers
     z2 = composed("model=llama3_70b", "recipe=zero2")
-    assert collectives.per_step(z2, planner.layout_for(z2, 8))["all_gather"]["bytes"] == 2 * psi
+    c2 = collectives.per_step(z2, planner.layout_for(z2, 8))
+    assert c2 == {"all_reduce": {"count": 1052, "bytes": 2 * psi}, "all_gather": {"count": 2, "bytes": 2 * psi}}
+    small = composed("model=llama3_70b", "recipe=zero2", "recipe.zero.allgather_bucket_size=1000000")
+    assert collectives.per_step(small, planner.layout_for(small, 8)) == c2
+    off = composed(
+        "model=llama3_70b", "recipe=zero2", "+recipe.zero.extra.zero_optimization.use_multi_rank_bucket_allreduce=false"
+    )
+    assert collectives.per_step(off, planner.layout_for(off, 8))["reduce_scatter"] == {
+        "count": 1052 + 7,
+        "bytes": 2 * psi,
+    }
 
 
 def test_step_time_prices_each_counted_collective():
     """The step time's data-parallel term is the counted collectives: llama3_70b zero2 on 8
     GPUs of one node, its ring share (7/8) of every collective's bytes at plan.intra_node_gbps
     plus plan.collective_latency_us a launch. Smaller reduce buckets cost only their extra
-    launches; accumulation repeats zero2's reduce-scatters, not its one all-gather; fp32 moves
+    launches; accumulation repeats zero2's all-reduces, not its all-gathers; fp32 moves
     twice the bytes of bf16."""
 
     def seconds(*extra: str) -> tuple[float, dict]:
@@ -128,13 +140,13 @@ def test_step_time_prices_each_counted_collective():
 
     base, c = seconds()
     bw, latency = 200e9, 20e-6
-    moved = 7 / 8 * (c["all_gather"]["bytes"] + c["reduce_scatter"]["bytes"])
-    assert base == pytest.approx(moved / bw + (c["all_gather"]["count"] + c["reduce_scatter"]["count"]) * latency)
+    moved = 7 / 8 * (c["all_gather"]["bytes"] + 2 * c["all_reduce"]["bytes"])  # an all-reduce: twice
+    assert base == pytest.approx(moved / bw + (c["all_gather"]["count"] + c["all_reduce"]["count"]) * latency)
     small, cs = seconds(f"recipe.zero.reduce_bucket_size={8192**2 // 4}")
-    assert cs["reduce_scatter"]["count"] == -(-70_553_706_496 // (8192**2 // 4)) == 4206
-    assert small - base == pytest.approx((cs["reduce_scatter"]["count"] - c["reduce_scatter"]["count"]) * latency)
+    assert cs["all_reduce"]["count"] == -(-70_553_706_496 // (8192**2 // 4)) == 4206
+    assert small - base == pytest.approx((cs["all_reduce"]["count"] - c["all_reduce"]["count"]) * latency)
     accum, ca = seconds("train.grad_accum=4")
-    assert ca["reduce_scatter"]["bytes"] == 4 * c["reduce_scatter"]["bytes"]
+    assert ca["all_reduce"]["bytes"] == 4 * c["all_reduce"]["bytes"]
     assert ca["all_gather"] == c["all_gather"] and accum > 2.4 * base
     fp32, _ = seconds("precision=fp32")
     assert fp32 > 1.9 * base

@@ -270,6 +270,15 @@ def nothing_to_train(cfg: C.Config, run_dir: Path) -> bool:
     return True
 
 
+def for_backend(cfg: C.Config, host: HostInfo) -> C.Config:
+    """A zero recipe's null reduce bucket resolved for the backend its ranks use
+    (ds_config.for_backend: gloo or NCCL), so that config.yaml, ds_config.json and the CPU
+    fit all read one number; any other recipe as it is."""
+    if not engines.spec(cfg.recipe.engine).deepspeed:
+        return cfg
+    return ds_config.for_backend(cfg, ds_config.on_gloo(cfg, host.cuda))
+
+
 def zero_config(cfg: C.Config, host: HostInfo) -> dict | None:
     """An engine that runs inside DeepSpeed (its EngineSpec says so: recipe.engine=zero):
     DeepSpeed's config, generated, merged with recipe.zero.extra and checked by DeepSpeed's
