@@ -265,7 +265,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipes", default="", help="comma-separated; default: every recipe in conf/recipe")
     ap.add_argument("--models", default="gpt_tiny")
@@ -280,19 +280,28 @@ def main() -> None:
         "--overrides", nargs="*", default=[], help="more overrides for every cell, e.g. recipe.zero.extra=..."
     )
     ap.add_argument("--table", action="store_true", help="print plan against measured (rank 0)")
-    args = ap.parse_args()
+    return ap
 
+
+def report(args, rows: list[dict], rank: int, world: int) -> str | None:
+    """Every rank's rows to rank 0, which writes them to args.out: the table (--table) on rank 0."""
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank != 0:
+        return None
+    everyone = [r for per_rank in gathered for r in per_rank]
+    Path(args.out).write_text(json.dumps(everyone, indent=1) + "\n")
+    return table(everyone) if args.table else None
+
+
+def main() -> None:
+    args = parser().parse_args()
     deepspeed_env()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    rows = run(args, rank, world)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, rows)
-    if rank == 0:
-        everyone = [r for per_rank in gathered for r in per_rank]
-        Path(args.out).write_text(json.dumps(everyone, indent=1) + "\n")
-        if args.table:
-            print(table(everyone), flush=True)
+    printed = report(args, run(args, rank, world), rank, world)
+    if printed is not None:
+        print(printed, flush=True)
     dist.destroy_process_group()
 
 

@@ -31,50 +31,78 @@ MATRIX_AT = {1: MATRIX, 2: MATRIX, 4: {**MATRIX, "precision": ["fp32"]}}
 and each precision's terms at 1 and 2 ranks (half the 4-rank cost, about 100 s)."""
 
 
+MOE_RECIPES = ("ddp", "fsdp", "zero2", "zero3")
+BEYOND = {  # a setting the matrix leaves at its default -> the cell that moves its term
+    "sp": ("tp", ["parallel.sequence_parallel=true"]),
+    "sub_group": ("zero3", ["+recipe.zero.extra={zero_optimization:{sub_group_size:100000}}"]),
+}
+OPTIMS = ("adamw8bit", "adamw4bit", "adafactor", "muon")
+FP32_ONE_STEP = ["--precisions", "fp32", "--grad-accums", "1"]
+JOBS = {  # world size -> name -> scripts/measure_memory.py's arguments (--out added)
+    1: {"matrix": ["--table", "--precisions", ",".join(MATRIX_AT[1]["precision"])]},
+    2: {
+        "matrix": ["--table", "--precisions", ",".join(MATRIX_AT[2]["precision"])],
+        "moe": ["--models", "moe_tiny", "--recipes", ",".join(MOE_RECIPES), *FP32_ONE_STEP, "--ac", "none,full"],
+        **{
+            name: ["--recipes", recipe, "--precisions", "fp32,bf16", "--grad-accums", "1", "--ac", "none,full"]
+            + ["--overrides", *overrides]
+            for name, (recipe, overrides) in BEYOND.items()
+        },
+        "optims": ["--recipes", "ddp,fsdp", *FP32_ONE_STEP, "--ac", "none", "--optims", ",".join(OPTIMS)],
+    },
+    4: {
+        "matrix": ["--table", "--precisions", ",".join(MATRIX_AT[4]["precision"])],
+        "dim1": ["--models", "moe_tiny", "--recipes", "fsdp", *FP32_ONE_STEP, "--ac", "none"]
+        + ["--overrides", "model.moe.experts=2"],
+    },
+}
+"""Every measurement of this module, in one launch per world size
+(tests/helpers/measure_jobs.py: measure_memory.py's runs one after another in one process
+group): the matrix, and the cells each later test adds to it."""
+
+
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory) -> list[dict]:
-    """scripts/measure_memory.py at each world size: every layout the planner offers there
-    x precision x accumulation x checkpointing, trained on real ranks. The three world
-    sizes run at once (what they measure is tensors' bytes, not time): about 100 s on 2
-    cores, 130 s one after another."""
-    out, rows, procs = tmp_path_factory.mktemp("matrix"), [], {}
-    for n in MATRIX_WORLDS:
-        path = out / f"matrix-{n}.json"
-        procs[n] = (
-            path,
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--standalone",
-                    f"--nproc-per-node={n}",
-                    "scripts/measure_memory.py",
-                    "--out",
-                    str(path),
-                    "--table",
-                    "--precisions",
-                    ",".join(MATRIX_AT[n]["precision"]),
-                ],
-                cwd=REPO,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
-            ),
+def measured(tmp_path_factory) -> dict[tuple[int, str], list[dict]]:
+    """(world size, job name) -> the rows scripts/measure_memory.py measured on real ranks
+    (JOBS). The three world sizes run at once (what they measure is tensors' bytes, not
+    time); each its jobs one after another, in one process group."""
+    out, procs = tmp_path_factory.mktemp("measured"), {}
+    for n, jobs in JOBS.items():
+        argvs = [["--out", str(out / f"{name}-{n}.json"), *argv] for name, argv in jobs.items()]
+        (out / f"jobs-{n}.json").write_text(json.dumps(argvs))
+        procs[n] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={n}",
+                "tests/helpers/measure_jobs.py",
+                str(out / f"jobs-{n}.json"),
+            ],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
     try:
-        for n, (path, proc) in procs.items():
-            stdout, stderr = proc.communicate(timeout=900)
+        for n, proc in procs.items():
+            _, stderr = proc.communicate(timeout=1500)
             assert proc.returncode == 0, stderr[-5000:]
-            (out / f"table-{n}.md").write_text(stdout)
-            rows += json.loads(path.read_text())
     finally:
-        for _, proc in procs.values():
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    return rows
+    return {(n, name): json.loads((out / f"{name}-{n}.json").read_text()) for n, jobs in JOBS.items() for name in jobs}
+
+
+@pytest.fixture(scope="module")
+def matrix(measured) -> list[dict]:
+    """scripts/measure_memory.py at each world size: every layout the planner offers there
+    x precision x accumulation x checkpointing, trained on real ranks."""
+    return [r for n in MATRIX_WORLDS for r in measured[(n, "matrix")]]
 
 
 @pytest.mark.slow
@@ -135,11 +163,8 @@ def test_the_plan_holds_in_every_cell(matrix, capsys):
         )
 
 
-MOE_RECIPES = ("ddp", "fsdp", "zero2", "zero3")
-
-
 @pytest.mark.slow
-def test_the_plan_holds_for_an_moe(tmp_path, capsys):
+def test_the_plan_holds_for_an_moe(measured, capsys):
     """model=moe_tiny (8 experts, top-2, every block) on 2 real ranks, ep=1: ddp, fsdp, zero2
     and zero3 in fp32 without and with full recomputation (bf16 parameters are the unit
     test's, tests/unit/test_moe_plan.py; ddp's bf16 autocast does not run an MoE on CPU).
@@ -151,38 +176,8 @@ def test_the_plan_holds_for_an_moe(tmp_path, capsys):
     Measured: model states 0.985-1.000 x plan on every rank, activations 1.000 (ep=1; zero3
     without recomputation 6.44 MiB, 12.44 before the Function, when slices kept the gathered
     experts) and 0.983 (ep=2, no recomputation: the dispatch buffers are planned at the tokens a
-    rank could receive). 12 cells, one process group; 22 s on 2 idle cores."""
-    out = tmp_path / "moe.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "scripts/measure_memory.py",
-            "--out",
-            str(out),
-            "--models",
-            "moe_tiny",
-            "--recipes",
-            ",".join(MOE_RECIPES),
-            "--precisions",
-            "fp32",
-            "--grad-accums",
-            "1",
-            "--ac",
-            "none,full",
-            "--table",
-        ],
-        cwd=REPO,
-        text=True,
-        capture_output=True,
-        timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    rows = json.loads(out.read_text())
+    rank could receive). 12 cells, in the 2-rank process group of `measured`."""
+    rows = measured[(2, "moe")]
     layouts = [*(f"{r} (dp2)" for r in MOE_RECIPES), "ddp (dp2 ep2)", "fsdp (dp2 ep2)"]
     assert {(r["layout"], r["ac"]) for r in rows} == set(itertools.product(layouts, ("none", "full")))
     assert len(rows) == 2 * 2 * len(layouts) and not any("refused" in r for r in rows)
@@ -196,12 +191,12 @@ def test_the_plan_holds_for_an_moe(tmp_path, capsys):
     with capsys.disabled():
         print(
             f"\nMoE plan vs measured ({len(rows) // 2} cells, 2 ranks): model states {min(states):.4f}-{max(states):.4f}, "
-            f"activations {min(acts):.4f}-{max(acts):.4f} x plan\n{proc.stdout}"
+            f"activations {min(acts):.4f}-{max(acts):.4f} x plan"
         )
 
 
 @pytest.mark.slow
-def test_fewer_experts_than_ranks_are_cut_on_dimension_1(tmp_path):
+def test_fewer_experts_than_ranks_are_cut_on_dimension_1(measured):
     """moe_tiny with 2 experts on 4 real ranks under fsdp, at ep=1 (2 experts over 4 ranks) and
     ep=2 (one expert over 2): FSDP cuts the stacked experts on dimension 1
     (launcher/parallel/experts.py::expert_placement), so every rank holds a quarter of the
@@ -209,38 +204,7 @@ def test_fewer_experts_than_ranks_are_cut_on_dimension_1(tmp_path):
     rank 3's parameters), and each rank's model states are within 2% of the plan. Measured:
     parameters 691,328 / 689,280 bytes on ranks 0-1 / 2-3 (the dense norms' chunks), plan
     690,304; model states 1.002 / 0.999 x plan, activations 1.000."""
-    out = tmp_path / "dim1.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=4",
-            "scripts/measure_memory.py",
-            "--out",
-            str(out),
-            "--models",
-            "moe_tiny",
-            "--recipes",
-            "fsdp",
-            "--precisions",
-            "fp32",
-            "--grad-accums",
-            "1",
-            "--ac",
-            "none",
-            "--overrides",
-            "model.moe.experts=2",
-        ],
-        cwd=REPO,
-        text=True,
-        capture_output=True,
-        timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    rows = json.loads(out.read_text())
+    rows = measured[(4, "dim1")]
     assert {(r["layout"], r["rank"]) for r in rows} == {(f"fsdp (dp4{ep})", k) for ep in ("", " ep2") for k in range(4)}
     for r in rows:
         m, p = r["measured"], r["predicted"]
@@ -250,51 +214,14 @@ def test_fewer_experts_than_ranks_are_cut_on_dimension_1(tmp_path):
     assert max(params) < 1.01 * min(params), params
 
 
-BEYOND = {  # a setting the matrix leaves at its default -> the cell that moves its term
-    "sp": ("tp", ["parallel.sequence_parallel=true"]),
-    "sub_group": ("zero3", ["+recipe.zero.extra={zero_optimization:{sub_group_size:100000}}"]),
-}
-
-
 @pytest.mark.slow
-def test_the_plan_holds_beyond_the_matrix_defaults(tmp_path):
+def test_the_plan_holds_beyond_the_matrix_defaults(measured):
     """Terms the matrix's defaults leave still: tp under parallel.sequence_parallel (the norms
     and the stream split over tp) and zero3 with sub-groups of 1e5 elements (gpt_tiny's
     partition is 4.4e5 on 2 ranks: the step's fp32 gradient is one sub-group's, 1.2e5),
     at 2 ranks, fp32 and bf16, with and without recomputation: model states within 2%,
     activations within 2% (both measure 1.000 when written)."""
-    rows = []
-    for name, (recipe, overrides) in BEYOND.items():
-        out = tmp_path / f"{name}.json"
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node=2",
-                "scripts/measure_memory.py",
-                "--out",
-                str(out),
-                "--recipes",
-                recipe,
-                "--precisions",
-                "fp32,bf16",
-                "--grad-accums",
-                "1",
-                "--ac",
-                "none,full",
-                "--overrides",
-                *overrides,
-            ],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        assert proc.returncode == 0, proc.stderr[-5000:]
-        rows += [(name, r) for r in json.loads(out.read_text())]
+    rows = [(name, r) for name in BEYOND for r in measured[(2, name)]]
     assert {name for name, _ in rows} == set(BEYOND)
     for name, r in rows:
         m, p = r["measured"], r["predicted"]
@@ -303,52 +230,14 @@ def test_the_plan_holds_beyond_the_matrix_defaults(tmp_path):
         assert abs(m["activations"] / p["activations"] - 1) < 0.02, (where, m["activations"], p["activations"])
 
 
-OPTIMS = ("adamw8bit", "adamw4bit", "adafactor", "muon")
-
-
 @pytest.mark.slow
-def test_the_plan_holds_for_each_optimizer(tmp_path):
+def test_the_plan_holds_for_each_optimizer(measured):
     """launcher/optim's state bytes against the engines' own count (torchao's quantized
     moments by their codes, scales and code tables): ddp and fsdp at 2 ranks, fp32, one
     cell per optimizer (the other terms are the matrix's): optimizer states and model
     states within 2% on every rank. At 2 ranks only: a ddp rank holds what it holds alone
-    (replicated), and a process group of 1 would cost another 10 CPU-s for no other term.
-    About 25 s on 2 cores."""
-    procs = {
-        n: subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={n}",
-                "scripts/measure_memory.py",
-                "--out",
-                str(tmp_path / f"optim-{n}.json"),
-                "--recipes",
-                recipes,
-                "--precisions",
-                "fp32",
-                "--grad-accums",
-                "1",
-                "--ac",
-                "none",
-                "--optims",
-                ",".join(OPTIMS),
-            ],
-            cwd=REPO,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        for n, recipes in ((2, "ddp,fsdp"),)
-    }
-    rows = []
-    for n, proc in procs.items():
-        _, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-5000:]
-        rows += json.loads((tmp_path / f"optim-{n}.json").read_text())
+    (replicated), and a process group of 1 would cost another 10 CPU-s for no other term."""
+    rows = measured[(2, "optims")]
     assert {(r["world"], r["recipe"], r["optim"]) for r in rows} == set(
         itertools.product((2,), ("ddp", "fsdp"), OPTIMS)
     )
