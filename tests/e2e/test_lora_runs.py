@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_models import TINY_LLAMA
-from runs import assert_refused, launch, read_metrics
+from runs import assert_refused, in_fp32, launch, read_metrics
 from shared import Run, SharedRuns
 
 from launcher import config as C
@@ -95,8 +95,10 @@ def test_a_checkpoint_holds_the_adapters_and_the_base_digest(runs, base):
         assert manifest["model"]["lora"]["base_digest"] == base_digest(str(base), base.parent)
 
 
-def test_a_resume_or_a_merge_onto_another_base_is_refused(runs, base, tmp_path):
-    """The same shapes, one weight changed: the adapters would be applied to another model."""
+def test_a_resume_or_a_merge_onto_another_base_is_refused(runs, base, tmp_path, capsys):
+    """The same shapes, one weight changed: the adapters would be applied to another model.
+    The launch side refuses before any rank starts: the launcher's own main, in this process
+    (a new interpreter would add its imports, about 10 s, and nothing under test)."""
     from safetensors.torch import load_file, save_file
 
     other = tmp_path / "other"
@@ -106,8 +108,10 @@ def test_a_resume_or_a_merge_onto_another_base_is_refused(runs, base, tmp_path):
     save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
     run = tmp_path / "run"
     shutil.copytree(runs["ddp"], run)
-    proc = launch("recipe=ddp", f"model.pretrained={other}", *COMMON, "train.steps=6", run_dir=run, check=False)
-    assert_refused(proc.returncode, proc.stdout, proc.stderr, ["model.pretrained", "another base"])
+    overrides = in_fp32(["recipe=ddp", f"model.pretrained={other}", *COMMON, "train.steps=6"])
+    code = cli.main(["train", f"hydra.run.dir={run}", *overrides])
+    out, err = capsys.readouterr()
+    assert_refused(code, out, err, ["model.pretrained", "another base"])
     assert (
         cli.main(
             [
