@@ -296,12 +296,15 @@ def test_a_rehearsal_holds_what_real_ranks_hold(matrix):
 
 @pytest.mark.slow
 def test_auto_recipe_and_micro_batch_train(run_dir):
+    """recipe=auto and train.micro_batch=auto: the planner's choice is frozen into the run's
+    config and trains. Two steps (a step at the chosen micro-batch, and one after the
+    optimizer's first update) prove that; each is costly at the large micro-batch chosen."""
     proc = launch(
         "recipe=auto",
         "train.micro_batch=auto",
         "cluster.gpu_memory_gb=0.2",
         "plan.reserve_gb=0",
-        "train.steps=6",
+        "train.steps=2",
         "optim.warmup_steps=1",
         "logger=none",
         "logger.log_every=1",
@@ -313,7 +316,7 @@ def test_auto_recipe_and_micro_batch_train(run_dir):
     frozen = (run_dir / "config.yaml").read_text()
     assert f"micro_batch: {chosen['train.micro_batch']}" in frozen
     assert int(chosen["train.micro_batch"]) > 8  # 0.2 GiB holds far more than the default 8 for gpt_tiny
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 7))
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
 
 
 def _limit_address_space(gib: float):
