@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import wandb_file
-from runs import REPO, assert_same_training, here, launch, read_metrics, token_file
+from runs import REPO, assert_same_training, here, in_fp32, launch, read_metrics, token_file
 
 from launcher import config as C
 from launcher.launch import cli
@@ -227,23 +227,31 @@ def test_rank_entry_by_hand_with_a_token_file(tmp_path):
     assert (run / "checkpoints" / "step_00000030" / "manifest.json").exists()
 
 
-def test_dry_run_prints_and_starts_nothing(run_dir):
-    proc = launch("--dry-run", "model=gpt_small", run_dir=run_dir)
-    assert "name: gpt_small" in proc.stdout and "torch.distributed.run" in proc.stdout
+def dry(*overrides: str, capsys) -> tuple[int, str, str]:
+    """`launcher train ARGS` by the launcher's own main in this process (a dry run starts no
+    process to watch; a new interpreter would only add its imports): code, stdout, stderr."""
+    code = cli.main(["train", *in_fp32(overrides)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_dry_run_prints_and_starts_nothing(run_dir, capsys):
+    code, out, _ = dry("--dry-run", "model=gpt_small", f"hydra.run.dir={run_dir}", capsys=capsys)
+    assert code == 0 and "name: gpt_small" in out and "torch.distributed.run" in out
     assert not run_dir.exists()
-    assert "\ndry_run:" not in proc.stdout  # a flag, never a key of config.yaml
-    refused = launch("dry_run=true", run_dir=run_dir, check=False)
-    assert refused.returncode == 2 and "dry_run" in refused.stderr and not run_dir.exists()
-    refused = launch("--json", run_dir=run_dir, check=False)  # plan's flag, not train's
-    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+    assert "\ndry_run:" not in out  # a flag, never a key of config.yaml
+    code, _, err = dry("dry_run=true", f"hydra.run.dir={run_dir}", capsys=capsys)
+    assert code == 2 and "dry_run" in err and not run_dir.exists()
+    code, _, err = dry("--json", f"hydra.run.dir={run_dir}", capsys=capsys)  # plan's flag, not train's
+    assert code == 2 and err.strip().splitlines() == [
         "error: unknown flag '--json' for train; allowed: --dry-run, -m/--multirun, -h/--help, or key=value overrides"
     ]
 
 
-def test_multirun_makes_one_run_dir_per_point(tmp_path):
-    proc = launch("-m", "optim.lr=1e-3,2e-3", "--dry-run", f"hydra.sweep.dir={tmp_path / 'sweep'}")
-    assert proc.stdout.count("lr: 0.001") == 1 and proc.stdout.count("lr: 0.002") == 1
-    assert f"{tmp_path / 'sweep'}/0" in proc.stdout and f"{tmp_path / 'sweep'}/1" in proc.stdout
+def test_multirun_makes_one_run_dir_per_point(tmp_path, capsys):
+    code, out, _ = dry("-m", "optim.lr=1e-3,2e-3", "--dry-run", f"hydra.sweep.dir={tmp_path / 'sweep'}", capsys=capsys)
+    assert code == 0 and out.count("lr: 0.001") == 1 and out.count("lr: 0.002") == 1
+    assert f"{tmp_path / 'sweep'}/0" in out and f"{tmp_path / 'sweep'}/1" in out
 
 
 def test_a_sweep_keeps_its_points_in_one_folder(tmp_path, capsys, monkeypatch):
