@@ -324,36 +324,50 @@ EXTRA = {  # (bytes per rank as a function of Ψ and N, name)
 CASES = [f"{r}:{m}" for m in ("gpt_tiny", "gpt_small") for r in ("ddp", "zero1", "zero2", "zero3")]
 
 
-def _probe(tmp_path: Path, nproc: int, cases: list[str]) -> list[dict]:
-    out = tmp_path / f"memory-{nproc}.json"
+OFFLOAD_CASES = ["zero2_offload:gpt_tiny", "zero3_offload:gpt_tiny"]
+SMALL_BUCKET = "zero2:recipe.zero.reduce_bucket_size=16384"  # dim^2: the NCCL default of gpt_tiny
+HELD = ["zero1", SMALL_BUCKET, "zero2", "zero3"]  # the backward probe's cases: held gradients, collectives
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory) -> tuple[list[dict], list[dict]]:
+    """One 2-rank launch of tests/helpers/zero_memory_probe.py for both probe tests: every
+    CASES and OFFLOAD_CASES engine's bytes, then (--held) zero_backward_probe.py's gradients
+    held when backward ends for HELD: (memory results, held per rank)."""
+    folder = tmp_path_factory.mktemp("zero-probes")
+    out, held = folder / "memory-2.json", folder / "held.json"
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--standalone",
-            f"--nproc-per-node={nproc}",
+            "--nproc-per-node=2",
             "tests/helpers/zero_memory_probe.py",
             str(out),
-            *cases,
+            *CASES,
+            *OFFLOAD_CASES,
+            "--held",
+            str(held),
+            *HELD,
         ],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), json.loads(held.read_text())["ranks"]
 
 
-def test_model_state_bytes_per_rank_against_the_zero_paper(tmp_path):
+def test_model_state_bytes_per_rank_against_the_zero_paper(probed):
     """Two ranks, bf16, tiny and small: the paper's figure, what DeepSpeed holds beyond it
     (pinned, the term named), the losses and weights of ddp. Every other world size,
     precision and accumulation is in tests/e2e/test_plan_runs.py's matrix."""
     nproc = 2
-    offload = ["zero2_offload:gpt_tiny", "zero3_offload:gpt_tiny"]
-    results = _probe(tmp_path, nproc, CASES + offload)
+    results, _ = probed
+    assert [f"{r['recipe']}:{r['model']}" for r in results] == CASES + OFFLOAD_CASES
     losses = {r["model"]: r["losses"] for r in results if r["recipe"] == "ddp"}
     for r in results:
         recipe, model, psi, n = r["recipe"], r["model"], r["psi"], r["world_size"]
@@ -397,39 +411,7 @@ def test_model_state_bytes_per_rank_against_the_zero_paper(tmp_path):
         assert measured - paper == pytest.approx(extra(psi, n), abs=0.008 * measured), (recipe, model, n, _name)
 
 
-SMALL_BUCKET = "zero2:recipe.zero.reduce_bucket_size=16384"  # dim^2: the NCCL default of gpt_tiny
-
-
-@pytest.fixture(scope="module")
-def backward_probe(tmp_path_factory) -> dict:
-    """tests/helpers/zero_backward_probe.py on 2 ranks: each case's gradients held when the
-    reduction starts and the collectives of its second step (rank 0's, rank 1's)."""
-    out = tmp_path_factory.mktemp("probe") / "held.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "tests/helpers/zero_backward_probe.py",
-            str(out),
-            "zero1",
-            SMALL_BUCKET,
-            "zero2",
-            "zero3",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads(out.read_text())
-
-
-def test_zero1_holds_the_whole_gradients_when_backward_ends(backward_probe):
+def test_zero1_holds_the_whole_gradients_when_backward_ends(probed):
     """One micro-batch a step on two ranks: when backward ends, zero1 holds every gradient
     whole (it reduces them only then), zero2 with buckets of dim^2 little more than its shard
     (its buckets reduced the rest as backward made them; the last bucket's are still whole).
@@ -440,7 +422,7 @@ def test_zero1_holds_the_whole_gradients_when_backward_ends(backward_probe):
     from launcher.planner import plan as planner
     from launcher.planner.memory import ParamCounts
 
-    ranks = backward_probe["ranks"]
+    _, ranks = probed  # measured in the memory probe's launch, after its engines
     assert [r["zero1"]["held"] for r in ranks] == [PSI_TINY] * 2
     assert all(r[SMALL_BUCKET]["held"] < 0.6 * PSI_TINY for r in ranks), ranks  # measured: 0.52 and 0.57
     for world, model in ((2, "gpt_tiny"), (8, "gpt_7b")):
@@ -458,7 +440,7 @@ def test_zero1_holds_the_whole_gradients_when_backward_ends(backward_probe):
     assert row.total >= row.params + row.optim + row.grads_peak > row.params + row.optim + row.activations
 
 
-def test_the_planner_counts_deepspeeds_collectives(backward_probe):
+def test_the_planner_counts_deepspeeds_collectives(probed):
     """The collectives of one step as DeepSpeed 0.19 launches them on 2 gloo ranks, against
     launcher/planner/collectives.py::per_step. zero1/2 reduce their gradients with an
     all-reduce per bucket (use_multi_rank_bucket_allreduce), never a reduce-scatter, and
@@ -472,7 +454,7 @@ def test_the_planner_counts_deepspeeds_collectives(backward_probe):
     from launcher.planner import collectives
     from launcher.planner import plan as planner
 
-    for case, seen in backward_probe["ranks"][0].items():
+    for case, seen in probed[1][0].items():
         cfg = case_config(case, 2)
         planned = collectives.per_step(cfg, planner.layout_for(cfg, 2))
         launched: dict[str, list[int]] = {}

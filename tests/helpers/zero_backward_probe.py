@@ -10,7 +10,8 @@ zero1 (without overlap_comm, its default) leaves the reduction until backward ha
 (stage_1_and_2.py::reduce_gradients), so its whole gradients exist then; zero2 reduces
 them through its buckets as backward makes them. launcher/planner/footprint.py::grads_at_peak
 counts the first, launcher/planner/collectives.py::per_step the collectives; a null reduce
-bucket is resolved for gloo, as the launch side does. tests/e2e/test_zero.py reads OUT.json.
+bucket is resolved for gloo, as the launch side does. tests/e2e/test_zero.py reads OUT.json
+(written in the launch of zero_memory_probe.py --held, which calls `report`).
 """
 
 from __future__ import annotations
@@ -113,14 +114,18 @@ def probe(case: str, rank: int, world: int, scratch: Path) -> dict:
     return {"held": held[-1] if held else None, "collectives": launched}
 
 
-def main() -> None:
-    out, cases = Path(sys.argv[1]), sys.argv[2:]
-    rank, world, scratch = probes.join("zero-backward-")
+def report(out: Path, cases: list[str], rank: int, world: int, scratch: Path) -> None:
+    """Each case's held gradient elements and collectives on every rank, to `out` (rank 0)."""
     seen = {case: probe(case, rank, world, scratch) for case in cases}
     everyone = [None] * world
     dist.all_gather_object(everyone, seen)
     if rank == 0:
         out.write_text(json.dumps({"world_size": world, "ranks": everyone}))
+
+
+def main() -> None:
+    rank, world, scratch = probes.join("zero-backward-")
+    report(Path(sys.argv[1]), sys.argv[2:], rank, world, scratch)
     dist.destroy_process_group()
 
 

@@ -1,14 +1,15 @@
 """Model-state bytes per rank of the ZeRO recipes, measured by their own engines (and the
 loss of each step, to compare with ddp's on the same batches).
 
-    python -m torch.distributed.run --standalone --nproc-per-node N tests/helpers/zero_memory_probe.py OUT.json RECIPE:MODEL...
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/helpers/zero_memory_probe.py OUT.json RECIPE:MODEL... [--held HELD.json RECIPE...]
 
 For each recipe and model (composed from conf/ as a user would: precision bf16, two
 micro-batches per step), the launch side's ds_config.json is written, the real engine is
 built (engines.build), two optimizer steps are taken (Adam creates its moments during the
 first), and rank 0 writes every rank's `state_bytes()` of the second step to OUT.json, with
 the losses and how far `consolidated_state_dict()` is from the first case's (ddp's) weights. Building the engines one after another in one job keeps the
-test to one launch per world size.
+test to one launch per world size. --held: then, in the same process group,
+zero_backward_probe.py's measurement of each RECIPE to HELD.json (one launch for both tests).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import zero_backward_probe
 
 import engines
 from launcher.exits import exit_now
@@ -93,7 +95,9 @@ def measure(recipe: str, model: str, rank: int, world: int, scratch: Path) -> di
 
 
 def main() -> None:
-    out, cases = Path(sys.argv[1]), [c.split(":") for c in sys.argv[2:]]
+    args = sys.argv[1:]
+    held = args[args.index("--held") + 1 :] if "--held" in args else []
+    out, cases = Path(args[0]), [c.split(":") for c in args[1 : len(args) - len(held) - bool(held)]]
     deepspeed_env()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -113,6 +117,9 @@ def main() -> None:
         results.append(result)
     if rank == 0:
         out.write_text(json.dumps(results, indent=1))
+    if held:
+        zero_backward_probe.report(Path(held[0]), held[1:], rank, world, Path(scratch[0]))
+    if rank == 0:
         shutil.rmtree(scratch[0], ignore_errors=True)
     dist.destroy_process_group()
 
