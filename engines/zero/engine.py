@@ -299,9 +299,11 @@ def model_state_bytes(
     offload_optimizer: bool = False,
     offload_param: bool = False,
     largest_param: int = 0,
+    bucket: int = 0,
 ) -> dict[str, float]:
-    """{"device": bytes, "cpu": bytes} per rank: launcher.planner.zero.zero_states, summed."""
-    parts = zero_states(stage, psi, world, grad_accum, offload_optimizer, offload_param, largest_param)
+    """{"device": bytes, "cpu": bytes} per rank: launcher.planner.zero.zero_states, summed
+    (`bucket`: reduce_bucket_size, the elements of the reduce bucket it counts)."""
+    parts = zero_states(stage, psi, world, grad_accum, offload_optimizer, offload_param, largest_param, bucket=bucket)
     return {"device": sum(d for d, _ in parts.values()), "cpu": sum(h for _, h in parts.values())}
 
 

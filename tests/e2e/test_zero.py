@@ -294,8 +294,12 @@ def test_offload_bf16_under_the_deepspeed_launcher_stops_and_resumes(tmp_path):
     worst = max(rel(z["loss"], d["loss"]) for z, d in zip(rows, ddp))
     assert worst < BF16_REL, f"bf16 zero3_offload differs from ddp by {worst:.2e}"
     print(f"bf16 zero3_offload against ddp: {worst:.2e} relative at worst over {OFFLOAD_STEPS} steps")
-    want = model_state_bytes(3, PSI_TINY, 2, offload_optimizer=True, offload_param=True)
-    for r in rows:  # optimizer and parameter shards live in host memory: all but the norms kept whole on the device
+    # optimizer and parameter shards live in host memory: all but the norms and the reduce bucket
+    # (gloo's default: the whole model, w x Ψ) kept on the device
+    assert ds["reduce_bucket_size"] == PSI_TINY
+    want = model_state_bytes(3, PSI_TINY, 2, offload_optimizer=True, offload_param=True, bucket=PSI_TINY)
+    assert want["device"] == 2 * PSI_TINY
+    for r in rows:
         assert r["mem/host_bytes"] == pytest.approx(want["cpu"], rel=0.02), (r, want)
         assert r["mem/model_state_bytes"] == pytest.approx(want["cpu"] + want["device"], rel=0.03), (r, want)
 
