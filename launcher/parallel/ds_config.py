@@ -105,7 +105,7 @@ def for_backend(cfg: C.Config, gloo: bool) -> C.Config:
     z = cfg.recipe.zero
     if z.reduce_bucket_size is not None:
         return cfg
-    size = min(trainable_elements(cfg), GLOO_BUCKET_CAP) if gloo else model_shape(cfg).dim ** 2
+    size = min(trainable_elements(cfg), GLOO_BUCKET_CAP) if gloo else reduce_bucket(cfg)
     zero = dataclasses.replace(z, reduce_bucket_size=size)
     return dataclasses.replace(cfg, recipe=dataclasses.replace(cfg.recipe, zero=zero))
 

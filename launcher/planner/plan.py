@@ -16,7 +16,7 @@ from rich.table import Table
 
 import engines
 from launcher import jsonout, optim
-from launcher.config import ACMode, Backend, Config, ConfigError, ModelKind, RecipeConfig
+from launcher.config import ACMode, Config, ConfigError, ModelKind, RecipeConfig
 from launcher.models import hf
 from launcher.parallel import degrees as D
 from launcher.parallel import ds_config
@@ -358,7 +358,7 @@ def plan(cfg: Config, hw: Hardware, available: dict[str, RecipeConfig], micro_ba
     """One row per layout x activation-checkpointing mode. With `micro_batch` given the
     rows are for that micro-batch; otherwise each row has its largest fitting one. A zero
     row's reduce bucket is the default of the ranks' backend: gloo on this machine's CPU."""
-    cfg = ds_config.for_backend(planned_model(cfg), hw.cpu or cfg.dist.backend == Backend.gloo)
+    cfg = ds_config.for_backend(planned_model(cfg), ds_config.on_gloo(cfg, cuda=not hw.cpu))
     rows = []
     for layout in candidates(cfg, hw, available):
         if not runs_under(cfg, available[layout.recipe].engine, layout):
